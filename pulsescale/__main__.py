@@ -1,0 +1,5 @@
+import sys
+
+from pulsescale.cli import main
+
+sys.exit(main())

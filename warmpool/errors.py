@@ -1,0 +1,87 @@
+"""Named errors shared by every pulsescale component.
+
+Each error says what was wrong and, where a person will read it, what to do. Machine-readable parts
+(`reason`, `code`) are stable strings: metrics label on them and clients branch on them.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BadMessage",
+    "ClaimConflict",
+    "DuplicateRequest",
+    "InvalidTransition",
+    "LeaseExpired",
+    "NatsUnavailable",
+    "NoSlotAvailable",
+    "PulsescaleError",
+    "SlotNotFound",
+    "StaleToken",
+]
+
+
+class PulsescaleError(Exception):
+    """Base of every error pulsescale raises on purpose."""
+
+    code = "error"
+
+
+class BadMessage(PulsescaleError):
+    """A message that breaks wire contract v1; `reason` is one of `protocol.REASONS`."""
+
+    code = "bad_message"
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+
+
+class DuplicateRequest(BadMessage):
+    """A request whose `id` was already applied; `reply` is the answer it got then, to send again."""
+
+    def __init__(self, req_id: str, reply: bytes) -> None:
+        super().__init__("duplicate_id", f"request {req_id} was already applied; answering with its first reply")
+        self.reply = reply
+
+
+class ClaimConflict(PulsescaleError):
+    """The slot changed between our read and our compare-and-set: someone else won it."""
+
+    code = "claim_conflict"
+
+
+class NoSlotAvailable(PulsescaleError):
+    """No slot of the model is claimable (warm, fresh agent lease, not draining)."""
+
+    code = "no_slot"
+
+
+class StaleToken(PulsescaleError):
+    """A request carried a fencing token or claim id that no longer holds the slot."""
+
+    code = "stale_token"
+
+
+class LeaseExpired(PulsescaleError):
+    """The agent that owns the slot has not heartbeated within its lease."""
+
+    code = "lease_expired"
+
+
+class InvalidTransition(PulsescaleError):
+    """A slot state change that the lifecycle table does not allow."""
+
+    code = "invalid_transition"
+
+
+class SlotNotFound(PulsescaleError):
+    """No slot is registered under that key."""
+
+    code = "slot_not_found"
+
+
+class NatsUnavailable(PulsescaleError):
+    """The NATS server could not be reached or refused us; the message says which and what to check."""
+
+    code = "nats_unavailable"

@@ -1,0 +1,689 @@
+"""The slot registry on JetStream KV: fenced claims by compare-and-set, agent leases, and watches.
+
+Buckets (names from `protocol`): `pulse_slots` holds one `SlotRecord` per ``<model>.<node>.<slot>``;
+`pulse_agents` holds one `AgentLease` per node. Every slot write is ``kv.update(key, value, last=rev)`` on the
+revision we last saw, so the server decides every race. The revision of the claim write is the claim's fencing
+token; with the random `claim_id` it is what a holder must present to move the slot on.
+
+A `KvSlotStore` keeps a view of both buckets from KV watches (snapshot, then deltas; re-listed after every
+reconnect, since watches do not resume by themselves). Claims pick candidates from the view and let the
+compare-and-set say whether the view was current: reads are not read-your-writes, so no decision rests on one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import secrets
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.kv import KeyValue
+
+from warmpool import placement, protocol, slots
+from warmpool.errors import (
+    BadMessage,
+    ClaimConflict,
+    InvalidTransition,
+    NoSlotAvailable,
+    SlotNotFound,
+    StaleToken,
+)
+from warmpool.protocol import AgentLease, SlotRecord, SlotState
+from warmpool.rejects import Rejections
+
+__all__ = [
+    "BucketSettings",
+    "Claim",
+    "KvSlotStore",
+    "Removed",
+    "Snapshot",
+    "SlotChanged",
+    "SlotEvent",
+    "SlotStore",
+    "ensure_buckets",
+]
+
+log = logging.getLogger("pulsescale.registry")
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class BucketSettings:
+    replicas: int = 1
+    """JetStream replicas per bucket: 1 on a laptop, 3 in production (the manifests set it)."""
+    slot_history: int = 5
+    """Revisions kept per slot key: enough to read back how a slot got where it is, small enough to not matter."""
+    storage: StorageType = StorageType.FILE
+    """File storage, so a broker restart keeps every claim."""
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A held slot. `token` is the claim write's revision (the fencing token); `revision` the latest write."""
+
+    key: str
+    token: int
+    claim_id: str
+    revision: int
+    record: SlotRecord
+
+    @property
+    def model(self) -> str:
+        return self.record.model
+
+    @property
+    def node(self) -> str:
+        return self.record.node
+
+    @property
+    def slot(self) -> str:
+        return self.record.slot
+
+
+# --- watch events -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Every slot as it is now; sent first and again after each reconnect. Replace, don't merge."""
+
+    records: dict[str, SlotRecord]
+
+
+@dataclass(frozen=True)
+class SlotChanged:
+    key: str
+    record: SlotRecord
+    revision: int
+
+
+@dataclass(frozen=True)
+class Removed:
+    key: str
+    revision: int
+
+
+SlotEvent = Snapshot | SlotChanged | Removed
+
+
+class SlotStore(Protocol):
+    """The seam between the registry and its users; `KvSlotStore` is the implementation."""
+
+    async def claimable(self, model: str) -> list[SlotRecord]: ...
+
+    async def claim(self, model: str, *, exclude: Iterable[str] = ()) -> Claim: ...
+
+    async def advance(self, claim: Claim, state: SlotState, **fields: Any) -> Claim: ...
+
+    async def release(self, claim: Claim, *, reason: str | None = None) -> None: ...
+
+    async def register(self, record: SlotRecord) -> int: ...
+
+    async def heartbeat(self, lease: AgentLease) -> int: ...
+
+    def watch(self) -> AsyncIterator[SlotEvent]: ...
+
+
+async def ensure_buckets(js: JetStreamContext, settings: BucketSettings = BucketSettings()) -> dict[str, KeyValue]:
+    """Open the registry's buckets, creating those that do not exist yet."""
+    wanted = {
+        protocol.SLOTS_BUCKET: settings.slot_history,
+        protocol.AGENTS_BUCKET: 1,
+        protocol.SCALERS_BUCKET: 5,
+        protocol.LEASES_BUCKET: 1,
+    }
+    out: dict[str, KeyValue] = {}
+    for bucket, history in wanted.items():
+        try:
+            out[bucket] = await js.key_value(bucket)
+        except nats.js.errors.BucketNotFoundError:
+            cfg = KeyValueConfig(bucket=bucket, history=history, storage=settings.storage, replicas=settings.replicas)
+            out[bucket] = await js.create_key_value(config=cfg)
+    return out
+
+
+# --- a bucket view --------------------------------------------------------------------------------------------
+
+V = TypeVar("V", bound=msgspec.Struct)
+
+_RELIST_POLL_S = 0.25  # how often the view checks for a reconnect while idle; bounds re-list latency
+
+
+class _BucketView(Generic[V]):
+    """Key -> (value, revision) for one bucket, kept by a watch that re-lists after every reconnect."""
+
+    def __init__(self, nc: Client, kv: KeyValue, type_: type[V], rejected: Rejections) -> None:
+        self._nc = nc
+        self._kv = kv
+        self._type = type_
+        self._rejected = rejected
+        self.items: dict[str, tuple[V, int]] = {}
+        self.ready = asyncio.Event()
+        self.relists = 0
+        self._subscribers: set[asyncio.Queue[SlotEvent]] = set()
+        self._on_change: Callable[[str, V | None, V | None], None] | None = None
+        # Checked by the loops too: on Python 3.11 `wait_for` can swallow a cancellation that races a result.
+        self.closed = False
+
+    def decode(self, key: str, data: bytes) -> V | None:
+        try:
+            return protocol.decode(data, self._type)
+        except BadMessage as err:
+            self._rejected(err, source=f"{self._kv._name}/{key}")
+            return None
+
+    def apply_local(self, key: str, value: V, revision: int) -> None:
+        """Our own acknowledged write: visible to our next decision (and to subscribers) before the watch
+        echoes it; the echo is then skipped, so each revision is published once."""
+        cur = self.items.get(key)
+        if cur is None or cur[1] < revision:
+            self._set(key, value, revision)
+            if self.ready.is_set():
+                self._publish(SlotChanged(key, value, revision))  # type: ignore[arg-type]
+
+    def _set(self, key: str, value: V | None, revision: int) -> None:
+        old = self.items.get(key)
+        if value is None:
+            self.items.pop(key, None)
+        else:
+            self.items[key] = (value, revision)
+        if self._on_change is not None:
+            self._on_change(key, old[0] if old else None, value)
+
+    def _publish(self, event: SlotEvent) -> None:
+        for q in self._subscribers:
+            q.put_nowait(event)
+
+    def subscribe(self) -> asyncio.Queue[SlotEvent]:
+        q: asyncio.Queue[SlotEvent] = asyncio.Queue()
+        if self.ready.is_set():
+            q.put_nowait(Snapshot({k: v for k, (v, _) in self.items.items()}))  # type: ignore[misc]
+        self._subscribers.add(q)
+        return q
+
+    def unsubscribe(self, q: asyncio.Queue[SlotEvent]) -> None:
+        self._subscribers.discard(q)
+
+    async def run(self) -> None:
+        while not self.closed:
+            reconnects = self._nc.stats["reconnects"]
+            try:
+                watcher = await self._kv.watchall()
+            except (TimeoutError, nats.errors.Error, OSError) as err:
+                log.debug("watch not (yet) possible: %s", err)
+                await asyncio.sleep(_RELIST_POLL_S)
+                continue
+            try:
+                await self._follow(watcher, reconnects)
+            finally:
+                with contextlib.suppress(Exception):
+                    await watcher.stop()
+            self.relists += 1
+
+    async def _follow(self, watcher: KeyValue.KeyWatcher, reconnects: int) -> None:
+        snapshot: dict[str, tuple[V, int]] | None = {}
+        while self._nc.stats["reconnects"] == reconnects and not self.closed:
+            try:
+                entry = await watcher.updates(timeout=_RELIST_POLL_S)
+            except nats.errors.TimeoutError:
+                continue
+            if isinstance(entry, KeyValue.Entry):
+                value = None
+                if entry.operation not in ("DEL", "PURGE") and entry.value is not None:
+                    value = self.decode(entry.key, entry.value)
+                    if value is None:
+                        continue
+                rev = entry.revision or 0
+                if snapshot is not None:
+                    if value is None:
+                        snapshot.pop(entry.key, None)
+                    else:
+                        snapshot[entry.key] = (value, rev)
+                    continue
+                cur = self.items.get(entry.key)
+                if cur is not None and cur[1] >= rev:
+                    continue  # our own write, already applied and published by `apply_local`
+                self._set(entry.key, value, rev)
+                self._publish(SlotChanged(entry.key, value, rev) if value is not None else Removed(entry.key, rev))  # type: ignore[arg-type]
+            elif entry is None and snapshot is not None:
+                # End of the initial values: swap the whole view (deletes missed while away vanish here),
+                # keeping our own writes that are newer than the snapshot (their echo comes as a delta).
+                old = self.items
+                for key, (value, rev) in old.items():
+                    if key in snapshot and snapshot[key][1] < rev:
+                        snapshot[key] = (value, rev)
+                self.items = snapshot
+                if self._on_change is not None:
+                    for key in old.keys() | snapshot.keys():
+                        before, after = old.get(key), snapshot.get(key)
+                        self._on_change(key, before[0] if before else None, after[0] if after else None)
+                snapshot = None
+                self._publish(Snapshot({k: v for k, (v, _) in self.items.items()}))  # type: ignore[misc]
+                self.ready.set()
+            else:
+                return  # the watcher was stopped under us
+        if not self.closed:
+            log.info("reconnected: re-listing the bucket")
+
+
+# --- the store ------------------------------------------------------------------------------------------------
+
+
+class KvSlotStore:
+    """`SlotStore` on JetStream KV. Use ``async with await KvSlotStore.open(nc) as store:``."""
+
+    # A claim tries at most this many candidates that turn out to be taken before it reports a conflict:
+    # a loser of a race learns the truth from the compare-and-set and moves on to the next slot.
+    max_claim_attempts = 16
+
+    def __init__(
+        self,
+        nc: Client,
+        buckets: dict[str, KeyValue],
+        *,
+        clock: Clock = time.time,
+        rng: random.Random | None = None,
+        resolve_timeout_s: float = 10.0,
+    ) -> None:
+        self.nc = nc
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self.resolve_timeout_s = resolve_timeout_s
+        """How long a claim whose outcome is unknown (broker gone mid-write) keeps asking the broker."""
+        self.rejected = Rejections(log)
+        """Records in the buckets that break the contract: skipped, counted by reason, logged at a bounded rate."""
+        self._slots_kv = buckets[protocol.SLOTS_BUCKET]
+        self._agents_kv = buckets[protocol.AGENTS_BUCKET]
+        self.slots: _BucketView[SlotRecord] = _BucketView(nc, self._slots_kv, SlotRecord, self.rejected)
+        self.agents: _BucketView[AgentLease] = _BucketView(nc, self._agents_kv, AgentLease, self.rejected)
+        # Indexes kept in step with the view, so a claim looks only at the model's warm and held slots.
+        self._by_model: dict[str, set[str]] = {}
+        self._warm: dict[str, dict[int, dict[str, set[str]]]] = {}  # model -> tier -> node -> keys
+        self._node_load: dict[str, Counter[str]] = {}  # model -> node -> slots held
+        self._rack_load: dict[str, Counter[str]] = {}  # model -> rack -> slots held
+        self._rack_of: dict[str, str] = {}
+        self.slots._on_change = self._index
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @classmethod
+    async def open(
+        cls, nc: Client, *, settings: BucketSettings = BucketSettings(), timeout_s: float = 2.0, **kwargs: Any
+    ) -> KvSlotStore:
+        """`timeout_s` bounds each KV call: a claim caught by a broker restart learns its fate (by reading
+        it back) after this long instead of the client's default 5 s."""
+        buckets = await ensure_buckets(nc.jetstream(timeout=timeout_s), settings)
+        return cls(nc, buckets, **kwargs)
+
+    def _index(self, key: str, old: SlotRecord | None, new: SlotRecord | None) -> None:
+        for rec, delta in ((old, -1), (new, 1)):
+            if rec is None:
+                continue
+            m = rec.model
+            if delta > 0:
+                self._by_model.setdefault(m, set()).add(key)
+                self._rack_of[rec.node] = rec.rack
+            else:
+                self._by_model[m].discard(key)
+            if rec.state == "warm" and not rec.drain:
+                keys = self._warm.setdefault(m, {}).setdefault(placement.tier(rec), {}).setdefault(rec.node, set())
+                if delta > 0:
+                    keys.add(key)
+                else:
+                    keys.discard(key)
+            elif rec.state in slots.HELD_STATES:
+                self._node_load.setdefault(m, Counter())[rec.node] += delta
+                self._rack_load.setdefault(m, Counter())[rec.rack] += delta
+
+    async def start(self, timeout_s: float = 10.0) -> None:
+        """Start the watches and wait for their first snapshot."""
+        if not self._tasks:
+            self._tasks = [
+                asyncio.create_task(self.slots.run(), name="registry-watch-slots"),
+                asyncio.create_task(self.agents.run(), name="registry-watch-agents"),
+            ]
+        await asyncio.wait_for(asyncio.gather(self.slots.ready.wait(), self.agents.ready.wait()), timeout_s)
+
+    async def close(self) -> None:
+        self.slots.closed = self.agents.closed = True
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks = []
+
+    async def __aenter__(self) -> KvSlotStore:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # --- reading -----------------------------------------------------------------------------------------------
+
+    def records(self, model: str | None = None) -> list[SlotRecord]:
+        """Slots in the current view (of one model, or all)."""
+        if model is None:
+            return [rec for rec, _ in self.slots.items.values()]
+        items = self.slots.items
+        return [items[k][0] for k in self._by_model.get(model, ()) if k in items]
+
+    def lease(self, node: str) -> AgentLease | None:
+        hit = self.agents.items.get(node)
+        return hit[0] if hit else None
+
+    def _claimable(self, model: str, now: float, skip: set[str]) -> list[SlotRecord]:
+        items, agents = self.slots.items, self.agents.items
+        out = []
+        for by_node in self._warm.get(model, {}).values():
+            for node, keys in by_node.items():
+                lease = agents.get(node)
+                if lease is None or not lease[0].fresh(now):
+                    continue
+                out += [items[k][0] for k in keys if k not in skip]
+        return out
+
+    async def claimable(self, model: str) -> list[SlotRecord]:
+        return self._claimable(model, self.clock(), set())
+
+    async def get(self, key: str) -> tuple[SlotRecord, int]:
+        """Read one slot from the broker (not the view)."""
+        try:
+            entry = await self._slots_kv.get(key)
+        except nats.js.errors.KeyNotFoundError:
+            raise SlotNotFound(f"no slot {key} in {protocol.SLOTS_BUCKET}") from None
+        assert entry.value is not None and entry.revision is not None
+        return protocol.decode(entry.value, SlotRecord), entry.revision
+
+    async def _refresh(self, key: str) -> tuple[SlotRecord, int] | None:
+        try:
+            rec, rev = await self.get(key)
+        except SlotNotFound:
+            return None
+        self.slots.apply_local(key, rec, rev)
+        return rec, rev
+
+    # --- claims --------------------------------------------------------------------------------------------------
+
+    async def claim(self, model: str, *, exclude: Iterable[str] = ()) -> Claim:
+        """Claim the best claimable slot of `model`, or raise `NoSlotAvailable` / `ClaimConflict`."""
+        skip = set(exclude)
+        conflicts = 0
+        while True:
+            now = self.clock()
+            agents = self.agents.items
+
+            def eligible(node: str, agents: dict[str, tuple[AgentLease, int]] = agents, now: float = now) -> bool:
+                lease = agents.get(node)
+                return lease is not None and lease[0].fresh(now)
+
+            key = placement.pick(
+                self._warm.get(model, {}),
+                rack_of=self._rack_of,
+                node_load=self._node_load.get(model, {}),
+                rack_load=self._rack_load.get(model, {}),
+                eligible=eligible,
+                skip=skip,
+                rng=self.rng,
+            )
+            if key is None:
+                raise NoSlotAvailable(f"no claimable slot of model {model}")
+            try:
+                return await self._claim_one(self.slots.items[key][0], now)
+            except ClaimConflict:
+                conflicts += 1
+                skip.add(key)
+                if conflicts >= self.max_claim_attempts:
+                    raise ClaimConflict(
+                        f"lost {conflicts} races for slots of {model} in a row; the pool is contended"
+                    ) from None
+
+    async def claim_slot(self, key: str) -> Claim:
+        """Claim one named slot (the on-call path and tests)."""
+        hit = self.slots.items.get(key) or await self._refresh(key)
+        if hit is None:
+            raise SlotNotFound(f"no slot {key}")
+        rec = hit[0]
+        if not slots.claimable(rec, self.lease(rec.node), self.clock()):
+            raise NoSlotAvailable(f"slot {key} is {rec.state}{' (drained)' if rec.drain else ''} or its agent is stale")
+        return await self._claim_one(rec, self.clock())
+
+    async def _claim_one(self, rec: SlotRecord, now: float) -> Claim:
+        key = rec.key
+        last = self.slots.items[key][1]
+        if rec.state != "warm" or rec.drain:
+            # The CAS would pass (the revision is current) but would take a slot that is not free: the
+            # index and the record disagree, which must never turn into a double hold.
+            log.error("index offered %s in state %s; refusing to claim it", key, rec.state)
+            raise ClaimConflict(f"slot {key} is {rec.state}, not warm")
+        claim_id = secrets.token_hex(8)
+        new = msgspec.structs.replace(
+            rec, state="claimed", claim_id=claim_id, token=None, endpoint=None, reason=None, updated_at=now
+        )
+        try:
+            rev = await self._slots_kv.update(key, protocol.encode(new), last=last)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            await self._refresh(key)
+            raise ClaimConflict(f"slot {key} changed under us") from None
+        except (nats.errors.TimeoutError, nats.errors.ConnectionClosedError, nats.errors.NoRespondersError):
+            # The broker may or may not have applied the write: ask it, never guess.
+            resolved = await self._resolve(key, claim_id)
+            if resolved is None:
+                raise ClaimConflict(f"claim of {key} did not go through (broker unavailable mid-write)") from None
+            rev = resolved
+        self.slots.apply_local(key, new, rev)
+        return Claim(key=key, token=rev, claim_id=claim_id, revision=rev, record=new)
+
+    async def _resolve(self, key: str, claim_id: str) -> int | None:
+        deadline = time.monotonic() + self.resolve_timeout_s
+        while time.monotonic() < deadline:
+            try:
+                rec, rev = await self.get(key)
+            except (TimeoutError, nats.errors.Error, OSError):
+                await asyncio.sleep(0.1)
+                continue
+            return rev if rec.claim_id == claim_id and rec.state == "claimed" else None
+        return None
+
+    async def advance(self, claim: Claim, state: SlotState, **fields: Any) -> Claim:
+        """Move a held slot on (`activating`, `ready`, `releasing`, `failed`, ...) by compare-and-set.
+
+        Raises `StaleToken` when the claim no longer holds the slot (the fenced-zombie case) and
+        `InvalidTransition` when the lifecycle table forbids the move.
+        """
+
+        def build(rec: SlotRecord) -> SlotRecord:
+            slots.check_transition(rec.state, state)
+            return msgspec.structs.replace(rec, state=state, token=claim.token, updated_at=self.clock(), **fields)
+
+        new, rev = await self._cas_as_holder(claim, build)
+        return Claim(key=claim.key, token=claim.token, claim_id=claim.claim_id, revision=rev, record=new)
+
+    async def release(self, claim: Claim, *, reason: str | None = None) -> None:
+        """Give a held slot back: `warm`, or `draining` if its node was drained meanwhile."""
+        if claim.record.state in ("activating", "ready"):
+            claim = await self.advance(claim, "releasing", reason=reason)
+
+        def build(rec: SlotRecord) -> SlotRecord:
+            target = slots.release_target(rec)
+            slots.check_transition(rec.state, target)
+            return msgspec.structs.replace(
+                rec, state=target, claim_id=None, token=None, endpoint=None, reason=reason, updated_at=self.clock()
+            )
+
+        await self._cas_as_holder(claim, build)
+
+    async def _cas_as_holder(self, claim: Claim, build: Callable[[SlotRecord], SlotRecord]) -> tuple[SlotRecord, int]:
+        """Write `build(current)` as the claim's holder. Our copy of the record may be stale: a check that
+        fails on it is repeated on a fresh read before it counts, and a lost CAS re-reads and retries
+        (the agent and drains write to held slots too)."""
+        rec, rev = claim.record, claim.revision
+        fresh = False
+        for _ in range(8):
+            try:
+                await self._verify_holder(claim, rec, rev)
+                new = build(rec)
+            except (StaleToken, InvalidTransition):
+                if fresh:
+                    raise
+                rec, rev = await self.get(claim.key)
+                fresh = True
+                continue
+            try:
+                new_rev = await self._slots_kv.update(claim.key, protocol.encode(new), last=rev)
+            except nats.js.errors.KeyWrongLastSequenceError:
+                rec, rev = await self.get(claim.key)
+                fresh = True
+                continue
+            self.slots.apply_local(claim.key, new, new_rev)
+            return new, new_rev
+        raise ClaimConflict(f"slot {claim.key} keeps changing under its holder")
+
+    async def _verify_holder(self, claim: Claim, rec: SlotRecord, rev: int) -> None:
+        """The fencing check: same claim id, and the token is the revision of that claim's write."""
+        stale = StaleToken(
+            f"slot {claim.key} is no longer held by claim {claim.claim_id} (token {claim.token}); "
+            f"it is {rec.state} under {rec.claim_id or 'nobody'}"
+        )
+        if rec.claim_id != claim.claim_id:
+            raise stale
+        if rec.token is not None:
+            if rec.token != claim.token:
+                raise stale
+            return
+        if rev == claim.token:
+            return  # the record is still the claim write itself
+        # Fields were updated since the claim write, before any holder wrote its token: read that write back.
+        try:
+            entry = await self._slots_kv.get(claim.key, revision=claim.token)
+        except nats.js.errors.KeyNotFoundError:
+            raise stale from None
+        if entry.value is None:
+            raise stale
+        first = protocol.decode(entry.value, SlotRecord)
+        if first.claim_id != claim.claim_id or first.state != "claimed":
+            raise stale
+
+    # --- agent side ------------------------------------------------------------------------------------------------
+
+    async def register(self, record: SlotRecord) -> int:
+        """Write a slot as its agent sees it (start-up, re-stage). Keeps a pending drain request."""
+        key = record.key
+        for _ in range(8):
+            try:
+                cur, rev = await self.get(key)
+            except SlotNotFound:
+                try:
+                    new_rev = await self._slots_kv.create(key, protocol.encode(record))
+                except nats.js.errors.KeyWrongLastSequenceError:
+                    continue
+                self.slots.apply_local(key, record, new_rev)
+                return new_rev
+            except BadMessage:
+                cur, rev = None, (await self._slots_kv.get(key)).revision or 0
+            new = record if cur is None else msgspec.structs.replace(record, drain=record.drain or cur.drain)
+            try:
+                new_rev = await self._slots_kv.update(key, protocol.encode(new), last=rev)
+            except nats.js.errors.KeyWrongLastSequenceError:
+                continue
+            self.slots.apply_local(key, new, new_rev)
+            return new_rev
+        raise ClaimConflict(f"slot {key} keeps changing while its agent registers it")
+
+    async def set_state(
+        self, key: str, state: SlotState, *, expect: Iterable[SlotState] | None = None, **fields: Any
+    ) -> tuple[SlotRecord, int]:
+        """Agent-side transition by compare-and-set (`warm` after staging, `failed` with a reason, ...).
+
+        `expect` lists the states the slot must be in; anything else raises `InvalidTransition`.
+        """
+        allowed = set(expect) if expect is not None else None
+        for _ in range(8):
+            rec, rev = await self.get(key)
+            if allowed is not None and rec.state not in allowed:
+                raise InvalidTransition(f"slot {key} is {rec.state}, expected one of {sorted(allowed)}")
+            slots.check_transition(rec.state, state)
+            new = msgspec.structs.replace(rec, state=state, updated_at=self.clock(), **fields)
+            try:
+                new_rev = await self._slots_kv.update(key, protocol.encode(new), last=rev)
+            except nats.js.errors.KeyWrongLastSequenceError:
+                continue
+            self.slots.apply_local(key, new, new_rev)
+            return new, new_rev
+        raise ClaimConflict(f"slot {key} keeps changing under its agent")
+
+    async def heartbeat(self, lease: AgentLease) -> int:
+        """Write an agent's lease. One writer per node, so a plain put is enough."""
+        rev = await self._agents_kv.put(lease.node, protocol.encode(lease))
+        self.agents.apply_local(lease.node, lease, rev)
+        return rev
+
+    async def withdraw(self, node: str) -> None:
+        """Remove an agent's lease at clean shutdown: its slots stop being claimable at once."""
+        with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+            await self._agents_kv.delete(node)
+
+    async def unregister(self, key: str) -> None:
+        with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+            await self._slots_kv.delete(key)
+
+    # --- drain ---------------------------------------------------------------------------------------------------
+
+    async def drain(self, node: str) -> list[str]:
+        """Stop offering a node's slots: idle ones go to `draining`, held ones finish and go there on release."""
+        return await self._drain(node, True)
+
+    async def undrain(self, node: str) -> list[str]:
+        return await self._drain(node, False)
+
+    async def _drain(self, node: str, on: bool) -> list[str]:
+        touched = []
+        for key in [k for k, (r, _) in self.slots.items.items() if r.node == node]:
+            for _ in range(8):
+                try:
+                    rec, rev = await self.get(key)
+                except SlotNotFound:
+                    break
+                if rec.state in slots.HELD_STATES:
+                    new = msgspec.structs.replace(rec, drain=on)
+                elif on:
+                    new = msgspec.structs.replace(rec, state="draining", drain=True, updated_at=self.clock())
+                else:
+                    state: SlotState = "warm" if rec.state == "draining" else rec.state
+                    new = msgspec.structs.replace(rec, state=state, drain=False, updated_at=self.clock())
+                if new == rec:
+                    break
+                try:
+                    new_rev = await self._slots_kv.update(key, protocol.encode(new), last=rev)
+                except nats.js.errors.KeyWrongLastSequenceError:
+                    continue
+                self.slots.apply_local(key, new, new_rev)
+                touched.append(key)
+                break
+        return touched
+
+    # --- watch ---------------------------------------------------------------------------------------------------
+
+    async def watch(self) -> AsyncIterator[SlotEvent]:
+        """A `Snapshot` of every slot, then each change; a new `Snapshot` after every reconnect."""
+        if not self._tasks:
+            await self.start()
+        q = self.slots.subscribe()
+        try:
+            while True:
+                yield await q.get()
+        finally:
+            self.slots.unsubscribe(q)
