@@ -161,7 +161,8 @@ async def connect(
         await _close_quietly(nc)
         # A refusal of our credentials is followed by the server hanging up: report the refusal, not the hang-up.
         refusals = [e for e in last_error if "authoriz" in str(e).lower() or "authentic" in str(e).lower()]
-        cause = (refusals or last_error or [None if isinstance(err, TimeoutError) else err])[-1]
+        seen: list[BaseException | None] = [*(refusals or last_error)]
+        cause = seen[-1] if seen else (None if isinstance(err, TimeoutError) else err)
         raise NatsUnavailable(_explain(opts.servers, cause)) from None
     return nc
 
