@@ -49,7 +49,15 @@ __all__ = [
     "Reply",
     "RequestLedger",
     "ResumeCommand",
+    "Advanced",
+    "Fallback",
     "ScaleCommand",
+    "ScaleTargetRef",
+    "ScaledObjectSpec",
+    "ScalerRecord",
+    "Trigger",
+    "TriggerMetadata",
+    "WarmPool",
     "SlotRecord",
     "StageTimings",
     "StatusCommand",
@@ -421,6 +429,107 @@ class AgentLease(Message, kw_only=True):
 
     def fresh(self, now: float) -> bool:
         return now <= self.heartbeat_at + self.lease_s
+
+
+# --- ScaledObject (KV pulse_scalers, key <namespace>.<name>) ----------------------------------------------------
+# Field names mirror KEDA's where they mean the same (camelCase on the wire, snake_case in Python).
+
+
+class _Spec(msgspec.Struct, kw_only=True, rename="camel", forbid_unknown_fields=False):
+    pass
+
+
+Seconds = Annotated[float, msgspec.Meta(gt=0)]
+
+
+class ScaleTargetRef(_Spec, kw_only=True):
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
+    kind: str = "Deployment"
+    api_version: str = "apps/v1"
+
+
+class TriggerMetadata(_Spec, kw_only=True):
+    model: Name
+    target_queue_depth: Annotated[float, msgspec.Meta(gt=0)] = 4.0
+    """Queue + in-flight requests one replica should carry; desired = demand / this."""
+    activation_queue_depth: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """From zero replicas, scale up only when demand exceeds this (KEDA's activation threshold)."""
+
+
+class Trigger(_Spec, kw_only=True):
+    type: Literal["gateway-queue"]
+    metadata: TriggerMetadata
+
+
+class Fallback(_Spec, kw_only=True):
+    failure_threshold: Annotated[int, msgspec.Meta(ge=1)]
+    """Missed sample intervals (of `advanced.staleAfterSeconds`) before the fallback count applies."""
+    replicas: Count
+
+
+class Advanced(_Spec, kw_only=True):
+    stable_window_seconds: Seconds = 60.0
+    panic_window_seconds: Seconds = 6.0
+    panic_threshold: Annotated[float, msgspec.Meta(ge=1)] = 2.0
+    """Panic when panic-window demand >= this x ready capacity (Knative's default 200 %)."""
+    scale_down_stabilization_seconds: Annotated[float, msgspec.Meta(ge=0)] = 60.0
+    scale_down_percent: Annotated[float, msgspec.Meta(gt=0, le=100)] = 50.0
+    """At most this share of the replicas (and at least one) is removed per `scaleDownPeriodSeconds`."""
+    scale_down_period_seconds: Seconds = 60.0
+    stale_after_seconds: Seconds = 1.0
+    """A gateway silent this long leaves the demand sum (3 sample intervals of ~300 ms)."""
+    lead_time_seconds: Seconds = 2.5
+    """Forecast horizon until measured claim -> ready times exist (DESIGN: p90, default 2.5 s)."""
+
+
+class WarmPool(_Spec, kw_only=True):
+    size: Count = 0
+    image: str | None = None
+    weights: str | None = None
+    engine: Literal["local", "command", "vllm"] = "local"
+    loader: Literal["auto", "host", "cuda-pinned", "kvikio"] = "auto"
+
+
+class ScaledObjectSpec(_Spec, kw_only=True):
+    scale_target_ref: ScaleTargetRef
+    triggers: Annotated[list[Trigger], msgspec.Meta(min_length=1)]
+    min_replica_count: Count = 0
+    max_replica_count: Annotated[int, msgspec.Meta(ge=1)] = 100
+    idle_replica_count: Count | None = None
+    cooldown_period: Annotated[float, msgspec.Meta(ge=0)] = 300.0
+    """Seconds without demand before dropping to `idleReplicaCount` (or `minReplicaCount`), as KEDA."""
+    fallback: Fallback | None = None
+    advanced: Advanced = msgspec.field(default_factory=Advanced)
+    warm_pool: WarmPool = msgspec.field(default_factory=WarmPool)
+
+    def __post_init__(self) -> None:
+        if self.min_replica_count > self.max_replica_count:
+            raise ValueError("[bad_value] `minReplicaCount` must be <= `maxReplicaCount`")
+        if self.idle_replica_count is not None and self.idle_replica_count >= self.min_replica_count > 0:
+            raise ValueError("[bad_value] `idleReplicaCount` must be < `minReplicaCount` (as in KEDA)")
+        if len({t.metadata.model for t in self.triggers}) != 1:
+            raise ValueError("[bad_value] all triggers of one ScaledObject must name the same model")
+
+    @property
+    def model(self) -> str:
+        return self.triggers[0].metadata.model
+
+
+class ScalerRecord(Message, kw_only=True):
+    """The value under ``<namespace>.<name>`` in `pulse_scalers`: a ScaledObject as the operator or
+    `pulsescale apply` wrote it, with the KEDA-style pause annotations resolved."""
+
+    namespace: Name
+    name: Name
+    spec: ScaledObjectSpec
+    paused: bool = False
+    paused_replicas: Count | None = None
+    generation: Count = 0
+    updated_at: float = 0.0
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}.{self.name}"
 
 
 # --- events and audit -----------------------------------------------------------------------------------------------
