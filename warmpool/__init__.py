@@ -16,7 +16,16 @@ from warmpool.errors import (
     StaleToken,
 )
 from warmpool.protocol import AgentLease, SlotRecord
-from warmpool.registry import Claim, KvSlotStore, SlotStore
+
+
+def __getattr__(name: str) -> object:
+    # The registry pulls in nats: load it only when asked, so the pure modules stay import-light.
+    if name in ("Claim", "KvSlotStore", "SlotStore"):
+        from warmpool import registry
+
+        return getattr(registry, name)
+    raise AttributeError(f"module 'warmpool' has no attribute {name!r}")
+
 
 __all__ = [
     "AgentLease",

@@ -25,6 +25,7 @@ __all__ = [
     "AUDIT_STREAM",
     "AUDIT_WILDCARD",
     "CMD_VERBS",
+    "CMD_WILDCARD",
     "EVENT_TYPES",
     "LEASES_BUCKET",
     "MAX_MESSAGE_BYTES",
@@ -89,6 +90,7 @@ _NAME_RE: Final = re.compile(NAME_PATTERN)
 QUEUE_PREFIX: Final = "pulse.queue."
 QUEUE_WILDCARD: Final = "pulse.queue.*"
 CMD_PREFIX: Final = "pulse.cmd."
+CMD_WILDCARD: Final = "pulse.cmd.*"
 AGENT_PREFIX: Final = "pulse.agent."
 EVENTS_PREFIX: Final = "pulse.events."
 AUDIT_PREFIX: Final = "pulse.audit."

@@ -514,17 +514,23 @@ class KvSlotStore:
 
     async def release(self, claim: Claim, *, reason: str | None = None) -> None:
         """Give a held slot back: `warm`, or `draining` if its node was drained meanwhile."""
-        if claim.record.state in ("activating", "ready"):
-            claim = await self.advance(claim, "releasing", reason=reason)
 
         def build(rec: SlotRecord) -> SlotRecord:
+            if rec.state in ("activating", "ready"):
+                # In service (or getting there): the lifecycle goes through `releasing` first.
+                return msgspec.structs.replace(rec, state="releasing", reason=reason, updated_at=self.clock())
             target = slots.release_target(rec)
             slots.check_transition(rec.state, target)
             return msgspec.structs.replace(
                 rec, state=target, claim_id=None, token=None, endpoint=None, reason=reason, updated_at=self.clock()
             )
 
-        await self._cas_as_holder(claim, build)
+        for _ in range(2):
+            new, rev = await self._cas_as_holder(claim, build)
+            if new.state != "releasing":
+                return
+            claim = Claim(key=claim.key, token=claim.token, claim_id=claim.claim_id, revision=rev, record=new)
+        raise ClaimConflict(f"slot {claim.key} did not leave releasing")
 
     async def _cas_as_holder(self, claim: Claim, build: Callable[[SlotRecord], SlotRecord]) -> tuple[SlotRecord, int]:
         """Write `build(current)` as the claim's holder. Our copy of the record may be stale: a check that
@@ -631,6 +637,18 @@ class KvSlotStore:
         self.agents.apply_local(lease.node, lease, rev)
         return rev
 
+    def adopt(self, key: str) -> Claim | None:
+        """The claim that holds `key` now, as a `Claim` this process can act on (a new leader takes over the
+        previous leader's claims this way). None when the slot is not held."""
+        hit = self.slots.items.get(key)
+        if hit is None:
+            return None
+        rec, rev = hit
+        if rec.state not in slots.HELD_STATES or rec.claim_id is None:
+            return None
+        token = rec.token if rec.token is not None else rev  # untouched since the claim write: its revision
+        return Claim(key=key, token=token, claim_id=rec.claim_id, revision=rev, record=rec)
+
     async def withdraw(self, node: str) -> None:
         """Remove an agent's lease at clean shutdown: its slots stop being claimable at once."""
         with contextlib.suppress(nats.js.errors.KeyNotFoundError):
@@ -664,8 +682,8 @@ class KvSlotStore:
                 else:
                     state: SlotState = "warm" if rec.state == "draining" else rec.state
                     new = msgspec.structs.replace(rec, state=state, drain=False, updated_at=self.clock())
-                if new == rec:
-                    break
+                if msgspec.structs.replace(new, updated_at=rec.updated_at) == rec:
+                    break  # already so: a repeated drain changes nothing
                 try:
                     new_rev = await self._slots_kv.update(key, protocol.encode(new), last=rev)
                 except nats.js.errors.KeyWrongLastSequenceError:

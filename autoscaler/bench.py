@@ -1,0 +1,218 @@
+"""`pulsescale bench decide`: decision latency and ingest throughput.
+
+1. In-process ingest: decode + fold + (debounced) decide for samples spread over `--models` models, one core.
+2. End to end, against an embedded nats-server and a real `pulsescale autoscaler` process: `--models` models
+   have ScaledObjects and warm slots and get steady background samples; then one model at a time gets a pulse,
+   and we time *sample published -> first claim written* by watching `pulse_slots`. A stand-in agent in this
+   process answers `activate` at once, so the figure is the autoscaler's own and not an engine's.
+3. Ingest throughput through NATS: samples published as fast as one publisher can, counted by the
+   autoscaler's `pulsescale_samples_total` metric.
+Figures are printed, not asserted: these machines are shared and noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import msgspec
+import numpy as np
+
+from autoscaler.controller import Deps, LocalColdPath, ModelController
+from autoscaler.metrics import AutoscalerMetrics
+from warmpool import connect, protocol
+from warmpool.embedded import NatsServer, free_port
+from warmpool.protocol import QueueSample, ScaledObjectSpec, ScalerRecord
+from warmpool.registry import KvSlotStore, ensure_buckets
+from warmpool.seed import seed_pool
+
+
+def _spec(model: str) -> ScaledObjectSpec:
+    return protocol.decode(
+        msgspec.json.encode(
+            {
+                "scaleTargetRef": {"name": model},
+                "minReplicaCount": 0,
+                "maxReplicaCount": 4,
+                "triggers": [{"type": "gateway-queue", "metadata": {"model": model, "targetQueueDepth": 4}}],
+            }
+        ),
+        ScaledObjectSpec,
+    )
+
+
+def _sample(model: str, seq: int, depth: int, gateway: str = "bench") -> bytes:
+    return protocol.encode(
+        QueueSample(
+            gateway=gateway,
+            model=model,
+            seq=seq,
+            ts=time.time(),
+            queue_depth=depth,
+            inflight=0,
+            arrivals_total=seq,
+            completions_total=seq,
+            timeouts_total=0,
+        )
+    )
+
+
+async def _ingest_in_process(nc, store: KvSlotStore, models: int, samples: int) -> float:  # type: ignore[no-untyped-def]
+    """Samples/s through decode -> ingest -> debounced decide; a follower's controllers, so nothing is claimed."""
+    deps = Deps(
+        nc=nc,
+        store=store,
+        metrics=AutoscalerMetrics(),
+        cold_path=LocalColdPath(),
+        is_leader=lambda: False,
+    )
+    ctrls = {
+        f"x{i}": ModelController(ScalerRecord(namespace="bench", name=f"x{i}", spec=_spec(f"x{i}")), deps)
+        for i in range(models)
+    }
+    names = list(ctrls)
+    payloads = [_sample(names[i % models], i // models + 1, i % 7) for i in range(samples)]
+    t0 = time.perf_counter()
+    for data in payloads:
+        s = protocol.decode(data, QueueSample)
+        ctrls[s.model].on_sample(s, time.time())
+    return samples / (time.perf_counter() - t0)
+
+
+async def _stand_in_agent(nc) -> None:  # type: ignore[no-untyped-def]
+    async def answer(msg) -> None:  # type: ignore[no-untyped-def]
+        await msg.respond(protocol.ok_reply(endpoint="http://127.0.0.1:1/bench", timings={"total_ms": 0.0}))
+
+    await nc.subscribe("pulse.agent.*.activate", cb=answer)
+    await nc.subscribe("pulse.agent.*.deactivate", cb=answer)
+
+
+def _metric(port: int, name: str) -> float:
+    total = 0.0
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def _end_to_end(args: argparse.Namespace) -> None:
+    server = NatsServer().start()
+    proc = None
+    try:
+        nc = await connect.connect(connect.NatsOptions(servers=(server.url,), name="bench-decide"))
+        store = await KvSlotStore.open(nc)
+        await store.start()
+        scalers = (await ensure_buckets(nc.jetstream()))[protocol.SCALERS_BUCKET]
+        models = [f"m{i}" for i in range(args.models)]
+        for i, m in enumerate(models):
+            await seed_pool(store, m, nodes=2, slots_per_node=2, node_prefix=f"n{i}")
+            rec = ScalerRecord(namespace="bench", name=m, spec=_spec(m))
+            await scalers.put(rec.key, protocol.encode(rec))
+        await _stand_in_agent(nc)
+        rate = await _ingest_in_process(nc, store, args.models, args.samples)
+        print(f"ingest in process (decode + fold + debounced decide, one core): {rate:,.0f} samples/s")
+        port = free_port()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen(  # noqa: ASYNC220 - one start in a benchmark harness
+            [sys.executable, "-m", "pulsescale", "autoscaler", "--nats", server.url, "--metrics-port", str(port),
+             "--log-level", "WARNING"],
+            env=env,
+        )  # fmt: skip
+        # Wait until it leads and follows every model.
+        for _ in range(200):
+            with contextlib.suppress(OSError):
+                if _metric(port, "pulsescale_leader") == 1:
+                    break
+            await asyncio.sleep(0.05)
+        seq = [1]
+
+        async def background(stop: asyncio.Event) -> None:
+            # Every model's gateway speaks every 100 ms (the contract's pace): 10 samples/s x models.
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                for m in models:
+                    if m not in pulsed:
+                        await nc.publish(protocol.queue_subject(m), _sample(m, seq[0], 0))
+                seq[0] += 1
+                await asyncio.sleep(max(0.0, 0.1 - (time.perf_counter() - t0)))
+
+        pulsed: set[str] = set()
+        claimed: dict[str, float] = {}
+
+        def on_claim(key: str, old: object, new: object) -> None:
+            if new is not None and getattr(new, "state", "") == "claimed":
+                claimed.setdefault(key.split(".", 1)[0], time.perf_counter())
+
+        prev = store.slots._on_change
+
+        def chained(key: str, old: object, new: object) -> None:
+            if prev is not None:
+                prev(key, old, new)  # type: ignore[arg-type]
+            on_claim(key, old, new)
+
+        store.slots._on_change = chained  # type: ignore[assignment]
+        stop = asyncio.Event()
+        bg = asyncio.create_task(background(stop))
+        await asyncio.sleep(1.5)  # windows see steady traffic first
+        latencies = []
+        for m in models[: args.pulses]:
+            pulsed.add(m)
+            t0 = time.perf_counter()
+            await nc.publish(protocol.queue_subject(m), _sample(m, seq[0], 16))
+            while m not in claimed and time.perf_counter() - t0 < 2.0:
+                await asyncio.sleep(0.0005)
+            if m in claimed:
+                latencies.append(claimed[m] - t0)
+            await asyncio.sleep(0.02)
+        stop.set()
+        await bg
+        ms = np.array(latencies) * 1e3
+        print(f"decision latency, sample published -> first claim written ({args.models} models active, "
+              f"{len(ms)}/{args.pulses} pulses answered):")  # fmt: skip
+        if len(ms):
+            print(f"  p50 {np.percentile(ms, 50):.2f} ms   p99 {np.percentile(ms, 99):.2f} ms   max {ms.max():.2f} ms")
+        # Ingest throughput through NATS into the autoscaler process.
+        before = _metric(port, "pulsescale_samples_total")
+        n = args.samples
+        t0 = time.perf_counter()
+        for i in range(n):
+            m = models[i % len(models)]
+            await nc.publish(protocol.queue_subject(m), _sample(m, seq[0] + i, 0, gateway="flood"))
+        await nc.flush()
+        deadline = time.perf_counter() + 30
+        got = 0.0
+        while time.perf_counter() < deadline:
+            got = _metric(port, "pulsescale_samples_total") - before
+            if got >= n:
+                break
+            await asyncio.sleep(0.05)
+        secs = time.perf_counter() - t0
+        print(f"ingest through NATS into the autoscaler process: {got:.0f}/{n} samples in {secs:.2f} s "
+              f"= {got / secs:,.0f} samples/s")  # fmt: skip
+        await store.close()
+        await nc.close()
+    finally:
+        if proc is not None:
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(10)
+            if proc.poll() is None:
+                proc.kill()
+        server.stop()
+
+
+def decide(argv: list[str], prog: str) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", type=int, default=100, help="models active at once [100]")
+    p.add_argument("--pulses", type=int, default=100, help="pulses timed, one model each [100]")
+    p.add_argument("--samples", type=int, default=50_000, help="samples for the throughput runs [50000]")
+    args = p.parse_args(argv)
+    asyncio.run(_end_to_end(args))
+    return 0

@@ -1,0 +1,431 @@
+"""The on-call command plane, server side: ``pulse.cmd.<verb>`` → checks → the controller → reply and audit.
+
+Every request goes through the same steps, in this order:
+
+1. decode with `protocol.decode` into ``COMMAND_TYPES[verb]``; a malformed request is answered with its reason as
+   the error code (``missing_field``, ``bad_name``, ...), counted by `Rejections`, and the service keeps going;
+2. `protocol.admit`: past ``expires_at`` → ``expired``; an ``id`` already answered → the first reply is sent
+   again and nothing is applied;
+3. the leader fence (below) → ``not_leader``;
+4. checks against the model's ScaledObject: ``unknown_model`` (listing the known ones), ``out_of_bounds``
+   (saying ``[minReplicaCount, maxReplicaCount]``), ``unknown_node`` for drains;
+5. apply through the `ControlPlane` (overrides) or the registry (drains);
+6. one `AuditRecord` on ``pulse.audit.<verb>`` in stream ``PULSE_AUDIT`` — for every request, applied or not —
+   written *before* the reply, so a client that got its answer can read its audit record;
+7. the reply.
+
+Idempotency. The ledger remembers the replies of the mutating verbs (scale, pause, resume, drain, undrain),
+applied or refused by a check, so a repeat gets the same answer. Read-only verbs (status, pool) are not
+remembered: running them again is harmless, gives fresher data, and their replies are the large ones. Transient
+refusals (``not_leader``, ``internal``) are not remembered either, so a retry is tried again. The ledger lives in
+the leader's memory: a retry that lands on a new leader after a failover is applied again. Every mutating
+command is idempotent in effect (the same override, the same drain), except that a repeated ``scale`` restarts
+its ``for_s`` from the new leader's clock.
+
+Leadership. Only the leader applies commands. A standby does not subscribe at all, so in steady state a request
+reaches the one replica that may act, and with no leader the client gets ``NoResponders`` at once (which the CLI
+explains) instead of a refusal from whichever standby the queue group picked. Subscriptions use the queue group
+`CommandSettings.queue_group`, so while an old and a new leader overlap (until the old one's deposition
+unsubscribes it) a request is still handled once; and `is_leader` is checked on every request, so the old
+leader answers ``not_leader`` rather than acting after it lost the lease. The service follows `is_leader` by
+itself (a cheap check every `CommandSettings.leadership_poll_s`); the election's ``on_elected`` / ``on_deposed``
+may also call `on_leadership` to (un)subscribe at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Final, Protocol
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js.api import DiscardPolicy, StorageType, StreamConfig
+
+from autoscaler.policy import Override
+from warmpool import protocol
+from warmpool.errors import BadMessage, DuplicateRequest
+from warmpool.protocol import (
+    AuditRecord,
+    Command,
+    DrainCommand,
+    PauseCommand,
+    PoolCommand,
+    ResumeCommand,
+    ScaleCommand,
+    ScaledObjectSpec,
+    StatusCommand,
+    UndrainCommand,
+)
+from warmpool.registry import KvSlotStore
+from warmpool.rejects import Rejections
+
+__all__ = ["CommandService", "CommandSettings", "ControlPlane", "ensure_audit_stream"]
+
+log = logging.getLogger("pulsescale.commands")
+
+CMD_WILDCARD: Final = protocol.CMD_WILDCARD
+MUTATING: Final = frozenset({"scale", "pause", "resume", "drain", "undrain"})
+
+
+class ControlPlane(Protocol):
+    """What the command plane needs from the controller; the controller implements it."""
+
+    def spec_for(self, model: str) -> ScaledObjectSpec | None:
+        """The model's ScaledObject spec, or None for a model no ScaledObject names."""
+        ...
+
+    def models(self) -> list[str]: ...
+
+    async def set_override(self, model: str, override: Override | None) -> None:
+        """Install an on-call override (it beats the policy until it expires); None hands the model back."""
+        ...
+
+    def status(self, model: str | None) -> list[dict[str, Any]]:
+        """One row per model (all, or `model`): ``model, desired, ready, activating, warm, panic, mode, override
+        ({kind, replicas, expires_at, by} or None), reason, decisions ([{ts, desired, reason}], newest last)``."""
+        ...
+
+
+@dataclass(frozen=True)
+class CommandSettings:
+    queue_group: str = "pulsescale-autoscaler"
+    """Queue group of the command subscription: while two replicas briefly both believe they lead, each request
+    still reaches only one of them."""
+    audit_max_age_s: float = 90 * 24 * 3600.0
+    """How long audit records are kept: 90 days covers a quarter's incident reviews; longer belongs in a log
+    archive, not on the broker's disk."""
+    audit_max_bytes: int = 1 << 30
+    """Size cap of the audit stream (oldest dropped first), so a misbehaving client cannot fill the broker's disk."""
+    audit_replicas: int = 1
+    """JetStream replicas of the audit stream: 1 on a laptop, 3 in production (as the registry's buckets)."""
+    audit_timeout_s: float = 1.0
+    """How long the audit write may take before the reply goes out anyway (logged): well under the CLI's 5 s."""
+    ledger_entries: int = 10_000
+    """Replies remembered for duplicate ids; far more than on-call traffic within one request lifetime."""
+    status_decisions: int = 10
+    """Newest decisions per model sent in a status reply; the autoscaler may keep more."""
+    leadership_poll_s: float = 0.25
+    """How often the service checks `is_leader` to (un)subscribe: elections take a lease period (seconds), so
+    this adds little to a failover; the per-request fence covers the lag on deposition."""
+
+
+async def ensure_audit_stream(nc: Client, settings: CommandSettings = CommandSettings()) -> None:
+    """Create stream `PULSE_AUDIT` on ``pulse.audit.>`` unless it exists (an existing one is left as configured:
+    an operator may have tuned its limits)."""
+    js = nc.jetstream(timeout=2.0)
+    try:
+        await js.stream_info(protocol.AUDIT_STREAM)
+        return
+    except nats.js.errors.NotFoundError:
+        pass
+    config = StreamConfig(
+        name=protocol.AUDIT_STREAM,
+        description="pulsescale on-call commands and their outcomes",
+        subjects=[protocol.AUDIT_WILDCARD],
+        storage=StorageType.FILE,
+        max_age=settings.audit_max_age_s,
+        max_bytes=settings.audit_max_bytes,
+        discard=DiscardPolicy.OLD,
+        num_replicas=settings.audit_replicas,
+    )
+    try:
+        await js.add_stream(config)
+    except nats.js.errors.BadRequestError as err:
+        if err.err_code != 10058:  # created meanwhile by another replica ("stream name already in use")
+            raise
+
+
+@dataclass
+class _Outcome:
+    reply: bytes
+    applied: bool
+    remember: bool
+    audit_reply: dict[str, Any] | None = None
+    """What the audit record keeps of the reply, when not all of it (status and pool are summarised)."""
+
+
+class _Refused(Exception):
+    def __init__(self, code: str, message: str, *, remember: bool = True) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.remember = remember
+
+
+class CommandService:
+    """Answers ``pulse.cmd.<verb>`` while this replica leads. ``start()``, then ``on_leadership(...)`` from the
+    election's callbacks (or leave `is_leader` at its default for a single replica), ``stop()`` at shutdown."""
+
+    def __init__(
+        self,
+        nc: Client,
+        control: ControlPlane,
+        store: KvSlotStore,
+        *,
+        clock: Callable[[], float] = time.time,
+        rejections: Rejections | None = None,
+        is_leader: Callable[[], bool] = lambda: True,
+        settings: CommandSettings = CommandSettings(),
+    ) -> None:
+        self.nc = nc
+        self.control = control
+        self.store = store
+        self.clock = clock
+        self.rejections = rejections or Rejections(log)
+        self.is_leader = is_leader
+        self.settings = settings
+        self.ledger = protocol.RequestLedger(settings.ledger_entries)
+        self.outcomes: Counter[str] = Counter()
+        """Handled requests by outcome (``applied``, an error code, ``duplicate``): a metric can read it."""
+        self._js = nc.jetstream(timeout=settings.audit_timeout_s)
+        self._sub: Subscription | None = None
+        self._lock = asyncio.Lock()
+        self._started = False
+        self._pending: set[asyncio.Task[None]] = set()
+        self._follower: asyncio.Task[None] | None = None
+
+    @property
+    def subscribed(self) -> bool:
+        return self._sub is not None
+
+    async def start(self) -> None:
+        """Create the audit stream if needed, subscribe if this replica leads now, and follow leadership."""
+        await ensure_audit_stream(self.nc, self.settings)
+        self._started = True
+        await self.set_leading(self.is_leader())
+        if self._follower is None:
+            self._follower = asyncio.create_task(self._follow_leadership(), name="commands-follow-leadership")
+
+    async def stop(self) -> None:
+        """Unsubscribe and stop following leadership."""
+        self._started = False
+        if self._follower is not None:
+            self._follower.cancel()
+            await asyncio.gather(self._follower, return_exceptions=True)
+            self._follower = None
+        for task in list(self._pending):
+            await asyncio.gather(task, return_exceptions=True)
+        await self.set_leading(False)
+
+    async def _follow_leadership(self) -> None:
+        while self._started:
+            await asyncio.sleep(self.settings.leadership_poll_s)
+            leading = self.is_leader()
+            if leading != self.subscribed:
+                try:
+                    await self.set_leading(leading)
+                except nats.errors.Error as err:  # disconnected: try again on the next check
+                    log.warning("could not %s on-call commands: %s", "answer" if leading else "stop answering", err)
+
+    async def set_leading(self, leading: bool) -> None:
+        """Subscribe (leader) or unsubscribe (standby); idempotent."""
+        async with self._lock:
+            if leading and self._started and self._sub is None:
+                self._sub = await self.nc.subscribe(CMD_WILDCARD, queue=self.settings.queue_group, cb=self._on_msg)
+                log.info("answering on-call commands on %s", CMD_WILDCARD)
+            elif not leading and self._sub is not None:
+                sub, self._sub = self._sub, None
+                try:
+                    await sub.unsubscribe()
+                except nats.errors.Error as err:  # closed or draining connection: nothing left to stop
+                    log.debug("unsubscribe %s: %s", CMD_WILDCARD, err)
+                log.info("stopped answering on-call commands (not the leader)")
+
+    def on_leadership(self, leading: bool) -> None:
+        """Synchronous hook for the election's ``on_elected`` / ``on_deposed``; schedules `set_leading`."""
+        task = asyncio.get_running_loop().create_task(self.set_leading(leading), name="commands-leadership")
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    # --- one request ---------------------------------------------------------------------------------------------
+
+    async def _on_msg(self, msg: Msg) -> None:
+        # nats-py runs a subscription's callback for one message at a time: commands are applied in arrival
+        # order and the ledger's check-then-record cannot interleave.
+        try:
+            await self.handle(msg.subject, msg.data, reply_to=msg.reply)
+        except Exception:
+            log.exception("command on %s failed unexpectedly", msg.subject)
+
+    async def handle(self, subject: str, data: bytes, *, reply_to: str = "") -> bytes:
+        """Handle one request and return the reply (also sent to `reply_to` when there is one)."""
+        verb = subject[len(protocol.CMD_PREFIX) :] if subject.startswith(protocol.CMD_PREFIX) else subject
+        now = self.clock()
+        req: Command | None = None
+        try:
+            req = self._decode(verb, data)
+            protocol.admit(req, now, self.ledger)
+            if not self.is_leader():
+                raise _Refused("not_leader", "this autoscaler replica is not the leader; retry", remember=False)
+            outcome = await self._apply(verb, req, now)
+            self.outcomes["applied" if outcome.applied else "refused"] += 1
+        except DuplicateRequest as dup:
+            self.rejections(dup, source=subject)
+            self.outcomes["duplicate"] += 1
+            outcome = _Outcome(dup.reply, applied=False, remember=False)
+        except BadMessage as err:
+            self.rejections(err, source=subject)
+            self.outcomes[err.reason] += 1
+            outcome = _Outcome(protocol.error_reply(err.reason, err.detail or str(err)), applied=False, remember=False)
+        except _Refused as ref:
+            self.outcomes[ref.code] += 1
+            outcome = _Outcome(protocol.error_reply(ref.code, ref.message), applied=False, remember=ref.remember)
+        except Exception as err:
+            log.exception("%s command failed", verb)
+            self.outcomes["internal"] += 1
+            outcome = _Outcome(protocol.error_reply("internal", f"{type(err).__name__}: {err}"), False, False)
+        if req is not None and outcome.remember:
+            self.ledger.record(req, outcome.reply, now)
+        await self._audit(verb, req, data, outcome, now)
+        if reply_to:
+            try:
+                await self.nc.publish(reply_to, outcome.reply)
+            except nats.errors.Error as err:
+                log.warning("could not reply to %s command: %s", verb, err)
+        return outcome.reply
+
+    def _decode(self, verb: str, data: bytes) -> Command:
+        type_ = protocol.COMMAND_TYPES.get(verb)
+        if type_ is None:
+            raise BadMessage("bad_value", f"unknown command verb {verb!r}; known: {', '.join(protocol.CMD_VERBS)}")
+        return protocol.decode(data, type_)
+
+    async def _apply(self, verb: str, req: Command, now: float) -> _Outcome:
+        if isinstance(req, ScaleCommand):
+            spec = self._spec(req.model)
+            self._check_bounds(req.model, spec, req.replicas, "scale")
+            override = Override(kind="scale", replicas=req.replicas, expires_at=now + req.for_s, by=req.by)
+            await self.control.set_override(req.model, override)
+            return self._ok(model=req.model, override=asdict(override))
+        if isinstance(req, PauseCommand):
+            spec = self._spec(req.model)
+            if req.replicas is not None:
+                self._check_bounds(req.model, spec, req.replicas, "pause")
+            override = Override(kind="pause", replicas=req.replicas, expires_at=None, by=req.by)
+            await self.control.set_override(req.model, override)
+            return self._ok(model=req.model, override=asdict(override))
+        if isinstance(req, ResumeCommand):
+            self._spec(req.model)
+            await self.control.set_override(req.model, None)
+            return self._ok(model=req.model, override=None)
+        if isinstance(req, StatusCommand):
+            if req.model is not None:
+                self._spec(req.model)
+            rows = [self._trim(row) for row in self.control.status(req.model)]
+            return _Outcome(protocol.ok_reply(models=rows), True, False, {"ok": True, "models": len(rows)})
+        if isinstance(req, PoolCommand):
+            return self._pool(req.model, now)
+        if isinstance(req, DrainCommand | UndrainCommand):
+            self._check_node(req.node)
+            on = isinstance(req, DrainCommand)
+            touched = await (self.store.drain(req.node) if on else self.store.undrain(req.node))
+            return self._ok(node=req.node, drained=on, touched=sorted(touched))
+        raise BadMessage("bad_value", f"unknown command verb {verb!r}")  # pragma: no cover - COMMAND_TYPES is closed
+
+    @staticmethod
+    def _ok(**fields: Any) -> _Outcome:
+        return _Outcome(protocol.ok_reply(**fields), applied=True, remember=True)
+
+    def _spec(self, model: str) -> ScaledObjectSpec:
+        spec = self.control.spec_for(model)
+        if spec is None:
+            known = sorted(self.control.models())
+            listed = ", ".join(known) if known else "none (no ScaledObject is applied yet: `pulsescale apply -f`)"
+            raise _Refused("unknown_model", f"no ScaledObject names model {model!r}; known models: {listed}")
+        return spec
+
+    @staticmethod
+    def _check_bounds(model: str, spec: ScaledObjectSpec, replicas: int, verb: str) -> None:
+        lo, hi = spec.min_replica_count, spec.max_replica_count
+        if not lo <= replicas <= hi:
+            raise _Refused(
+                "out_of_bounds",
+                f"{verb} {model} to {replicas} replicas is outside its ScaledObject's "
+                f"[minReplicaCount, maxReplicaCount] = [{lo}, {hi}]",
+            )
+
+    def _check_node(self, node: str) -> None:
+        if self.store.lease(node) is not None or any(r.node == node for r in self.store.records()):
+            return
+        known = sorted({r.node for r in self.store.records()} | set(self.store.agents.items))
+        raise _Refused("unknown_node", f"no agent or slot on node {node!r}; known nodes: {', '.join(known) or 'none'}")
+
+    def _trim(self, row: dict[str, Any]) -> dict[str, Any]:
+        decisions = row.get("decisions")
+        if isinstance(decisions, list) and len(decisions) > self.settings.status_decisions:
+            row = {**row, "decisions": decisions[-self.settings.status_decisions :]}
+        return row
+
+    def _pool(self, model: str | None, now: float) -> _Outcome:
+        records = sorted(self.store.records(model), key=lambda r: r.key)
+        if model is not None and not records:
+            self._spec(model)  # a model with neither slots nor a ScaledObject is a typo
+        slots = []
+        counts: dict[str, Counter[str]] = {}
+        for r in records:
+            lease = self.store.lease(r.node)
+            slots.append(
+                {
+                    "key": r.key,
+                    "model": r.model,
+                    "node": r.node,
+                    "rack": r.rack,
+                    "state": r.state,
+                    "drain": r.drain,
+                    "agent": "fresh" if lease is not None and lease.fresh(now) else "stale",
+                    "resident": r.weights_resident,
+                    "reason": r.reason,
+                }
+            )
+            counts.setdefault(r.model, Counter())[r.state] += 1
+        by_model = {m: dict(sorted(c.items())) for m, c in sorted(counts.items())}
+        # The contract caps a message at 64 KiB; a big pool sends every count but only as many slots as fit.
+        shown = len(slots)
+        reply = protocol.ok_reply(slots=slots, counts=by_model, now=now)
+        while len(reply) > protocol.MAX_MESSAGE_BYTES and shown:
+            shown //= 2
+            reply = protocol.ok_reply(slots=slots[:shown], counts=by_model, now=now, truncated=len(slots) - shown)
+        return _Outcome(reply, True, False, {"ok": True, "slots": len(slots), "counts": by_model})
+
+    # --- audit ---------------------------------------------------------------------------------------------------
+
+    async def _audit(self, verb: str, req: Command | None, data: bytes, outcome: _Outcome, now: float) -> None:
+        if req is not None:
+            request: dict[str, Any] = msgspec.to_builtins(req)
+            req_id, by = req.id, req.by
+        else:
+            request, req_id, by = _raw_request(data)
+        if outcome.audit_reply is not None:
+            reply = outcome.audit_reply
+        else:
+            reply = msgspec.json.decode(outcome.reply)
+            reply.pop("v", None)
+        record = AuditRecord(
+            verb=verb[:64], id=req_id, by=by, ts=now, request=request, reply=reply, applied=outcome.applied
+        )
+        try:
+            await self._js.publish(protocol.audit_subject(verb), protocol.encode(record), stream=protocol.AUDIT_STREAM)
+        except (nats.errors.Error, BadMessage, TimeoutError) as err:
+            # The command's outcome stands; the record goes to the log so it is not lost entirely.
+            log.error("audit record not written (%s): %s", err, protocol.encode(record).decode(errors="replace"))
+
+
+def _raw_request(data: bytes) -> tuple[dict[str, Any], str, str]:
+    """What can be kept of a request that did not decode: its fields if it is a JSON object, else its text."""
+    try:
+        raw = msgspec.json.decode(data[: protocol.MAX_MESSAGE_BYTES])
+    except msgspec.DecodeError:
+        raw = None
+    if isinstance(raw, dict) and len(data) <= 4096:
+        req_id, by = raw.get("id"), raw.get("by")
+        return raw, req_id if isinstance(req_id, str) else "", by if isinstance(by, str) else ""
+    return {"raw": data[:1024].decode("utf-8", errors="replace"), "bytes": len(data)}, "", ""

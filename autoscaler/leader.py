@@ -1,0 +1,185 @@
+"""Leader election over a fenced lease in KV `pulse_leases`.
+
+Several autoscaler replicas run; one acts. The lease record says who holds it and when it was last renewed;
+it is taken and renewed only by compare-and-set, so two replicas can never both win the same revision.
+
+Safety rests on timing the two sides differently. A standby may take the lease only once
+``renewed_at + lease_s`` has passed by its clock. The leader stops acting at ``sent + lease_s * stop_fraction``
+by its own monotonic clock, where ``sent`` is when it *sent* its last successful renewal (so before the broker
+stamped it). With `stop_fraction` < 1 the old leader has stopped before any standby may start, even when the
+renewal's acknowledgement was slow, as long as clocks disagree by less than ``lease_s * (1 - stop_fraction)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.js.kv import KeyValue
+
+__all__ = ["LeaderElection", "LeaseRecord", "LeaseSettings"]
+
+log = logging.getLogger("pulsescale.leader")
+
+
+class LeaseRecord(msgspec.Struct, kw_only=True):
+    v: int = 1
+    holder: str
+    renewed_at: float
+    lease_s: float
+
+
+@dataclass(frozen=True)
+class LeaseSettings:
+    key: str = "autoscaler"
+    """One lease for all autoscaler replicas sharing these buckets."""
+    lease_s: float = 2.0
+    """How long a silent leader keeps the lease: the failover time is at most this plus one renewal interval."""
+    renew_every_s: float = 0.5
+    """Renew four times per lease, so one slow round trip does not lose it."""
+    stop_fraction: float = 0.8
+    """The leader stops acting this far into its lease without a renewal (see the module doc)."""
+
+
+class LeaderElection:
+    """Run `campaign()` as a task; `is_leader` says whether this replica may act right now."""
+
+    def __init__(
+        self,
+        kv: KeyValue,
+        identity: str,
+        settings: LeaseSettings = LeaseSettings(),
+        *,
+        on_elected: Callable[[], None] | None = None,
+        on_deposed: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.kv = kv
+        self.identity = identity
+        self.settings = settings
+        self.on_elected = on_elected
+        self.on_deposed = on_deposed
+        self.clock = clock
+        self.monotonic = monotonic
+        self._revision: int | None = None
+        self._act_until = 0.0  # monotonic deadline of our leadership
+        self._leading = False
+        self.terms = 0
+        self._halted = False
+
+    @property
+    def is_leader(self) -> bool:
+        if self._leading and self.monotonic() >= self._act_until:
+            self._depose("lease not renewed in time")
+        return self._leading
+
+    @property
+    def token(self) -> int | None:
+        """The lease revision of the current term: a fencing token for what the leader writes."""
+        return self._revision if self.is_leader else None
+
+    def _depose(self, why: str) -> None:
+        if self._leading:
+            self._leading = False
+            self._revision = None
+            log.warning("%s: no longer the leader (%s)", self.identity, why)
+            if self.on_deposed is not None:
+                self.on_deposed()
+
+    def _encode(self) -> bytes:
+        return msgspec.json.encode(
+            LeaseRecord(holder=self.identity, renewed_at=self.clock(), lease_s=self.settings.lease_s)
+        )
+
+    async def _try_acquire(self) -> bool:
+        if self._halted:
+            return False
+        sent = self.monotonic()
+        try:
+            entry = await self.kv.get(self.settings.key)
+        except nats.js.errors.KeyNotFoundError:
+            entry = None
+        if entry is None or entry.value is None:
+            try:
+                rev = await self.kv.create(self.settings.key, self._encode())
+            except nats.js.errors.KeyWrongLastSequenceError:
+                return False
+        else:
+            try:
+                cur = msgspec.json.decode(entry.value, type=LeaseRecord)
+                expired = self.clock() > cur.renewed_at + cur.lease_s
+            except msgspec.DecodeError:
+                expired = True  # an unreadable lease protects nobody
+            if not expired and cur.holder != self.identity:
+                return False
+            try:
+                rev = await self.kv.update(self.settings.key, self._encode(), last=entry.revision)
+            except nats.js.errors.KeyWrongLastSequenceError:
+                return False
+        self._revision = rev
+        self._act_until = sent + self.settings.lease_s * self.settings.stop_fraction
+        self._leading = True
+        self.terms += 1
+        log.info("%s: elected leader (lease revision %d)", self.identity, rev)
+        if self.on_elected is not None:
+            self.on_elected()
+        return True
+
+    async def _renew(self) -> bool:
+        if self._halted or self._revision is None:
+            return False
+        sent = self.monotonic()
+        try:
+            rev = await self.kv.update(self.settings.key, self._encode(), last=self._revision)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            self._depose("someone else holds the lease")
+            return False
+        if not self.is_leader:
+            return False  # the renewal came back too late to extend a term that already ended
+        self._revision = rev
+        self._act_until = sent + self.settings.lease_s * self.settings.stop_fraction
+        return True
+
+    async def campaign(self, stop: asyncio.Event) -> None:
+        # asyncio.wait, not wait_for: on Python 3.11 wait_for can swallow a cancellation that races its timeout.
+        stopped = asyncio.ensure_future(stop.wait())
+        try:
+            await self._campaign(stop, stopped)
+        finally:
+            stopped.cancel()
+
+    def halt(self) -> None:
+        """Stop campaigning: no more acquisitions or renewals. A flag, not only a cancellation, because a
+        cancellation that races a nats-py reply can be swallowed on Python 3.11 (its requests use wait_for)."""
+        self._halted = True
+
+    async def _campaign(self, stop: asyncio.Event, stopped: asyncio.Future[Any]) -> None:
+        while not stop.is_set() and not self._halted:
+            try:
+                if self._leading:
+                    await self._renew()
+                else:
+                    await self._try_acquire()
+            except (nats.errors.Error, TimeoutError, OSError) as err:
+                log.debug("lease round failed: %s", err)
+            await asyncio.wait([stopped], timeout=self.settings.renew_every_s)
+
+    async def resign(self) -> None:
+        """Clean shutdown: give the lease up so a standby takes over at once instead of after `lease_s`.
+        Stop `campaign` first. The lease is read back rather than trusted from memory: a renewal cut short by
+        the shutdown may have landed without our hearing of it."""
+        self.halt()
+        self._depose("resigned")
+        with contextlib.suppress(nats.errors.Error, TimeoutError, OSError, msgspec.DecodeError):
+            entry = await self.kv.get(self.settings.key)
+            if entry.value is not None and msgspec.json.decode(entry.value, type=LeaseRecord).holder == self.identity:
+                await self.kv.delete(self.settings.key, last=entry.revision)

@@ -1,0 +1,499 @@
+"""On-call CLI verbs: `pulsescale scale|pause|resume|status|pool|drain|undrain` and `pulsescale apply -f`.
+
+Each verb sends one request on ``pulse.cmd.<verb>`` (wire contract v1) and prints the answer. A request gets a
+fresh ``id`` and ``expires_at = now + --timeout``: once the CLI has given up waiting, the autoscaler will not apply
+it either (nats-py may deliver a buffered request late, after a reconnect).
+
+Exit codes: 0 done; 1 the autoscaler refused (``<prog>: <code>: <message>``) or NATS is unreachable; 2 usage;
+3 no autoscaler is answering (NATS ``NoResponders``: nobody subscribes, which is not the same as slow);
+4 the autoscaler did not answer in time (it may or may not have applied the command; ``pulsescale status`` says).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import getpass
+import json
+import logging
+import os
+import re
+import socket
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Final, TextIO
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+
+from autoscaler import scaledobject
+from warmpool import connect as nats_connect
+from warmpool import protocol
+from warmpool.errors import BadMessage, NatsUnavailable
+from warmpool.registry import ensure_buckets
+
+__all__ = [
+    "EXIT_NO_RESPONDERS",
+    "EXIT_REFUSED",
+    "EXIT_TIMEOUT",
+    "apply",
+    "drain",
+    "format_duration",
+    "format_pool",
+    "format_status",
+    "parse_duration",
+    "pause",
+    "pool",
+    "resume",
+    "scale",
+    "status",
+    "undrain",
+]
+
+EXIT_REFUSED: Final = 1
+EXIT_NO_RESPONDERS: Final = 3
+EXIT_TIMEOUT: Final = 4
+
+DEFAULT_TIMEOUT_S: Final = 5.0
+"""How long a verb waits for the autoscaler; also the request's lifetime (`expires_at`)."""
+DEFAULT_FOR: Final = "1h"
+"""How long `scale` holds a model without --for: an incident's length; a forgotten override lapses by itself."""
+
+# --- durations ---------------------------------------------------------------------------------------------------
+
+_DURATION: Final = re.compile(r"(?:(?P<h>\d+)h)?(?:(?P<m>\d+)m)?(?:(?P<s>\d+)s)?")
+
+
+def parse_duration(text: str) -> float:
+    """``90s``, ``10m``, ``2h``, ``1h30m``, ``1h30m15s`` → seconds. Units in that order, whole numbers, > 0."""
+    match = _DURATION.fullmatch(text.strip())
+    if not text.strip() or match is None or not any(match.groups()):
+        hint = f" (add a unit: {text.strip()}s or {text.strip()}m)" if text.strip().isdigit() else ""
+        raise ValueError(f"{text!r} is not a duration such as 90s, 10m, 2h or 1h30m{hint}")
+    seconds = int(match["h"] or 0) * 3600 + int(match["m"] or 0) * 60 + int(match["s"] or 0)
+    if seconds <= 0:
+        raise ValueError(f"{text!r} is no time at all; an override needs a duration > 0")
+    return float(seconds)
+
+
+def format_duration(seconds: float) -> str:
+    """Seconds → ``1h30m``, ``9m12s``, ``45s`` (the inverse of `parse_duration`, rounded to whole seconds)."""
+    total = max(0, round(seconds))
+    h, rest = divmod(total, 3600)
+    m, s = divmod(rest, 60)
+    out = (f"{h}h" if h else "") + (f"{m}m" if m else "") + (f"{s}s" if s and not h else "")
+    return out or "0s"
+
+
+def _duration_arg(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _replicas_arg(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a replica count (a whole number >= 0)")
+    return int(text)
+
+
+def _name_arg(kind: str) -> Callable[[str], str]:
+    def check(text: str) -> str:
+        if not protocol.is_name(text):
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a {kind} name (lowercase letters, digits, '-' and '_'; no dots)"
+            )
+        return text
+
+    check.__name__ = kind  # argparse names the type in its messages
+    return check
+
+
+# --- sending a command -----------------------------------------------------------------------------------------
+
+
+def default_by(env: dict[str, str] | None = None) -> str:
+    """Who is acting: ``$PULSESCALE_USER``, else ``user@host``."""
+    env = dict(os.environ) if env is None else env
+    if env.get("PULSESCALE_USER"):
+        return env["PULSESCALE_USER"][:128]
+    try:
+        user = getpass.getuser()
+    except (OSError, KeyError):
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"[:128]
+
+
+def _parser(prog: str, description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"wait this long for the autoscaler; the request expires then too [{DEFAULT_TIMEOUT_S:g}]",
+    )
+    p.add_argument("--by", help="who is acting, for the audit trail [$PULSESCALE_USER or user@host]")
+    nats_connect.add_nats_arguments(p)
+    return p
+
+
+class _Failed(Exception):
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+async def _request(nc: Client, verb: str, fields: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    subject = protocol.cmd_subject(verb)
+    body = {
+        "v": 1,
+        "id": uuid.uuid4().hex,
+        "expires_at": time.time() + args.timeout,
+        "by": args.by or default_by(),
+        **{k: v for k, v in fields.items() if v is not None},
+    }
+    try:
+        msg = await nc.request(subject, json.dumps(body).encode(), timeout=args.timeout)
+    except nats.errors.NoRespondersError:
+        raise _Failed(
+            f"no autoscaler is answering on {subject} (is `pulsescale autoscaler` running and connected to the "
+            "same NATS? only the leader answers; during a failover retry in a few seconds)",
+            EXIT_NO_RESPONDERS,
+        ) from None
+    except nats.errors.TimeoutError:
+        raise _Failed(
+            f"the autoscaler did not answer on {subject} within {args.timeout:g} s; the request has expired, so it "
+            "will not be applied late, but it may have been applied already: check `pulsescale status`",
+            EXIT_TIMEOUT,
+        ) from None
+    except nats.errors.Error as err:
+        raise _Failed(f"NATS failed during the request on {subject}: {err}", EXIT_REFUSED) from None
+    try:
+        reply = protocol.decode_reply(msg.data)
+    except BadMessage as err:
+        raise _Failed(f"the autoscaler sent a reply this CLI cannot read ({err})", EXIT_REFUSED) from None
+    if not reply.ok:
+        assert reply.error is not None
+        raise _Failed(f"{reply.error.code}: {reply.error.message}", EXIT_REFUSED)
+    return reply.fields
+
+
+def _quiet_connection_log() -> None:
+    """The connection logs its retries as warnings; a CLI says what failed once, in its own error line. (A
+    handler on the logger keeps Python's last-resort stderr handler away; records still propagate to any
+    handler the host process configured.)"""
+    logger = logging.getLogger("pulsescale.nats")
+    if not any(isinstance(h, logging.NullHandler) for h in logger.handlers):
+        logger.addHandler(logging.NullHandler())
+
+
+def _run(
+    prog: str, args: argparse.Namespace, verb: str, fields: dict[str, Any], show: Callable[[dict[str, Any]], None]
+) -> int:
+    _quiet_connection_log()
+
+    async def go() -> dict[str, Any]:
+        nc = await nats_connect.connect(nats_connect.options_from_args(args, name=f"pulsescale-{verb}"))
+        try:
+            return await _request(nc, verb, fields, args)
+        finally:
+            await nc.close()
+
+    try:
+        reply = asyncio.run(go())
+    except NatsUnavailable as err:
+        print(f"{prog}: {err}", file=sys.stderr)
+        return EXIT_REFUSED
+    except _Failed as err:
+        print(f"{prog}: {err}", file=sys.stderr)
+        return err.code
+    show(reply)
+    return 0
+
+
+def _clock_time(ts: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(ts))
+
+
+def _describe_override(override: dict[str, Any] | None, now: float) -> str:
+    if not override:
+        return "-"
+    kind, replicas, expires, by = (override.get(k) for k in ("kind", "replicas", "expires_at", "by"))
+    text = f"{kind} {replicas}" if replicas is not None else f"{kind} (current count)"
+    if expires is not None:
+        text += f", {format_duration(expires - now)} left"
+    return f"{text} by {by}" if by else text
+
+
+# --- the verbs -----------------------------------------------------------------------------------------------------
+
+
+def scale(argv: list[str], prog: str) -> int:
+    p = _parser(prog, "Hold a model at N replicas for a while; the policy takes over again when it lapses.")
+    p.add_argument("model", type=_name_arg("model"))
+    p.add_argument("--replicas", type=_replicas_arg, required=True, metavar="N")
+    p.add_argument(
+        "--for",
+        dest="for_s",
+        type=_duration_arg,
+        default=parse_duration(DEFAULT_FOR),
+        metavar="DURATION",
+        help=f"how long the override lasts: 90s, 10m, 2h, 1h30m [{DEFAULT_FOR}]",
+    )
+    args = p.parse_args(argv)
+
+    def show(reply: dict[str, Any]) -> None:
+        o = reply.get("override") or {}
+        until = o.get("expires_at")
+        when = f" until {_clock_time(until)} ({format_duration(args.for_s)})" if until else ""
+        print(f"{args.model} held at {o.get('replicas', args.replicas)} replicas{when} by {o.get('by', '?')}")
+
+    return _run(prog, args, "scale", {"model": args.model, "replicas": args.replicas, "for_s": args.for_s}, show)
+
+
+def pause(argv: list[str], prog: str) -> int:
+    p = _parser(prog, "Stop autoscaling a model, at its current count or at --replicas N, until `resume`.")
+    p.add_argument("model", type=_name_arg("model"))
+    p.add_argument("--replicas", type=_replicas_arg, metavar="N", help="hold at N replicas [the current count]")
+    args = p.parse_args(argv)
+
+    def show(reply: dict[str, Any]) -> None:
+        at = f"at {args.replicas} replicas" if args.replicas is not None else "at its current count"
+        print(f"{args.model} paused {at}; `pulsescale resume {args.model}` hands it back to the policy")
+
+    return _run(prog, args, "pause", {"model": args.model, "replicas": args.replicas}, show)
+
+
+def resume(argv: list[str], prog: str) -> int:
+    p = _parser(prog, "End a model's override (scale or pause): the policy decides again.")
+    p.add_argument("model", type=_name_arg("model"))
+    args = p.parse_args(argv)
+    return _run(prog, args, "resume", {"model": args.model}, lambda _: print(f"{args.model} is autoscaled again"))
+
+
+def format_status(rows: Sequence[dict[str, Any]], now: float) -> str:
+    """The `status` table; with one model, its recent decisions below it."""
+    header: tuple[str, ...] = ("MODEL", "DESIRED", "READY", "ACTIVATING", "WARM", "MODE", "OVERRIDE", "LAST-REASON")
+    table = [header]
+    for r in rows:
+        mode = str(r.get("mode") or "-")
+        if r.get("panic") and "panic" not in mode:
+            mode += ",panic"
+        table.append(
+            (
+                str(r.get("model", "?")),
+                *(str(r.get(k, "-")) for k in ("desired", "ready", "activating", "warm")),
+                mode,
+                _describe_override(r.get("override"), now),
+                str(r.get("reason") or "-"),
+            )
+        )
+    widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1] for row in table]
+    if not rows:
+        lines.append("(no models: apply a ScaledObject with `pulsescale apply -f FILE.yaml`)")
+    if len(rows) == 1 and rows[0].get("decisions"):
+        lines += ["", f"recent decisions of {rows[0].get('model')} (newest last):"]
+        for d in rows[0]["decisions"]:
+            ts = d.get("ts")
+            lines.append(
+                f"  {_clock_time(ts) if isinstance(ts, int | float) else '?':<8}  desired {d.get('desired', '?'):<4}"
+                f"  {d.get('reason') or ''}"
+            )
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def status(argv: list[str], prog: str) -> int:
+    p = _parser(prog, "Show models: desired/ready replicas, mode, override and the last decision's reason.")
+    p.add_argument("model", nargs="?", type=_name_arg("model"))
+    p.add_argument("--json", action="store_true", help="print the reply's rows as JSON, for scripts")
+    args = p.parse_args(argv)
+
+    def show(reply: dict[str, Any]) -> None:
+        rows = reply.get("models", [])
+        print(json.dumps(rows, indent=2) if args.json else format_status(rows, time.time()))
+
+    return _run(prog, args, "status", {"model": args.model}, show)
+
+
+def format_pool(reply: dict[str, Any]) -> str:
+    """Slots grouped by model, each group headed by its counts by state."""
+    slots = reply.get("slots", [])
+    counts: dict[str, dict[str, int]] = reply.get("counts", {})
+    lines: list[str] = []
+    header: tuple[str, ...] = ("SLOT", "STATE", "NODE", "RACK", "AGENT", "RESIDENT", "REASON")
+    for model, by_state in counts.items():
+        total = sum(by_state.values())
+        summary = ", ".join(f"{state} {n}" for state, n in by_state.items())
+        lines.append(f"{model}: {total} slot(s): {summary}")
+        table = [header]
+        for s in slots:
+            if s.get("model") != model:
+                continue
+            state = str(s.get("state")) + (" (drain)" if s.get("drain") and s.get("state") != "draining" else "")
+            table.append(
+                (
+                    str(s.get("key")),
+                    state,
+                    str(s.get("node")),
+                    str(s.get("rack") or "-"),
+                    str(s.get("agent")),
+                    "yes" if s.get("resident") else "no",
+                    str(s.get("reason") or ""),
+                )
+            )
+        widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
+        lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1] for r in table]
+        lines.append("")
+    if reply.get("truncated"):
+        lines.append(f"({reply['truncated']} more slot(s) not shown: the reply is capped at 64 KiB; name a model)")
+    if not counts:
+        lines.append("(no slots registered: are node agents running?)")
+    return "\n".join(line.rstrip() for line in lines).rstrip()
+
+
+def pool(argv: list[str], prog: str) -> int:
+    p = _parser(prog, "Show the warm pool: every slot by model, with counts by state.")
+    p.add_argument("model", nargs="?", type=_name_arg("model"))
+    p.add_argument("--json", action="store_true", help="print the reply as JSON, for scripts")
+    args = p.parse_args(argv)
+
+    def show(reply: dict[str, Any]) -> None:
+        print(json.dumps(reply, indent=2) if args.json else format_pool(reply))
+
+    return _run(prog, args, "pool", {"model": args.model}, show)
+
+
+def _drain_verb(verb: str, argv: list[str], prog: str) -> int:
+    what = (
+        "Stop offering a node's slots: idle ones go to draining at once, serving ones when released."
+        if verb == "drain"
+        else "Offer a drained node's slots again."
+    )
+    p = _parser(prog, what)
+    p.add_argument("node", type=_name_arg("node"))
+    args = p.parse_args(argv)
+
+    def show(reply: dict[str, Any]) -> None:
+        touched = reply.get("touched", [])
+        done = "drained" if verb == "drain" else "undrained"
+        if not touched:
+            print(f"{args.node}: nothing to change (already {done})")
+            return
+        print(f"{args.node} {done}: {len(touched)} slot(s) changed")
+        for key in touched:
+            print(f"  {key}")
+
+    return _run(prog, args, verb, {"node": args.node}, show)
+
+
+def drain(argv: list[str], prog: str) -> int:
+    return _drain_verb("drain", argv, prog)
+
+
+def undrain(argv: list[str], prog: str) -> int:
+    return _drain_verb("undrain", argv, prog)
+
+
+# --- apply -------------------------------------------------------------------------------------------------------
+
+
+def _read(path: str, stdin: TextIO) -> tuple[str, str]:
+    if path == "-":
+        return "<stdin>", stdin.read()
+    try:
+        return path, Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise scaledobject.ScaledObjectError("", f"cannot read it: {err}", where=path) from None
+
+
+async def _write(args: argparse.Namespace, manifests: list[scaledobject.Manifest]) -> list[str]:
+    nc = await nats_connect.connect(nats_connect.options_from_args(args, name="pulsescale-apply"))
+    try:
+        kv = (await ensure_buckets(nc.jetstream(timeout=5.0)))[protocol.SCALERS_BUCKET]
+        out = []
+        for m in manifests:
+            rec = m.record
+            previous = None
+            try:
+                entry = await kv.get(rec.key)
+                if entry.value is not None:
+                    previous = protocol.decode(entry.value, protocol.ScalerRecord)
+            except nats.js.errors.KeyNotFoundError:
+                pass
+            except BadMessage:
+                previous = None  # unreadable: overwrite it
+            if previous is not None and scaledobject.same_content(previous, rec):
+                out.append(f"scaledobject {rec.key} unchanged")
+                continue
+            gen = (previous.generation if previous is not None else 0) + 1
+            await kv.put(rec.key, protocol.encode(_with_generation(rec, gen)))
+            out.append(f"scaledobject {rec.key} {'configured' if previous else 'created'}{_summary(rec)}")
+        return out
+    finally:
+        await nc.close()
+
+
+def _with_generation(rec: protocol.ScalerRecord, generation: int) -> protocol.ScalerRecord:
+    return msgspec.structs.replace(rec, generation=generation)
+
+
+def _summary(rec: protocol.ScalerRecord) -> str:
+    s = rec.spec
+    paused = ""
+    if rec.paused:
+        paused = f", paused at {rec.paused_replicas}" if rec.paused_replicas is not None else ", paused"
+    return (
+        f" (model {s.model}, replicas {s.min_replica_count}..{s.max_replica_count}, "
+        f"warm pool {s.warm_pool.size}{paused})"
+    )
+
+
+def apply(argv: list[str], prog: str, *, stdin: TextIO | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=f"Write ScaledObjects ({scaledobject.API_VERSION}, the YAML the CRD takes) to KV "
+        f"{protocol.SCALERS_BUCKET}, for use without Kubernetes. Every document is checked before any is written.",
+    )
+    p.add_argument(
+        "-f", "--filename", action="append", required=True, metavar="FILE", help="YAML file ('-' for stdin); repeatable"
+    )
+    p.add_argument("--dry-run", action="store_true", help="check the files and print what would be written")
+    nats_connect.add_nats_arguments(p)
+    args = p.parse_args(argv)
+    now = time.time()
+    manifests: list[scaledobject.Manifest] = []
+    try:
+        for path in args.filename:
+            source, text = _read(path, stdin or sys.stdin)
+            manifests += scaledobject.load_documents(text, source, updated_at=now)
+        keys = Counter(m.record.key for m in manifests)
+        twice = [k for k, n in keys.items() if n > 1]
+        if twice:
+            raise scaledobject.ScaledObjectError("", f"{twice[0]} is defined in more than one file")
+    except scaledobject.ScaledObjectError as err:
+        print(f"{prog}: {err}", file=sys.stderr)
+        return EXIT_REFUSED
+    _quiet_connection_log()
+    if args.dry_run:
+        for m in manifests:
+            print(f"scaledobject {m.record.key} valid{_summary(m.record)} (dry run: nothing written)")
+        return 0
+    try:
+        lines = asyncio.run(_write(args, manifests))
+    except NatsUnavailable as err:
+        print(f"{prog}: {err}", file=sys.stderr)
+        return EXIT_REFUSED
+    except (nats.errors.Error, TimeoutError) as err:
+        print(f"{prog}: writing to {protocol.SCALERS_BUCKET} failed: {err}", file=sys.stderr)
+        return EXIT_REFUSED
+    print("\n".join(lines))
+    return 0

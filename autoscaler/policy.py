@@ -1,0 +1,420 @@
+"""The scaling policy: ``decide(spec, observation, state, now) -> (decision, state)``.
+
+Pure, as DESIGN.md "Scaling policy" asks: no I/O, no clock (``now`` is an argument), frozen inputs and outputs.
+The controller calls `decide` on every (debounced) sample of a model and acts on `Decision.desired`; the
+`Decision.reason` goes to events, status and logs as it is.
+
+Order of precedence, first match wins:
+
+1. a live on-call override (``scale`` or ``pause``): exactly its count, not clamped to the bounds (KEDA's
+   paused-replicas is not clamped either: the person asked for that count); an expired one is ignored and the
+   reason says the policy resumed;
+2. no fresh demand (missing or stale gateways): never scale down; after ``fallback.failureThreshold`` missed
+   intervals of ``advanced.staleAfterSeconds``, ``fallback.replicas`` clamped to the bounds (KEDA's static
+   fallback: the operator's explicit count for flying blind, the one way stale metrics can lower the count). The
+   count held blind enters the stabilisation window, so it is left only after a window of fresh data;
+3. idle (only when ``idleReplicaCount`` is set or ``minReplicaCount`` is 0): after ``cooldownPeriod`` without demand
+   above ``activationQueueDepth``, drop to the idle count; from there scale up only when demand exceeds it (KEDA);
+4. panic: never down, up at once to the panic window's peak or the forecast, whichever is higher;
+5. normal: ``ceil(forecast / targetQueueDepth)`` up at once; down only to the highest recommendation of the
+   stabilisation window and by at most ``scaleDownPercent`` % (at least one replica) per ``scaleDownPeriodSeconds``;
+
+then the bounds ``[minReplicaCount (at least 1 while active), maxReplicaCount]``, and after a restart the count held
+at restart is a floor until the demand window has a full stable window of data (Knative's restart rule). A bound
+beats "never down": lowering ``maxReplicaCount`` below the count applies at once, in panic too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from autoscaler import detector
+from warmpool.protocol import ScaledObjectSpec
+
+__all__ = [
+    "Decision",
+    "Mode",
+    "Observation",
+    "Override",
+    "PolicyState",
+    "decide",
+    "initial_state",
+]
+
+Mode = Literal["normal", "panic", "override", "paused", "fallback", "stale", "hold", "idle"]
+
+_ROUNDING: Final = 1e-9
+"""`ceil(8.000000001 / 4)` must be 2, not 3: demand sums and trends are floats."""
+
+
+@dataclass(frozen=True, slots=True)
+class Override:
+    """An on-call command (``pulse.cmd.scale`` / ``pause``) or the paused annotations, built by the controller."""
+
+    kind: Literal["scale", "pause"]
+    replicas: int | None
+    """For ``pause``, None holds the current count; ``scale`` always names one (None is read as a pause)."""
+    expires_at: float | None
+    """Unix s; None lasts until resumed."""
+    by: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What the ingest layer knows about one model at decision time."""
+
+    demand: float | None
+    """Sum over fresh gateways of queue depth + in-flight; None when no gateway is fresh (missing/stale metrics)."""
+    arrival_rate: float | None
+    """Requests/s from counter deltas. Not used by this policy (demand is a level that already holds what arrived
+    and is not done); carried for reports and later forecasts."""
+    ready: int
+    activating: int
+    """Claimed or activating slots. Desired counts them already (it is the total the controller holds), so the
+    policy only reports them; panic compares with ready capacity alone, as Knative."""
+    lead_time_s: float | None = None
+    """Measured claim -> ready p90; None (or not a positive number) uses ``advanced.leadTimeSeconds``. Capped at
+    the panic window (or the configured lead time, if longer): the trend is not extrapolated past its history."""
+    override: Override | None = None
+    sample_ts: float | None = None
+    """Newest fresh sample's gateway timestamp. Not judged again here: the ingest layer owns freshness, and gateway
+    clocks may be skewed against ours."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    desired: int
+    reason: str
+    panic: bool
+    mode: Mode
+    forecast_demand: float | None = None
+    stable_demand: float | None = None
+    panic_demand: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyState:
+    """Everything `decide` carries from one call to the next. Frozen; its numpy arrays are read-only."""
+
+    desired: int
+    mode: Mode
+    started_at: float
+    hold_replicas: int | None
+    """The count at (re)start, a floor until a stable window of demand has been seen; None once it has."""
+    pulse: detector.PulseState
+    recommendations: detector.TimeWindow
+    """Per-bucket max of the normal-mode recommendation, over the scale-down stabilisation window."""
+    scale_downs: tuple[tuple[float, int], ...] = ()
+    """``(when, replicas removed)`` within the last scale-down period, for the rate limit."""
+    last_fresh_at: float | None = None
+    last_active_at: float | None = None
+
+    @property
+    def panic(self) -> bool:
+        return self.pulse.panic
+
+
+@dataclass(frozen=True, slots=True)
+class _Bounds:
+    min: int
+    max: int
+    idle: int
+    """The count when idle: ``idleReplicaCount`` if set, else ``minReplicaCount``."""
+    active_floor: int
+    """While active at least one replica, as KEDA (with ``minReplicaCount`` 0 an active model still needs one)."""
+
+    @property
+    def idle_capable(self) -> bool:
+        return self.idle < self.active_floor
+
+    def clamp(self, replicas: int) -> int:
+        """Any count into the legal set: ``{idle}`` (when idle-capable) or ``[active_floor, max]``."""
+        if replicas > self.max:
+            return self.max
+        if replicas >= self.active_floor:
+            return replicas
+        return self.idle if self.idle_capable and replicas <= self.idle else self.active_floor
+
+
+def _bounds(spec: ScaledObjectSpec) -> _Bounds:
+    idle = spec.idle_replica_count if spec.idle_replica_count is not None else spec.min_replica_count
+    return _Bounds(spec.min_replica_count, spec.max_replica_count, idle, max(spec.min_replica_count, 1))
+
+
+def _trigger(spec: ScaledObjectSpec) -> tuple[float, float]:
+    """(target, activation) over the triggers; they all read the same demand, so the smallest target wants the
+    most replicas and the smallest activation depth activates first (KEDA takes the max over triggers)."""
+    meta = [t.metadata for t in spec.triggers]
+    return min(m.target_queue_depth for m in meta), min(m.activation_queue_depth for m in meta)
+
+
+def _config(spec: ScaledObjectSpec, target: float, activation: float) -> detector.DetectorConfig:
+    adv = spec.advanced
+    return detector.DetectorConfig(
+        stable_window_s=adv.stable_window_seconds,
+        panic_window_s=adv.panic_window_seconds,
+        panic_threshold=adv.panic_threshold,
+        target_queue_depth=target,
+        activation_queue_depth=activation,
+        carry_s=adv.stale_after_seconds,
+    )
+
+
+def _recommendation_window(spec: ScaledObjectSpec) -> detector.TimeWindow:
+    return detector.TimeWindow.empty(spec.advanced.scale_down_stabilization_seconds, combine="max")
+
+
+def _n(x: float) -> str:
+    """A number for a reason string: at most one decimal, no trailing zeros."""
+    return f"{x:.1f}".removesuffix(".0")
+
+
+def _replicas(demand: float, target: float) -> int:
+    return max(math.ceil(demand / target - _ROUNDING), 0)
+
+
+def initial_state(spec: ScaledObjectSpec, *, now: float, current_replicas: int) -> PolicyState:
+    """State for a model seen for the first time, or after a restart or leader failover: the current count is held
+    (scale-ups allowed) until a stable window of demand has been seen (Knative's restart rule)."""
+    current = max(current_replicas, 0)
+    target, activation = _trigger(spec)
+    bounds = _bounds(spec)
+    return PolicyState(
+        desired=current,
+        mode="hold",
+        started_at=now,
+        hold_replicas=current,
+        pulse=detector.initial(_config(spec, target, activation)),
+        recommendations=_recommendation_window(spec),
+        last_active_at=now if current > bounds.idle else None,
+    )
+
+
+def _clean(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) and value >= 0 else None
+
+
+def _live(override: Override, now: float) -> bool:
+    return override.expires_at is None or now < override.expires_at
+
+
+def _describe(override: Override) -> str:
+    count = "current" if override.replicas is None else str(override.replicas)
+    by = f" by {override.by}" if override.by else ""
+    return f"override {override.kind}={count}{by}"
+
+
+def _apply_override(override: Override, prev: int, bounds: _Bounds, now: float) -> tuple[int, Mode, str]:
+    left = "until resumed" if override.expires_at is None else f"{_n(override.expires_at - now)} s left"
+    by = f" by {override.by}" if override.by else ""
+    mode: Mode
+    if override.kind == "scale" and override.replicas is not None:
+        desired, mode = max(override.replicas, 0), "override"
+        what = f"override scale={desired}"
+    else:
+        desired = prev if override.replicas is None else max(override.replicas, 0)
+        mode, what = "paused", f"paused at {desired}"
+    outside = "" if bounds.min <= desired <= bounds.max else f", outside bounds {bounds.min}..{bounds.max}"
+    return desired, mode, f"{what}{by}, {left}{outside}"
+
+
+def _rate_floor(prev: int, scale_downs: tuple[tuple[float, int], ...], spec: ScaledObjectSpec, now: float) -> int:
+    """The lowest count the scale-down rate allows now (HPA's percent policy, counted from the period's start)."""
+    adv = spec.advanced
+    removed = sum(n for ts, n in scale_downs if now - ts < adv.scale_down_period_seconds)
+    at_period_start = prev + removed
+    keep = math.ceil(at_period_start * (1 - adv.scale_down_percent / 100) - _ROUNDING)
+    keep = min(keep, at_period_start - 1)  # always at least one replica per period
+    return min(prev, max(keep, 0))
+
+
+def _blind(spec: ScaledObjectSpec, state: PolicyState, bounds: _Bounds, now: float) -> tuple[int, Mode, str]:
+    """No fresh demand: hold (never down), or the fallback count once enough intervals were missed."""
+    prev = state.desired
+    since = state.last_fresh_at if state.last_fresh_at is not None else state.started_at
+    stale_s = max(now - since, 0.0)
+    missed = math.floor(stale_s / spec.advanced.stale_after_seconds + _ROUNDING)
+    fallback = spec.fallback
+    what = "no fresh metrics since restart" if state.last_fresh_at is None else "metrics stale"
+    if fallback is not None and missed >= fallback.failure_threshold:
+        desired = min(max(fallback.replicas, bounds.min), bounds.max)
+        return desired, "fallback", f"fallback {desired}: {what} {_n(stale_s)} s, {missed} missed intervals"
+    desired = bounds.clamp(prev)
+    mode: Mode = "hold" if state.hold_replicas is not None else "stale"
+    return desired, mode, f"{what} {_n(stale_s)} s: holding {desired}"
+
+
+def _fresh(
+    spec: ScaledObjectSpec,
+    pulse: detector.Pulse,
+    rec: int,
+    stabilised: int,
+    state: PolicyState,
+    bounds: _Bounds,
+    last_active_at: float | None,
+    activation: float,
+    target: float,
+    lead_s: float,
+    now: float,
+) -> tuple[int, Mode, str]:
+    adv = spec.advanced
+    prev = state.desired
+    demand = pulse.current if pulse.current is not None else 0.0
+    if bounds.idle_capable and not pulse.panic:
+        if prev <= bounds.idle and demand <= activation:
+            return bounds.idle, "idle", f"idle at {bounds.idle}: demand {_n(demand)} <= activation {_n(activation)}"
+        if prev > bounds.idle and (last_active_at is None or now - last_active_at >= spec.cooldown_period):
+            return (
+                bounds.idle,
+                "idle",
+                f"idle {prev} -> {bounds.idle}: no demand above {_n(activation)} for {_n(spec.cooldown_period)} s",
+            )
+
+    forecast = pulse.forecast_demand if pulse.forecast_demand is not None else demand
+    want = floor = prev
+    mode: Mode = "normal"
+    if pulse.panic:
+        raw, mode = max(prev, rec), "panic"
+    elif rec >= prev:
+        raw = rec
+    else:
+        want = min(prev, stabilised)
+        floor = _rate_floor(prev, state.scale_downs, spec, now)
+        raw = max(want, floor)
+    desired = min(max(raw, bounds.active_floor), bounds.max)
+    note = f" (bounds {bounds.active_floor}..{bounds.max})" if desired != raw else ""
+    per_target = f"forecast {_n(forecast)} / target {_n(target)}"
+
+    if mode == "panic":
+        peak = pulse.panic_demand if pulse.panic_demand is not None else demand
+        if not pulse.panic_condition:
+            last = state.pulse.panic_condition_at
+            quiet_s = now - last if last is not None else 0.0
+            why = f"panic: holding, {_n(max(adv.stable_window_seconds - quiet_s, 0.0))} s until calm"
+        elif pulse.capacity > 0:
+            why = f"panic: demand {_n(peak)} >= {_n(adv.panic_threshold)} x capacity {_n(pulse.capacity)}"
+        else:
+            why = f"panic: demand {_n(peak)} > {_n(activation)} with nothing ready"
+        return desired, mode, f"{why} -> {desired}{note}"
+    if desired > prev:
+        return (
+            desired,
+            mode,
+            f"up {prev} -> {desired}: forecast {_n(forecast)} in {_n(lead_s)} s / target {_n(target)}{note}",
+        )
+    if desired < prev:
+        limited = ", rate-limited" if floor > want else ""
+        return desired, mode, f"down {prev} -> {desired}: {per_target}{limited}{note}"
+    if note or rec >= prev:
+        return desired, mode, f"steady at {prev}: {per_target}{note}"
+    if want >= prev:
+        stab = _n(adv.scale_down_stabilization_seconds)
+        return desired, mode, f"steady at {prev}: stabilising, max {stabilised} over {stab} s (now {rec})"
+    period = f"{_n(adv.scale_down_percent)} %/{_n(adv.scale_down_period_seconds)} s"
+    return desired, mode, f"steady at {prev}: scale-down rate {period} used"
+
+
+def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: float) -> tuple[Decision, PolicyState]:
+    """One scaling decision for one model at `now`; see the module docstring for the rules and their order."""
+    adv = spec.advanced
+    bounds = _bounds(spec)
+    target, activation = _trigger(spec)
+    prev = state.desired
+    demand = _clean(obs.demand)
+    lead_s = obs.lead_time_s
+    if lead_s is None or not math.isfinite(lead_s) or lead_s <= 0:
+        lead_s = adv.lead_time_seconds
+    # The slope is fitted on one panic window of history; extrapolating it much further is guessing (a cold start's
+    # minutes-long claim -> ready time would turn noise into dozens of replicas).
+    lead_s = min(lead_s, max(adv.panic_window_seconds, adv.lead_time_seconds))
+    pulse, pulse_state = detector.observe(
+        _config(spec, target, activation),
+        state.pulse,
+        now=now,
+        demand=demand,
+        ready=max(obs.ready, 0),
+        lead_time_s=lead_s,
+    )
+
+    hold = state.hold_replicas
+    first_ts = pulse_state.window.first_ts
+    if hold is not None and first_ts is not None and now - first_ts >= adv.stable_window_seconds:
+        hold = None  # a full stable window of demand seen since the restart: the policy's own view takes over
+
+    recs = state.recommendations
+    if recs.span_s != max(adv.scale_down_stabilization_seconds, detector.BUCKET_S):
+        recs = _recommendation_window(spec).record(now, prev)  # the spec's window changed: start from the count
+    last_fresh_at, last_active_at = state.last_fresh_at, state.last_active_at
+
+    if demand is None:
+        desired, mode, reason = _blind(spec, state, bounds, now)
+        # Recorded as a recommendation so that, when metrics return, the count held blind is only left after a
+        # stabilisation window of fresh data (KEDA's fallback reaches HPA's window the same way).
+        recs = recs.record(now, desired)
+    else:
+        last_fresh_at = now
+        if demand > activation:
+            last_active_at = now
+        forecast = pulse.forecast_demand if pulse.forecast_demand is not None else demand
+        peak = pulse.panic_demand if pulse.panic and pulse.panic_demand is not None else 0.0
+        rec = _replicas(max(forecast, peak), target)
+        recs = recs.record(now, rec)
+        stab_s = adv.scale_down_stabilization_seconds
+        stabilised = recs.peak(now, stab_s) if stab_s > 0 else None
+        desired, mode, reason = _fresh(
+            spec,
+            pulse,
+            rec,
+            rec if stabilised is None else max(int(stabilised), rec),
+            state,
+            bounds,
+            last_active_at,
+            activation,
+            target,
+            lead_s,
+            now,
+        )
+        if hold is not None and desired < hold:
+            floor = bounds.clamp(hold)  # the count at restart may itself be outside the (new) bounds
+            seen_s = now - (first_ts if first_ts is not None else now)
+            reason = (
+                f"hold {floor} after restart: {_n(seen_s)} of {_n(adv.stable_window_seconds)} s window seen"
+                f" (policy: {desired})"
+            )
+            desired, mode = floor, "hold"
+
+    override = obs.override
+    if override is not None:
+        if _live(override, now):
+            desired, mode, reason = _apply_override(override, prev, bounds, now)
+        else:
+            reason = f"{_describe(override)} expired, policy resumed: {reason}"
+
+    period_s = adv.scale_down_period_seconds
+    scale_downs = tuple(entry for entry in state.scale_downs if now - entry[0] < period_s)
+    if desired < prev:
+        scale_downs += ((now, prev - desired),)
+
+    decision = Decision(
+        desired=desired,
+        reason=reason,
+        panic=pulse.panic,
+        mode=mode,
+        forecast_demand=pulse.forecast_demand,
+        stable_demand=pulse.stable_demand,
+        panic_demand=pulse.panic_demand,
+    )
+    new_state = PolicyState(
+        desired=desired,
+        mode=mode,
+        started_at=state.started_at,
+        hold_replicas=hold,
+        pulse=pulse_state,
+        recommendations=recs,
+        scale_downs=scale_downs,
+        last_fresh_at=last_fresh_at,
+        last_active_at=last_active_at,
+    )
+    return decision, new_state

@@ -1,0 +1,273 @@
+"""The agent's side of a zygote: arm it, start and stop its engine process, notice when either dies."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from nodeagent.engines import EngineInfo, Started
+from nodeagent.errors import EngineFailed
+
+__all__ = ["ForkedEngine"]
+
+log = logging.getLogger("pulsescale.agent.engine")
+
+ARM_TIMEOUT_S = 60.0
+"""A zygote imports numpy and the engine: a second or two on a cold node; far more means something is wrong."""
+STOP_GRACE_S = 2.0
+"""SIGTERM, then SIGKILL after this long: the local engine exits at once; a stuck one must not block release."""
+
+
+class ForkedEngine:
+    """An engine started by forking a pre-armed zygote.
+
+    `spec` is the zygote's spec (engine, loader, model_dir, files, model_name, host, private, fault); `host`
+    is the address put in the endpoint (the engine may bind 0.0.0.0). `on_exit(reason)` is called when the
+    serving engine or the zygote dies on its own.
+    """
+
+    def __init__(
+        self,
+        spec: Mapping[str, Any],
+        *,
+        name: str,
+        advertise_host: str,
+        port: int = 0,
+        on_exit: Callable[[str], None] | None = None,
+    ) -> None:
+        self.info = EngineInfo(name=spec["engine"], device="cpu")
+        self.spec = dict(spec)
+        self.name = name
+        self.advertise_host = advertise_host
+        self.port = port
+        self.on_exit = on_exit
+        self._proc: asyncio.subprocess.Process | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._armed = asyncio.Event()
+        self._arm_error: str | None = None
+        self._events: asyncio.Queue[dict[str, Any]] | None = None
+        self._serving: Started | None = None
+        self._lock = asyncio.Lock()
+        self.arms = 0
+        self.prepare_ms = 0.0
+        self.zygote_pid: int | None = None
+        self._closing = False
+
+    @property
+    def armed(self) -> bool:
+        return self._armed.is_set() and self._proc is not None and self._proc.returncode is None
+
+    @property
+    def serving(self) -> Started | None:
+        return self._serving
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "engine": self.info.name,
+            "armed": self.armed,
+            "zygote_pid": self.zygote_pid,
+            "arms": self.arms,
+            "prepare_ms": round(self.prepare_ms, 1),
+            "engine_pid": self._serving.pid if self._serving else None,
+            "endpoint": self._serving.endpoint if self._serving else None,
+        }
+
+    # --- zygote lifecycle ------------------------------------------------------------------------------------
+
+    async def arm(self) -> None:
+        async with self._lock:
+            if self.armed:
+                return
+            await self._kill_zygote()
+            self._armed.clear()
+            self._arm_error = None
+            spec = {**self.spec, "parent_pid": os.getpid()}
+            self._proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "nodeagent.zygote",
+                json.dumps(spec),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+            )
+            self.zygote_pid = self._proc.pid
+            self._reader = asyncio.create_task(self._read(self._proc), name=f"zygote-{self.name}")
+            try:
+                await asyncio.wait_for(self._armed.wait(), ARM_TIMEOUT_S)
+            except TimeoutError:
+                await self._kill_zygote()
+                raise EngineFailed("arm", f"zygote did not arm within {ARM_TIMEOUT_S:.0f} s") from None
+            if self._arm_error is not None:
+                await self._kill_zygote()
+                raise EngineFailed("arm", self._arm_error)
+            self.arms += 1
+
+    async def _read(self, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stdout is not None
+        while True:
+            line = await proc.stdout.readline()
+            if not line:
+                break
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                log.warning("slot %s: zygote said %r", self.name, line[:200])
+                continue
+            self._on_event(ev)
+        rc = await proc.wait()
+        reason = f"zygote {proc.pid} exited ({_describe_rc(rc)})"
+        if not self._armed.is_set():
+            self._arm_error = self._arm_error or reason
+            self._armed.set()  # wakes `arm`, which reports the error
+            return
+        self._armed.clear()
+        if self._closing:
+            return
+        if self._events is not None:
+            self._events.put_nowait({"ev": "zygote_died", "reason": reason})
+        elif self._serving is not None:
+            self._serving = None
+            self._exit(f"{reason}; the engine went with it")
+        elif proc is self._proc:
+            self._exit(reason)
+
+    def _on_event(self, ev: dict[str, Any]) -> None:
+        kind = ev.get("ev")
+        if kind == "armed":
+            self.prepare_ms = float(ev.get("prepare_ms", 0.0))
+            self._armed.set()
+        elif kind == "error" and ev.get("fatal"):
+            self._arm_error = str(ev.get("reason"))
+        elif self._events is not None:
+            self._events.put_nowait(ev)
+        elif kind == "exited" and self._serving is not None and ev.get("pid") == self._serving.pid:
+            self._serving = None
+            self._exit(f"engine process {ev.get('pid')} {_describe_exit(ev)} while serving")
+        else:
+            log.debug("slot %s: zygote event %s", self.name, ev)
+
+    def _exit(self, reason: str) -> None:
+        log.warning("slot %s: %s", self.name, reason)
+        if self.on_exit is not None:
+            self.on_exit(reason)
+
+    # --- engine process ----------------------------------------------------------------------------------------
+
+    def _send(self, cmd: dict[str, Any]) -> None:
+        if self._proc is None or self._proc.stdin is None or self._proc.returncode is not None:
+            raise EngineFailed("arm", "the zygote is not running")
+        self._proc.stdin.write((json.dumps(cmd) + "\n").encode())
+
+    async def start(self, *, timeout_s: float) -> Started:
+        async with self._lock:
+            if self._serving is not None:
+                return self._serving
+            if not self.armed:
+                raise EngineFailed("arm", "the zygote is not armed (it died and is being re-armed)")
+            self._events = asyncio.Queue()
+            t0 = time.perf_counter()
+            pid: int | None = None
+            try:
+                self._send({"cmd": "start", "port": self.port})
+                async with asyncio.timeout(timeout_s):
+                    while True:
+                        ev = await self._events.get()
+                        kind = ev.get("ev")
+                        if kind == "forked":
+                            pid = ev.get("pid")
+                        elif kind == "serving":
+                            ms = (time.perf_counter() - t0) * 1e3
+                            load_ms = float(ev["load_ms"])
+                            self._serving = Started(
+                                endpoint=f"http://{self.advertise_host}:{ev['port']}",
+                                pid=int(ev["pid"]),
+                                load_ms=load_ms,
+                                engine_ms=max(0.0, ms - load_ms),
+                                loaded_bytes=int(ev["bytes"]),
+                                mode=str(ev["mode"]),
+                            )
+                            return self._serving
+                        elif kind == "failed":
+                            raise EngineFailed(str(ev.get("stage", "engine")), str(ev.get("reason")))
+                        elif kind == "exited":
+                            raise EngineFailed("engine", f"engine process {ev.get('pid')} {_describe_exit(ev)}")
+                        elif kind == "zygote_died":
+                            raise EngineFailed("engine", str(ev["reason"]))
+                        elif kind == "error":
+                            raise EngineFailed("engine", str(ev.get("reason")))
+            except TimeoutError:
+                raise EngineFailed(
+                    "engine", f"engine process {pid} not serving after {timeout_s * 1e3:.0f} ms", code="deadline"
+                ) from None
+            finally:
+                self._events = None
+
+    async def stop(self) -> None:
+        async with self._lock:
+            self._serving = None
+            if not self.armed:
+                return
+            self._events = asyncio.Queue()
+            try:
+                self._send({"cmd": "stop", "grace_s": STOP_GRACE_S})
+                async with asyncio.timeout(STOP_GRACE_S + 5.0):
+                    while True:
+                        ev = await self._events.get()
+                        if ev.get("ev") == "zygote_died" or (ev.get("ev") == "exited" and ev.get("requested")):
+                            return
+            except TimeoutError:
+                log.error("slot %s: zygote did not stop its engine; killing the zygote", self.name)
+                await self._kill_zygote()
+            finally:
+                self._events = None
+
+    async def _kill_zygote(self) -> None:
+        proc, self._proc = self._proc, None
+        reader, self._reader = self._reader, None
+        self._armed.clear()
+        if proc is not None:
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()  # its engine child gets SIGKILL from the kernel (PR_SET_PDEATHSIG)
+            await proc.wait()
+            if proc.stdin is not None:
+                proc.stdin.close()
+        if reader is not None:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+
+    async def close(self) -> None:
+        self._closing = True
+        async with self._lock:
+            self._serving = None
+            proc = self._proc
+            if proc is not None and proc.returncode is None and proc.stdin is not None:
+                with contextlib.suppress(OSError, RuntimeError):
+                    proc.stdin.write(b'{"cmd": "exit"}\n')
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(proc.wait(), STOP_GRACE_S + 1.0)
+            await self._kill_zygote()
+
+
+def _describe_exit(ev: Mapping[str, Any]) -> str:
+    if ev.get("signal"):
+        return f"was killed by {ev['signal']}"
+    return f"exited with code {ev.get('code')}"
+
+
+def _describe_rc(rc: int | None) -> str:
+    if rc is None:
+        return "still running"
+    if rc < 0:
+        import signal
+
+        return f"killed by {signal.Signals(-rc).name}"
+    return f"code {rc}"

@@ -1,0 +1,66 @@
+"""Named errors of the node agent. Each says what was wrong and, where a person reads it, what to do.
+
+`code` is a stable string: replies carry it as ``error.code`` and metrics label on it.
+"""
+
+from __future__ import annotations
+
+from warmpool.errors import PulsescaleError
+
+__all__ = [
+    "ActivationRefused",
+    "BadModel",
+    "BadWeights",
+    "EngineFailed",
+    "LoaderUnavailable",
+    "StagingFailed",
+]
+
+
+class BadModel(PulsescaleError):
+    """The model directory is unusable as a whole (no manifest, no weights, bad config, bad name)."""
+
+    code = "bad_model"
+
+
+class BadWeights(PulsescaleError):
+    """One weights file is unusable; `file` names it and `reason` says why (truncated, checksum, header...)."""
+
+    code = "bad_weights"
+
+    def __init__(self, file: str, reason: str) -> None:
+        self.file = file
+        self.reason = reason
+        super().__init__(f"{file}: {reason}")
+
+
+class StagingFailed(PulsescaleError):
+    """Copying, mapping or locking the staged weights failed for a reason outside the weights themselves."""
+
+    code = "staging_failed"
+
+
+class LoaderUnavailable(PulsescaleError):
+    """The asked weight loader cannot run on this node (no GPU, library missing, not built yet)."""
+
+    code = "loader_unavailable"
+
+
+class EngineFailed(PulsescaleError):
+    """The engine did not come up: it crashed, reported an error, or missed the deadline. `stage` says where."""
+
+    code = "engine_failed"
+
+    def __init__(self, stage: str, reason: str, *, code: str = "engine_failed") -> None:
+        self.stage = stage
+        self.reason = reason
+        self.code = code
+        super().__init__(f"{stage}: {reason}")
+
+
+class ActivationRefused(PulsescaleError):
+    """An activate/deactivate request the agent will not apply; `code` is the reply's error code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        self.code = code
+        super().__init__(message)

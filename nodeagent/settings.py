@@ -1,0 +1,66 @@
+"""The node agent's settings: one frozen dataclass, a unit in every name and a reason on every default."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from warmpool.connect import NatsOptions
+
+__all__ = ["AgentSettings"]
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    node: str
+    """This node's name: the `<node>` of ``pulse.agent.<node>.*`` and of the slot keys."""
+    model_dir: Path
+    """The model to stage: safetensors files, ``config.json`` and ``sha256sums.txt`` (see `tinymodel`)."""
+    model_name: str
+    """The model's name in the registry (the directory's name unless told otherwise)."""
+    nats: NatsOptions = field(default_factory=NatsOptions)
+    rack: str = ""
+    """Placement spreads a model's replicas over racks; empty means unknown."""
+    slots: int = 1
+    """Slots this node offers for the model (one engine each); named s0, s1, ..."""
+    engine: str = "local"
+    loader: str = "auto"
+    """``auto`` picks the best loader the node and engine allow (`loaders.choose`)."""
+    shm_dir: Path = Path("/dev/shm/pulsescale")
+    """Where weights are staged: tmpfs, so staged bytes are page-cache pages the engine can map in place."""
+    engine_host: str = "127.0.0.1"
+    """Address the engines bind. Loopback by default (safe); a node serving a gateway binds 0.0.0.0."""
+    advertise_host: str | None = None
+    """Host put in endpoints (the pod or node IP); defaults to `engine_host` unless that is 0.0.0.0."""
+    engine_port_base: int = 0
+    """Slot i serves on this port + i; 0 lets each engine take a free port (reported in its endpoint)."""
+    engine_memory: str = "shared"
+    """``shared``: the engine reads the shm mapping in place (no copy). ``private``: the loader copies the weights
+    into engine-owned memory, what an engine with its own device memory needs (and what `bench` measures)."""
+    lease_s: float = 6.0
+    """A lease this old is stale: its slots stop being claimable. Three missed heartbeats, not one hiccup."""
+    heartbeat_interval_s: float = 2.0
+    """A third of the lease."""
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int | None = 9464
+    """Prometheus ``/metrics`` (and ``/healthz``, ``/status``); None disables it, 0 picks a free port."""
+    lock_weights: bool = True
+    """``mlock`` the staged weights; refused locks are reported and the agent runs unlocked."""
+    stage_threads: int = 2
+    """Files copied and hashed at once: hashing runs at ~1.7 GB/s per core, so two saturate most disks."""
+    max_consecutive_failures: int = 3
+    """Failed activations in a row after which a slot is `failed` (quarantined until a prewarm) rather than
+    returned to `warm`: one crash may be bad luck, three is a broken slot that would eat every claim."""
+    faults: Mapping[str, str] = field(default_factory=dict)
+    """Test-only failpoints, slot name -> ``crash`` | ``hang`` | ``unhealthy`` | ``fail`` (see `zygote.FAULTS`)."""
+
+    @property
+    def slot_names(self) -> list[str]:
+        return [f"s{i}" for i in range(self.slots)]
+
+    @property
+    def endpoint_host(self) -> str:
+        if self.advertise_host:
+            return self.advertise_host
+        return "127.0.0.1" if self.engine_host in ("0.0.0.0", "::", "") else self.engine_host

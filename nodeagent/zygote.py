@@ -1,0 +1,219 @@
+"""The zygote: one pre-forked, already-imported process per slot; activation is fork-and-go.
+
+The agent starts ``python -m nodeagent.zygote SPEC`` when it arms a slot. The zygote imports the engine and the
+loader (numpy, the HTTP server: the interpreter start and imports that a cold pod pays for), reads the model's
+config, freezes its heap (`gc.freeze`, so forked children share it copy-on-write) and waits for commands on
+stdin, one JSON object per line:
+
+- ``{"cmd": "start", "port": P}``: fork a child that loads the staged weights with the loader, builds the engine,
+  binds ``host:P`` (0 = any free port) and serves; it reports ``serving`` (or ``failed``) itself.
+- ``{"cmd": "stop", "grace_s": S}``: SIGTERM the child, SIGKILL it after S seconds; the process exit frees every
+  byte of engine memory, while the staged weights stay in shm and the zygote stays armed.
+- ``{"cmd": "exit"}`` or end of stdin (the agent is gone): kill the child and exit.
+
+Events go to stdout, one JSON line each (< PIPE_BUF, so the zygote's and the child's lines never interleave):
+``armed``, ``forked``, ``serving``, ``failed``, ``exited``, ``error``. Both processes ask the kernel to kill them
+when their parent dies (``PR_SET_PDEATHSIG``), so a SIGKILLed agent leaves no engine behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import importlib
+import json
+import os
+import select
+import signal
+import sys
+import time
+import traceback
+from typing import Any, Final
+
+__all__ = ["CHILD_ENGINES", "FAULTS", "main"]
+
+CHILD_ENGINES: Final = {"local": "nodeagent.engines.local"}
+"""Engine name -> module with ``prepare(spec) -> object with boot(weights, host, port, fault)``."""
+
+FAULTS: Final = ("crash", "hang", "unhealthy", "fail")
+"""Test-only fault injection (failpoints), set per slot by the agent's settings: ``crash`` aborts the engine
+after loading (SIGABRT), ``hang`` loads and never serves, ``unhealthy`` serves 503 on /health, ``fail`` reports
+an engine error and exits."""
+
+_PR_SET_PDEATHSIG: Final = 1
+
+
+def _die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the stdin EOF check still ends the zygote
+    if os.getppid() != parent:
+        os._exit(1)  # the parent died before prctl took effect
+
+
+def emit(event: dict[str, Any]) -> None:
+    data = (json.dumps(event, separators=(",", ":")) + "\n").encode()
+    os.write(1, data)
+
+
+def _child(spec: dict[str, Any], engine: Any, loader: Any, port: int, zygote_pid: int) -> None:
+    """Runs in the forked engine process; never returns."""
+    code = 0
+    try:
+        _die_with_parent(zygote_pid)
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # the process exit frees the engine's memory
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)  # commands are the zygote's to read
+        t0 = time.perf_counter()
+        try:
+            weights = loader.load(spec["files"], private=spec["private"])
+        except Exception as err:  # noqa: BLE001 - reported to the agent, which decides what it means
+            traceback.print_exc()
+            emit({"ev": "failed", "pid": os.getpid(), "stage": "load", "reason": f"{type(err).__name__}: {err}"})
+            os._exit(1)
+        t1 = time.perf_counter()
+        fault = spec.get("fault")
+        if fault == "crash":
+            os.abort()
+        if fault == "fail":
+            emit({"ev": "failed", "pid": os.getpid(), "stage": "engine", "reason": "fault injected: engine failed"})
+            os._exit(1)
+        if fault == "hang":
+            while True:
+                time.sleep(3600)
+        try:
+            server = engine.boot(weights, spec["host"], port, fault)
+        except Exception as err:  # noqa: BLE001
+            traceback.print_exc()
+            emit({"ev": "failed", "pid": os.getpid(), "stage": "engine", "reason": f"{type(err).__name__}: {err}"})
+            os._exit(1)
+        t2 = time.perf_counter()
+        emit(
+            {
+                "ev": "serving",
+                "pid": os.getpid(),
+                "port": server.port,
+                "load_ms": (t1 - t0) * 1e3,
+                "boot_ms": (t2 - t1) * 1e3,
+                "bytes": weights.nbytes,
+                "mode": weights.mode,
+            }
+        )
+        server.serve_forever(poll_interval=3600)
+    except BaseException:  # noqa: BLE001 - a child must never fall back into the zygote's loop
+        traceback.print_exc()
+        code = 1
+    os._exit(code)
+
+
+class _Zygote:
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.child: int | None = None
+        self.pidfd: int | None = None
+
+    def arm(self) -> None:
+        t0 = time.perf_counter()
+        from nodeagent import loaders  # numpy comes with these: the heavy imports, done before any fork
+
+        module = importlib.import_module(CHILD_ENGINES[self.spec["engine"]])
+        self.engine = module.prepare(self.spec)
+        self.loader, _ = loaders.choose(self.spec["loader"])
+        gc.collect()
+        gc.freeze()  # objects made so far are never touched by the collector: children share them untouched
+        emit({"ev": "armed", "pid": os.getpid(), "prepare_ms": (time.perf_counter() - t0) * 1e3})
+
+    def start(self, cmd: dict[str, Any]) -> None:
+        if self.child is not None:
+            emit({"ev": "error", "reason": f"engine process {self.child} is still running; stop it first"})
+            return
+        me = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            _child(self.spec, self.engine, self.loader, int(cmd.get("port", 0)), me)
+        self.child = pid
+        self.pidfd = os.pidfd_open(pid)
+        emit({"ev": "forked", "pid": pid})
+
+    def reap(self, requested: bool) -> None:
+        assert self.child is not None and self.pidfd is not None
+        _, status = os.waitpid(self.child, 0)
+        event: dict[str, Any] = {"ev": "exited", "pid": self.child, "requested": requested}
+        if os.WIFSIGNALED(status):
+            event["signal"] = signal.Signals(os.WTERMSIG(status)).name
+        else:
+            event["code"] = os.WEXITSTATUS(status)
+        os.close(self.pidfd)
+        self.child = self.pidfd = None
+        emit(event)
+
+    def stop(self, grace_s: float) -> None:
+        if self.child is None:
+            emit({"ev": "exited", "pid": None, "requested": True, "code": None})
+            return
+        os.kill(self.child, signal.SIGTERM)
+        assert self.pidfd is not None
+        ready, _, _ = select.select([self.pidfd], [], [], grace_s)
+        if not ready:
+            os.kill(self.child, signal.SIGKILL)
+        self.reap(requested=True)
+
+    def run(self) -> None:
+        buf = b""
+        while True:
+            fds = [0] if self.pidfd is None else [0, self.pidfd]
+            ready, _, _ = select.select(fds, [], [])
+            if self.pidfd is not None and self.pidfd in ready:
+                self.reap(requested=False)
+            if 0 not in ready:
+                continue
+            data = os.read(0, 65536)
+            if not data:
+                self.shutdown()
+                return
+            buf += data
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                if not line.strip():
+                    continue
+                try:
+                    cmd = json.loads(line)
+                    verb = cmd["cmd"]
+                except (ValueError, KeyError, TypeError):
+                    emit({"ev": "error", "reason": f"bad command {line[:200]!r}"})
+                    continue
+                if verb == "start":
+                    self.start(cmd)
+                elif verb == "stop":
+                    self.stop(float(cmd.get("grace_s", 1.0)))
+                elif verb == "exit":
+                    self.shutdown()
+                    return
+                else:
+                    emit({"ev": "error", "reason": f"unknown command {verb!r}"})
+
+    def shutdown(self) -> None:
+        if self.child is not None:
+            os.kill(self.child, signal.SIGKILL)
+            self.reap(requested=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = json.loads(argv[0])
+    _die_with_parent(int(spec["parent_pid"]))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the agent, which stops its zygotes in order
+    zygote = _Zygote(spec)
+    try:
+        zygote.arm()
+    except Exception as err:  # noqa: BLE001 - reported to the agent as the reason the slot cannot arm
+        traceback.print_exc()
+        emit({"ev": "error", "fatal": True, "reason": f"cannot arm: {type(err).__name__}: {err}"})
+        return 1
+    zygote.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,304 @@
+"""The autoscaler daemon against a real nats-server: pulses become claims, failures become the next claim,
+and a leader crash is survived by the standby. Agents are the protocol-level double in tests/agent_double.py,
+so they can go silent on cue."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+
+import msgspec
+import pytest
+from nats.aio.client import Client
+
+from autoscaler import daemon
+from autoscaler.controller import ControllerSettings
+from autoscaler.leader import LeaseSettings
+from autoscaler.metrics import AutoscalerMetrics
+from tests.agent_double import AgentDouble
+from warmpool import connect, protocol
+from warmpool.embedded import NatsServer
+from warmpool.protocol import QueueSample, ScaledObjectSpec, ScalerRecord
+from warmpool.registry import KvSlotStore, ensure_buckets
+
+
+def spec(model: str, **over: object) -> ScaledObjectSpec:
+    raw = {
+        "scaleTargetRef": {"name": model},
+        "minReplicaCount": 0,
+        "maxReplicaCount": 8,
+        "triggers": [{"type": "gateway-queue", "metadata": {"model": model, "targetQueueDepth": 4}}],
+        **over,
+    }
+    return protocol.decode(msgspec.json.encode(raw), ScaledObjectSpec)
+
+
+async def put_scaler(nc: Client, model: str, **over: object) -> None:
+    kv = (await ensure_buckets(nc.jetstream()))[protocol.SCALERS_BUCKET]
+    rec = ScalerRecord(namespace="test", name=model, spec=spec(model, **over))
+    await kv.put(rec.key, protocol.encode(rec))
+
+
+class Gateway:
+    def __init__(self, nc: Client, model: str, name: str = "gw-1") -> None:
+        self.nc, self.model, self.name, self.seq = nc, model, name, 0
+
+    async def send(self, depth: int, inflight: int = 0) -> None:
+        self.seq += 1
+        s = QueueSample(
+            gateway=self.name,
+            model=self.model,
+            seq=self.seq,
+            ts=time.time(),
+            queue_depth=depth,
+            inflight=inflight,
+            arrivals_total=self.seq,
+            completions_total=0,
+            timeouts_total=0,
+        )
+        await self.nc.publish(protocol.queue_subject(self.model), protocol.encode(s))
+
+    async def steady(self, depth: int, seconds: float, every_s: float = 0.1) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            await self.send(depth)
+            await asyncio.sleep(every_s)
+
+
+async def held(store: KvSlotStore, model: str, states: tuple[str, ...] = ("ready",)) -> list[protocol.SlotRecord]:
+    return [r for r in store.records(model) if r.state in states]
+
+
+async def wait_for(cond, timeout: float) -> float:  # type: ignore[no-untyped-def]
+    t0 = time.monotonic()
+    while True:
+        result = cond()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return time.monotonic() - t0
+        assert time.monotonic() - t0 < timeout, "timed out"
+        await asyncio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def autoscaler_in_process(url: str, **kw: object) -> AsyncIterator[daemon.Autoscaler]:
+    settings = daemon.AutoscalerSettings(
+        nats=connect.NatsOptions(servers=(url,), name="test-autoscaler"),
+        lease=LeaseSettings(lease_s=1.0, renew_every_s=0.2),
+        **kw,  # type: ignore[arg-type]
+    )
+    stop, ready = asyncio.Event(), asyncio.Event()
+    metrics = AutoscalerMetrics()
+    task = asyncio.create_task(daemon.run(settings, stop=stop, ready=ready, metrics=metrics))
+    await asyncio.wait_for(ready.wait(), 10)
+    box: list[daemon.Autoscaler] = []
+    # run() owns the Autoscaler; reach it through the ready leader for assertions.
+    try:
+        await wait_for(lambda: metrics.leader._value.get() == 1, 5)  # type: ignore[attr-defined]
+        yield metrics  # type: ignore[misc]
+    finally:
+        stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 10)
+        del box
+
+
+async def test_a_pulse_claims_and_activates_warm_slots(nats_server: NatsServer, nc: Client, store: KvSlotStore) -> None:
+    agents = [await AgentDouble(nc, store, f"node-{i}", "m", slots=4, rack=f"r{i}").start() for i in range(2)]
+    await put_scaler(nc, "m")
+    events: list[protocol.Event] = []
+
+    async def on_event(msg) -> None:  # type: ignore[no-untyped-def]
+        events.append(protocol.decode(msg.data, protocol.Event))
+
+    await nc.subscribe("pulse.events.m", cb=on_event)
+    try:
+        async with autoscaler_in_process(nats_server.url) as metrics:
+            gw = Gateway(nc, "m")
+            await gw.steady(0, 0.5)
+            await gw.send(24)  # from nothing to 24 requests at 4 per replica: at least 6 replicas, at once
+            took = await wait_for(lambda: held(store, "m"), 3)
+            desired = metrics.desired.labels("m")._value.get()  # type: ignore[attr-defined]
+            assert desired >= 6
+            await wait_for(lambda: _count(store, "m") == desired, 3)
+            await gw.steady(24, 0.3)
+            ready = await held(store, "m")
+            assert len(ready) == desired and len({r.claim_id for r in ready}) == desired
+            assert {r.node for r in ready} == {"node-0", "node-1"}, "claims did not spread over nodes"
+            assert took < 3
+            assert sum(1 for e in events if e.type == "slot.ready") == desired
+            decisions = [e for e in events if e.type == "scale.decision"]
+            assert decisions and decisions[-1].desired == desired and decisions[-1].reason
+            assert metrics.claim_latency_seconds._sum.get() > 0  # type: ignore[attr-defined]
+    finally:
+        for a in agents:
+            await a.stop()
+
+
+def _count(store: KvSlotStore, model: str) -> int:
+    return sum(1 for r in store.records(model) if r.state == "ready")
+
+
+async def test_silent_agent_is_released_and_the_next_slot_claimed_in_time(
+    nats_server: NatsServer, nc: Client, store: KvSlotStore
+) -> None:
+    deadline_s = 0.5
+    # The silent node's slots are the preferred ones (weights resident), so they are claimed first.
+    silent = await AgentDouble(nc, store, "silent", "m", slots=1, behaviour="silent").start()
+    live = await AgentDouble(nc, store, "live", "m", slots=1, resident=False).start()
+    await put_scaler(nc, "m")
+    claims: dict[str, float] = {}
+
+    async def watch() -> None:
+        async for ev in store.watch():
+            if hasattr(ev, "record") and ev.record.state == "claimed":  # type: ignore[union-attr]
+                claims.setdefault(ev.key, time.monotonic())  # type: ignore[union-attr]
+
+    watcher = asyncio.create_task(watch())
+    try:
+        async with autoscaler_in_process(
+            nats_server.url, controller=ControllerSettings(activation_deadline_s=deadline_s)
+        ):
+            await Gateway(nc, "m").send(4)  # one replica
+            await wait_for(lambda: "m.live.s0" in claims, 5)
+            first, second = claims["m.silent.s0"], claims["m.live.s0"]
+            assert second - first <= deadline_s + 0.1, f"next claim after {second - first:.3f} s"
+            await wait_for(lambda: _count(store, "m") == 1, 2)
+            rec, _ = await store.get("m.silent.s0")
+            assert rec.state == "warm" and rec.claim_id is None  # given back, claimable again
+    finally:
+        watcher.cancel()
+        await silent.stop()
+        await live.stop()
+
+
+async def test_empty_pool_takes_the_cold_path_and_says_so(
+    nats_server: NatsServer, nc: Client, store: KvSlotStore
+) -> None:
+    agent = await AgentDouble(nc, store, "node-0", "m", slots=1).start()
+    await put_scaler(nc, "m")
+    events: list[protocol.Event] = []
+
+    async def on_event(msg) -> None:  # type: ignore[no-untyped-def]
+        events.append(protocol.decode(msg.data, protocol.Event))
+
+    await nc.subscribe("pulse.events.m", cb=on_event)
+    try:
+        async with autoscaler_in_process(nats_server.url) as metrics:
+            await Gateway(nc, "m").send(12)  # 3 replicas wanted, 1 slot in the pool
+            await wait_for(lambda: any(e.type == "cold.start" for e in events), 3)
+            cold = next(e for e in events if e.type == "cold.start")
+            assert cold.desired == 2 and "no warm slot" in (cold.reason or "")
+            assert any(e.type == "pool.exhausted" for e in events)
+            assert metrics.cold_starts.labels("m")._value.get() >= 1  # type: ignore[attr-defined]
+    finally:
+        await agent.stop()
+
+
+def _autoscaler_proc(url: str, identity: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "pulsescale", "autoscaler", "--nats", url, "--identity", identity, "--lease", "1",
+         "--log-level", "WARNING"],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+async def test_two_replicas_and_a_leader_crash_mid_pulse(
+    nats_server: NatsServer, nc: Client, store: KvSlotStore
+) -> None:
+    agents = [await AgentDouble(nc, store, f"node-{i}", "m", slots=5, activation_delay_s=0.3).start() for i in range(2)]
+    await put_scaler(nc, "m")
+    leases = (await ensure_buckets(nc.jetstream()))[protocol.LEASES_BUCKET]
+    procs = {name: _autoscaler_proc(nats_server.url, name) for name in ("replica-a", "replica-b")}
+    try:
+
+        async def leader() -> str | None:
+            with contextlib.suppress(Exception):
+                entry = await leases.get("autoscaler")
+                return str(msgspec.json.decode(entry.value)["holder"])
+            return None
+
+        await wait_for(leader, 10)
+        await asyncio.sleep(1.0)  # both follow the scaler and the slots
+        gw = Gateway(nc, "m")
+        pulse = asyncio.create_task(gw.steady(32, 8.0))  # 8 replicas wanted
+        await wait_for(lambda: any(r.state in ("claimed", "activating") for r in store.records("m")), 5)
+        name = await leader()
+        assert name in procs
+        procs[name].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        took = await wait_for(lambda: _count(store, "m") == 8, 10)
+        assert took <= 1.0 + 1.0 + 0.3 + 0.5, f"standby finished the scale-up {took:.2f} s after the crash"
+        assert await leader() != name
+        await asyncio.sleep(0.5)
+        recs = await held(store, "m", ("claimed", "activating", "ready", "releasing"))
+        assert len(recs) == 8, "the two replicas claimed more (or less) than one would"
+        assert len({r.claim_id for r in recs}) == 8
+        del killed
+        pulse.cancel()
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.terminate()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(10)
+            if p.poll() is None:
+                p.kill()
+        for a in agents:
+            await a.stop()
+
+
+async def test_scaler_changes_apply_live(nats_server: NatsServer, nc: Client, store: KvSlotStore) -> None:
+    agent = await AgentDouble(nc, store, "node-0", "m", slots=6).start()
+    await put_scaler(nc, "m", maxReplicaCount=2)
+    try:
+        async with autoscaler_in_process(nats_server.url):
+            gw = Gateway(nc, "m")
+            pulse = asyncio.create_task(gw.steady(40, 5.0))
+            await wait_for(lambda: _count(store, "m") == 2, 3)
+            await asyncio.sleep(0.3)
+            assert _count(store, "m") == 2  # held at the bound
+            await put_scaler(nc, "m", maxReplicaCount=5)  # edited while running
+            await wait_for(lambda: _count(store, "m") == 5, 3)
+            pulse.cancel()
+    finally:
+        await agent.stop()
+
+
+async def test_sigterm_leaves_no_claim_dangling(nats_server: NatsServer, nc: Client, store: KvSlotStore) -> None:
+    agent = await AgentDouble(nc, store, "node-0", "m", slots=4, activation_delay_s=3.0).start()
+    await put_scaler(nc, "m")
+    proc = _autoscaler_proc(nats_server.url, "only")
+    leases = (await ensure_buckets(nc.jetstream()))[protocol.LEASES_BUCKET]
+    try:
+        await wait_for(lambda: _lease_held(leases), 10)
+        await asyncio.sleep(0.5)
+        await Gateway(nc, "m").send(16)
+        await wait_for(lambda: any(r.state in ("claimed", "activating") for r in store.records("m")), 5)
+        proc.send_signal(signal.SIGTERM)
+        rc = await asyncio.to_thread(proc.wait, 10)
+        assert rc == 0
+        await asyncio.sleep(0.2)
+        states = {r.key: r.state for r in store.records("m")}
+        assert not [k for k, s in states.items() if s in ("claimed", "activating")], states
+        assert not await _lease_held(leases), "the lease was not handed back"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        await agent.stop()
+
+
+async def _lease_held(leases) -> bool:  # type: ignore[no-untyped-def]
+    try:
+        await leases.get("autoscaler")
+    except Exception:
+        return False
+    return True

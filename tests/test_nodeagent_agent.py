@@ -1,0 +1,288 @@
+"""The agent end to end: real nats-server, the agent's `run`, real zygotes and engines, real HTTP and /dev/shm."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from pathlib import Path
+
+import aiohttp
+from nats.aio.client import Client
+
+from nodeagent import tinymodel
+from tests.nodeagent_helpers import (  # noqa: F401
+    MODEL,
+    NODE,
+    activate,
+    alive,
+    deactivate,
+    key,
+    model_dir_fixture,
+    request,
+    running_agent,
+    settings,
+    shm_dir_fixture,
+    state,
+    tiny_source_fixture,
+    wait_for,
+    wait_state,
+)
+from warmpool import protocol
+from warmpool.embedded import NatsServer
+from warmpool.registry import KvSlotStore
+
+
+def flip_a_byte(model_dir: Path) -> Path:
+    victim = sorted(model_dir.glob("*.safetensors"))[0]
+    data = bytearray(victim.read_bytes())
+    data[100] ^= 0x01
+    victim.write_bytes(bytes(data))
+    return victim
+
+
+def digests(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
+
+
+async def completion(endpoint: str, prompt: str = "hello", max_tokens: int = 4) -> dict[str, object]:
+    async with aiohttp.ClientSession() as s:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens}
+        async with s.post(f"{endpoint}/v1/completions", json=body) as r:
+            assert r.status == 200
+            out: dict[str, object] = await r.json()
+            return out
+
+
+async def test_activate_ready_deactivate_warm_and_again_without_restaging(
+    nats_server: NatsServer, nc: Client, store: KvSlotStore, model_dir: Path, shm_dir: Path
+) -> None:
+    cfg = settings(model_dir, shm_dir, nats_server.url, slots=2, rack="r1")
+    async with running_agent(cfg) as (agent, registry):
+        for slot in ("s0", "s1"):
+            rec = await wait_state(store, key(slot), "warm")
+            assert rec.weights_resident and rec.rack == "r1"
+        await wait_for(lambda: store.lease(NODE) is not None, 5, "the lease")
+        lease = store.lease(NODE)
+        assert lease is not None and lease.slots == ["s0", "s1"] and lease.shm_free_bytes > 0
+        staged_at = agent.staged.staged_at if agent.staged else None
+        zygote = agent.slots["s0"].engine.zygote_pid if agent.slots["s0"].engine else None
+        staged_files = digests(shm_dir / MODEL)
+
+        endpoints = []
+        for _ in range(2):
+            claim = await store.claim_slot(key("s0"))
+            reply = await activate(nc, claim)
+            assert reply.ok, reply.error
+            endpoint = reply.fields["endpoint"]
+            endpoints.append(endpoint)
+            timings = protocol.StageTimings(**reply.fields["timings"])
+            assert 0 < timings.load_ms < timings.total_ms and timings.readiness_ms > 0 and timings.token_ms > 0
+            rec = await wait_state(store, key("s0"), "ready")  # our view of the registry catches up
+            assert rec.endpoint == endpoint
+            assert rec.claim_id == claim.claim_id and rec.token == claim.token
+            out = await completion(endpoint)
+            assert out["object"] == "text_completion"
+            # A repeat of the same activation (a retry) is answered with the same endpoint, not a second engine.
+            again = await activate(nc, claim)
+            assert again.ok and again.fields["endpoint"] == endpoint and again.fields["repeated"]
+
+            reply = await deactivate(nc, claim)
+            assert reply.ok and reply.fields["state"] == "warm", reply
+            rec = await wait_state(store, key("s0"), "warm")
+            assert rec.claim_id is None and rec.endpoint is None
+            try:
+                await completion(endpoint)
+                raise AssertionError("the engine still serves after deactivation")
+            except aiohttp.ClientError:
+                pass
+        # Activated twice from one staging and one zygote: nothing was staged or imported again.
+        assert agent.staged is not None and agent.staged.staged_at == staged_at
+        assert agent.slots["s0"].engine is not None and agent.slots["s0"].engine.zygote_pid == zygote
+        assert digests(shm_dir / MODEL) == staged_files
+        assert registry.get_sample_value("pulsescale_activation_seconds_count", {"stage": "total"}) == 2
+        assert registry.get_sample_value("pulsescale_agent_activations_total", {"outcome": "ready"}) == 2
+        assert registry.get_sample_value("pulsescale_agent_slots", {"state": "warm"}) == 2
+        locked = registry.get_sample_value("pulsescale_agent_weights_locked_bytes")
+        assert locked is not None and locked > 0
+
+        status = await request(nc, "status")
+        assert status.ok and status.fields["node"] == NODE
+        weights = status.fields["weights"]
+        assert weights["locked"] and weights["locked_bytes"] == locked and weights["lock_error"] is None
+        s0 = status.fields["slots"][0]
+        assert s0["activations"] == 2 and s0["state"] == "warm" and s0["engine"]["armed"]
+        assert set(s0["last_timings"]) == {"token_ms", "load_ms", "engine_ms", "readiness_ms", "total_ms"}
+
+
+async def test_fencing_refuses_stale_tokens_and_foreign_claims(
+    nats_server: NatsServer, nc: Client, store: KvSlotStore, model_dir: Path, shm_dir: Path
+) -> None:
+    async with running_agent(settings(model_dir, shm_dir, nats_server.url)) as (_agent, registry):
+        await wait_state(store, key("s0"), "warm")
+        old = await store.claim_slot(key("s0"))
+        await store.release(old)
+        await wait_state(store, key("s0"), "warm")
+        # A released claim: its token no longer holds the slot.
+        reply = await activate(nc, old)
+        assert not reply.ok and reply.error is not None and reply.error.code == "stale_token", reply
+
+        claim = await store.claim_slot(key("s0"))
+        foreign = dataclasses.replace(claim, claim_id="not-the-claimer")
+        reply = await activate(nc, foreign)
+        assert not reply.ok and reply.error is not None and reply.error.code == "foreign_claim", reply
+        reply = await request(nc, "activate", slot="s0", token=claim.token + 100, claim_id=claim.claim_id)
+        assert not reply.ok and reply.error is not None and reply.error.code in ("stale_token", "foreign_claim")
+
+        reply = await activate(nc, claim)
+        assert reply.ok, reply.error
+        # Lower than the highest token seen: refused without even asking the registry.
+        reply = await activate(nc, old)
+        assert not reply.ok and reply.error is not None and reply.error.code == "stale_token"
+        assert "lower than" in reply.error.message
+        reply = await deactivate(nc, old)
+        assert not reply.ok and reply.error is not None and reply.error.code == "stale_token"
+        rec = await wait_state(store, key("s0"), "ready")
+        assert rec.claim_id == claim.claim_id  # none of that disturbed the holder
+
+        # Bad messages are answered, counted by reason, and the agent keeps serving.
+        subject = protocol.agent_subject(NODE, "activate")
+        v2 = b'{"v": 2, "id": "x", "expires_at": 9e9, "slot": "s0", "token": 1, "claim_id": "c", "deadline": 9e9}'
+        for data in (b"not json", v2, b'{"v": 1, "id": "x", "expires_at": 1, "slot": "s0"}'):
+            msg = await nc.request(subject, data, timeout=5)
+            assert protocol.decode_reply(msg.data).error is not None
+        assert registry.get_sample_value("pulsescale_agent_rejected_messages_total", {"reason": "bad_json"}) == 1
+        assert registry.get_sample_value("pulsescale_agent_rejected_messages_total", {"reason": "bad_version"}) == 1
+        assert registry.get_sample_value("pulsescale_agent_rejected_messages_total", {"reason": "missing_field"}) == 1
+        expired = await request(nc, "status", expires_at=time.time() - 1)
+        assert expired.error is not None and "expired" in expired.error.message
+        reply = await request(nc, "activate", slot="s9", token=1, claim_id="x")
+        assert reply.error is not None and reply.error.code == "unknown_slot"
+        # An id already applied is answered with its first reply, not applied again.
+        body = {"v": 1, "id": "once", "expires_at": time.time() + 30}
+        first = await nc.request(protocol.agent_subject(NODE, "status"), protocol._encoder.encode(body), timeout=5)
+        second = await nc.request(protocol.agent_subject(NODE, "status"), protocol._encoder.encode(body), timeout=5)
+        assert first.data == second.data
+        assert (await deactivate(nc, claim)).ok
+
+
+async def test_engine_faults_end_in_clear_failures_and_other_slots_keep_serving(
+    nats_server: NatsServer, nc: Client, store: KvSlotStore, model_dir: Path, shm_dir: Path
+) -> None:
+    cfg = settings(model_dir, shm_dir, nats_server.url, slots=3, faults={"s1": "crash", "s2": "hang"})
+    async with running_agent(cfg) as (_agent, registry):
+        for slot in ("s0", "s1", "s2"):
+            await wait_state(store, key(slot), "warm")
+        staged = digests(shm_dir / MODEL)
+
+        crash = await store.claim_slot(key("s1"))
+        reply = await activate(nc, crash)
+        assert not reply.ok and reply.error is not None and reply.error.code == "engine_failed"
+        assert "SIGABRT" in reply.error.message and reply.fields["state"] == "warm"
+        rec = await wait_state(store, key("s1"), "warm")
+        assert rec.claim_id is None and rec.reason is not None and "SIGABRT" in rec.reason
+
+        hang = await store.claim_slot(key("s2"))
+        t0 = time.time()
+        reply = await activate(nc, hang, deadline=t0 + 0.8)
+        assert time.time() - t0 < 3
+        assert not reply.ok and reply.error is not None and reply.error.code == "deadline", reply
+        rec = await wait_state(store, key("s2"), "warm")
+        assert rec.reason is not None and "not serving after" in rec.reason
+
+        good = await store.claim_slot(key("s0"))  # the agent keeps serving its other slots
+        reply = await activate(nc, good)
+        assert reply.ok, reply.error
+        await completion(reply.fields["endpoint"])
+
+        # A slot that keeps crashing is quarantined, with the reason, instead of eating every claim.
+        for _ in range(2):
+            await wait_state(store, key("s1"), "warm")
+            claim = await store.claim_slot(key("s1"))
+            reply = await activate(nc, claim)
+            assert not reply.ok
+        rec = await wait_state(store, key("s1"), "failed")
+        assert rec.reason is not None and "3 activations in a row failed" in rec.reason and "SIGABRT" in rec.reason
+        assert registry.get_sample_value("pulsescale_agent_activations_total", {"outcome": "failed"}) == 3
+        assert registry.get_sample_value("pulsescale_agent_activations_total", {"outcome": "deadline"}) == 1
+        assert digests(shm_dir / MODEL) == staged  # nothing staged is lost
+        rec = await wait_state(store, key("s0"), "ready")
+        assert rec.claim_id == good.claim_id
+        assert (await deactivate(nc, good)).ok
+
+
+async def test_corrupt_weights_fail_the_slots_with_the_file_named_and_prewarm_recovers(
+    nats_server: NatsServer, nc: Client, store: KvSlotStore, model_dir: Path, shm_dir: Path, tiny_source: Path
+) -> None:
+    victim = flip_a_byte(model_dir)
+    async with running_agent(settings(model_dir, shm_dir, nats_server.url, slots=2)) as _:
+        for slot in ("s0", "s1"):
+            rec = await wait_state(store, key(slot), "failed")
+            assert rec.reason is not None and victim.name in rec.reason and "sha256 mismatch" in rec.reason
+        status = await request(nc, "status")
+        assert status.ok and victim.name in status.fields["weights"]["error"]
+        claim_attempt = await request(nc, "activate", slot="s0", token=1, claim_id="x")
+        assert not claim_attempt.ok  # refused, the daemon lives on
+
+        victim.write_bytes((tiny_source / victim.name).read_bytes())  # the operator fixes the model
+        reply = await request(nc, "prewarm")
+        assert reply.ok and reply.fields["accepted"] == ["s0", "s1"]
+        for slot in ("s0", "s1"):
+            rec = await wait_state(store, key(slot), "warm")
+            assert rec.reason is None and rec.weights_resident
+        claim = await store.claim_slot(key("s1"))
+        assert (await activate(nc, claim)).ok
+
+
+async def test_a_claim_released_elsewhere_stops_its_engine(
+    nats_server: NatsServer, nc: Client, store: KvSlotStore, model_dir: Path, shm_dir: Path
+) -> None:
+    async with running_agent(settings(model_dir, shm_dir, nats_server.url)) as (agent, _):
+        await wait_state(store, key("s0"), "warm")
+        claim = await store.claim_slot(key("s0"))
+        reply = await activate(nc, claim)
+        assert reply.ok
+        active = agent.slots["s0"].active
+        assert active is not None
+        pid = active.started.pid
+        _, rev = await store.get(key("s0"))
+        claim = dataclasses.replace(claim, revision=rev, record=(await store.get(key("s0")))[0])
+        await store.release(claim, reason="scaled down")  # the autoscaler releases without a deactivate
+        await wait_for(lambda: not alive(pid), 10, "the fenced engine to stop")
+        assert agent.slots["s0"].active is None
+        await wait_state(store, key("s0"), "warm")
+        # And the slot activates again for the next claimer.
+        claim = await store.claim_slot(key("s0"))
+        assert (await activate(nc, claim)).ok
+
+
+async def test_an_engine_that_dies_while_serving_fails_its_claim_and_the_slot_comes_back(
+    nats_server: NatsServer, nc: Client, store: KvSlotStore, model_dir: Path, shm_dir: Path
+) -> None:
+    import os
+    import signal
+
+    async with running_agent(settings(model_dir, shm_dir, nats_server.url)) as (agent, registry):
+        await wait_state(store, key("s0"), "warm")
+        claim = await store.claim_slot(key("s0"))
+        reply = await activate(nc, claim)
+        assert reply.ok
+        active = agent.slots["s0"].active
+        assert active is not None
+        os.kill(active.started.pid, signal.SIGKILL)
+        await wait_for(
+            lambda: (r := state(store, key("s0"))) is not None and r.state in ("failed", "warm") and r.claim_id is None,
+            10,
+            "the claim to be failed",
+        )
+        rec = await wait_state(store, key("s0"), "warm")
+        assert rec.claim_id is None
+        assert registry.get_sample_value("pulsescale_agent_engine_unexpected_exits_total") == 1
+        claim = await store.claim_slot(key("s0"))
+        assert (await activate(nc, claim)).ok
+
+
+def test_make_tiny_sizes_span_small_to_large(tmp_path: Path) -> None:
+    assert tinymodel.plan(1_000_000).nbytes < 1_100_000
+    big = tinymodel.plan(8 * 10**9)
+    assert abs(big.nbytes - 8 * 10**9) / 8e9 < 0.01 and big.layers * big.experts * big.dim**2 * 4 < 8 * 10**9

@@ -1,0 +1,260 @@
+"""Weights: the safetensors header validator (table-driven), make-tiny, staging with sha256 checks, mlock."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from nodeagent import loaders, safetensors_check, staging, tinymodel
+from nodeagent.engines import local
+from nodeagent.errors import BadModel, BadWeights
+from tests.nodeagent_helpers import model_dir_fixture, shm_dir_fixture, tiny_source_fixture  # noqa: F401
+
+
+def st_bytes(header: dict[str, object] | bytes, data: bytes = b"", *, length: int | None = None) -> bytes:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return struct.pack("<Q", len(raw) if length is None else length) + raw + data
+
+
+def f32(name: str, shape: list[int], begin: int) -> dict[str, object]:
+    n = 4 * int(np.prod(shape))
+    return {name: {"dtype": "F32", "shape": shape, "data_offsets": [begin, begin + n]}}
+
+
+GOOD = st_bytes({**f32("a", [2, 2], 0), **f32("b", [3], 16)}, bytes(28))
+
+CASES = [
+    ("empty file", b"", "truncated"),
+    ("short length", b"\x01\x02\x03", "truncated"),
+    ("absurd header", st_bytes(b"{}", length=200 * 2**20), "absurd"),
+    ("header past the end", st_bytes(b'{"a":1}', length=4096), "truncated"),
+    ("zero header", st_bytes(b"", length=0), "header length is 0"),
+    ("not json", st_bytes(b"{nope"), "not valid JSON"),
+    ("not utf-8", st_bytes(b'{"\xff":1}'), "not UTF-8"),
+    ("json list", st_bytes(b"[1, 2]"), "not an object"),
+    (
+        "unknown dtype",
+        st_bytes({"a": {"dtype": "F7", "shape": [1], "data_offsets": [0, 4]}}, bytes(4)),
+        "unknown dtype",
+    ),
+    ("bad shape", st_bytes({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, bytes(4)), "shape"),
+    ("bad offsets", st_bytes({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0]}}, bytes(4)), "data_offsets"),
+    (
+        "reversed offsets",
+        st_bytes({"a": {"dtype": "U8", "shape": [0], "data_offsets": [4, 0]}}, bytes(4)),
+        "end before",
+    ),
+    ("truncated data", GOOD[:-5], "truncated"),
+    ("out of range", st_bytes(f32("a", [4], 8), bytes(8)), "out of range"),
+    ("span mismatch", st_bytes({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(8)), "needs 12"),
+    ("overlap", st_bytes({**f32("a", [2], 0), **f32("b", [2], 4)}, bytes(12)), "overlaps"),
+    ("gap", st_bytes({**f32("a", [1], 0), **f32("b", [1], 8)}, bytes(12)), "gap"),
+    ("trailing bytes", st_bytes(f32("a", [1], 0), bytes(9)), "after the last tensor"),
+    ("duplicate name", st_bytes(b'{"a":{"dtype":"U8","shape":[0],"data_offsets":[0,0]},"a":{}}'), "twice"),
+    ("bad metadata", st_bytes({"__metadata__": {"k": 1}}), "__metadata__"),
+]
+
+
+@pytest.mark.parametrize(("name", "data", "needle"), CASES, ids=[c[0] for c in CASES])
+def test_header_refusals_name_the_file_and_the_reason(tmp_path: Path, name: str, data: bytes, needle: str) -> None:
+    path = tmp_path / "w.safetensors"
+    path.write_bytes(data)
+    with pytest.raises(BadWeights) as err:
+        safetensors_check.read_header(path)
+    assert err.value.file == "w.safetensors"
+    assert needle in err.value.reason, err.value.reason
+    assert str(err.value).startswith("w.safetensors: ")
+
+
+def test_a_good_header_parses_to_file_offsets(tmp_path: Path) -> None:
+    path = tmp_path / "ok.safetensors"
+    path.write_bytes(GOOD)
+    hdr = safetensors_check.read_header(path)
+    assert [t.name for t in hdr.tensors] == ["a", "b"]
+    assert hdr.tensor("b").shape == (3,) and hdr.tensor("b").begin == hdr.data_offset + 16
+    assert hdr.data_bytes == 28
+
+
+def test_make_tiny_writes_standard_safetensors_and_a_sha256sum_manifest(tmp_path: Path) -> None:
+    cfg = tinymodel.make_tiny(tmp_path / "m", 2_000_000, shard_bytes=900_000)
+    files = sorted((tmp_path / "m").glob("*.safetensors"))
+    assert len(files) >= 2 and all(f.stat().st_size <= 1_000_000 for f in files)
+    assert abs(cfg.nbytes - 2_000_000) < 100_000
+    sums = tinymodel.read_manifest(tmp_path / "m")
+    assert set(sums) == {f.name for f in files} | {"config.json"}
+    for f in files:
+        assert hashlib.sha256(f.read_bytes()).hexdigest() == sums[f.name]
+        ours = safetensors_check.read_header(f)
+        theirs = safetensors.numpy.load_file(str(f))  # the reference implementation reads our files
+        assert {t.name for t in ours.tensors} == set(theirs)
+    shapes = {t.name: (t.shape, t.dtype) for f in files for t in safetensors_check.read_header(f).tensors}
+    local.check_model(local.read_config(tmp_path / "m"), shapes)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"), [("64MB", 64_000_000), ("1GiB", 2**30), ("512k", 512_000), ("1.5GB", 1_500_000_000), ("10", 10)]
+)
+def test_parse_size(text: str, value: int) -> None:
+    assert tinymodel.parse_size(text) == value
+
+
+def test_parse_size_refuses_nonsense() -> None:
+    with pytest.raises(ValueError, match="not a number"):
+        tinymodel.parse_size("lots")
+
+
+def test_manifest_refuses_paths_outside_the_model(tmp_path: Path) -> None:
+    (tmp_path / "sha256sums.txt").write_text(f"{'0' * 64}  ../etc/passwd\n")
+    with pytest.raises(BadModel, match="plain name"):
+        tinymodel.read_manifest(tmp_path)
+    (tmp_path / "sha256sums.txt").unlink()
+    with pytest.raises(BadModel, match=r"no sha256sums\.txt"):
+        tinymodel.read_manifest(tmp_path)
+
+
+# --- staging ------------------------------------------------------------------------------------------------------
+
+
+def test_stage_copies_verifies_and_reuses_a_good_copy(model_dir: Path, shm_dir: Path) -> None:
+    first = staging.stage(model_dir, shm_dir, "tiny")
+    assert all(f.copied for f in first.files)
+    assert first.dir == shm_dir / "tiny"
+    for f in first.files:
+        assert f.path.read_bytes() == (model_dir / f.name).read_bytes()
+    assert not list(first.dir.glob(".*partial"))
+    again = staging.stage(model_dir, shm_dir, "tiny")
+    assert not any(f.copied for f in again.files)  # verified in place, not copied again
+
+
+def test_checksum_mismatch_names_the_file_and_stages_nothing_bad(model_dir: Path, shm_dir: Path) -> None:
+    victim, other = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    data = bytearray((model_dir / victim).read_bytes())
+    data[-1] ^= 0xFF
+    (model_dir / victim).write_bytes(bytes(data))
+    with pytest.raises(BadWeights) as err:
+        staging.stage(model_dir, shm_dir, "tiny")
+    assert err.value.file == victim and "sha256 mismatch" in err.value.reason
+    assert not (shm_dir / "tiny" / victim).exists()
+    assert not list((shm_dir / "tiny").glob(".*partial"))
+    # The good file staged alongside is kept, verified: nothing staged is lost.
+    assert (shm_dir / "tiny" / other).read_bytes() == (model_dir / other).read_bytes()
+
+
+def test_a_verified_staged_copy_survives_a_damaged_source(model_dir: Path, shm_dir: Path) -> None:
+    good = staging.stage(model_dir, shm_dir, "tiny")
+    victim = good.weights[0]
+    before = victim.path.read_bytes()
+    (model_dir / victim.name).write_bytes(b"garbage")
+    again = staging.stage(model_dir, shm_dir, "tiny")  # the staged copy matches the manifest: kept, not re-copied
+    assert not any(f.copied for f in again.files)
+    assert victim.path.read_bytes() == before
+
+
+def test_truncated_weights_with_a_matching_manifest_are_refused(model_dir: Path, shm_dir: Path) -> None:
+    name = sorted(model_dir.glob("*.safetensors"))[0].name
+    path = model_dir / name
+    path.write_bytes(path.read_bytes()[:-1000])
+    sums = tinymodel.read_manifest(model_dir)
+    sums[name] = hashlib.sha256(path.read_bytes()).hexdigest()  # the manifest agrees: only the header check catches it
+    tinymodel.write_manifest(model_dir, sums)
+    with pytest.raises(BadWeights) as err:
+        staging.stage(model_dir, shm_dir, "tiny")
+    assert err.value.file == name and "truncated" in err.value.reason
+    assert not (shm_dir / "tiny" / name).exists()
+
+
+def test_a_missing_file_is_named(model_dir: Path, shm_dir: Path) -> None:
+    name = sorted(model_dir.glob("*.safetensors"))[-1].name
+    (model_dir / name).unlink()
+    with pytest.raises(BadWeights, match=f"{name}: listed in sha256sums.txt but missing"):
+        staging.stage(model_dir, shm_dir, "tiny")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: mlock of more than RLIMIT_MEMLOCK needs CAP_IPC_LOCK")
+def test_lock_reports_locked_bytes(model_dir: Path, shm_dir: Path) -> None:
+    staged = staging.stage(model_dir, shm_dir, "tiny")
+    locked = staging.lock([f.path for f in staged.weights])
+    try:
+        assert locked.error is None and locked.locked
+        assert locked.locked_bytes == staged.weights_bytes
+    finally:
+        locked.release()
+
+
+def test_a_refused_lock_says_why_and_runs_unlocked(model_dir: Path, shm_dir: Path) -> None:
+    staged = staging.stage(model_dir, shm_dir, "tiny")
+    os.chmod(shm_dir, 0o755)
+    # A child without CAP_IPC_LOCK and a 64 KiB RLIMIT_MEMLOCK: as root we drop to `nobody` to lose the capability.
+    code = textwrap.dedent(
+        f"""
+        import json, os, resource
+        from pathlib import Path
+        from nodeagent import staging
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (65536, 65536))
+        if os.geteuid() == 0:
+            os.setgid(65534); os.setuid(65534)
+        locked = staging.lock([Path(p) for p in {[str(f.path) for f in staged.weights]!r}])
+        print(json.dumps({{"error": locked.error, "locked": locked.locked_bytes, "mapped": locked.mapped_bytes}}))
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["locked"] == 0 and out["mapped"] == staged.weights_bytes
+    assert "mlock refused" in out["error"] and "RLIMIT_MEMLOCK is 0.1 MiB" in out["error"]
+    assert "CAP_IPC_LOCK" in out["error"]
+
+
+# --- loader -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_host_loader_maps_in_place_or_copies_the_same_tensors(model_dir: Path, shm_dir: Path, threads: int) -> None:
+    staged = staging.stage(model_dir, shm_dir, "tiny")
+    files = [str(f.path) for f in staged.weights]
+    loader = loaders.HostLoader(copy_threads=threads)
+    mapped = loader.load(files, private=False)
+    copied = loader.load(files, private=True)
+    try:
+        assert (mapped.mode, copied.mode) == ("mapped", "copied")
+        assert mapped.nbytes == copied.nbytes == staged.weights_bytes - sum(h.data_offset for h in _headers(staged))
+        assert set(mapped.tensors) == set(copied.tensors)
+        for name, arr in mapped.tensors.items():
+            assert not arr.flags.writeable  # the shm pages are shared with every engine: read-only
+            np.testing.assert_array_equal(arr, copied.tensors[name])
+        assert copied.tensors["tok_emb"].flags.writeable
+    finally:
+        mapped.release()
+        copied.release()
+
+
+def _headers(staged: staging.Staged) -> list[safetensors_check.Header]:
+    return [f.header for f in staged.weights if f.header is not None]
+
+
+def test_auto_picks_host_and_gpu_loaders_are_reserved() -> None:
+    loader, why = loaders.choose("auto")
+    assert loader.name == "host" and why
+    with pytest.raises(Exception, match="part 2"):
+        loaders.choose("cuda-pinned")
+
+
+def test_the_tiny_model_really_computes_from_its_weights(model_dir: Path) -> None:
+    files = [str(p) for p in sorted(model_dir.glob("*.safetensors"))]
+    w = loaders.HostLoader().load(files, private=True)
+    model = local.TinyMoE(local.read_config(model_dir), w.tensors)
+    text, finish = model.generate(b"hello", 12, [])
+    assert len(text) == 12 and finish == "length" and all(32 <= b < 127 for b in text)
+    assert model.generate(b"hello", 12, [])[0] == text  # greedy: deterministic
+    w.tensors["lm_head"][:] = 0  # the output comes from the weights: flat logits give the first printable byte
+    assert model.generate(b"hello", 3, []) == (b"   ", "length")

@@ -1,0 +1,316 @@
+"""The on-call CLI verbs, run as the dispatcher runs them (``fn(argv, prog)``) against a real nats-server and a
+running `CommandService`; the controller behind it is the in-memory double of test_commands."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from autoscaler import oncall
+from autoscaler.commands import CommandService
+from autoscaler.policy import Override
+from tests.test_commands import ControlPlaneDouble, make_spec
+from warmpool.embedded import NatsServer, free_port
+from warmpool.protocol import AuditRecord
+from warmpool.registry import KvSlotStore
+from warmpool.seed import seed_pool
+
+
+@pytest.fixture
+def control() -> ControlPlaneDouble:
+    return ControlPlaneDouble({"qwen": make_spec("qwen", 1, 8), "llama": make_spec("llama", 0, 4)})
+
+
+@pytest.fixture
+async def service(nc: Client, store: KvSlotStore, control: ControlPlaneDouble) -> AsyncIterator[CommandService]:
+    await seed_pool(store, "qwen", nodes=2, slots_per_node=2)
+    svc = CommandService(nc, control, store)
+    await svc.start()
+    try:
+        yield svc
+    finally:
+        await svc.stop()
+
+
+Run = Callable[..., "asyncio.Future[tuple[int, str, str]]"]
+
+
+@pytest.fixture
+def cli(nats_server: NatsServer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """Run a verb as `pulsescale VERB ARGS` would, in a thread (it runs its own event loop) while the service
+    answers in the test's loop. Returns (exit code, stdout, stderr)."""
+    monkeypatch.setenv("PULSESCALE_USER", "oncall-bob")
+
+    async def run(verb: str, *args: str) -> tuple[int, str, str]:
+        fn = getattr(oncall, verb)
+        code = await asyncio.to_thread(fn, [*args, "--nats", nats_server.url], f"pulsescale {verb}")
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run
+
+
+# --- --for ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("90s", 90), ("10m", 600), ("2h", 7200), ("1h30m", 5400), ("1h30m15s", 5415), ("45m30s", 2730), (" 5m ", 300)],
+)
+def test_durations_parse(text: str, seconds: float) -> None:
+    assert oncall.parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("600", "add a unit: 600s or 600m"),
+        ("", "not a duration"),
+        ("10", "add a unit"),
+        ("1.5h", "not a duration"),
+        ("30m1h", "not a duration"),
+        ("10min", "not a duration"),
+        ("-5m", "not a duration"),
+        ("1d", "not a duration"),
+        ("0s", "no time at all"),
+        ("0h0m", "no time at all"),
+    ],
+)
+def test_bad_durations_are_refused_clearly(text: str, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        oncall.parse_duration(text)
+
+
+@pytest.mark.parametrize(("seconds", "text"), [(90, "1m30s"), (600, "10m"), (5400, "1h30m"), (45, "45s"), (0, "0s")])
+def test_durations_format(seconds: float, text: str) -> None:
+    assert oncall.format_duration(seconds) == text
+
+
+def test_bad_for_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        oncall.scale(["qwen", "--replicas", "3", "--for", "10min"], "pulsescale scale")
+    assert exc.value.code == 2
+    assert "argument --for: '10min' is not a duration such as 90s, 10m, 2h or 1h30m" in capsys.readouterr().err
+
+
+def test_bad_model_name_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        oncall.pause(["Qwen.7B"], "pulsescale pause")
+    assert "'Qwen.7B' is not a model name" in capsys.readouterr().err
+
+
+# --- round trips ----------------------------------------------------------------------------------------------
+
+
+async def test_scale_round_trip(cli, service: CommandService, control: ControlPlaneDouble, nc: Client) -> None:  # type: ignore[no-untyped-def]
+    code, out, err = await cli("scale", "qwen", "--replicas", "4", "--for", "10m")
+    assert (code, err) == (0, "")
+    assert out.startswith("qwen held at 4 replicas until ") and out.rstrip().endswith("(10m) by oncall-bob")
+    [(model, override)] = control.calls
+    assert model == "qwen" and override is not None and override.replicas == 4 and override.by == "oncall-bob"
+
+
+async def test_pause_resume_round_trip(cli, service: CommandService, control: ControlPlaneDouble) -> None:  # type: ignore[no-untyped-def]
+    code, out, _ = await cli("pause", "qwen", "--replicas", "2", "--by", "carol")
+    assert code == 0 and out == "qwen paused at 2 replicas; `pulsescale resume qwen` hands it back to the policy\n"
+    code, out, _ = await cli("pause", "llama")
+    assert code == 0 and "llama paused at its current count" in out
+    code, out, _ = await cli("resume", "qwen")
+    assert code == 0 and out == "qwen is autoscaled again\n"
+    assert control.calls == [
+        ("qwen", Override(kind="pause", replicas=2, expires_at=None, by="carol")),
+        ("llama", Override(kind="pause", replicas=None, expires_at=None, by="oncall-bob")),
+        ("qwen", None),
+    ]
+
+
+async def test_refusals_print_code_and_message(cli, service: CommandService, control: ControlPlaneDouble) -> None:  # type: ignore[no-untyped-def]
+    code, out, err = await cli("scale", "mistral", "--replicas", "2")
+    assert code == oncall.EXIT_REFUSED and out == ""
+    assert err == (
+        "pulsescale scale: unknown_model: no ScaledObject names model 'mistral'; known models: llama, qwen\n"
+    )
+    code, _, err = await cli("scale", "qwen", "--replicas", "20")
+    assert code == 1
+    assert err.startswith("pulsescale scale: out_of_bounds: scale qwen to 20 replicas is outside")
+    assert "[1, 8]" in err
+    code, _, err = await cli("drain", "node-7")
+    assert code == 1 and err.startswith("pulsescale drain: unknown_node: no agent or slot on node 'node-7'")
+    assert control.calls == []
+
+
+async def test_status_table_and_json(cli, service: CommandService, control: ControlPlaneDouble) -> None:  # type: ignore[no-untyped-def]
+    assert (await cli("scale", "qwen", "--replicas", "3", "--for", "1h30m"))[0] == 0
+    code, out, _ = await cli("status")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["MODEL", "DESIRED", "READY", "ACTIVATING", "WARM", "MODE", "OVERRIDE", "LAST-REASON"]
+    assert lines[1].split()[:6] == ["llama", "0", "0", "0", "2", "stable"]
+    assert lines[2].split()[:6] == ["qwen", "3", "3", "0", "2", "override"]
+    assert "scale 3, 1h29m" in lines[2] or "scale 3, 1h30m" in lines[2]
+    assert lines[2].endswith("by oncall-bob  demand 3.0 / target 4 per replica")
+    # Columns line up: every row's MODE starts where the header's does.
+    col = lines[0].index(" MODE ") + 1
+    assert lines[1][col:].startswith("stable") and lines[2][col:].startswith("override")
+    code, out, _ = await cli("status", "qwen", "--json")
+    rows = json.loads(out)
+    assert code == 0 and [r["model"] for r in rows] == ["qwen"] and rows[0]["override"]["kind"] == "scale"
+
+
+async def test_pool_groups_slots_by_model(cli, service: CommandService) -> None:  # type: ignore[no-untyped-def]
+    assert (await cli("drain", "node-1"))[0] == 0
+    code, out, _ = await cli("pool")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == "qwen: 4 slot(s): draining 2, warm 2"
+    assert lines[1].split() == ["SLOT", "STATE", "NODE", "RACK", "AGENT", "RESIDENT", "REASON"]
+    assert lines[2].split() == ["qwen.node-0.s0", "warm", "node-0", "rack-0", "fresh", "yes"]
+    assert lines[4].split() == ["qwen.node-1.s0", "draining", "node-1", "rack-0", "fresh", "yes"]
+    code, out, _ = await cli("pool", "qwen", "--json")
+    assert code == 0 and json.loads(out)["counts"] == {"qwen": {"draining": 2, "warm": 2}}
+
+
+async def test_drain_undrain_round_trip(cli, service: CommandService, store: KvSlotStore) -> None:  # type: ignore[no-untyped-def]
+    code, out, _ = await cli("drain", "node-0")
+    assert code == 0 and out == "node-0 drained: 2 slot(s) changed\n  qwen.node-0.s0\n  qwen.node-0.s1\n"
+    code, out, _ = await cli("undrain", "node-0")
+    assert code == 0 and out.startswith("node-0 undrained: 2 slot(s) changed")
+    code, _, _ = await cli("undrain", "node-0")  # a repeat is harmless
+    assert code == 0
+    assert {r.state for r in store.records("qwen")} == {"warm"}
+
+
+async def test_every_cli_command_is_audited(cli, service: CommandService, nc: Client) -> None:  # type: ignore[no-untyped-def]
+    from tests.test_commands import audit_records
+
+    for verb, *args in (["scale", "qwen", "--replicas", "2"], ["status"], ["pool"], ["resume", "mistral"]):
+        await cli(verb, *args)
+    records: list[AuditRecord] = await audit_records(nc)
+    assert [(r.verb, r.applied, r.by) for r in records] == [
+        ("scale", True, "oncall-bob"),
+        ("status", True, "oncall-bob"),
+        ("pool", True, "oncall-bob"),
+        ("resume", False, "oncall-bob"),
+    ]
+
+
+# --- nobody answering -----------------------------------------------------------------------------------------
+
+
+async def test_no_autoscaler_is_no_responders_not_a_timeout(cli, nc: Client) -> None:  # type: ignore[no-untyped-def]
+    code, out, err = await cli("scale", "qwen", "--replicas", "2", "--timeout", "3")
+    assert code == oncall.EXIT_NO_RESPONDERS == 3 and out == ""
+    assert err.startswith(
+        "pulsescale scale: no autoscaler is answering on pulse.cmd.scale (is `pulsescale autoscaler` running and "
+        "connected to the same NATS?"
+    )
+
+
+async def test_a_silent_autoscaler_is_a_timeout(cli, nc: Client) -> None:  # type: ignore[no-untyped-def]
+    seen: list[Msg] = []
+
+    async def swallow(msg: Msg) -> None:
+        seen.append(msg)
+
+    sub = await nc.subscribe("pulse.cmd.*", cb=swallow)
+    await nc.flush()
+    before = time.time()
+    try:
+        code, _, err = await cli("status", "--timeout", "0.3")
+    finally:
+        await sub.unsubscribe()
+    after = time.time()
+    assert code == oncall.EXIT_TIMEOUT == 4
+    assert "did not answer on pulse.cmd.status within 0.3 s" in err and "pulsescale status" in err
+    # The request expires when the CLI gives up, so it cannot be applied late.
+    body = json.loads(seen[0].data)
+    assert body["by"] == "oncall-bob" and len(body["id"]) == 32
+    assert before + 0.3 <= body["expires_at"] <= after
+
+
+async def test_unreachable_nats_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    code = await asyncio.to_thread(oncall.status, ["--nats", f"nats://127.0.0.1:{free_port()}"], "pulsescale status")
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("pulsescale status: cannot connect to NATS") and "Traceback" not in err
+
+
+# --- formatting (no NATS) -------------------------------------------------------------------------------------
+
+
+def test_status_table_formatting() -> None:
+    now = 1_700_000_000.0
+    rows = [
+        {
+            "model": "qwen",
+            "desired": 6,
+            "ready": 4,
+            "activating": 2,
+            "warm": 1,
+            "panic": True,
+            "mode": "panic",
+            "override": None,
+            "reason": "panic: demand 30 >= 2.0 x capacity 12",
+            "decisions": [],
+        },
+        {
+            "model": "llama-3-70b",
+            "desired": 2,
+            "ready": 2,
+            "activating": 0,
+            "warm": 3,
+            "panic": False,
+            "mode": "stable",
+            "override": {"kind": "pause", "replicas": 2, "expires_at": None, "by": "alice"},
+            "reason": None,
+            "decisions": [],
+        },
+        {
+            "model": "m",
+            "desired": 1,
+            "ready": 1,
+            "activating": 0,
+            "warm": 0,
+            "panic": True,
+            "mode": "stable",
+            "override": {"kind": "scale", "replicas": 1, "expires_at": now + 552, "by": "bob"},
+            "reason": "override",
+            "decisions": [],
+        },
+    ]
+    assert oncall.format_status(rows, now).splitlines() == [
+        "MODEL        DESIRED  READY  ACTIVATING  WARM  MODE          OVERRIDE                    LAST-REASON",
+        "qwen         6        4      2           1     panic         -                           "
+        "panic: demand 30 >= 2.0 x capacity 12",
+        "llama-3-70b  2        2      0           3     stable        pause 2 by alice            -",
+        "m            1        1      0           0     stable,panic  scale 1, 9m12s left by bob  override",
+    ]
+
+
+def test_status_of_one_model_shows_its_decisions() -> None:
+    row = {
+        "model": "qwen",
+        "desired": 3,
+        "ready": 3,
+        "activating": 0,
+        "warm": 2,
+        "panic": False,
+        "mode": "stable",
+        "override": None,
+        "reason": "r2",
+        "decisions": [{"ts": 0.0, "desired": 2, "reason": "r1"}, {"ts": 60.0, "desired": 3, "reason": "r2"}],
+    }
+    lines = oncall.format_status([row], 100.0).splitlines()
+    assert lines[3] == "recent decisions of qwen (newest last):"
+    assert lines[4].split()[1:] == ["desired", "2", "r1"] and lines[5].split()[1:] == ["desired", "3", "r2"]
+    assert oncall.format_status([], 0.0).splitlines()[1].startswith("(no models: apply a ScaledObject")
+
+
+def test_default_by() -> None:
+    assert oncall.default_by({"PULSESCALE_USER": "pager"}) == "pager"
+    assert "@" in oncall.default_by({})
