@@ -383,6 +383,7 @@ class CommandService:
                     "drain": r.drain,
                     "agent": "fresh" if lease is not None and lease.fresh(now) else "stale",
                     "resident": r.weights_resident,
+                    "endpoint": r.endpoint,
                     "reason": r.reason,
                 }
             )

@@ -329,7 +329,7 @@ def format_pool(reply: dict[str, Any]) -> str:
     slots = reply.get("slots", [])
     counts: dict[str, dict[str, int]] = reply.get("counts", {})
     lines: list[str] = []
-    header: tuple[str, ...] = ("SLOT", "STATE", "NODE", "RACK", "AGENT", "RESIDENT", "REASON")
+    header: tuple[str, ...] = ("SLOT", "STATE", "NODE", "RACK", "AGENT", "RESIDENT", "ENDPOINT", "REASON")
     for model, by_state in counts.items():
         total = sum(by_state.values())
         summary = ", ".join(f"{state} {n}" for state, n in by_state.items())
@@ -347,6 +347,7 @@ def format_pool(reply: dict[str, Any]) -> str:
                     str(s.get("rack") or "-"),
                     str(s.get("agent")),
                     "yes" if s.get("resident") else "no",
+                    str(s.get("endpoint") or "-"),
                     str(s.get("reason") or ""),
                 )
             )

@@ -8,6 +8,7 @@ Each package owns its subcommands; a package is imported only when one of its su
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from typing import NamedTuple
 
@@ -32,6 +33,7 @@ COMMANDS: dict[str, Command] = {
     "scale": Command("autoscaler.oncall:scale", "hold a model at N replicas for a while", "on-call"),
     "pause": Command("autoscaler.oncall:pause", "stop autoscaling a model (optionally at N replicas)", "on-call"),
     "resume": Command("autoscaler.oncall:resume", "hand a model back to the policy", "on-call"),
+    "sample": Command("warmpool.cli:sample", "publish gateway queue samples by hand (drills, demos)", "on-call"),
     "drain": Command("autoscaler.oncall:drain", "stop offering a node's slots; serving ones finish", "on-call"),
     "undrain": Command("autoscaler.oncall:undrain", "offer a drained node's slots again", "on-call"),
     "apply": Command("autoscaler.oncall:apply", "write a ScaledObject YAML to the registry (no Kubernetes)", "config"),
@@ -95,4 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     if cmd is None:
         print(f"pulsescale: unknown command {argv[0]!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    return _run(cmd, argv[1:], f"pulsescale {argv[0]}")
+    try:
+        return _run(cmd, argv[1:], f"pulsescale {argv[0]}")
+    except BrokenPipeError:
+        # `pulsescale status | head`: the reader left; exit quietly as Unix tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141

@@ -287,6 +287,7 @@ async def test_pool_lists_slots_with_agent_freshness(nc: Client, service: Comman
         "drain": False,
         "agent": "fresh",
         "resident": True,
+        "endpoint": None,
         "reason": None,
     }
     assert by_key["llama.old-0.s0"]["agent"] == "stale"

@@ -169,9 +169,9 @@ async def test_pool_groups_slots_by_model(cli, service: CommandService) -> None:
     assert code == 0
     lines = out.splitlines()
     assert lines[0] == "qwen: 4 slot(s): draining 2, warm 2"
-    assert lines[1].split() == ["SLOT", "STATE", "NODE", "RACK", "AGENT", "RESIDENT", "REASON"]
-    assert lines[2].split() == ["qwen.node-0.s0", "warm", "node-0", "rack-0", "fresh", "yes"]
-    assert lines[4].split() == ["qwen.node-1.s0", "draining", "node-1", "rack-0", "fresh", "yes"]
+    assert lines[1].split() == ["SLOT", "STATE", "NODE", "RACK", "AGENT", "RESIDENT", "ENDPOINT", "REASON"]
+    assert lines[2].split() == ["qwen.node-0.s0", "warm", "node-0", "rack-0", "fresh", "yes", "-"]
+    assert lines[4].split() == ["qwen.node-1.s0", "draining", "node-1", "rack-0", "fresh", "yes", "-"]
     code, out, _ = await cli("pool", "qwen", "--json")
     assert code == 0 and json.loads(out)["counts"] == {"qwen": {"draining": 2, "warm": 2}}
 

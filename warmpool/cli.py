@@ -7,6 +7,7 @@ import asyncio
 import signal
 import sys
 import threading
+import time
 
 from warmpool import connect as nats_connect
 from warmpool.embedded import NatsServer
@@ -62,6 +63,66 @@ def slots(argv: list[str], prog: str) -> int:
     args = p.parse_args(argv)
     try:
         asyncio.run(_slots(args))
+    except NatsUnavailable as err:
+        print(f"{prog}: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def _sample(args: argparse.Namespace) -> None:
+    from warmpool import protocol
+
+    nc = await nats_connect.connect(nats_connect.options_from_args(args, name="pulsescale-sample"))
+    try:
+        end = time.monotonic() + args.for_s
+        seq = 0
+        arrivals = 0
+        while True:
+            seq += 1
+            arrivals += args.queue_depth
+            s = protocol.QueueSample(
+                gateway=args.gateway,
+                model=args.model,
+                seq=seq,
+                ts=time.time(),
+                queue_depth=args.queue_depth,
+                inflight=args.inflight,
+                arrivals_total=arrivals,
+                completions_total=0,
+                timeouts_total=0,
+            )
+            await nc.publish(protocol.queue_subject(args.model), protocol.encode(s))
+            if time.monotonic() >= end:
+                break
+            await asyncio.sleep(args.every_s)
+        await nc.flush()
+        print(f"published {seq} sample(s) for {args.model}: queue {args.queue_depth}, in-flight {args.inflight}")
+    finally:
+        await nc.close()
+
+
+def sample(argv: list[str], prog: str) -> int:
+    from warmpool import protocol
+
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Publish gateway queue samples by hand (drills and demos), as a gateway would: "
+        "every --every seconds for --for seconds on pulse.queue.MODEL.",
+    )
+    p.add_argument("model")
+    p.add_argument("--queue-depth", type=int, required=True, help="requests waiting")
+    p.add_argument("--inflight", type=int, default=0, help="requests being served [0]")
+    p.add_argument("--for", dest="for_s", type=float, default=0.0, metavar="SECONDS", help="keep publishing [once]")
+    p.add_argument("--every", dest="every_s", type=float, default=0.1, metavar="SECONDS", help="interval [0.1]")
+    p.add_argument("--gateway", default="cli", help="gateway name in the samples [cli]")
+    nats_connect.add_nats_arguments(p)
+    args = p.parse_args(argv)
+    if not protocol.is_name(args.model):
+        p.error(f"model {args.model!r} is not a valid name ({protocol.NAME_PATTERN})")
+    if args.queue_depth < 0 or args.inflight < 0:
+        p.error("counts must be >= 0")
+    try:
+        asyncio.run(_sample(args))
     except NatsUnavailable as err:
         print(f"{prog}: {err}", file=sys.stderr)
         return 1

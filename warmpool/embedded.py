@@ -73,6 +73,7 @@ class NatsServer:
         return f"nats://127.0.0.1:{self.port}"
 
     def _write_config(self) -> Path:
+        self.store_dir.mkdir(parents=True, exist_ok=True)
         js = {"store_dir": str(self.store_dir / "js")}
         if self.sync_always:
             js["sync_interval"] = "always"
