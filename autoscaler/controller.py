@@ -86,6 +86,7 @@ class Held:
     phase: Phase
     since: float
     endpoint: str | None = None
+    release_failed: bool = False  # the broker refused or timed out our release: housekeeping retries it
 
 
 class ModelController:
@@ -101,6 +102,11 @@ class ModelController:
         self.held: dict[str, Held] = {}
         self.claiming = 0  # claims in flight, not yet in `held`
         self._activating_here: set[str] = set()  # activations this process is waiting on
+        self._releasing_here: set[str] = set()  # releases in flight
+        # Set when a claim found the pool empty: no new bring-ups until a slot of the model turns warm again
+        # (or the next housekeeping tick), so an empty pool is a state, not a busy loop.
+        self.exhausted = False
+        self._stopping = False
         self.cold_requested = 0
         self.lead_times: deque[float] = deque(maxlen=deps.settings.lead_time_samples)
         self._last_eval = 0.0
@@ -243,6 +249,7 @@ class ModelController:
     async def stop(self, *, release_in_flight: bool = True) -> None:
         """Stop acting. Slots still activating are released (nobody would finish them); serving slots stay
         serving — the next leader adopts them."""
+        self._stopping = True
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -262,6 +269,16 @@ class ModelController:
                     with contextlib.suppress(PulsescaleError, nats.errors.Error, TimeoutError):
                         await self.deps.store.release(h.claim, reason="autoscaler stopped mid-activation")
                     self.held.pop(key, None)
+        self._stopping = False
+
+    def forget_claims(self) -> None:
+        """After losing the lease: the books are the next leader's now. If we lead again, `adopt` re-reads
+        them from the registry, which is the truth; what we remembered may be stale by then."""
+        self.held.clear()
+        self.claiming = 0
+        self._activating_here.clear()
+        self._releasing_here.clear()
+        self.exhausted = False
 
     async def _reconcile_loop(self) -> None:
         while True:
@@ -277,7 +294,7 @@ class ModelController:
         m = self.deps.metrics
         m.ready.labels(self.model).set(self.ready)
         m.activating.labels(self.model).set(self.activating)
-        if desired > current:
+        if desired > current and not self.exhausted and not self._stopping:
             for _ in range(desired - current):
                 self.claiming += 1
                 self._spawn(self._bring_up(), f"bring-up-{self.model}")
@@ -306,14 +323,19 @@ class ModelController:
         tried: set[str] = set()
         counted = True  # this task is counted in `claiming` until its claim is in `held`
         try:
-            while self.deps.is_leader():
+            while self.deps.is_leader() and not self._stopping:
                 try:
                     claim = await self.deps.store.claim(self.model, exclude=tried)
                 except NoSlotAvailable:
+                    self.exhausted = True
                     await self._cold_start()
                     return
                 except ClaimConflict:
                     await asyncio.sleep(0.01)
+                    continue
+                except (PulsescaleError, nats.errors.Error, TimeoutError) as err:
+                    log.warning("%s: claim failed: %s", self.model, err)
+                    await asyncio.sleep(0.1)  # the broker is away or unhappy: do not spin
                     continue
                 if self.first_sample_at is not None:
                     latency = time.perf_counter() - self.first_sample_at
@@ -419,23 +441,32 @@ class ModelController:
 
         After a failed activation the agent is told without waiting (it may be the thing that is stuck),
         so the next slot is claimed at once; on scale-down the agent gets `deactivate_timeout_s` to finish."""
-        if wait_for_agent:
-            await self._deactivate(held, reason)
-        else:
-            self._spawn(self._deactivate(held, reason), f"deactivate-{held.claim.key}")
+        key = held.claim.key
+        held.phase = "releasing"
+        self._releasing_here.add(key)
         try:
-            await self.deps.store.release(held.claim, reason=reason)
-        except StaleToken:
-            pass  # the agent already returned the slot (or a drain took it): nothing of ours to release
-        except (PulsescaleError, nats.errors.Error, TimeoutError) as err:
-            log.warning("%s: could not release %s: %s", self.model, held.claim.key, err)
+            if wait_for_agent:
+                await self._deactivate(held, reason)
+            else:
+                self._spawn(self._deactivate(held, reason), f"deactivate-{key}")
+            try:
+                await self.deps.store.release(held.claim, reason=reason)
+            except StaleToken:
+                pass  # the agent already returned the slot (or a drain took it): nothing of ours to release
+            except (PulsescaleError, nats.errors.Error, TimeoutError) as err:
+                # Still ours in the registry: keep it on the books and let housekeeping try again, rather
+                # than forget a slot that nobody would ever give back.
+                log.warning("%s: could not release %s (%s); retrying", self.model, key, err)
+                held.release_failed = True
+                return
+            self.held.pop(key, None)
+            self._publish("slot.released", node=held.claim.node, slot=held.claim.slot, reason=reason)
         finally:
-            self.held.pop(held.claim.key, None)
+            self._releasing_here.discard(key)
 
     async def _take_down(self, held: Held) -> None:
         reason = self.decision.reason if self.decision else "scale down"
         await self._release(held, reason=f"scale down: {reason}")
-        self._publish("slot.released", node=held.claim.node, slot=held.claim.slot, reason=reason)
         self._wake.set()
 
     async def _cold_start(self) -> None:
@@ -443,13 +474,17 @@ class ModelController:
         in_held = sum(1 for h in self.held.values() if h.phase == "activating")
         needed = max(0, self.desired - self.ready - in_held)
         if needed and needed != self.cold_requested:
-            self.cold_requested = needed
             reason = f"no warm slot of {self.model} is claimable; asking the cold path for {needed} more"
             log.warning("%s: %s", self.model, reason)
             self.deps.metrics.cold_starts.labels(self.model).inc()
             self._publish("pool.exhausted", reason=reason, desired=self.desired, ready=self.ready)
             self._publish("cold.start", reason=reason, desired=needed)
-            await self.deps.cold_path.scale(self.record, needed, reason)
+            try:
+                await self.deps.cold_path.scale(self.record, needed, reason)
+            except Exception as err:  # noqa: BLE001 - any actuator failure: say so, ask again next time
+                log.error("%s: the cold path failed: %s", self.model, err)
+                return
+            self.cold_requested = needed
 
     # --- registry changes and takeover -----------------------------------------------------------------------------
 
@@ -471,6 +506,8 @@ class ModelController:
         return len(self.held)
 
     async def _resume(self, held: Held) -> None:
+        if not self.deps.is_leader():
+            return
         self._activating_here.add(held.claim.key)
         try:
             error = await self._activate(held)
@@ -485,7 +522,12 @@ class ModelController:
     def on_slot_change(self, key: str, rec: SlotRecord | None) -> None:
         """The registry moved one of our slots; notice losses (agent failed it, a drain, a zombie fence)."""
         held = self.held.get(key)
-        if held is None or held.phase == "releasing":
+        if held is None:
+            if rec is not None and rec.state == "warm" and not rec.drain and self.exhausted:
+                self.exhausted = False  # the pool has a slot again
+                self._wake.set()
+            return
+        if held.phase == "releasing":
             return
         if rec is None or rec.claim_id != held.claim.claim_id or rec.state in ("failed", "warm", "draining"):
             why = "removed" if rec is None else f"now {rec.state}" + (f" ({rec.reason})" if rec.reason else "")
@@ -497,6 +539,7 @@ class ModelController:
             if rec.state == "ready" and held.phase == "activating" and key not in self._activating_here:
                 held.phase = "ready"  # an adopted activation that its agent finished
                 held.endpoint = rec.endpoint
+                self._publish("slot.ready", node=held.claim.node, slot=held.claim.slot, endpoint=rec.endpoint)
                 self._wake.set()
             held.claim = Claim(
                 key=key,
@@ -512,7 +555,12 @@ class ModelController:
         if not self.deps.is_leader():
             return
         deadline_s = self.deps.settings.activation_deadline_s
+        self.exhausted = False  # look at the pool again, at most once per tick
         for key, h in list(self.held.items()):
+            if h.phase == "releasing" and h.release_failed and key not in self._releasing_here:
+                h.release_failed = False
+                self._spawn(self._release(h, reason="retrying a failed release"), f"release-{key}")
+                continue
             lease = self.deps.store.lease(h.claim.node)
             if h.phase == "ready" and (lease is None or not lease.fresh(now)):
                 log.warning("%s: agent of %s stopped heartbeating; replacing the slot", self.model, key)

@@ -14,6 +14,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +90,15 @@ class Autoscaler:
         self._handled = 0
         self.commands: Any = None
 
+    @contextlib.contextmanager
+    def _contained(self, what: str) -> Iterator[None]:
+        """A bug in one model's handling must not take the daemon (and every other model) down with it."""
+        try:
+            yield
+        except Exception:
+            log.exception("internal error in %s; carrying on", what)
+            self.metrics.internal_errors.inc()
+
     def is_leader(self) -> bool:
         return self.leader is not None and self.leader.is_leader
 
@@ -149,6 +159,10 @@ class Autoscaler:
             )
             return
         c = self.by_scaler.get(key)
+        if c is not None and c.model != model:
+            # Re-pointed at another model: a different controller (demand, slots, windows), not an update.
+            self.apply_scaler(key, None)
+            c = None
         if c is None:
             held = [r for r in self.store.records(model) if r.state in ("ready", "activating", "claimed")]
             c = ModelController(record, self.deps, current_replicas=len(held))
@@ -188,7 +202,8 @@ class Autoscaler:
                         break
                     seen.add(entry.key)
                     deleted = entry.operation in ("DEL", "PURGE")
-                    self.apply_scaler(entry.key, None if deleted else entry.value)
+                    with self._contained(f"applying ScaledObject {entry.key}"):
+                        self.apply_scaler(entry.key, None if deleted else entry.value)
             finally:
                 with contextlib.suppress(Exception):
                     await watcher.stop()
@@ -214,7 +229,8 @@ class Autoscaler:
         if c is None:
             self.metrics.samples.labels("no_scaler").inc()
             return
-        self.metrics.samples.labels(c.on_sample(sample, now)).inc()
+        with self._contained(f"a sample of {sample.model}"):
+            self.metrics.samples.labels(c.on_sample(sample, now)).inc()
 
     # --- slots ------------------------------------------------------------------------------------------------
 
@@ -222,19 +238,23 @@ class Autoscaler:
         async for event in self.store.watch():
             if stop.is_set():
                 return
-            if isinstance(event, Snapshot):
-                for c in self.by_model.values():
-                    for key in list(c.held):
-                        c.on_slot_change(key, event.records.get(key))
-            elif isinstance(event, SlotChanged):
-                c = self.by_model.get(event.record.model)
-                if c is not None:
-                    c.on_slot_change(event.key, event.record)
-            elif isinstance(event, Removed):
-                model = event.key.split(".", 1)[0]
-                c = self.by_model.get(model)
-                if c is not None:
-                    c.on_slot_change(event.key, None)
+            with self._contained("a slot change"):
+                self._on_slot_event(event)
+
+    def _on_slot_event(self, event: Snapshot | SlotChanged | Removed) -> None:
+        if isinstance(event, Snapshot):
+            for c in self.by_model.values():
+                for key in list(c.held):
+                    c.on_slot_change(key, event.records.get(key))
+        elif isinstance(event, SlotChanged):
+            c = self.by_model.get(event.record.model)
+            if c is not None:
+                c.on_slot_change(event.key, event.record)
+        elif isinstance(event, Removed):
+            model = event.key.split(".", 1)[0]
+            c = self.by_model.get(model)
+            if c is not None:
+                c.on_slot_change(event.key, None)
 
     def _slot_gauges(self) -> None:
         counts: dict[tuple[str, str], int] = {}
@@ -252,9 +272,11 @@ class Autoscaler:
             now = time.time()
             self.metrics.leader.set(1 if self.is_leader() else 0)
             for c in list(self.by_model.values()):
-                c.demand.forget_stale(now, self.settings.forget_gateway_after_s)
-                await c.housekeeping(now)
-            self._slot_gauges()
+                with self._contained(f"housekeeping of {c.model}"):
+                    c.demand.forget_stale(now, self.settings.forget_gateway_after_s)
+                    await c.housekeeping(now)
+            with self._contained("slot gauges"):
+                self._slot_gauges()
 
     # --- leadership ---------------------------------------------------------------------------------------------
 
@@ -266,7 +288,9 @@ class Autoscaler:
     async def take_over(self) -> None:
         """Rebuild from the buckets: adopt held slots, restore overrides, then act."""
         overrides = await self._load_overrides()
-        for model, c in self.by_model.items():
+        if not self.is_leader():
+            return  # deposed while reading: the next leader adopts, not us
+        for model, c in list(self.by_model.items()):
             c.adopt(self.store.records(model))
             if model in overrides:
                 c.override = overrides[model]
@@ -295,12 +319,12 @@ class Autoscaler:
         # Stop acting at once; claims in flight are left for the next leader to adopt or expire.
         if self.commands is not None:
             self.commands.on_leadership(False)
-        for c in self.by_model.values():
+        for c in list(self.by_model.values()):
             task = asyncio.ensure_future(c.stop(release_in_flight=False))
-            task.add_done_callback(lambda t: t.exception())
+            task.add_done_callback(lambda t, c=c: (t.exception(), c.forget_claims()))
 
     async def shutdown(self, campaign: asyncio.Task[None] | None = None) -> None:
-        for c in self.by_model.values():
+        for c in list(self.by_model.values()):
             await c.stop(release_in_flight=True)
         if self.leader is not None:
             self.leader.halt()

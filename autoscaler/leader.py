@@ -141,7 +141,19 @@ class LeaderElection:
         try:
             rev = await self.kv.update(self.settings.key, self._encode(), last=self._revision)
         except nats.js.errors.KeyWrongLastSequenceError:
-            self._depose("someone else holds the lease")
+            # Perhaps our previous renewal landed although its answer timed out: then the lease is still ours.
+            # Take its revision but not a longer term: we do not know when it landed.
+            try:
+                entry = await self.kv.get(self.settings.key)
+                mine = entry.value is not None and msgspec.json.decode(entry.value, type=LeaseRecord).holder == (
+                    self.identity
+                )
+            except (nats.errors.Error, TimeoutError, msgspec.DecodeError):
+                mine = False
+            if mine and entry.revision is not None:
+                self._revision = entry.revision
+                return self.is_leader
+            self._depose("another replica holds the lease")
             return False
         if not self.is_leader:
             return False  # the renewal came back too late to extend a term that already ended

@@ -54,4 +54,7 @@ class AutoscalerMetrics:
             "pulsescale_rejected_messages_total", "Messages rejected, by reason", ["reason"], registry=r
         )
         self.samples = Counter("pulsescale_samples_total", "Queue samples by outcome", ["outcome"], registry=r)
+        self.internal_errors = Counter(
+            "pulsescale_internal_errors_total", "Bugs caught and survived (see the log for the traceback)", registry=r
+        )
         self.leader = Gauge("pulsescale_leader", "1 while this replica holds the leader lease", registry=r)

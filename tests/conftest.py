@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -42,6 +41,3 @@ async def store(nc: Client) -> AsyncIterator[KvSlotStore]:
         yield s
     finally:
         await s.close()
-
-
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mount, loop devices, mlock)")

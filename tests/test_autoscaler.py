@@ -302,3 +302,50 @@ async def _lease_held(leases) -> bool:  # type: ignore[no-untyped-def]
     except Exception:
         return False
     return True
+
+
+async def test_an_empty_pool_is_a_state_not_a_busy_loop(
+    nats_server: NatsServer, nc: Client, store: KvSlotStore
+) -> None:
+    agent = await AgentDouble(nc, store, "node-0", "m", slots=1).start()
+    await put_scaler(nc, "m")
+    try:
+        async with autoscaler_in_process(nats_server.url):
+            gw = Gateway(nc, "m")
+            pulse = asyncio.create_task(gw.steady(12, 3.0))  # 3 replicas wanted, 1 slot in the pool
+            await wait_for(lambda: _count(store, "m") == 1, 3)
+            cpu0, wall0 = time.process_time(), time.monotonic()
+            await asyncio.sleep(1.5)
+            cpu = time.process_time() - cpu0
+            wall = time.monotonic() - wall0
+            pulse.cancel()
+            # The whole test process (gateway, registry watch, autoscaler) idles along; a claim loop would not.
+            assert cpu < 0.5 * wall, f"{cpu:.2f} s of CPU in {wall:.2f} s with an empty pool"
+    finally:
+        await agent.stop()
+
+
+async def test_a_poisonous_scaled_object_does_not_stop_the_others(
+    nats_server: NatsServer, nc: Client, store: KvSlotStore
+) -> None:
+    agent = await AgentDouble(nc, store, "node-0", "good", slots=1).start()
+    kv = (await ensure_buckets(nc.jetstream()))[protocol.SCALERS_BUCKET]
+    poison = {
+        "v": 1,
+        "namespace": "test",
+        "name": "bad",
+        "spec": {
+            "scaleTargetRef": {"name": "x"},
+            "triggers": [{"type": "gateway-queue", "metadata": {"model": "bad", "targetQueueDepth": 1e-320}}],
+        },
+    }
+    await kv.put("test.bad", msgspec.json.encode(poison))
+    await put_scaler(nc, "good")
+    try:
+        async with autoscaler_in_process(nats_server.url) as metrics:
+            await Gateway(nc, "bad").send(5)
+            await Gateway(nc, "good").send(4)
+            await wait_for(lambda: _count(store, "good") == 1, 3)
+            assert metrics.rejected.labels("bad_value")._value.get() >= 1  # type: ignore[attr-defined]
+    finally:
+        await agent.stop()

@@ -74,3 +74,16 @@ async def test_deposed_when_someone_else_took_the_lease(nc: Client) -> None:
     await kv.put(FAST.key, b'{"v":1,"holder":"intruder","renewed_at":1e12,"lease_s":1}')  # an operator's hand edit
     assert not await a._renew()
     assert events == ["up", "down"] and not a.is_leader
+
+
+async def test_a_renewal_that_landed_unheard_does_not_depose(nc: Client) -> None:
+    """The broker applied a renewal whose answer timed out: the next compare-and-set fails, yet the lease is
+    still ours. Keep it (on the old term) instead of reporting a rival that does not exist."""
+    kv = (await ensure_buckets(nc.jetstream()))[protocol.LEASES_BUCKET]
+    a = LeaderElection(kv, "a", FAST)
+    assert await a._try_acquire()
+    act_until = a._act_until
+    await kv.put(FAST.key, a._encode())  # the renewal we never heard back from
+    assert await a._renew() and a.is_leader
+    assert a._act_until == act_until  # no longer term than we can prove
+    assert await a._renew() and a._act_until > act_until  # and the next renewal works as usual

@@ -324,3 +324,20 @@ def test_placement_pick_matches_rank() -> None:
         assert score(chosen) == score(best)
 
     check()
+
+
+async def test_an_undecodable_update_withdraws_the_slot(nc: Client, store: KvSlotStore) -> None:
+    """A record this version cannot read (a newer agent's v2, a hand edit) is not offered: its compare-and-set
+    could never succeed, and a claim must not fail on it."""
+    await seed_pool(store, "m", nodes=1, slots_per_node=2)
+    kv = await nc.jetstream().key_value(protocol.SLOTS_BUCKET)
+    await kv.put("m.node-0.s0", b'{"v":2,"model":"m","node":"node-0","slot":"s0","state":"warm"}')
+    for _ in range(100):
+        if "m.node-0.s0" not in store.slots.items:
+            break
+        await asyncio.sleep(0.02)
+    assert [r.key for r in await store.claimable("m")] == ["m.node-0.s1"]
+    assert (await store.claim("m")).key == "m.node-0.s1"
+    with pytest.raises(NoSlotAvailable):
+        await store.claim("m")
+    assert store.rejected.counts["bad_version"] >= 1

@@ -197,6 +197,7 @@ Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]
 Count = Annotated[int, msgspec.Meta(ge=0)]
 Id = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 Text = Annotated[str, msgspec.Meta(max_length=4096)]
+Token = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]  # a JetStream sequence number
 
 
 def _finite(owner: msgspec.Struct, *fields: str) -> None:
@@ -330,7 +331,7 @@ class ActivateRequest(Request, kw_only=True):
     """Take a claimed slot into service. `token` is the claim write's KV revision; `deadline` is Unix s."""
 
     slot: Name
-    token: Annotated[int, msgspec.Meta(ge=1)]
+    token: Token
     claim_id: Id
     deadline: float
 
@@ -341,7 +342,7 @@ class ActivateRequest(Request, kw_only=True):
 
 class DeactivateRequest(Request, kw_only=True):
     slot: Name
-    token: Annotated[int, msgspec.Meta(ge=1)]
+    token: Token
     claim_id: Id | None = None
 
 
@@ -441,7 +442,8 @@ class _Spec(msgspec.Struct, kw_only=True, rename="camel", forbid_unknown_fields=
     pass
 
 
-Seconds = Annotated[float, msgspec.Meta(gt=0)]
+# Upper bounds keep the policy's arithmetic finite: a day is longer than any window anyone means.
+Seconds = Annotated[float, msgspec.Meta(gt=0, le=86_400)]
 
 
 class ScaleTargetRef(_Spec, kw_only=True):
@@ -452,9 +454,9 @@ class ScaleTargetRef(_Spec, kw_only=True):
 
 class TriggerMetadata(_Spec, kw_only=True):
     model: Name
-    target_queue_depth: Annotated[float, msgspec.Meta(gt=0)] = 4.0
+    target_queue_depth: Annotated[float, msgspec.Meta(ge=0.001, le=1e9)] = 4.0
     """Queue + in-flight requests one replica should carry; desired = demand / this."""
-    activation_queue_depth: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    activation_queue_depth: Annotated[float, msgspec.Meta(ge=0, le=1e9)] = 0.0
     """From zero replicas, scale up only when demand exceeds this (KEDA's activation threshold)."""
 
 
@@ -472,9 +474,9 @@ class Fallback(_Spec, kw_only=True):
 class Advanced(_Spec, kw_only=True):
     stable_window_seconds: Seconds = 60.0
     panic_window_seconds: Seconds = 6.0
-    panic_threshold: Annotated[float, msgspec.Meta(ge=1)] = 2.0
+    panic_threshold: Annotated[float, msgspec.Meta(ge=1, le=1000)] = 2.0
     """Panic when panic-window demand >= this x ready capacity (Knative's default 200 %)."""
-    scale_down_stabilization_seconds: Annotated[float, msgspec.Meta(ge=0)] = 60.0
+    scale_down_stabilization_seconds: Annotated[float, msgspec.Meta(ge=0, le=86_400)] = 60.0
     scale_down_percent: Annotated[float, msgspec.Meta(gt=0, le=100)] = 50.0
     """At most this share of the replicas (and at least one) is removed per `scaleDownPeriodSeconds`."""
     scale_down_period_seconds: Seconds = 60.0
@@ -496,9 +498,9 @@ class ScaledObjectSpec(_Spec, kw_only=True):
     scale_target_ref: ScaleTargetRef
     triggers: Annotated[list[Trigger], msgspec.Meta(min_length=1)]
     min_replica_count: Count = 0
-    max_replica_count: Annotated[int, msgspec.Meta(ge=1)] = 100
+    max_replica_count: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 100
     idle_replica_count: Count | None = None
-    cooldown_period: Annotated[float, msgspec.Meta(ge=0)] = 300.0
+    cooldown_period: Annotated[float, msgspec.Meta(ge=0, le=86_400 * 7)] = 300.0
     """Seconds without demand before dropping to `idleReplicaCount` (or `minReplicaCount`), as KEDA."""
     fallback: Fallback | None = None
     advanced: Advanced = msgspec.field(default_factory=Advanced)
@@ -626,6 +628,7 @@ M = TypeVar("M", bound=msgspec.Struct)
 # msgspec's messages are stable within a major version; this maps them onto our reasons.
 _NON_FINITE_TOKEN: Final = re.compile(rb"(?<![\w\"])-?(NaN|Infinity)(?![\w\"])")
 _REASON_TAG: Final = re.compile(r"^\[(\w+)\] ")
+_NEGATIVE: Final = re.compile(r"^Expected `(int|float)` >= [01](\.0)?( |$)")  # a count's floor; other floors: bad_value
 
 
 def encode(msg: msgspec.Struct) -> bytes:
@@ -651,7 +654,7 @@ def _reason_for(err: msgspec.ValidationError) -> BadMessage:
         return BadMessage("bad_name", text + " (names are lowercase letters, digits, '-' and '_', no dots)")
     if text.startswith("Number out of range"):
         return BadMessage("non_finite", text)
-    if text.startswith(("Expected `int` >= ", "Expected `float` >= ")):
+    if _NEGATIVE.match(text):
         return BadMessage("negative", text)
     if "at `$.v`" in text:
         return BadMessage("bad_version", text)

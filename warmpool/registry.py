@@ -243,9 +243,9 @@ class _BucketView(Generic[V]):
             if isinstance(entry, KeyValue.Entry):
                 value = None
                 if entry.operation not in ("DEL", "PURGE") and entry.value is not None:
+                    # An undecodable record (a newer agent's v2, a hand edit) counts as absent: keeping the old
+                    # value would offer a slot whose compare-and-set can never succeed.
                     value = self.decode(entry.key, entry.value)
-                    if value is None:
-                        continue
                 rev = entry.revision or 0
                 if snapshot is not None:
                     if value is None:
@@ -411,7 +411,9 @@ class KvSlotStore:
     async def _refresh(self, key: str) -> tuple[SlotRecord, int] | None:
         try:
             rec, rev = await self.get(key)
-        except SlotNotFound:
+        except (SlotNotFound, BadMessage):
+            if key in self.slots.items:
+                self.slots._set(key, None, self.slots.items[key][1])
             return None
         self.slots.apply_local(key, rec, rev)
         return rec, rev
