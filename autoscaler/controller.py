@@ -556,6 +556,23 @@ class ModelController:
             return
         deadline_s = self.deps.settings.activation_deadline_s
         self.exhausted = False  # look at the pool again, at most once per tick
+        # Held slots of this model that nobody here tracks (a predecessor's claim that outlived its activation,
+        # books lost to a bug): adopt them, so they count and a scale-down can give them back.
+        orphans = [
+            r
+            for r in self.deps.store.records(self.model)
+            if r.key not in self.held
+            and r.state in ("claimed", "activating", "ready")
+            and now - r.updated_at > 2 * deadline_s
+        ]
+        if orphans:
+            log.warning(
+                "%s: adopting %d slot(s) held by no one here: %s",
+                self.model,
+                len(orphans),
+                ", ".join(r.key for r in orphans),
+            )
+            self.adopt(orphans)
         for key, h in list(self.held.items()):
             if h.phase == "releasing" and h.release_failed and key not in self._releasing_here:
                 h.release_failed = False

@@ -349,3 +349,30 @@ async def test_a_poisonous_scaled_object_does_not_stop_the_others(
             assert metrics.rejected.labels("bad_value")._value.get() >= 1  # type: ignore[attr-defined]
     finally:
         await agent.stop()
+
+
+async def test_an_orphaned_claim_is_adopted_and_given_back(
+    nats_server: NatsServer, nc: Client, store: KvSlotStore
+) -> None:
+    """A slot left `ready` under a claim no running autoscaler knows (its holder's books were lost) is adopted
+    by the leader and released when it is not needed."""
+    agent = await AgentDouble(nc, store, "node-0", "m", slots=2).start()
+    fast = {
+        "scaleDownStabilizationSeconds": 0.5,
+        "scaleDownPeriodSeconds": 0.5,
+        "scaleDownPercent": 100,
+        "stableWindowSeconds": 1.0,
+    }
+    await put_scaler(nc, "m", cooldownPeriod=0.5, advanced=fast)
+    try:
+        async with autoscaler_in_process(nats_server.url, controller=ControllerSettings(activation_deadline_s=0.2)):
+            # Made while the leader runs, so it is the sweep (not the takeover) that must find it.
+            orphan = await store.claim_slot("m.node-0.s0")
+            orphan = await store.advance(orphan, "activating")
+            orphan = await store.advance(orphan, "ready", endpoint="http://lost:1")
+            gw = Gateway(nc, "m")
+            quiet = asyncio.create_task(gw.steady(0, 6.0))
+            await wait_for(lambda: store.slots.items["m.node-0.s0"][0].state == "warm", 6)
+            quiet.cancel()
+    finally:
+        await agent.stop()
