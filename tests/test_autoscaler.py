@@ -71,6 +71,17 @@ class Gateway:
             await asyncio.sleep(every_s)
 
 
+async def collect_events(nc: Client, model: str) -> list[protocol.Event]:
+    """Every event published for `model` from now on, decoded (so a malformed one fails the test)."""
+    events: list[protocol.Event] = []
+
+    async def on_event(msg) -> None:  # type: ignore[no-untyped-def]
+        events.append(protocol.decode(msg.data, protocol.Event))
+
+    await nc.subscribe(protocol.events_subject(model), cb=on_event)
+    return events
+
+
 async def held(store: KvSlotStore, model: str, states: tuple[str, ...] = ("ready",)) -> list[protocol.SlotRecord]:
     return [r for r in store.records(model) if r.state in states]
 
@@ -88,7 +99,8 @@ async def wait_for(cond, timeout: float) -> float:  # type: ignore[no-untyped-de
 
 
 @contextlib.asynccontextmanager
-async def autoscaler_in_process(url: str, **kw: object) -> AsyncIterator[daemon.Autoscaler]:
+async def autoscaler_in_process(url: str, **kw: object) -> AsyncIterator[AutoscalerMetrics]:
+    """The daemon's `run` as a task, leading; yields its metrics registry for assertions."""
     settings = daemon.AutoscalerSettings(
         nats=connect.NatsOptions(servers=(url,), name="test-autoscaler"),
         lease=LeaseSettings(lease_s=1.0, renew_every_s=0.2),
@@ -98,27 +110,19 @@ async def autoscaler_in_process(url: str, **kw: object) -> AsyncIterator[daemon.
     metrics = AutoscalerMetrics()
     task = asyncio.create_task(daemon.run(settings, stop=stop, ready=ready, metrics=metrics))
     await asyncio.wait_for(ready.wait(), 10)
-    box: list[daemon.Autoscaler] = []
-    # run() owns the Autoscaler; reach it through the ready leader for assertions.
     try:
         await wait_for(lambda: metrics.leader._value.get() == 1, 5)  # type: ignore[attr-defined]
-        yield metrics  # type: ignore[misc]
+        yield metrics
     finally:
         stop.set()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(task, 10)
-        del box
 
 
 async def test_a_pulse_claims_and_activates_warm_slots(nats_server: NatsServer, nc: Client, store: KvSlotStore) -> None:
     agents = [await AgentDouble(nc, store, f"node-{i}", "m", slots=4, rack=f"r{i}").start() for i in range(2)]
     await put_scaler(nc, "m")
-    events: list[protocol.Event] = []
-
-    async def on_event(msg) -> None:  # type: ignore[no-untyped-def]
-        events.append(protocol.decode(msg.data, protocol.Event))
-
-    await nc.subscribe("pulse.events.m", cb=on_event)
+    events = await collect_events(nc, "m")
     try:
         async with autoscaler_in_process(nats_server.url) as metrics:
             gw = Gateway(nc, "m")
@@ -184,12 +188,7 @@ async def test_empty_pool_takes_the_cold_path_and_says_so(
 ) -> None:
     agent = await AgentDouble(nc, store, "node-0", "m", slots=1).start()
     await put_scaler(nc, "m")
-    events: list[protocol.Event] = []
-
-    async def on_event(msg) -> None:  # type: ignore[no-untyped-def]
-        events.append(protocol.decode(msg.data, protocol.Event))
-
-    await nc.subscribe("pulse.events.m", cb=on_event)
+    events = await collect_events(nc, "m")
     try:
         async with autoscaler_in_process(nats_server.url) as metrics:
             await Gateway(nc, "m").send(12)  # 3 replicas wanted, 1 slot in the pool
