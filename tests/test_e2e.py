@@ -5,13 +5,19 @@ endpoint that answers a completion; when the pulse is over the slot goes back to
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
 
 from nats.aio.client import Client
 
+from autoscaler.controller import ControllerSettings
 from tests.nodeagent_helpers import (  # noqa: F401 - fixtures
     MODEL,
     model_dir_fixture,
@@ -22,7 +28,7 @@ from tests.nodeagent_helpers import (  # noqa: F401 - fixtures
 )
 from tests.test_autoscaler import Gateway, autoscaler_in_process, put_scaler, wait_for
 from warmpool.embedded import NatsServer
-from warmpool.registry import KvSlotStore
+from warmpool.registry import KvSlotStore, SlotChanged
 
 FAST_WINDOWS = {
     "cooldownPeriod": 0.5,
@@ -34,6 +40,14 @@ FAST_WINDOWS = {
         "scaleDownPercent": 100,
     },
 }
+
+
+def agent_process(url: str, node: str, model_dir: Path, shm_dir: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "pulsescale", "agent", "--nats", url, "--node", node, "--slots", "1",
+         "--model", str(model_dir), "--model-name", MODEL, "--shm-dir", str(shm_dir), "--metrics-port", "-1",
+         "--log-level", "WARNING"],
+    )  # fmt: skip
 
 
 def complete(endpoint: str) -> dict:  # type: ignore[type-arg]
@@ -70,3 +84,57 @@ async def test_pulse_to_first_token_and_back(
             again = asyncio.create_task(gw.steady(4, 3.0))
             await wait_for(lambda: any(r.state == "ready" for r in store.records(MODEL)), 10)
             again.cancel()
+
+
+async def test_a_frozen_agent_is_released_and_the_next_slot_claimed_in_time(
+    nats_server: NatsServer, nc: Client, store: KvSlotStore, model_dir: Path, shm_dir: Path
+) -> None:
+    """A real agent process, SIGSTOPped after its slot went warm: its lease is still fresh and NATS still routes
+    to it, so `activate` just goes unanswered. The claim is released at the deadline and the next slot claimed
+    within 100 ms of it."""
+    deadline_s = 0.5
+    live_cfg = settings(model_dir, shm_dir / "live", nats_server.url, node="live", slots=2)
+    frozen: subprocess.Popen[bytes] | None = None
+    claims: dict[str, float] = {}
+
+    async def watch() -> None:
+        async for ev in store.watch():
+            if isinstance(ev, SlotChanged) and ev.record.state == "claimed":
+                claims[ev.key] = time.monotonic()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        async with running_agent(live_cfg):
+            await wait_for(lambda: sum(r.state == "warm" for r in store.records(MODEL)) == 2, 30)
+            await put_scaler(nc, MODEL, maxReplicaCount=3)
+            async with autoscaler_in_process(
+                nats_server.url, controller=ControllerSettings(activation_deadline_s=deadline_s)
+            ):
+                gw = Gateway(nc, MODEL)
+                await gw.send(4)  # one replica, on the live node: the only one so far
+                await wait_for(lambda: any(r.state == "ready" for r in store.records(MODEL)), 10)
+                frozen = agent_process(nats_server.url, "frozen", model_dir, shm_dir / "frozen")
+                await wait_for(lambda: (r := store.slots.items.get("tiny.frozen.s0")) and r[0].state == "warm", 30)
+                os.kill(frozen.pid, signal.SIGSTOP)
+                claims.clear()
+                # A second replica: the frozen node holds no slot of the model, so placement prefers it.
+                pulse = asyncio.create_task(gw.steady(8, 3.0))
+                await wait_for(lambda: "tiny.frozen.s0" in claims and len(claims) >= 2, 5)
+                pulse.cancel()
+                nxt = min(t for k, t in claims.items() if k != "tiny.frozen.s0")
+                gap = nxt - claims["tiny.frozen.s0"]
+                assert deadline_s <= gap + 0.05 and gap <= deadline_s + 0.1, f"next claim after {gap:.3f} s"
+                await wait_for(lambda: sum(r.state == "ready" for r in store.records(MODEL)) == 2, 5)
+                rec, _ = await store.get("tiny.frozen.s0")
+                assert rec.state == "warm" and rec.claim_id is None  # given back
+    finally:
+        watcher.cancel()
+        if frozen is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(frozen.pid, signal.SIGCONT)
+            frozen.terminate()
+            try:
+                frozen.wait(10)
+            except subprocess.TimeoutExpired:
+                frozen.kill()
+                frozen.wait()
