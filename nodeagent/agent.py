@@ -21,7 +21,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,11 +34,11 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from nodeagent import loaders, readiness, staging
+from nodeagent import loaders, readiness, staging, tinymodel
 from nodeagent.engines import Started
 from nodeagent.engines import local as local_engine
 from nodeagent.engines.forked import ForkedEngine
-from nodeagent.errors import ActivationRefused, BadModel, BadWeights, EngineFailed, StagingFailed
+from nodeagent.errors import ActivationRefused, BadWeights, EngineFailed
 from nodeagent.metrics import AgentMetrics
 from nodeagent.settings import AgentSettings
 from warmpool import connect as nats_connect
@@ -97,6 +97,18 @@ class Slot:
         self.activations = 0
         self.last_timings: StageTimings | None = None
         self.engine: ForkedEngine | None = None
+        self.busy: str | None = None
+        """What holds the lock now (re-arming, deactivating...): named when an activation cannot wait for it."""
+
+    @contextlib.asynccontextmanager
+    async def held(self, what: str) -> AsyncIterator[None]:
+        """The slot's lock, with `what` it is held for."""
+        async with self.lock:
+            self.busy = what
+            try:
+                yield
+            finally:
+                self.busy = None
 
     def status(self, record: SlotRecord | None) -> dict[str, Any]:
         return {
@@ -180,7 +192,13 @@ class Agent:
             "private": s.engine_memory == "private",
             "fault": s.faults.get(slot.name),
             "slot": slot.name,
+            "version": staged.version,  # a zygote armed for another version is re-armed before it serves
         }
+
+    def _check_model(self, pending: staging.Staged) -> None:
+        """Vets a new staged set before it replaces the old one: the engine's config against the tensors."""
+        cfg = local_engine.read_config_file(pending.path_of(tinymodel.CONFIG_FILE))
+        local_engine.check_model(cfg, pending.shapes())
 
     # --- start-up and prewarm ------------------------------------------------------------------------------------
 
@@ -205,23 +223,33 @@ class Agent:
             slot.phase = "prewarming"
             await self._set_state(slot, "prewarming", reason=None, weights_resident=False)
         s = self.settings
+        t0 = time.perf_counter()
         try:
-            t0 = time.perf_counter()
+            # All or nothing: on failure the staged files, `self.staged` and the zygotes' specs stay on the
+            # complete previous set.
             staged = await asyncio.to_thread(
-                staging.stage, s.model_dir, s.shm_dir, s.model_name, threads=s.stage_threads
+                staging.stage,
+                s.model_dir,
+                s.shm_dir,
+                s.model_name,
+                threads=s.stage_threads,
+                check=self._check_model,
             )
-            local_engine.check_model(local_engine.read_config(staged.dir), staged.shapes())
-            locked = await asyncio.to_thread(staging.lock, [f.path for f in staged.weights], want_lock=s.lock_weights)
-        except (BadModel, BadWeights, StagingFailed, ValueError) as err:
-            reason = f"staging failed: {err}"
-            self.staging_error = reason
-            log.error("%s", reason)
-            for slot in targets:
-                await self._fail(slot, reason)
+        except Exception as err:  # noqa: BLE001 - whatever it is, the slots must not stay `prewarming`
+            await self._staging_failed(targets, f"staging failed: {_describe(err)}")
             return
-        old, self.locked, self.staged = self.locked, locked, staged
-        if old is not None:
-            old.release()
+        self.staged = staged  # what the staged files on disk now are
+        try:
+            # Re-uses the mappings of unchanged files and unlocks the rest before locking anything new, so the
+            # weights never count twice against RLIMIT_MEMLOCK.
+            locked = await asyncio.to_thread(
+                staging.lock, [f.path for f in staged.weights], want_lock=s.lock_weights, previous=self.locked
+            )
+        except Exception as err:  # noqa: BLE001
+            self.locked = None
+            await self._staging_failed(targets, f"cannot map the staged weights: {_describe(err)}")
+            return
+        self.locked = locked
         self.staging_error = None
         took = time.perf_counter() - t0
         self.metrics.staging_seconds.set(took)
@@ -239,28 +267,44 @@ class Agent:
         )
         await asyncio.gather(*(self._arm(slot, staged) for slot in targets))
 
+    async def _staging_failed(self, targets: list[Slot], reason: str) -> None:
+        self.staging_error = reason
+        log.error("%s", reason)
+        for slot in targets:
+            await self._fail(slot, reason)
+
+    async def _ensure_armed(self, slot: Slot, staged: staging.Staged) -> str | None:
+        """With the slot's lock held: a zygote armed for `staged` (re-made if its spec changed); the reason if
+        it cannot arm."""
+        spec = self.engine_spec(slot, staged)
+        if slot.engine is None or slot.engine.spec != {**spec}:
+            if slot.engine is not None:
+                await slot.engine.close()
+            slot.engine = ForkedEngine(
+                spec,
+                name=slot.name,
+                advertise_host=self.settings.endpoint_host,
+                port=slot.port,
+                on_exit=functools.partial(self._engine_exited, slot),
+            )
+        try:
+            was_armed = slot.engine.armed
+            await slot.engine.arm()
+            if not was_armed:
+                self.metrics.zygote_arms.inc()
+        except EngineFailed as err:
+            return err.reason
+        except OSError as err:  # the interpreter could not even be started
+            return f"cannot start the zygote: {err.strerror or err}"
+        return None
+
     async def _arm(self, slot: Slot, staged: staging.Staged) -> None:
-        async with slot.lock:
+        async with slot.held("arming its engine"):
             if slot.active is not None:
                 return
-            spec = self.engine_spec(slot, staged)
-            if slot.engine is None or slot.engine.spec != {**spec}:
-                if slot.engine is not None:
-                    await slot.engine.close()
-                slot.engine = ForkedEngine(
-                    spec,
-                    name=slot.name,
-                    advertise_host=self.settings.endpoint_host,
-                    port=slot.port,
-                    on_exit=functools.partial(self._engine_exited, slot),
-                )
-            try:
-                was_armed = slot.engine.armed
-                await slot.engine.arm()
-                if not was_armed:
-                    self.metrics.zygote_arms.inc()
-            except EngineFailed as err:
-                await self._fail(slot, f"cannot arm the engine: {err.reason}")
+            err = await self._ensure_armed(slot, staged)
+            if err is not None:
+                await self._fail(slot, f"cannot arm the engine: {err}")
                 return
             slot.phase, slot.reason, slot.failures = "warm", None, 0
             await self._set_state(slot, "warm", reason=None, weights_resident=True, claim_id=None, token=None)
@@ -307,7 +351,7 @@ class Agent:
     async def _recover(self, slot: Slot, reason: str) -> None:
         """An engine or zygote died on its own: fail the claim it served, then re-arm (bounded by the failure
         count) so the slot comes back `warm` if nothing is broken."""
-        async with slot.lock:
+        async with slot.held(f"re-arming after: {reason}"):
             active, slot.active = slot.active, None
             if active is not None:
                 slot.failures += 1
@@ -442,13 +486,48 @@ class Agent:
     async def on_activate(self, req: protocol.ActivateRequest, t_recv: float) -> bytes:
         try:
             slot = self._slot(req.slot)
-            async with slot.lock:
-                reply = await self._activate(slot, req, t_recv)
+            await self._lock_by_deadline(slot, req, t_recv)
+            handed_off = False
+            try:
+                reply, cleanup = await self._activate(slot, req, t_recv)
+                if cleanup is not None:
+                    # Reply first; the clean-up (stop, re-check, re-arm, give back) keeps the lock and frees it.
+                    self.spawn(self._unlocking(slot, cleanup), name=f"after-activation-{slot.name}")
+                    handed_off = True
+            finally:
+                if not handed_off:
+                    slot.lock.release()
         except ActivationRefused as err:
             self.metrics.activations.labels("refused").inc()
             log.info("activate %s refused: %s: %s", req.slot, err.code, err)
             return protocol.error_reply(err.code, str(err), slot=req.slot)
         return reply
+
+    async def _lock_by_deadline(self, slot: Slot, req: protocol.ActivateRequest, t_recv: float) -> None:
+        """Take the slot's lock, waiting no longer than the request's deadline; say what held it if it was not
+        free in time."""
+        left_s = req.deadline - time.time()
+        try:
+            async with asyncio.timeout(max(0.0, left_s)):
+                await slot.lock.acquire()  # a free lock is taken without waiting, even past the deadline
+        except TimeoutError:
+            waited_ms = (time.perf_counter() - t_recv) * 1e3
+            if left_s <= 0:
+                raise ActivationRefused(
+                    "deadline", f"request arrived {-left_s * 1e3:.0f} ms after its deadline (slot {slot.key} busy)"
+                ) from None
+            raise ActivationRefused(
+                "deadline",
+                f"slot {slot.key} busy ({slot.busy or 'serving another request'}) until the deadline; "
+                f"waited {waited_ms:.0f} ms",
+            ) from None
+
+    async def _unlocking(self, slot: Slot, work: Coroutine[Any, Any, None]) -> None:
+        try:
+            await work
+        finally:
+            slot.busy = None
+            slot.lock.release()
 
     def _check_claim(self, slot: Slot, rec: SlotRecord, rev: int, token: int, claim_id: str | None) -> None:
         """Refuse a request whose claim does not hold the slot, naming who does."""
@@ -481,14 +560,17 @@ class Agent:
         except SlotNotFound:
             raise ActivationRefused("unknown_slot", f"slot {slot.key} is not in the registry") from None
 
-    async def _activate(self, slot: Slot, req: protocol.ActivateRequest, t_recv: float) -> bytes:
+    async def _activate(
+        self, slot: Slot, req: protocol.ActivateRequest, t_recv: float
+    ) -> tuple[bytes, Coroutine[Any, Any, None] | None]:
+        """With the slot's lock held: (the reply, clean-up to run after replying, still under the lock)."""
         if req.token < slot.highest_token:
             raise ActivationRefused(
                 "stale_token", f"token {req.token} is lower than {slot.highest_token}, already seen for {slot.key}"
             )
         active = slot.active
         if active is not None and active.token == req.token and active.claim_id == req.claim_id:
-            return self._ready_reply(slot, active, repeated=True)  # a retry of an activation that succeeded
+            return self._ready_reply(slot, active, repeated=True), None  # a retry of an activation that succeeded
         rec, rev = await self._current(slot, req.token)
         self._check_claim(slot, rec, rev, req.token, req.claim_id)
         if rec.state not in ("claimed", "activating", "ready"):
@@ -522,44 +604,53 @@ class Agent:
         stage = "engine"
         budget_ms = (req.deadline - time.time()) * 1e3
         try:
-            # One deadline over both stages; each stage also bounds itself, so it can say what it was waiting for.
-            async with asyncio.timeout(max(0.0, req.deadline - time.time()) + 0.05):
-                started = await engine.start(timeout_s=max(0.001, req.deadline - time.time()))
-                t_engine = time.perf_counter()
-                stage = "readiness"
-                await readiness.check(
-                    self.session, started.endpoint, self.settings.model_name, timeout_s=req.deadline - time.time()
-                )
-                t_ready = time.perf_counter()
+            try:
+                # One deadline over both stages; each stage also bounds itself, so it can say what it waited for.
+                async with asyncio.timeout(max(0.0, req.deadline - time.time()) + 0.05):
+                    started = await engine.start(timeout_s=max(0.001, req.deadline - time.time()))
+                    t_engine = time.perf_counter()
+                    stage = "readiness"
+                    await readiness.check(
+                        self.session, started.endpoint, self.settings.model_name, timeout_s=req.deadline - time.time()
+                    )
+                    t_ready = time.perf_counter()
+            except TimeoutError:
+                raise EngineFailed(
+                    stage, f"not done by the deadline ({budget_ms:.0f} ms after arrival)", code="deadline"
+                ) from None
+            stage = "ready"
+            try:
+                claim = await self.store.advance(claim, "ready", endpoint=started.endpoint, reason=None)
+            except (StaleToken, InvalidTransition) as err:
+                # The claim was released while we started (the claimer gave up): stop, the slot is someone else's.
+                await engine.stop()
+                slot.phase = "warm"
+                self.metrics.activations.labels("refused").inc()
+                raise ActivationRefused("stale_token", f"claim lost during activation: {err}") from None
+            t_done = time.perf_counter()
+            timings = StageTimings(
+                token_ms=(t_token - t_recv) * 1e3,
+                load_ms=started.load_ms,
+                engine_ms=started.engine_ms,
+                readiness_ms=(t_ready - t_engine) * 1e3,
+                total_ms=(t_done - t_recv) * 1e3,
+            )
+            slot.active = Active(claim, started, timings)
+        except ActivationRefused:
+            raise
         except EngineFailed as err:
-            return await self._activation_failed(slot, claim, err, t_recv)
-        except TimeoutError:
-            late = EngineFailed(stage, f"not done by the deadline ({budget_ms:.0f} ms after arrival)", code="deadline")
-            return await self._activation_failed(slot, claim, late, t_recv)
-        try:
-            claim = await self.store.advance(claim, "ready", endpoint=started.endpoint, reason=None)
-        except (StaleToken, InvalidTransition) as err:
-            # The claim was released while we started (the claimer gave up): stop, the slot is someone else's.
-            await engine.stop()
-            slot.phase = "warm"
-            self.metrics.activations.labels("refused").inc()
-            raise ActivationRefused("stale_token", f"claim lost during activation: {err}") from None
-        t_done = time.perf_counter()
-        timings = StageTimings(
-            token_ms=(t_token - t_recv) * 1e3,
-            load_ms=started.load_ms,
-            engine_ms=started.engine_ms,
-            readiness_ms=(t_ready - t_engine) * 1e3,
-            total_ms=(t_done - t_recv) * 1e3,
-        )
-        slot.active = Active(claim, started, timings)
+            return self._activation_failed(slot, claim, err, t_recv)
+        except Exception as err:  # a registry error, a bug: never leave an engine serving that nobody owns
+            log.exception("slot %s: activation failed at stage %s", slot.key, stage)
+            code = "registry_unavailable" if isinstance(err, REGISTRY_ERRORS) else "internal"
+            return self._activation_failed(slot, claim, EngineFailed(stage, _describe(err), code=code), t_recv)
         slot.last_timings = timings
         slot.activations += 1
         slot.failures = 0
         slot.reason = None
         m = self.metrics
-        for stage in ("token", "load", "engine", "readiness", "total"):
-            m.activation_seconds.labels(stage).observe(getattr(timings, f"{stage}_ms") / 1e3)
+        for name in ("token", "load", "engine", "readiness", "total"):
+            m.activation_seconds.labels(name).observe(getattr(timings, f"{name}_ms") / 1e3)
         m.activations.labels("ready").inc()
         m.loaded_bytes.inc(started.loaded_bytes)
         self.refresh_gauges()
@@ -572,7 +663,7 @@ class Agent:
             timings.total_ms,
             timings.load_ms,
         )
-        return self._ready_reply(slot, slot.active, repeated=False)
+        return self._ready_reply(slot, slot.active, repeated=False), None
 
     def _ready_reply(self, slot: Slot, active: Active, *, repeated: bool) -> bytes:
         return protocol.ok_reply(
@@ -589,46 +680,57 @@ class Agent:
             repeated=repeated,
         )
 
-    async def _activation_failed(self, slot: Slot, claim: Claim, err: EngineFailed, t_recv: float) -> bytes:
-        """Stop what was started, then give the slot back (`warm`), or fail it if it is broken."""
+    def _activation_failed(
+        self, slot: Slot, claim: Claim, err: EngineFailed, t_recv: float
+    ) -> tuple[bytes, Coroutine[Any, Any, None]]:
+        """The reply now, and the clean-up to run after it under the slot's lock: stop what was started, then
+        give the slot back (`warm`), or fail it if it is broken."""
+        slot.failures += 1
+        quarantine = slot.failures >= self.settings.max_consecutive_failures
+        slot.busy = "cleaning up after a failed activation"
+        self.metrics.activations.labels("deadline" if err.code == "deadline" else "failed").inc()
         took_ms = (time.perf_counter() - t_recv) * 1e3
         reason = f"activation failed after {took_ms:.0f} ms at stage {err.stage}: {err.reason}"
         log.warning("slot %s: %s", slot.key, reason)
+        reply = protocol.error_reply(
+            err.code,
+            reason,
+            slot=slot.name,
+            stage=err.stage,
+            state="failed" if quarantine else slots.release_target(claim.record),
+            timings=StageTimings(total_ms=took_ms),
+        )
+        return reply, self._after_failed_activation(slot, claim, reason, quarantine)
+
+    async def _after_failed_activation(self, slot: Slot, claim: Claim, reason: str, quarantine: bool) -> None:
+        slot.active = None
         engine = slot.engine
         if engine is not None:
-            await engine.stop()
-        slot.failures += 1
+            await engine.stop()  # before the claim goes back: no engine serves a slot it does not hold
         broken = None
         if self.staged is not None:
             try:
                 await asyncio.to_thread(staging.check_staged, self.staged)
             except BadWeights as bad:
                 broken = f"staged weights damaged: {bad}"
-        if broken is None and engine is not None and not engine.armed:
-            try:
-                await engine.arm()
-                self.metrics.zygote_arms.inc()
-            except EngineFailed as arm_err:
-                broken = f"cannot re-arm the engine: {arm_err.reason}"
-        if broken is None and slot.failures >= self.settings.max_consecutive_failures:
+        if broken is None and self.staged is not None and engine is not None:
+            arm_err = await self._ensure_armed(slot, self.staged)
+            if arm_err is not None:
+                broken = f"cannot re-arm the engine: {arm_err}"
+        if broken is None and quarantine:
             broken = f"{slot.failures} activations in a row failed; send prewarm to retry"
         if broken is None:
             slot.phase, slot.reason = "warm", reason
             await self._give_back(slot, claim, reason)
         else:
             slot.phase, slot.reason = "failed", f"{broken}; last: {reason}"
-            with contextlib.suppress(StaleToken, InvalidTransition, *REGISTRY_ERRORS):
+            try:
                 await self.store.advance(claim, "failed", reason=slot.reason[:4000], claim_id=None, endpoint=None)
+            except (StaleToken, InvalidTransition):
+                await self._fail(slot, slot.reason)  # the claimer released it first: fail the slot as such
+            except REGISTRY_ERRORS as err:
+                log.warning("slot %s: cannot write failed: %s", slot.key, err)
         self.refresh_gauges()
-        self.metrics.activations.labels("deadline" if err.code == "deadline" else "failed").inc()
-        return protocol.error_reply(
-            err.code,
-            reason,
-            slot=slot.name,
-            stage=err.stage,
-            state="failed" if broken else slots.release_target(claim.record),
-            timings=StageTimings(total_ms=took_ms),
-        )
 
     async def _give_back(self, slot: Slot, claim: Claim, reason: str | None) -> None:
         """Release a claim as its holder: `warm` (or `draining`); a claim already released elsewhere is fine."""
@@ -654,7 +756,7 @@ class Agent:
     async def on_deactivate(self, req: protocol.DeactivateRequest, t_recv: float) -> bytes:
         try:
             slot = self._slot(req.slot)
-            async with slot.lock:
+            async with slot.held("deactivating"):
                 reply = await self._deactivate(slot, req)
         except ActivationRefused as err:
             self.metrics.deactivations.labels("refused").inc()
@@ -712,13 +814,12 @@ class Agent:
         return protocol.ok_reply(slot=slot.name, key=slot.key, state=hit[0].state if hit else None, note=note)
 
     async def _rearm(self, slot: Slot) -> None:
-        """After an engine stops the zygote must be ready for the next activation (it normally still is)."""
-        if slot.engine is not None and not slot.engine.armed and self.staged is not None:
-            try:
-                await slot.engine.arm()
-                self.metrics.zygote_arms.inc()
-            except EngineFailed as err:
-                await self._fail(slot, f"cannot re-arm the engine: {err.reason}")
+        """After an engine stops the zygote must be ready for the next activation (it normally still is), and
+        armed for the weights staged now (a re-stage while it served skipped it)."""
+        if slot.engine is not None and self.staged is not None:
+            err = await self._ensure_armed(slot, self.staged)
+            if err is not None:
+                await self._fail(slot, f"cannot re-arm the engine: {err}")
                 return
         if slot.phase == "active":
             slot.phase = "warm"
@@ -775,7 +876,7 @@ class Agent:
                     self.spawn(self._fence(mine), name=f"fence-{mine.name}")
 
     async def _fence(self, slot: Slot) -> None:
-        async with slot.lock:
+        async with slot.held("stopping a fenced engine"):
             active, hit = slot.active, self.record(slot)
             if active is None or hit is None or hit[0].claim_id == active.claim_id:
                 return
@@ -787,7 +888,7 @@ class Agent:
             return
         state = {"active": "failed", "warm": "warm", "failed": "failed"}.get(slot.phase, "prewarming")
         log.warning("slot %s vanished from the registry; writing it again as %s", slot.key, state)
-        async with slot.lock:
+        async with slot.held("restoring its record"):
             if slot.active is not None:
                 await self._stop_engine(slot, "its record was deleted")
                 await self._rearm(slot)
@@ -821,6 +922,13 @@ class Agent:
         if self.locked is not None:
             self.locked.release()
             self.locked = None
+
+
+def _describe(err: BaseException) -> str:
+    """An error for a reason field: our named errors say it all; anything else also says what it is."""
+    if isinstance(err, (PulsescaleError, ValueError)):
+        return str(err)
+    return f"{type(err).__name__}: {err}"
 
 
 async def _metrics_server(agent: Agent, host: str, port: int) -> tuple[web.AppRunner, int]:

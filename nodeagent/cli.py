@@ -84,10 +84,13 @@ def _settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> AgentSett
     except LoaderUnavailable as err:
         p.error(str(err))
     faults = {}
+    slot_names = AgentSettings(node=args.node, model_dir=model_dir, model_name=name, slots=args.slots).slot_names
     for item in args.fault:
         slot, _, kind = item.partition("=")
         if kind not in FAULTS:
             p.error(f"--fault {item!r}: kind must be one of {', '.join(FAULTS)}")
+        if slot not in slot_names:
+            p.error(f"--fault {item!r}: no slot {slot!r} on this agent (it has {', '.join(slot_names)})")
         faults[slot] = kind
     return AgentSettings(
         node=args.node,

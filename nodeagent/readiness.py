@@ -46,11 +46,15 @@ async def check(session: aiohttp.ClientSession, endpoint: str, model: str, *, ti
                         raise EngineFailed(
                             "readiness", f"/v1/completions answered {r.status}: {text}", code="not_ready"
                         )
-                    out: dict[str, Any] = await r.json()
+                    out: object = await r.json()
             except (aiohttp.ClientError, ValueError) as err:
                 raise EngineFailed("readiness", f"/v1/completions failed: {err}", code="not_ready") from None
     except TimeoutError:
         raise EngineFailed("readiness", f"not ready after {timeout_s * 1e3:.0f} ms: {last}", code="deadline") from None
+    if not isinstance(out, dict):
+        raise EngineFailed(
+            "readiness", f"/v1/completions answered JSON {type(out).__name__}, not an object", code="not_ready"
+        )
     choices = out.get("choices")
     if out.get("object") != "text_completion" or not isinstance(choices, list) or not choices:
         raise EngineFailed("readiness", f"/v1/completions answered without choices: {str(out)[:300]}", code="not_ready")

@@ -120,6 +120,10 @@ def parse_header(f: BinaryIO, file_bytes: int, *, file: str) -> Header:
         raise BadWeights(file, f"header names tensor {dup.name!r} twice") from None
     except ValueError as err:  # json.JSONDecodeError
         raise BadWeights(file, f"header is not valid JSON: {err}") from None
+    except RecursionError:
+        raise BadWeights(file, "header JSON is nested too deeply to be a safetensors header") from None
+    except Exception as err:  # noqa: BLE001 - any parser failure is a bad file, never a crash of the caller
+        raise BadWeights(file, f"header cannot be parsed: {type(err).__name__}: {err}") from None
     if not isinstance(obj, dict):
         raise BadWeights(file, f"header is JSON {type(obj).__name__}, not an object")
     data_offset = _LEN.size + n
@@ -143,7 +147,7 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _tensors(file: str, obj: dict[str, Any], file_bytes: int, data_offset: int) -> Header:
     data_bytes = file_bytes - data_offset
-    metadata = obj.pop("__metadata__", None) or {}
+    metadata = obj.pop("__metadata__", {})  # only a missing key defaults: [], null or false are corrupt
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise BadWeights(file, "__metadata__ must be an object of strings")
     infos = []

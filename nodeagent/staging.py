@@ -1,10 +1,13 @@
 """Weights staging: copy a model into shm, verify every byte, validate every header, then map and lock it.
 
 Layout: ``<shm_dir>/<model>/<file>`` for every file in the model's ``sha256sums.txt`` (see `tinymodel`). All
-slots of a model on a node share one staged copy. A file is copied to ``.<file>.partial``, hashed on the way
-(one pass over the bytes), compared with the manifest, its safetensors header validated, and only then renamed
-into place; so a bad source or a crash mid-copy never replaces a good staged file. A staged file that already
-matches the manifest (the agent restarted, shm survived) is verified and kept instead of copied again.
+slots of a model on a node share one staged copy. Each file to copy goes to ``.<file>.partial``, hashed on the
+way (one pass over the bytes), compared with the manifest, its safetensors header validated; only when *every*
+file of the new set has verified are the partial files renamed into place. So a bad source or a crash mid-copy
+never replaces a good staged file, and a failed re-stage never leaves a mix of two versions. A staged file that
+already matches the manifest (the agent restarted, shm survived, or the file did not change between versions)
+is verified and kept instead of copied again. After a successful stage, files that are not in the manifest and
+``.partial`` files of a killed copy are removed, so shm holds one version.
 
 Locking: the agent maps every staged weights file and ``mlock``s it, so the pages stay resident for as long as
 the agent runs (tmpfs pages can otherwise be swapped out). Locking needs ``CAP_IPC_LOCK`` or a large enough
@@ -22,9 +25,9 @@ import os
 import resource
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Final
 
@@ -35,6 +38,7 @@ __all__ = ["COPY_BLOCK_BYTES", "LockedWeights", "Staged", "StagedFile", "check_s
 
 COPY_BLOCK_BYTES: Final = 8 * 2**20
 """Read-hash-write block: large enough for full disk and memory bandwidth, small enough to stay in cache."""
+PARTIAL_SUFFIX: Final = ".partial"
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,8 @@ class Staged:
     files: list[StagedFile]
     stage_s: float
     staged_at: float
+    version: str = ""
+    """A digest of the manifest: engines armed for another version must be re-armed before they serve."""
 
     @property
     def weights(self) -> list[StagedFile]:
@@ -72,6 +78,10 @@ class Staged:
     @property
     def copied_bytes(self) -> int:
         return sum(f.nbytes for f in self.files if f.copied)
+
+    def path_of(self, name: str) -> Path:
+        """Where the bytes of manifest entry `name` are (the staged file, or a ``.partial`` being vetted)."""
+        return next((f.path for f in self.files if f.name == name), self.dir / name)
 
     def shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
         return {t.name: (t.shape, t.dtype) for f in self.weights for t in f.header.tensors}  # type: ignore[union-attr]
@@ -99,20 +109,36 @@ def _copy_hashing(src: Path, dst: Path) -> str:
     return h.hexdigest()
 
 
-def _stage_file(source: Path, dest: Path, name: str, want: str) -> StagedFile:
-    src, final = source / name, dest / name
-    is_weights = name.endswith(".safetensors")
-    if final.exists() and _hash_file(final) == want:
-        # Verified against the manifest: good whatever became of the source since.
-        header = safetensors_check.read_header(final) if is_weights else None
-        return StagedFile(name, final, final.stat().st_size, want, copied=False, header=header)
+def _reuse(dest: Path, name: str, want: str) -> StagedFile | None:
+    """The staged copy of `name` if it is there and matches the manifest (the agent restarted, shm survived)."""
+    final = dest / name
+    try:
+        if not final.is_file() or _hash_file(final) != want:
+            return None
+        size = final.stat().st_size
+    except OSError:
+        return None  # unreadable: copied again
+    # Verified against the manifest: good whatever became of the source since.
+    header = safetensors_check.read_header(final) if name.endswith(".safetensors") else None
+    return StagedFile(name, final, size, want, copied=False, header=header)
+
+
+def _partial(dest: Path, name: str) -> Path:
+    return dest / f".{name}{PARTIAL_SUFFIX}"
+
+
+def _copy_file(source: Path, dest: Path, name: str, want: str) -> StagedFile:
+    """Copy `name` to its ``.partial`` file, hash it on the way and validate its header; the staged name is
+    untouched. On any failure the partial file is removed."""
+    src = source / name
     try:
         src_bytes = src.stat().st_size
     except FileNotFoundError:
         raise BadWeights(name, f"listed in {tinymodel.MANIFEST_FILE} but missing from {source}") from None
     except OSError as err:
         raise BadWeights(name, f"cannot read the source: {err.strerror}") from None
-    partial = dest / f".{name}.partial"
+    partial = _partial(dest, name)
+    ok = False
     try:
         try:
             got = _copy_hashing(src, partial)
@@ -127,13 +153,52 @@ def _stage_file(source: Path, dest: Path, name: str, want: str) -> StagedFile:
                 "(corrupt copy or stale manifest)",
             )
         try:
-            header = safetensors_check.read_header(partial) if is_weights else None
+            header = safetensors_check.read_header(partial) if name.endswith(".safetensors") else None
         except BadWeights as bad:
             raise BadWeights(name, bad.reason) from None
-        os.replace(partial, final)
+        ok = True
     finally:
-        partial.unlink(missing_ok=True)
-    return StagedFile(name, final, src_bytes, want, copied=True, header=header)
+        if not ok:
+            partial.unlink(missing_ok=True)
+    return StagedFile(name, dest / name, src_bytes, want, copied=True, header=header)
+
+
+def _sweep(dest: Path, keep: Collection[str]) -> list[str]:
+    """Remove what is not part of the staged set: files of an earlier version and ``.partial`` files left by a
+    copy that was killed. Directories are left alone (we never make any)."""
+    removed = []
+    for p in dest.iterdir():
+        if p.name in keep:
+            continue
+        try:
+            if p.is_symlink() or p.is_file():
+                p.unlink()
+                removed.append(p.name)
+        except OSError:
+            pass  # reported by the free-space numbers; nothing depends on it
+    return removed
+
+
+def _version(sums: dict[str, str]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(sums):
+        h.update(f"{sums[name]}  {name}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def _run_all(
+    pool: ThreadPoolExecutor, fn: Callable[..., StagedFile | None], args: list[tuple[object, ...]]
+) -> tuple[list[StagedFile | None], list[BaseException]]:
+    futures = [pool.submit(fn, *a) for a in args]
+    out: list[StagedFile | None] = []
+    errors: list[BaseException] = []
+    for fut in futures:
+        try:
+            out.append(fut.result())
+        except Exception as err:  # noqa: BLE001 - re-raised below once every thread is done
+            out.append(None)
+            errors.append(err)
+    return out, errors
 
 
 def stage(
@@ -143,10 +208,17 @@ def stage(
     *,
     threads: int = 2,
     clock: Callable[[], float] = time.time,
+    check: Callable[[Staged], None] | None = None,
 ) -> Staged:
     """Stage `source` as `model` under `shm_dir`; raises `BadModel`, `BadWeights` or `StagingFailed`.
 
-    Blocking (disk and hashing): the agent runs it in a thread.
+    All or nothing: every file that needs copying is copied to its ``.partial`` file and verified first; only
+    when the whole set verifies are they renamed into place. On failure the staged files are the complete
+    previous set, untouched. After success, files not in the manifest and stale ``.partial`` files are removed.
+    `check(pending)` vets the whole new set before it replaces anything (the engine's config against the
+    tensors); in `pending` a copied file's `path` is its ``.partial`` file. What it raises is raised, nothing
+    replaced. One stager per directory (the agent serialises its prewarms). Blocking (disk and hashing): the agent runs
+    it in a thread.
     """
     t0 = time.perf_counter()
     src = Path(source)
@@ -156,35 +228,55 @@ def stage(
     dest = Path(shm_dir) / model
     try:
         dest.mkdir(parents=True, exist_ok=True)
+        for stale in dest.glob(f".*{PARTIAL_SUFFIX}"):  # a copy killed mid-way (SIGKILL, node crash)
+            stale.unlink(missing_ok=True)
     except OSError as err:
-        raise StagingFailed(f"cannot create the staging directory {dest}: {err.strerror}") from None
-    need = 0
-    for name in sums:
-        try:
-            need += (src / name).stat().st_size
-        except OSError:
-            pass  # reported by name when that file is staged
-    have = sum(p.stat().st_size for p in dest.iterdir() if p.is_file() and p.name in sums)
-    free = shutil.disk_usage(dest).free
-    if need - have > free:
-        raise StagingFailed(
-            f"{shm_dir} has {free / 2**20:.0f} MiB free, staging {model} needs {(need - have) / 2**20:.0f} MiB more; "
-            "free shm or give the node a larger /dev/shm"
-        )
+        raise StagingFailed(f"cannot prepare the staging directory {dest}: {err.strerror}") from None
     # Largest first, so the two halves of a multi-shard model finish together.
     names = sorted(sums, key=lambda n: -((src / n).stat().st_size if (src / n).exists() else 0))
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="stage") as pool:
-        futures = [pool.submit(_stage_file, src, dest, name, sums[name]) for name in names]
-        files, errors = [], []
-        for fut in futures:
+        kept, errors = _run_all(pool, _reuse, [(dest, n, sums[n]) for n in names])
+        if errors:
+            raise errors[0]
+        todo = [n for n, f in zip(names, kept, strict=True) if f is None]
+        need = 0
+        for name in todo:
             try:
-                files.append(fut.result())
-            except (BadWeights, StagingFailed) as err:
-                errors.append(err)
+                need += (src / name).stat().st_size
+            except OSError:
+                pass  # reported by name when that file is copied
+        free = shutil.disk_usage(dest).free
+        if need > free:
+            raise StagingFailed(
+                f"{shm_dir} has {free / 2**20:.0f} MiB free, staging {model} needs {need / 2**20:.0f} MiB more "
+                "(the previous version stays staged until the new one verifies); free shm or give the node a "
+                "larger /dev/shm"
+            )
+        copied, errors = _run_all(pool, _copy_file, [(src, dest, n, sums[n]) for n in todo])
     if errors:
+        for name in todo:
+            _partial(dest, name).unlink(missing_ok=True)
         raise errors[0]
-    files.sort(key=lambda f: f.name)
-    return Staged(model, src, dest, files, time.perf_counter() - t0, clock())
+    done = [f for f in copied if f is not None]
+    version = _version(sums)
+    if check is not None:
+        pending = [f for f in kept if f is not None] + [replace(f, path=_partial(dest, f.name)) for f in done]
+        try:
+            check(Staged(model, src, dest, sorted(pending, key=lambda f: f.name), 0.0, clock(), version=version))
+        except BaseException:
+            for name in todo:
+                _partial(dest, name).unlink(missing_ok=True)
+            raise
+    try:
+        for f in done:
+            os.replace(_partial(dest, f.name), f.path)
+    except OSError as err:
+        for name in todo:
+            _partial(dest, name).unlink(missing_ok=True)
+        raise StagingFailed(f"cannot rename the verified copies into {dest}: {err.strerror or err}") from None
+    _sweep(dest, set(sums))
+    files = sorted([f for f in kept if f is not None] + done, key=lambda f: f.name)
+    return Staged(model, src, dest, files, time.perf_counter() - t0, clock(), version=version)
 
 
 def check_staged(staged: Staged) -> None:
@@ -218,6 +310,15 @@ def _libc() -> ctypes.CDLL:
 
 
 @dataclass
+class _Map:
+    addr: int
+    size: int
+    locked: bool
+    ident: tuple[int, int, int]
+    """(device, inode, size) of the mapped file: an unchanged file keeps its mapping across a re-stage."""
+
+
+@dataclass
 class LockedWeights:
     """The agent's mappings of the staged weights; `locked_bytes` of them are `mlock`ed."""
 
@@ -225,7 +326,7 @@ class LockedWeights:
     locked_bytes: int = 0
     error: str | None = None
     """Why the weights are not locked (None when they are, or when locking was not asked)."""
-    _maps: list[tuple[int, int, bool]] = field(default_factory=list, repr=False)
+    _maps: list[_Map] = field(default_factory=list, repr=False)
 
     @property
     def locked(self) -> bool:
@@ -233,10 +334,10 @@ class LockedWeights:
 
     def release(self) -> None:
         libc = _libc()
-        for addr, size, is_locked in self._maps:
-            if is_locked:
-                libc.munlock(addr, size)
-            libc.munmap(addr, size)
+        for m in self._maps:
+            if m.locked:
+                libc.munlock(m.addr, m.size)
+            libc.munmap(m.addr, m.size)
         self._maps.clear()
         self.mapped_bytes = self.locked_bytes = 0
 
@@ -255,38 +356,69 @@ def _explain_lock(err: int, want: int, done: int) -> str:
     )
 
 
-def lock(paths: list[Path], *, want_lock: bool = True) -> LockedWeights:
-    """Map every file read-only and, if `want_lock`, `mlock` it (which also faults every page in)."""
+def lock(paths: list[Path], *, want_lock: bool = True, previous: LockedWeights | None = None) -> LockedWeights:
+    """Map every file read-only and, if `want_lock`, `mlock` it (which also faults every page in).
+
+    `previous` is the lock being replaced (a re-stage): a file still the same (device, inode, size) keeps its
+    mapping and lock, and every other old mapping is unlocked and unmapped *before* anything new is locked, so
+    the weights never count twice against ``RLIMIT_MEMLOCK``. `previous` is left empty.
+    """
     libc = _libc()
     out = LockedWeights()
-    total = sum(p.stat().st_size for p in paths)
-    for p in paths:
-        size = p.stat().st_size
-        if size == 0:
-            continue
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            addr = libc.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
-        finally:
-            os.close(fd)  # the mapping keeps the file; the descriptor is not needed
-        if addr is None or addr == _MAP_FAILED:
-            e = ctypes.get_errno()
-            out.release()
-            raise StagingFailed(f"cannot map {p}: {os.strerror(e)}")
-        is_locked = False
-        if want_lock and out.error is None:
-            if libc.mlock(addr, size) == 0:
-                is_locked = True
-                out.locked_bytes += size
+    stats = [(p, p.stat()) for p in paths]
+    total = sum(st.st_size for _, st in stats)
+    reusable: dict[tuple[int, int, int], _Map] = {}
+    if previous is not None:
+        wanted = {(st.st_dev, st.st_ino, st.st_size) for _, st in stats}
+        for m in previous._maps:
+            if m.ident in wanted and m.ident not in reusable:
+                reusable[m.ident] = m
             else:
-                out.error = _explain_lock(ctypes.get_errno(), total, out.locked_bytes)
-        out._maps.append((addr, size, is_locked))
-        out.mapped_bytes += size
-    if out.error is not None:
+                if m.locked:
+                    libc.munlock(m.addr, m.size)
+                libc.munmap(m.addr, m.size)
+        previous._maps.clear()
+        previous.mapped_bytes = previous.locked_bytes = 0
+    try:
+        for p, st in stats:
+            size = st.st_size
+            if size == 0:
+                continue
+            ident = (st.st_dev, st.st_ino, size)
+            hit = reusable.pop(ident, None)
+            if hit is not None:
+                m = hit
+            else:
+                fd = os.open(p, os.O_RDONLY)
+                try:
+                    addr = libc.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
+                finally:
+                    os.close(fd)  # the mapping keeps the file; the descriptor is not needed
+                if addr is None or addr == _MAP_FAILED:
+                    e = ctypes.get_errno()
+                    raise StagingFailed(f"cannot map {p}: {os.strerror(e)}")
+                m = _Map(addr, size, False, ident)
+            out._maps.append(m)
+            out.mapped_bytes += size
+            if want_lock and out.error is None:
+                if m.locked or libc.mlock(m.addr, size) == 0:
+                    m.locked = True
+                    out.locked_bytes += size
+                else:
+                    out.error = _explain_lock(ctypes.get_errno(), total, out.locked_bytes)
+    except BaseException:
+        out._maps.extend(reusable.values())
+        out.release()
+        raise
+    for m in reusable.values():  # a duplicate path list can leave one over
+        if m.locked:
+            libc.munlock(m.addr, m.size)
+        libc.munmap(m.addr, m.size)
+    if out.error is not None or not want_lock:
         # All or nothing: a half-locked model is harder to reason about than an unlocked one.
-        for i, (addr, size, is_locked) in enumerate(out._maps):
-            if is_locked:
-                libc.munlock(addr, size)
-                out._maps[i] = (addr, size, False)
+        for m in out._maps:
+            if m.locked:
+                libc.munlock(m.addr, m.size)
+                m.locked = False
         out.locked_bytes = 0
     return out

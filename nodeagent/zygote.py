@@ -35,10 +35,10 @@ __all__ = ["CHILD_ENGINES", "FAULTS", "main"]
 CHILD_ENGINES: Final = {"local": "nodeagent.engines.local"}
 """Engine name -> module with ``prepare(spec) -> object with boot(weights, host, port, fault)``."""
 
-FAULTS: Final = ("crash", "hang", "unhealthy", "fail")
+FAULTS: Final = ("crash", "hang", "unhealthy", "fail", "badreply")
 """Test-only fault injection (failpoints), set per slot by the agent's settings: ``crash`` aborts the engine
 after loading (SIGABRT), ``hang`` loads and never serves, ``unhealthy`` serves 503 on /health, ``fail`` reports
-an engine error and exits."""
+an engine error and exits, ``badreply`` answers completions with a JSON list instead of an object."""
 
 _PR_SET_PDEATHSIG: Final = 1
 

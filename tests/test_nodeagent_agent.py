@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -259,9 +262,6 @@ async def test_a_claim_released_elsewhere_stops_its_engine(
 async def test_an_engine_that_dies_while_serving_fails_its_claim_and_the_slot_comes_back(
     nats_server: NatsServer, nc: Client, store: KvSlotStore, model_dir: Path, shm_dir: Path
 ) -> None:
-    import os
-    import signal
-
     async with running_agent(settings(model_dir, shm_dir, nats_server.url)) as (agent, registry):
         await wait_state(store, key("s0"), "warm")
         claim = await store.claim_slot(key("s0"))
@@ -286,3 +286,133 @@ def test_make_tiny_sizes_span_small_to_large(tmp_path: Path) -> None:
     assert tinymodel.plan(1_000_000).nbytes < 1_100_000
     big = tinymodel.plan(8 * 10**9)
     assert abs(big.nbytes - 8 * 10**9) / 8e9 < 0.01 and big.layers * big.experts * big.dim**2 * 4 < 8 * 10**9
+
+
+def _corrupt_last_shard(model_dir: Path) -> Path:
+    shard = sorted(model_dir.glob("*.safetensors"))[-1]
+    shard.write_bytes(shard.read_bytes()[:-1] + b"\x00")
+    return shard
+
+
+def _deeply_nested_header(model_dir: Path) -> Path:
+    """A first shard whose header nests too deeply for the JSON parser, with a manifest that agrees."""
+    victim = sorted(model_dir.glob("*.safetensors"))[0]
+    raw = b'{"a":' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+    victim.write_bytes(len(raw).to_bytes(8, "little") + raw)
+    sums = tinymodel.read_manifest(model_dir)
+    sums[victim.name] = hashlib.sha256(victim.read_bytes()).hexdigest()
+    tinymodel.write_manifest(model_dir, sums)
+    return victim
+
+
+def _rewrite_model(model_dir: Path, **kw: int) -> None:
+    for p in model_dir.iterdir():
+        p.unlink()
+    tinymodel.make_tiny(model_dir, 1_000_000, **{"shard_bytes": 600_000, **kw})
+
+
+async def test_a_failed_restage_keeps_serving_the_complete_old_version(
+    nats_server: NatsServer, nc: Client, store: KvSlotStore, model_dir: Path, shm_dir: Path
+) -> None:
+    async with running_agent(settings(model_dir, shm_dir, nats_server.url, slots=2)) as (agent, _):
+        for slot in ("s0", "s1"):
+            await wait_state(store, key(slot), "warm")
+        v1, staged_v1 = digests(shm_dir / MODEL), agent.staged
+        first = await store.claim_slot(key("s0"))
+        reply = await activate(nc, first)
+        assert reply.ok, reply.error
+        answer = await completion(reply.fields["endpoint"])
+
+        _rewrite_model(model_dir, seed=1)  # v2, whose second shard arrives corrupt
+        shard2 = _corrupt_last_shard(model_dir)
+        reply = await request(nc, "prewarm")
+        assert reply.ok and reply.fields["skipped_serving"] == ["s0"]
+        rec = await wait_state(store, key("s1"), "failed")
+        assert rec.reason is not None and shard2.name in rec.reason and "sha256 mismatch" in rec.reason
+        assert digests(shm_dir / MODEL) == v1 and agent.staged is staged_v1  # no v1/v2 mix, old set kept
+        assert agent.locked is not None and agent.locked.mapped_bytes == staged_v1.weights_bytes
+
+        assert (await deactivate(nc, first)).ok
+        again = await store.claim_slot(key("s0"))
+        reply = await activate(nc, again)
+        assert reply.ok, reply.error
+        assert (await completion(reply.fields["endpoint"]))["choices"] == answer["choices"]  # the same weights
+
+        # The operator fixes v2: it is staged, and the serving slot's zygote is re-armed for it once released.
+        _rewrite_model(model_dir, seed=1)
+        assert (await request(nc, "prewarm")).ok
+        await wait_state(store, key("s1"), "warm")
+        assert agent.staged is not None and agent.staged.version != staged_v1.version
+        assert digests(shm_dir / MODEL) == tinymodel.read_manifest(model_dir)
+        assert (await deactivate(nc, again)).ok
+        engine = agent.slots["s0"].engine
+        assert engine is not None and engine.spec["version"] == agent.staged.version and engine.armed
+
+
+def _children(pid: int) -> str:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return f.read().strip()
+
+
+async def test_an_activation_that_fails_after_the_engine_started_stops_it_and_gives_the_claim_back(
+    nats_server: NatsServer, nc: Client, store: KvSlotStore, model_dir: Path, shm_dir: Path
+) -> None:
+    cfg = settings(model_dir, shm_dir, nats_server.url, faults={"s0": "badreply"})
+    async with running_agent(cfg) as (agent, _):
+        await wait_state(store, key("s0"), "warm")
+        engine = agent.slots["s0"].engine
+        assert engine is not None and engine.zygote_pid is not None
+        claim = await store.claim_slot(key("s0"))
+        reply = await activate(nc, claim)  # the engine serves, then answers the readiness completion with `[]`
+        assert not reply.ok and reply.error is not None and reply.error.code == "not_ready", reply
+        assert "not an object" in reply.error.message
+        rec = await wait_state(store, key("s0"), "warm")
+        assert rec.claim_id is None and rec.endpoint is None
+        await wait_for(lambda: _children(engine.zygote_pid or 0) == "", 5, "the engine process to be stopped")
+        assert engine.serving is None and agent.slots["s0"].phase == "warm"
+
+
+async def test_weights_that_crash_the_header_parser_fail_the_slots_instead_of_leaving_them_prewarming(
+    nats_server: NatsServer, nc: Client, store: KvSlotStore, model_dir: Path, shm_dir: Path
+) -> None:
+    victim = _deeply_nested_header(model_dir)
+    async with running_agent(settings(model_dir, shm_dir, nats_server.url)) as (agent, _):
+        rec = await wait_state(store, key("s0"), "failed", timeout_s=10)
+        assert rec.reason is not None and victim.name in rec.reason and "nested too deeply" in rec.reason
+        assert agent.slots["s0"].phase == "failed"
+
+
+async def test_a_stuck_slot_answers_activations_by_their_deadline_and_cleans_up_after(
+    nats_server: NatsServer, nc: Client, store: KvSlotStore, model_dir: Path, shm_dir: Path
+) -> None:
+    async with running_agent(settings(model_dir, shm_dir, nats_server.url)) as (agent, _):
+        await wait_state(store, key("s0"), "warm")
+        slot = agent.slots["s0"]
+        assert slot.engine is not None and slot.engine.zygote_pid is not None
+        zygote = slot.engine.zygote_pid
+        claim = await store.claim_slot(key("s0"))
+        os.kill(zygote, signal.SIGSTOP)  # a stuck zygote: the start misses the deadline, stopping it takes seconds
+        try:
+            t0 = time.time()
+            reply = await activate(nc, claim, deadline=t0 + 0.3)
+            late_s = time.time() - (t0 + 0.3)
+            assert not reply.ok and reply.error is not None and reply.error.code == "deadline", reply
+            assert late_s < 0.3, f"answered {late_s * 1e3:.0f} ms after the deadline, before cleaning up"
+            assert reply.fields["timings"]["total_ms"] < 600
+            # The clean-up holds the slot: a retry is told so by its deadline, not when the slot is free again.
+            assert slot.busy is not None and "failed activation" in slot.busy
+            t0 = time.time()
+            reply = await activate(nc, claim, deadline=t0 + 0.2)
+            late_s = time.time() - (t0 + 0.2)
+            assert not reply.ok and reply.error is not None and reply.error.code == "deadline", reply
+            assert "busy (cleaning up after a failed activation)" in reply.error.message
+            assert "after its deadline" not in reply.error.message
+            assert late_s < 0.3, f"answered {late_s * 1e3:.0f} ms after the deadline"
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(zygote, signal.SIGCONT)
+        rec = await wait_state(store, key("s0"), "warm", timeout_s=10)  # cleaned up after the replies
+        assert rec.claim_id is None
+        await wait_for(lambda: slot.busy is None and slot.phase == "warm", 10, "the clean-up to finish")
+        claim = await store.claim_slot(key("s0"))
+        assert (await activate(nc, claim)).ok

@@ -62,6 +62,10 @@ CASES = [
     ("trailing bytes", st_bytes(f32("a", [1], 0), bytes(9)), "after the last tensor"),
     ("duplicate name", st_bytes(b'{"a":{"dtype":"U8","shape":[0],"data_offsets":[0,0]},"a":{}}'), "twice"),
     ("bad metadata", st_bytes({"__metadata__": {"k": 1}}), "__metadata__"),
+    ("metadata list", st_bytes({"__metadata__": []}), "__metadata__"),
+    ("metadata null", st_bytes({"__metadata__": None}), "__metadata__"),
+    ("metadata false", st_bytes({"__metadata__": False}), "__metadata__"),
+    ("deep nesting", st_bytes(b'{"a":' + b"[" * 200_000 + b"]" * 200_000 + b"}"), "nested too deeply"),
 ]
 
 
@@ -146,8 +150,61 @@ def test_checksum_mismatch_names_the_file_and_stages_nothing_bad(model_dir: Path
     assert err.value.file == victim and "sha256 mismatch" in err.value.reason
     assert not (shm_dir / "tiny" / victim).exists()
     assert not list((shm_dir / "tiny").glob(".*partial"))
-    # The good file staged alongside is kept, verified: nothing staged is lost.
-    assert (shm_dir / "tiny" / other).read_bytes() == (model_dir / other).read_bytes()
+    # All or nothing: the good file copied alongside is not put in place without the rest of its set.
+    assert not (shm_dir / "tiny" / other).exists()
+
+
+def _digests(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
+
+
+def _rewrite_model(model_dir: Path, **kw: int) -> None:
+    """Replace the model in `model_dir` by another version (other weights, or another file set)."""
+    for p in model_dir.iterdir():
+        p.unlink()
+    tinymodel.make_tiny(model_dir, 1_000_000, **{"shard_bytes": 600_000, **kw})
+
+
+def test_a_failed_restage_leaves_the_complete_old_set(model_dir: Path, shm_dir: Path) -> None:
+    v1 = staging.stage(model_dir, shm_dir, "tiny")
+    before = _digests(shm_dir / "tiny")
+    _rewrite_model(model_dir, seed=1)  # v2: the same files, other weights
+    shards = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    last = model_dir / shards[-1]
+    data = bytearray(last.read_bytes())
+    data[-1] ^= 0x01  # ...and its last shard arrives corrupt
+    last.write_bytes(bytes(data))
+    with pytest.raises(BadWeights) as err:
+        staging.stage(model_dir, shm_dir, "tiny", threads=1)  # the good shard is copied before the bad one fails
+    assert err.value.file == shards[-1]
+    assert _digests(shm_dir / "tiny") == before  # not a mix of v1 and v2
+    # The model the caller keeps (v1) is still what the paths hold, and still checks out.
+    staging.check_staged(v1)
+    # A bad check (the engine's config against the new tensors) replaces nothing either.
+    last.write_bytes(bytes(data[:-1] + bytes([data[-1] ^ 0x01])))
+    with pytest.raises(ValueError, match="vetoed"):
+        staging.stage(model_dir, shm_dir, "tiny", check=_veto)
+    assert _digests(shm_dir / "tiny") == before
+    v2 = staging.stage(model_dir, shm_dir, "tiny")
+    assert v2.version != v1.version and _digests(shm_dir / "tiny") == tinymodel.read_manifest(model_dir)
+
+
+def _veto(pending: staging.Staged) -> None:
+    assert any(f.path.name.endswith(".partial") for f in pending.files)  # vetted before anything is renamed
+    raise ValueError("vetoed")
+
+
+def test_staging_removes_old_versions_and_killed_copies(model_dir: Path, shm_dir: Path) -> None:
+    staging.stage(model_dir, shm_dir, "tiny")
+    stale = shm_dir / "tiny" / ".model-00001-of-00002.safetensors.partial"
+    stale.write_bytes(b"x" * 1000)  # a copy SIGKILLed mid-way
+    _rewrite_model(model_dir, shard_bytes=2**30)  # v2 comes in one shard: the two old shards are not part of it
+    staged = staging.stage(model_dir, shm_dir, "tiny")
+    assert sorted(p.name for p in (shm_dir / "tiny").iterdir()) == sorted(f.name for f in staged.files)
+    assert sorted(f.name for f in staged.files) == sorted(tinymodel.read_manifest(model_dir))
+    stale.write_bytes(b"x")
+    staging.stage(model_dir, shm_dir, "tiny")  # a re-verify that copies nothing sweeps too
+    assert not stale.exists()
 
 
 def test_a_verified_staged_copy_survives_a_damaged_source(model_dir: Path, shm_dir: Path) -> None:
@@ -213,6 +270,43 @@ def test_a_refused_lock_says_why_and_runs_unlocked(model_dir: Path, shm_dir: Pat
     assert out["locked"] == 0 and out["mapped"] == staged.weights_bytes
     assert "mlock refused" in out["error"] and "RLIMIT_MEMLOCK is 0.1 MiB" in out["error"]
     assert "CAP_IPC_LOCK" in out["error"]
+
+
+def test_a_relock_never_counts_the_weights_twice(model_dir: Path, shm_dir: Path) -> None:
+    """Re-prewarm with RLIMIT_MEMLOCK between 1x and 2x the weights: unchanged files keep their lock, changed
+    ones are unlocked before the new copies are locked, so the weights stay locked."""
+    staged = staging.stage(model_dir, shm_dir, "tiny")
+    os.chmod(shm_dir, 0o755)
+    os.chmod(staged.dir, 0o777)  # the child (nobody, as root) replaces a file
+    limit = staged.weights_bytes * 3 // 2
+    code = textwrap.dedent(
+        f"""
+        import json, os, resource, shutil
+        from pathlib import Path
+        from nodeagent import staging
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, ({limit}, {limit}))
+        if os.geteuid() == 0:
+            os.setgid(65534); os.setuid(65534)
+        paths = [Path(p) for p in {[str(f.path) for f in staged.weights]!r}]
+        out = {{}}
+        first = staging.lock(paths)
+        out["first"] = first.locked
+        same = staging.lock(paths, previous=first)  # nothing changed: the mappings are kept
+        out["same"] = same.locked and first.mapped_bytes == 0
+        tmp = paths[0].with_name("new")
+        shutil.copyfile(paths[0], tmp)
+        os.replace(tmp, paths[0])  # a re-stage put a new copy (new inode) in place
+        changed = staging.lock(paths, previous=same)
+        out["changed"] = changed.locked
+        out["error"] = changed.error
+        changed.release()
+        print(json.dumps(out))
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out == {"first": True, "same": True, "changed": True, "error": None}
 
 
 # --- loader -------------------------------------------------------------------------------------------------------

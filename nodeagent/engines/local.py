@@ -38,16 +38,22 @@ _MASK: Final = np.where((_PRINTABLE >= 32) & (_PRINTABLE < 127), 0.0, -np.inf).a
 
 
 def read_config(model_dir: str | Path) -> dict[str, Any]:
-    path = Path(model_dir, tinymodel.CONFIG_FILE)
+    return read_config_file(Path(model_dir, tinymodel.CONFIG_FILE))
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """`read_config` of a config file by its path (staging vets a ``.partial`` copy before it is renamed)."""
     try:
         cfg = json.loads(path.read_text())
     except (OSError, ValueError) as err:
-        raise ValueError(f"cannot read the local engine's {path.name}: {err}") from None
+        raise ValueError(f"cannot read the local engine's {tinymodel.CONFIG_FILE}: {err}") from None
     if not isinstance(cfg, dict) or cfg.get("format") != tinymodel.FORMAT:
-        raise ValueError(f"{path.name} is not a {tinymodel.FORMAT} model (make one with `pulsescale model make-tiny`)")
+        raise ValueError(
+            f"{tinymodel.CONFIG_FILE} is not a {tinymodel.FORMAT} model (make one with `pulsescale model make-tiny`)"
+        )
     for key in ("vocab", "dim", "layers", "experts"):
         if not isinstance(cfg.get(key), int) or cfg[key] <= 0:
-            raise ValueError(f"{path.name}: `{key}` must be a positive integer")
+            raise ValueError(f"{tinymodel.CONFIG_FILE}: `{key}` must be a positive integer")
     return cfg
 
 
@@ -164,6 +170,14 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError as err:
             self._error(400, str(err))
             return
+        if self.server.bad_reply:
+            data = b"[]"  # fault injected: valid JSON, wrong shape
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
         with self.server.lock:  # one forward pass at a time: numpy already uses the cores for each
             text, finish = self.server.model.generate(prompt, max_tokens, stop)
         out = text.decode("ascii", errors="replace")
@@ -209,10 +223,13 @@ class EngineServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True  # a re-activation binds the port its predecessor left in TIME_WAIT
 
-    def __init__(self, model: TinyMoE, model_name: str, host: str, port: int, *, unhealthy: bool = False) -> None:
+    def __init__(
+        self, model: TinyMoE, model_name: str, host: str, port: int, *, unhealthy: bool = False, bad_reply: bool = False
+    ) -> None:
         self.model = model
         self.model_name = model_name
         self.unhealthy = unhealthy
+        self.bad_reply = bad_reply
         self.lock = threading.Lock()
         super().__init__((host, port), _Handler)
 
@@ -230,7 +247,9 @@ class LocalBoot:
 
     def boot(self, weights: Any, host: str, port: int, fault: str | None) -> EngineServer:
         model = TinyMoE(self.cfg, weights.tensors)
-        return EngineServer(model, self.model_name, host, port, unhealthy=fault == "unhealthy")
+        return EngineServer(
+            model, self.model_name, host, port, unhealthy=fault == "unhealthy", bad_reply=fault == "badreply"
+        )
 
 
 def prepare(spec: Mapping[str, Any]) -> LocalBoot:
