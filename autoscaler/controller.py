@@ -51,7 +51,9 @@ class ControllerSettings:
 
 
 class ColdPath(Protocol):
-    """Capacity that is not in the warm pool: the Kubernetes actuator patches the target's scale subresource."""
+    """Capacity that is not in the warm pool (the Kubernetes actuator, with its issue, patches the target's
+    scale subresource). `replicas` is how many replicas the warm pool could not provide right now, beyond those
+    serving or activating — not a total; the actuator adds it to what it already runs."""
 
     async def scale(self, record: ScalerRecord, replicas: int, reason: str) -> None: ...
 
