@@ -78,7 +78,7 @@ def _settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> AgentSett
     if args.slots < 1:
         p.error("--slots must be >= 1")
     if args.engine != "local":
-        p.error(f"engine {args.engine!r} comes with node agent part 2; this version runs --engine local")
+        p.error(f"engine {args.engine!r} is not built yet in this version; use --engine local")
     try:
         loaders.choose(args.loader)
     except LoaderUnavailable as err:

@@ -173,7 +173,7 @@ def choose(name: str, *, engine_device: str = "cpu") -> tuple[Loader, str]:
         raise LoaderUnavailable(f"unknown loader {name!r}; known: {', '.join(LOADERS)}")
     if name in GPU_LOADERS:
         raise LoaderUnavailable(
-            f"loader {name!r} comes with the GPU loaders (node agent part 2); use --loader host or auto for now"
+            f"loader {name!r} is not built yet in this version (GPU loaders come later); use --loader host or auto"
         )
     if name == "host":
         return HostLoader(), "asked for"
@@ -181,7 +181,7 @@ def choose(name: str, *, engine_device: str = "cpu") -> tuple[Loader, str]:
     if engine_device == "cpu":
         return HostLoader(), "the engine computes on the CPU"
     if gpus:
-        return HostLoader(), f"{gpus} GPU(s) present but the GPU loaders are not built yet (part 2)"
+        return HostLoader(), f"{gpus} GPU(s) present but the GPU loaders are not built yet in this version"
     return HostLoader(), "no GPU on this node"
 
 

@@ -25,7 +25,9 @@ COMMANDS: dict[str, Command] = {
     # daemons
     "autoscaler": Command("autoscaler.cli:run_autoscaler", "run the autoscaler daemon", "daemons"),
     "agent": Command("nodeagent.cli:run_agent", "run a node agent: stage weights, keep slots warm", "daemons"),
-    "operator": Command("autoscaler.cli:run_operator", "run the Kubernetes operator for ScaledObjects", "daemons"),
+    "operator": Command(
+        "autoscaler.cli:run_operator", "run the Kubernetes operator for ScaledObjects (not built yet)", "daemons"
+    ),
     "nats": Command("warmpool.cli:run_nats", "run a local nats-server with JetStream (from the wheel)", "daemons"),
     # on-call
     "status": Command("autoscaler.oncall:status", "show models, replicas and the last decisions", "on-call"),
@@ -38,7 +40,7 @@ COMMANDS: dict[str, Command] = {
     "undrain": Command("autoscaler.oncall:undrain", "offer a drained node's slots again", "on-call"),
     "apply": Command("autoscaler.oncall:apply", "write a ScaledObject YAML to the registry (no Kubernetes)", "config"),
     "slots": Command("warmpool.cli:slots", "list slots straight from the registry", "config"),
-    "model": Command("nodeagent.cli:model", "model tools: make-tiny (generate test weights)", "config"),
+    "model": Command("nodeagent.cli:model", "model tools: make-tiny (test weights), verify", "config"),
     "bench": Command("pulsescale.cli:bench", "benchmarks: claims, decide, activate", "benchmarks"),
 }
 
@@ -78,6 +80,8 @@ def _run(cmd: Command, argv: list[str], prog: str) -> int:
 
 def bench(argv: list[str], prog: str) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHES:
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"{prog}: unknown benchmark {argv[0]!r}", file=sys.stderr)
         print(f"usage: {prog} NAME [ARGS...]\n")
         for name, cmd in BENCHES.items():
             print(f"  {name:<10}{cmd.summary}")

@@ -342,6 +342,8 @@ async def test_message_without_reply_subject_is_still_applied_and_audited(
             break
         await asyncio.sleep(0.02)
     assert control.calls == [("llama", Override(kind="pause", replicas=None, expires_at=None, by="alice@laptop"))]
+    records = await audit_records(nc)
+    assert records and records[-1].verb == "pause" and records[-1].applied
 
 
 # --- leadership -------------------------------------------------------------------------------------------------
@@ -370,7 +372,9 @@ async def test_only_the_leader_subscribes(nc: Client, store: KvSlotStore, contro
             await asyncio.sleep(0.01)
         assert not svc.subscribed
         svc.on_leadership(True)  # the election's callback: subscribes without waiting for the poll
-        await asyncio.sleep(0)
+        for _ in range(5):  # a few loop turns, far less than the 20 ms poll
+            await asyncio.sleep(0)
+        assert svc.subscribed
     finally:
         await svc.stop()
     assert not svc.subscribed

@@ -26,7 +26,13 @@ from tests.nodeagent_helpers import (  # noqa: F401 - fixtures
     shm_dir_fixture,
     tiny_source_fixture,
 )
-from tests.test_autoscaler import Gateway, autoscaler_in_process, put_scaler, wait_for
+from tests.test_autoscaler import (  # noqa: F401 - cancel_gateways is an autouse fixture
+    Gateway,
+    autoscaler_in_process,
+    cancel_gateways,
+    put_scaler,
+    wait_for,
+)
 from warmpool.embedded import NatsServer
 from warmpool.registry import KvSlotStore, SlotChanged
 
@@ -50,6 +56,11 @@ def agent_process(url: str, node: str, model_dir: Path, shm_dir: Path) -> subpro
     )  # fmt: skip
 
 
+def files_of(root: Path) -> dict[str, tuple[int, int]]:
+    """Every staged file's inode and mtime: a re-stage (copy, rename) changes them."""
+    return {str(p.relative_to(root)): (p.stat().st_ino, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
+
+
 def complete(endpoint: str) -> dict:  # type: ignore[type-arg]
     body = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 3}).encode()
     req = urllib.request.Request(f"{endpoint}/v1/completions", body, {"Content-Type": "application/json"})
@@ -63,10 +74,12 @@ async def test_pulse_to_first_token_and_back(
     cfg = settings(model_dir, shm_dir, nats_server.url, slots=2)
     async with running_agent(cfg):
         await wait_for(lambda: sum(r.state == "warm" for r in store.records(MODEL)) == 2, 30)
+        staged = files_of(shm_dir)
+        assert staged, "nothing staged"
         await put_scaler(nc, MODEL, maxReplicaCount=2, **FAST_WINDOWS)
         async with autoscaler_in_process(nats_server.url):
             gw = Gateway(nc, MODEL)
-            pulse = asyncio.create_task(gw.steady(4, 2.0))  # one replica's worth
+            pulse = gw.background(4, 2.0)  # one replica's worth
             t0 = time.monotonic()
             await wait_for(lambda: any(r.state == "ready" for r in store.records(MODEL)), 10)
             claim_to_ready = time.monotonic() - t0
@@ -77,13 +90,14 @@ async def test_pulse_to_first_token_and_back(
             assert claim_to_ready < 5
             await pulse
             # Demand gone: the policy scales down after its (short) window; the agent takes the slot back.
-            quiet = asyncio.create_task(gw.steady(0, 6.0))
+            quiet = gw.background(0, 6.0)
             await wait_for(lambda: all(r.state == "warm" for r in store.records(MODEL)), 8)
             quiet.cancel()
             # And it comes back without re-staging: the same weights, another activation.
-            again = asyncio.create_task(gw.steady(4, 3.0))
+            again = gw.background(4, 3.0)
             await wait_for(lambda: any(r.state == "ready" for r in store.records(MODEL)), 10)
             again.cancel()
+            assert files_of(shm_dir) == staged, "the weights were staged again"
 
 
 async def test_a_frozen_agent_is_released_and_the_next_slot_claimed_in_time(
@@ -118,7 +132,7 @@ async def test_a_frozen_agent_is_released_and_the_next_slot_claimed_in_time(
                 os.kill(frozen.pid, signal.SIGSTOP)
                 claims.clear()
                 # A second replica: the frozen node holds no slot of the model, so placement prefers it.
-                pulse = asyncio.create_task(gw.steady(8, 3.0))
+                pulse = gw.background(8, 3.0)
                 await wait_for(lambda: "tiny.frozen.s0" in claims and len(claims) >= 2, 5)
                 pulse.cancel()
                 nxt = min(t for k, t in claims.items() if k != "tiny.frozen.s0")

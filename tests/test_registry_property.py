@@ -57,6 +57,8 @@ async def scenario(url: str, model: str, plan: list[list[tuple]]) -> None:  # ty
             for i in range(SLOTS_PER_NODE):
                 await stores[0].register(SlotRecord(model=model, node=f"{model}-n{n}", slot=f"s{i}", state="warm"))
         held: dict[str, Claim] = {}
+        wins = [0]
+        refused = [0]
         mine: list[list[Claim]] = [[] for _ in range(CLIENTS)]
 
         async def run(op: tuple) -> None:  # type: ignore[type-arg]
@@ -64,8 +66,10 @@ async def scenario(url: str, model: str, plan: list[list[tuple]]) -> None:  # ty
                 try:
                     c = await stores[op[1]].claim(model)
                 except (ClaimConflict, NoSlotAvailable):
+                    refused[0] += 1
                     return
                 assert c.key not in held, f"{c.key} held twice"
+                wins[0] += 1
                 held[c.key] = c
                 mine[op[1]].append(c)
             elif op[0] == "release":
@@ -91,6 +95,11 @@ async def scenario(url: str, model: str, plan: list[list[tuple]]) -> None:  # ty
                     assert rev == held[key].token
                 else:
                     assert rec.state == "warm" and rec.claim_id is None
+        claims = sum(op[0] == "claim" for batch in plan for op in batch)
+        assert wins[0] + refused[0] == claims
+        if claims:
+            # The first claim of a run always finds a free slot (6 slots, all warm, leases fresh at the start).
+            assert wins[0] >= 1
     finally:
         for s in stores:
             await s.close()

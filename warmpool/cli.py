@@ -19,7 +19,7 @@ def run_nats(argv: list[str], prog: str) -> int:
     p = argparse.ArgumentParser(
         prog=prog, description="Run nats-server with JetStream from this virtualenv, for local use; Ctrl-C stops it."
     )
-    p.add_argument("--port", type=int, default=4222)
+    p.add_argument("--port", type=int, default=4222, help="client port [4222]")
     p.add_argument("--store-dir", default=".pulsescale/nats", help="JetStream store [.pulsescale/nats]")
     p.add_argument("--sync-always", action="store_true", help="fsync every JetStream write, as production does")
     args = p.parse_args(argv)
