@@ -29,7 +29,7 @@ from autoscaler.metrics import AutoscalerMetrics
 from warmpool import connect, protocol
 from warmpool.embedded import NatsServer, free_port
 from warmpool.protocol import QueueSample, ScaledObjectSpec, ScalerRecord
-from warmpool.registry import KvSlotStore, ensure_buckets
+from warmpool.registry import KvSlotStore, SlotChanged, ensure_buckets
 from warmpool.seed import seed_pool
 
 
@@ -146,18 +146,12 @@ async def _end_to_end(args: argparse.Namespace) -> None:
         pulsed: set[str] = set()
         claimed: dict[str, float] = {}
 
-        def on_claim(key: str, old: object, new: object) -> None:
-            if new is not None and getattr(new, "state", "") == "claimed":
-                claimed.setdefault(key.split(".", 1)[0], time.perf_counter())
+        async def watch_claims() -> None:
+            async for ev in store.watch():
+                if isinstance(ev, SlotChanged) and ev.record.state == "claimed":
+                    claimed.setdefault(ev.record.model, time.perf_counter())
 
-        prev = store.slots._on_change
-
-        def chained(key: str, old: object, new: object) -> None:
-            if prev is not None:
-                prev(key, old, new)  # type: ignore[arg-type]
-            on_claim(key, old, new)
-
-        store.slots._on_change = chained  # type: ignore[assignment]
+        watcher = asyncio.create_task(watch_claims())
         stop = asyncio.Event()
         bg = asyncio.create_task(background(stop))
         await asyncio.sleep(1.5)  # windows see steady traffic first
@@ -173,6 +167,7 @@ async def _end_to_end(args: argparse.Namespace) -> None:
             await asyncio.sleep(0.02)
         stop.set()
         await bg
+        watcher.cancel()
         ms = np.array(latencies) * 1e3
         print(f"decision latency, sample published -> first claim written ({args.models} models active, "
               f"{len(ms)}/{args.pulses} pulses answered):")  # fmt: skip

@@ -118,7 +118,6 @@ class ModelController:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop_task: asyncio.Task[None] | None = None
         self.first_sample_at: float | None = None  # receive time of the sample that triggered the pending decision
-        self.last_claim_latency_s: float | None = None
 
     # --- identity and counts ------------------------------------------------------------------------------------
 
@@ -340,9 +339,7 @@ class ModelController:
                     await asyncio.sleep(0.1)  # the broker is away or unhappy: do not spin
                     continue
                 if self.first_sample_at is not None:
-                    latency = time.perf_counter() - self.first_sample_at
-                    self.last_claim_latency_s = latency
-                    self.deps.metrics.claim_latency_seconds.observe(latency)
+                    self.deps.metrics.claim_latency_seconds.observe(time.perf_counter() - self.first_sample_at)
                     self.first_sample_at = None
                 started = self.deps.clock()
                 held = Held(claim, "activating", started)

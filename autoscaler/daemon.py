@@ -23,9 +23,10 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.js.kv import KeyValue
 from prometheus_client import start_http_server
 
-from autoscaler import policy
+from autoscaler import commands, policy
 from autoscaler.controller import ColdPath, ControllerSettings, Deps, LocalColdPath, ModelController
 from autoscaler.leader import LeaderElection, LeaseSettings
 from autoscaler.metrics import AutoscalerMetrics
@@ -65,6 +66,7 @@ class Autoscaler:
         settings: AutoscalerSettings,
         nc: Client,
         store: KvSlotStore,
+        buckets: dict[str, KeyValue],
         *,
         metrics: AutoscalerMetrics | None = None,
         cold_path: ColdPath | None = None,
@@ -85,10 +87,11 @@ class Autoscaler:
         )
         self.by_scaler: dict[str, ModelController] = {}
         self.by_model: dict[str, ModelController] = {}
-        self._leases_kv: Any = None
-        self._takeover: asyncio.Task[None] | None = None
+        self._leases_kv = buckets[protocol.LEASES_BUCKET]
+        self._scalers_kv = buckets[protocol.SCALERS_BUCKET]
+        self._takeover: asyncio.Task[None] | None = None  # held so the task is not garbage-collected mid-run
         self._handled = 0
-        self.commands: Any = None
+        self.commands: commands.CommandService | None = None
 
     @contextlib.contextmanager
     def _contained(self, what: str) -> Iterator[None]:
@@ -176,7 +179,7 @@ class Autoscaler:
             c.update_record(record)
 
     async def follow_scalers(self, stop: asyncio.Event) -> None:
-        kv = (await ensure_buckets(self.nc.jetstream()))[protocol.SCALERS_BUCKET]
+        kv = self._scalers_kv
         while not stop.is_set():
             reconnects = self.nc.stats["reconnects"]
             try:
@@ -345,11 +348,10 @@ async def run(
 ) -> Autoscaler:
     """Run until `stop` is set; SIGTERM handling is the caller's (signal handlers belong to the main thread)."""
     nc = await connect.connect(settings.nats)
-    store = await KvSlotStore.open(nc)
+    buckets = await ensure_buckets(nc.jetstream(timeout=2.0))
+    store = KvSlotStore(nc, buckets)
     await store.start()
-    scaler = Autoscaler(settings, nc, store, metrics=metrics, cold_path=cold_path)
-    buckets = await ensure_buckets(nc.jetstream())
-    scaler._leases_kv = buckets[protocol.LEASES_BUCKET]
+    scaler = Autoscaler(settings, nc, store, buckets, metrics=metrics, cold_path=cold_path)
     scaler.leader = LeaderElection(
         buckets[protocol.LEASES_BUCKET],
         settings.identity,
@@ -360,15 +362,14 @@ async def run(
     if settings.metrics_port is not None:
         start_http_server(settings.metrics_port, registry=scaler.metrics.registry)
     sub = await nc.subscribe(protocol.QUEUE_WILDCARD, cb=scaler.on_queue_msg, pending_msgs_limit=1_000_000)
-    commands = scaler.commands = _command_service(scaler)
+    service = scaler.commands = commands.CommandService(nc, scaler, store, is_leader=scaler.is_leader)
     tasks = [
         asyncio.create_task(scaler.follow_scalers(stop), name="scalers"),
         asyncio.create_task(scaler.follow_slots(stop), name="slots"),
         asyncio.create_task(scaler.housekeeping(stop), name="housekeeping"),
         asyncio.create_task(scaler.leader.campaign(stop), name="leader"),
     ]
-    if commands is not None:
-        await commands.start()
+    await service.start()
     if ready is not None:
         ready.set()
     try:
@@ -380,9 +381,8 @@ async def run(
         stop.set()
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
-        if commands is not None:
-            with contextlib.suppress(Exception):
-                await commands.stop()
+        with contextlib.suppress(Exception):
+            await service.stop()
         await scaler.shutdown(campaign=tasks[3])
         for t in tasks:
             t.cancel()
@@ -393,12 +393,3 @@ async def run(
         with contextlib.suppress(Exception):
             await nc.drain()
     return scaler
-
-
-def _command_service(scaler: Autoscaler) -> Any:
-    """The on-call command service, once its module is present."""
-    try:
-        from autoscaler import commands
-    except ImportError:
-        return None
-    return commands.CommandService(scaler.nc, scaler, scaler.store, is_leader=scaler.is_leader)

@@ -82,11 +82,6 @@ class LeaderElection:
             self._depose("lease not renewed in time")
         return self._leading
 
-    @property
-    def token(self) -> int | None:
-        """The lease revision of the current term: a fencing token for what the leader writes."""
-        return self._revision if self.is_leader else None
-
     def _depose(self, why: str) -> None:
         if self._leading:
             self._leading = False

@@ -10,6 +10,7 @@ import threading
 import time
 
 from warmpool import connect as nats_connect
+from warmpool import protocol
 from warmpool.embedded import NatsServer
 from warmpool.errors import NatsUnavailable
 from warmpool.registry import KvSlotStore
@@ -70,8 +71,6 @@ def slots(argv: list[str], prog: str) -> int:
 
 
 async def _sample(args: argparse.Namespace) -> None:
-    from warmpool import protocol
-
     nc = await nats_connect.connect(nats_connect.options_from_args(args, name="pulsescale-sample"))
     try:
         end = time.monotonic() + args.for_s
@@ -102,8 +101,6 @@ async def _sample(args: argparse.Namespace) -> None:
 
 
 def sample(argv: list[str], prog: str) -> int:
-    from warmpool import protocol
-
     p = argparse.ArgumentParser(
         prog=prog,
         description="Publish gateway queue samples by hand (drills and demos), as a gateway would: "

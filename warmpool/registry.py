@@ -385,7 +385,8 @@ class KvSlotStore:
         hit = self.agents.items.get(node)
         return hit[0] if hit else None
 
-    def _claimable(self, model: str, now: float, skip: set[str]) -> list[SlotRecord]:
+    async def claimable(self, model: str) -> list[SlotRecord]:
+        now = self.clock()
         items, agents = self.slots.items, self.agents.items
         out = []
         for by_node in self._warm.get(model, {}).values():
@@ -393,11 +394,8 @@ class KvSlotStore:
                 lease = agents.get(node)
                 if lease is None or not lease[0].fresh(now):
                     continue
-                out += [items[k][0] for k in keys if k not in skip]
+                out += [items[k][0] for k in keys]
         return out
-
-    async def claimable(self, model: str) -> list[SlotRecord]:
-        return self._claimable(model, self.clock(), set())
 
     async def get(self, key: str) -> tuple[SlotRecord, int]:
         """Read one slot from the broker (not the view)."""
