@@ -1,9 +1,16 @@
 """nodeagent — the per-node daemon: stage weights in shm, keep slots warm and leased, activate them on request.
 
-Modules: `agent` (the daemon, `run(settings, stop=...)`), `settings`, `staging` (copy, sha256, header checks,
-mmap + mlock), `safetensors_check` (pure header validation), `loaders` (`host` now; GPU loaders in part 2),
-`engines` (adapters; `local` = a numpy model behind an OpenAI-shaped HTTP server, run by a pre-forked `zygote`),
-`readiness`, `metrics`, `tinymodel` (`pulsescale model make-tiny`), `bench` (`pulsescale bench activate`), `cli`.
+Two sides, one folder each:
+
+- the daemon (this package's top level): `agent` (the composition and `run(settings, stop=...)`), `requests`,
+  `activation`, `prewarm`, `staging` (copy, sha256, header checks, mmap + mlock), `forked` (drives a slot's
+  zygote), `readiness`, `metrics`, `settings`, `errors`, `cli`, `bench`;
+- `engine/`: the code that runs inside the engine process: `zygote`, `local` (a numpy model behind an
+  OpenAI-shaped HTTP server), `loaders` (`host` now; GPU loaders in part 2), `safetensors_check` (pure header
+  validation). An import contract keeps NATS, aiohttp, prometheus_client and the registry out of it.
+
+`modelformat` (file names, manifest, config) is shared by both; `tinymodel` writes test models
+(`pulsescale model make-tiny`).
 
 Importing the package stays light on purpose: the zygote imports it, and nothing here may pull NATS or aiohttp
 into the engine process.

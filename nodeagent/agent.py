@@ -34,11 +34,11 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from nodeagent import loaders, readiness, staging, tinymodel
-from nodeagent.engines import Started
-from nodeagent.engines import local as local_engine
-from nodeagent.engines.forked import ForkedEngine
+from nodeagent import modelformat, readiness, staging
+from nodeagent.engine import Started, loaders
+from nodeagent.engine import local as local_engine
 from nodeagent.errors import ActivationRefused, BadWeights, EngineFailed
+from nodeagent.forked import ForkedEngine
 from nodeagent.metrics import AgentMetrics
 from nodeagent.settings import AgentSettings
 from warmpool import connect as nats_connect
@@ -197,7 +197,7 @@ class Agent:
 
     def _check_model(self, pending: staging.Staged) -> None:
         """Vets a new staged set before it replaces the old one: the engine's config against the tensors."""
-        cfg = local_engine.read_config_file(pending.path_of(tinymodel.CONFIG_FILE))
+        cfg = local_engine.read_config_file(pending.path_of(modelformat.CONFIG_FILE))
         local_engine.check_model(cfg, pending.shapes())
 
     # --- start-up and prewarm ------------------------------------------------------------------------------------

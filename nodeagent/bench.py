@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from nodeagent import safetensors_check, tinymodel
+from nodeagent import tinymodel
+from nodeagent.engine import safetensors_check
 from warmpool import connect as nats_connect
 from warmpool import protocol
 from warmpool.embedded import NatsServer

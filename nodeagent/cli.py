@@ -12,11 +12,11 @@ import sys
 import time
 from pathlib import Path
 
-from nodeagent import loaders, safetensors_check, tinymodel
-from nodeagent.engines import ENGINES
+from nodeagent import modelformat, tinymodel
+from nodeagent.engine import ENGINES, loaders, safetensors_check
+from nodeagent.engine.zygote import FAULTS
 from nodeagent.errors import BadModel, BadWeights, LoaderUnavailable
 from nodeagent.settings import AgentSettings
-from nodeagent.zygote import FAULTS
 from warmpool import connect as nats_connect
 from warmpool import protocol
 from warmpool.errors import PulsescaleError
@@ -159,8 +159,8 @@ def _make_tiny(args: argparse.Namespace) -> int:
     files = sorted(Path(args.dir).glob("*.safetensors"))
     print(
         f"wrote {args.dir}: {cfg.nbytes / 1e6:.1f} MB of F32 weights in {len(files)} file(s) "
-        f"(dim {cfg.dim}, {cfg.layers} layers x {cfg.experts} experts) + {tinymodel.CONFIG_FILE} + "
-        f"{tinymodel.MANIFEST_FILE} in {time.perf_counter() - t0:.1f} s"
+        f"(dim {cfg.dim}, {cfg.layers} layers x {cfg.experts} experts) + {modelformat.CONFIG_FILE} + "
+        f"{modelformat.MANIFEST_FILE} in {time.perf_counter() - t0:.1f} s"
     )
     return 0
 
@@ -169,7 +169,7 @@ def _verify(args: argparse.Namespace) -> int:
     """Check a model directory the way staging will, without staging it."""
     bad = 0
     try:
-        sums = tinymodel.read_manifest(args.dir)
+        sums = modelformat.read_manifest(args.dir)
     except BadModel as err:
         print(f"verify: {err}", file=sys.stderr)
         return 1

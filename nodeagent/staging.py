@@ -31,7 +31,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Final
 
-from nodeagent import safetensors_check, tinymodel
+from nodeagent import modelformat
+from nodeagent.engine import safetensors_check
 from nodeagent.errors import BadModel, BadWeights, StagingFailed
 
 __all__ = ["COPY_BLOCK_BYTES", "LockedWeights", "Staged", "StagedFile", "check_staged", "lock", "stage"]
@@ -134,7 +135,7 @@ def _copy_file(source: Path, dest: Path, name: str, want: str) -> StagedFile:
     try:
         src_bytes = src.stat().st_size
     except FileNotFoundError:
-        raise BadWeights(name, f"listed in {tinymodel.MANIFEST_FILE} but missing from {source}") from None
+        raise BadWeights(name, f"listed in {modelformat.MANIFEST_FILE} but missing from {source}") from None
     except OSError as err:
         raise BadWeights(name, f"cannot read the source: {err.strerror}") from None
     partial = _partial(dest, name)
@@ -224,7 +225,7 @@ def stage(
     src = Path(source)
     if not src.is_dir():
         raise BadModel(f"model directory {src} does not exist or is not a directory")
-    sums = tinymodel.read_manifest(src)
+    sums = modelformat.read_manifest(src)
     dest = Path(shm_dir) / model
     try:
         dest.mkdir(parents=True, exist_ok=True)

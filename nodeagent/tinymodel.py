@@ -1,19 +1,11 @@
 """`pulsescale model make-tiny`: write a local-engine model of a given size (safetensors + sha256 manifest).
 
-The model is a small byte-level mixture-of-experts language model (see `engines.local` for the maths). Its size
+The model is a small byte-level mixture-of-experts language model (see `engine.local` for the maths). Its size
 is set by the number of experts, so a 1 MB and an 8 GB model compute a token in about the same time: like a real
 MoE model, each token reads only the experts its router picks. That keeps readiness checks honest (a real forward
 pass from the staged weights) while the weights are as large as the benchmark asks.
 
-Layout of the directory (all files listed in the manifest, so staging verifies every byte it copies):
-
-- ``config.json``: ``{"format": "pulsescale-tiny-moe", "version": 1, "engine": "local", "vocab", "dim",
-  "layers", "experts", "decay", "files"}``
-- ``model-0000i-of-0000n.safetensors``: F32 tensors ``tok_emb [vocab, dim]``, per layer ``layers.<l>.norm [dim]``,
-  ``layers.<l>.router [experts, dim]``, ``layers.<l>.experts [experts, dim, dim]``, then ``final_norm [dim]``,
-  ``lm_head [vocab, dim]``; sharded so that no file exceeds the shard size (Hugging Face's file naming).
-- ``sha256sums.txt``: one ``<hex>  <file>`` line per file, the format of ``sha256sum``, so
-  ``sha256sum -c sha256sums.txt`` checks a copy by hand.
+The directory's layout is `modelformat`'s.
 """
 
 from __future__ import annotations
@@ -25,30 +17,14 @@ import os
 import re
 import struct
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
 import numpy as np
 
-from nodeagent.errors import BadModel
+from nodeagent.modelformat import CONFIG_FILE, FORMAT, VOCAB, TinyConfig, write_manifest
 
-__all__ = [
-    "CONFIG_FILE",
-    "FORMAT",
-    "MANIFEST_FILE",
-    "TinyConfig",
-    "make_tiny",
-    "parse_size",
-    "plan",
-    "read_manifest",
-    "write_manifest",
-]
-
-FORMAT: Final = "pulsescale-tiny-moe"
-CONFIG_FILE: Final = "config.json"
-MANIFEST_FILE: Final = "sha256sums.txt"
-VOCAB: Final = 256  # bytes: no tokenizer file to ship or stage
+__all__ = ["make_tiny", "parse_size", "plan"]
 
 _SIZE_RE: Final = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS: Final = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -62,32 +38,6 @@ def parse_size(text: str) -> int:
     unit = (m.group(2) or "").lower().rstrip("b")
     factor = 1024 ** ("kmgt".index(unit[0]) + 1) if unit.endswith("i") else _UNITS[unit]
     return int(float(m.group(1)) * factor)
-
-
-@dataclass(frozen=True)
-class TinyConfig:
-    dim: int
-    layers: int
-    experts: int
-    vocab: int = VOCAB
-    decay: float = 0.8
-    """How much of the running context state each new byte keeps: the model's whole notion of context."""
-
-    def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
-        d, e, v = self.dim, self.experts, self.vocab
-        out: list[tuple[str, tuple[int, ...]]] = [("tok_emb", (v, d))]
-        for layer in range(self.layers):
-            out += [
-                (f"layers.{layer}.norm", (d,)),
-                (f"layers.{layer}.router", (e, d)),
-                (f"layers.{layer}.experts", (e, d, d)),
-            ]
-        out += [("final_norm", (d,)), ("lm_head", (v, d))]
-        return out
-
-    @property
-    def nbytes(self) -> int:
-        return sum(4 * math.prod(shape) for _, shape in self.tensors())
 
 
 def plan(size_bytes: int, shard_bytes: int = 512 * 2**20) -> TinyConfig:
@@ -192,37 +142,3 @@ def make_tiny(
     return cfg
 
 
-def write_manifest(model_dir: str | os.PathLike[str], sums: dict[str, str]) -> None:
-    lines = "".join(f"{digest}  {name}\n" for name, digest in sorted(sums.items()))
-    Path(model_dir, MANIFEST_FILE).write_text(lines)
-
-
-_MANIFEST_LINE: Final = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
-
-
-def read_manifest(model_dir: str | os.PathLike[str]) -> dict[str, str]:
-    """File name -> sha256 hex from ``sha256sums.txt``; refuses names that would leave the directory."""
-    path = Path(model_dir, MANIFEST_FILE)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise BadModel(
-            f"{model_dir} has no {MANIFEST_FILE}; every staged file must be checksummed "
-            f"(write one with `cd {model_dir} && sha256sum *.safetensors config.json > {MANIFEST_FILE}`)"
-        ) from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise BadModel(f"cannot read {path}: {err}") from None
-    sums: dict[str, str] = {}
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        m = _MANIFEST_LINE.match(line.strip())
-        if not m:
-            raise BadModel(f"{path}:{n}: not a `<sha256 hex>  <file>` line: {line[:80]!r}")
-        digest, name = m.groups()
-        if "/" in name or name in (".", "..") or name.startswith("."):
-            raise BadModel(f"{path}:{n}: file name {name!r} must be a plain name inside the model directory")
-        sums[name] = digest
-    if not any(name.endswith(".safetensors") for name in sums):
-        raise BadModel(f"{path} lists no .safetensors file")
-    return sums

@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 from nats.aio.client import Client
 
-from nodeagent import tinymodel
+from nodeagent import modelformat, tinymodel
 from tests.nodeagent_helpers import (  # noqa: F401
     MODEL,
     NODE,
@@ -299,9 +299,9 @@ def _deeply_nested_header(model_dir: Path) -> Path:
     victim = sorted(model_dir.glob("*.safetensors"))[0]
     raw = b'{"a":' + b"[" * 200_000 + b"]" * 200_000 + b"}"
     victim.write_bytes(len(raw).to_bytes(8, "little") + raw)
-    sums = tinymodel.read_manifest(model_dir)
+    sums = modelformat.read_manifest(model_dir)
     sums[victim.name] = hashlib.sha256(victim.read_bytes()).hexdigest()
-    tinymodel.write_manifest(model_dir, sums)
+    modelformat.write_manifest(model_dir, sums)
     return victim
 
 
@@ -343,7 +343,7 @@ async def test_a_failed_restage_keeps_serving_the_complete_old_version(
         assert (await request(nc, "prewarm")).ok
         await wait_state(store, key("s1"), "warm")
         assert agent.staged is not None and agent.staged.version != staged_v1.version
-        assert digests(shm_dir / MODEL) == tinymodel.read_manifest(model_dir)
+        assert digests(shm_dir / MODEL) == modelformat.read_manifest(model_dir)
         assert (await deactivate(nc, again)).ok
         engine = agent.slots["s0"].engine
         assert engine is not None and engine.spec["version"] == agent.staged.version and engine.armed

@@ -13,8 +13,8 @@ import aiohttp
 import pytest
 
 from nodeagent import readiness, staging
-from nodeagent.engines.forked import ForkedEngine
 from nodeagent.errors import EngineFailed
+from nodeagent.forked import ForkedEngine
 from tests.nodeagent_helpers import alive, model_dir_fixture, shm_dir_fixture, tiny_source_fixture, wait_for  # noqa: F401
 
 

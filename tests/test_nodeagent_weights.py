@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from nodeagent import loaders, safetensors_check, staging, tinymodel
-from nodeagent.engines import local
+from nodeagent import modelformat, staging, tinymodel
+from nodeagent.engine import loaders, local, safetensors_check
 from nodeagent.errors import BadModel, BadWeights
 from tests.nodeagent_helpers import model_dir_fixture, shm_dir_fixture, tiny_source_fixture  # noqa: F401
 
@@ -95,7 +95,7 @@ def test_make_tiny_writes_standard_safetensors_and_a_sha256sum_manifest(tmp_path
     files = sorted((tmp_path / "m").glob("*.safetensors"))
     assert len(files) >= 2 and all(f.stat().st_size <= 1_000_000 for f in files)
     assert abs(cfg.nbytes - 2_000_000) < 100_000
-    sums = tinymodel.read_manifest(tmp_path / "m")
+    sums = modelformat.read_manifest(tmp_path / "m")
     assert set(sums) == {f.name for f in files} | {"config.json"}
     for f in files:
         assert hashlib.sha256(f.read_bytes()).hexdigest() == sums[f.name]
@@ -121,10 +121,10 @@ def test_parse_size_refuses_nonsense() -> None:
 def test_manifest_refuses_paths_outside_the_model(tmp_path: Path) -> None:
     (tmp_path / "sha256sums.txt").write_text(f"{'0' * 64}  ../etc/passwd\n")
     with pytest.raises(BadModel, match="plain name"):
-        tinymodel.read_manifest(tmp_path)
+        modelformat.read_manifest(tmp_path)
     (tmp_path / "sha256sums.txt").unlink()
     with pytest.raises(BadModel, match=r"no sha256sums\.txt"):
-        tinymodel.read_manifest(tmp_path)
+        modelformat.read_manifest(tmp_path)
 
 
 # --- staging ------------------------------------------------------------------------------------------------------
@@ -187,7 +187,7 @@ def test_a_failed_restage_leaves_the_complete_old_set(model_dir: Path, shm_dir: 
         staging.stage(model_dir, shm_dir, "tiny", check=_veto)
     assert _digests(shm_dir / "tiny") == before
     v2 = staging.stage(model_dir, shm_dir, "tiny")
-    assert v2.version != v1.version and _digests(shm_dir / "tiny") == tinymodel.read_manifest(model_dir)
+    assert v2.version != v1.version and _digests(shm_dir / "tiny") == modelformat.read_manifest(model_dir)
 
 
 def _veto(pending: staging.Staged) -> None:
@@ -202,7 +202,7 @@ def test_staging_removes_old_versions_and_killed_copies(model_dir: Path, shm_dir
     _rewrite_model(model_dir, shard_bytes=2**30)  # v2 comes in one shard: the two old shards are not part of it
     staged = staging.stage(model_dir, shm_dir, "tiny")
     assert sorted(p.name for p in (shm_dir / "tiny").iterdir()) == sorted(f.name for f in staged.files)
-    assert sorted(f.name for f in staged.files) == sorted(tinymodel.read_manifest(model_dir))
+    assert sorted(f.name for f in staged.files) == sorted(modelformat.read_manifest(model_dir))
     stale.write_bytes(b"x")
     staging.stage(model_dir, shm_dir, "tiny")  # a re-verify that copies nothing sweeps too
     assert not stale.exists()
@@ -222,9 +222,9 @@ def test_truncated_weights_with_a_matching_manifest_are_refused(model_dir: Path,
     name = sorted(model_dir.glob("*.safetensors"))[0].name
     path = model_dir / name
     path.write_bytes(path.read_bytes()[:-1000])
-    sums = tinymodel.read_manifest(model_dir)
+    sums = modelformat.read_manifest(model_dir)
     sums[name] = hashlib.sha256(path.read_bytes()).hexdigest()  # the manifest agrees: only the header check catches it
-    tinymodel.write_manifest(model_dir, sums)
+    modelformat.write_manifest(model_dir, sums)
     with pytest.raises(BadWeights) as err:
         staging.stage(model_dir, shm_dir, "tiny")
     assert err.value.file == name and "truncated" in err.value.reason

@@ -1,6 +1,6 @@
 """The zygote: one pre-forked, already-imported process per slot; activation is fork-and-go.
 
-The agent starts ``python -m nodeagent.zygote SPEC`` when it arms a slot. The zygote imports the engine and the
+The agent starts ``python -m nodeagent.engine.zygote SPEC`` when it arms a slot. The zygote imports the engine and the
 loader (numpy, the HTTP server: the interpreter start and imports that a cold pod pays for), reads the model's
 config, freezes its heap (`gc.freeze`, so forked children share it copy-on-write) and waits for commands on
 stdin, one JSON object per line:
@@ -32,7 +32,7 @@ from typing import Any, Final
 
 __all__ = ["CHILD_ENGINES", "FAULTS", "main"]
 
-CHILD_ENGINES: Final = {"local": "nodeagent.engines.local"}
+CHILD_ENGINES: Final = {"local": "nodeagent.engine.local"}
 """Engine name -> module with ``prepare(spec) -> object with boot(weights, host, port, fault)``."""
 
 FAULTS: Final = ("crash", "hang", "unhealthy", "fail", "badreply")
@@ -115,7 +115,7 @@ class _Zygote:
 
     def arm(self) -> None:
         t0 = time.perf_counter()
-        from nodeagent import loaders  # numpy comes with these: the heavy imports, done before any fork
+        from nodeagent.engine import loaders  # numpy comes with these: the heavy imports, done before any fork
 
         module = importlib.import_module(CHILD_ENGINES[self.spec["engine"]])
         self.engine = module.prepare(self.spec)

@@ -26,7 +26,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from nodeagent import tinymodel
+from nodeagent import modelformat
 
 __all__ = ["EngineServer", "LocalBoot", "TinyMoE", "check_model", "prepare", "read_config"]
 
@@ -38,7 +38,7 @@ _MASK: Final = np.where((_PRINTABLE >= 32) & (_PRINTABLE < 127), 0.0, -np.inf).a
 
 
 def read_config(model_dir: str | Path) -> dict[str, Any]:
-    return read_config_file(Path(model_dir, tinymodel.CONFIG_FILE))
+    return read_config_file(Path(model_dir, modelformat.CONFIG_FILE))
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
@@ -46,19 +46,20 @@ def read_config_file(path: Path) -> dict[str, Any]:
     try:
         cfg = json.loads(path.read_text())
     except (OSError, ValueError) as err:
-        raise ValueError(f"cannot read the local engine's {tinymodel.CONFIG_FILE}: {err}") from None
-    if not isinstance(cfg, dict) or cfg.get("format") != tinymodel.FORMAT:
+        raise ValueError(f"cannot read the local engine's {modelformat.CONFIG_FILE}: {err}") from None
+    if not isinstance(cfg, dict) or cfg.get("format") != modelformat.FORMAT:
         raise ValueError(
-            f"{tinymodel.CONFIG_FILE} is not a {tinymodel.FORMAT} model (make one with `pulsescale model make-tiny`)"
+            f"{modelformat.CONFIG_FILE} is not a {modelformat.FORMAT} model "
+            "(make one with `pulsescale model make-tiny`)"
         )
     for key in ("vocab", "dim", "layers", "experts"):
         if not isinstance(cfg.get(key), int) or cfg[key] <= 0:
-            raise ValueError(f"{tinymodel.CONFIG_FILE}: `{key}` must be a positive integer")
+            raise ValueError(f"{modelformat.CONFIG_FILE}: `{key}` must be a positive integer")
     return cfg
 
 
 def expected_shapes(cfg: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    tc = tinymodel.TinyConfig(
+    tc = modelformat.TinyConfig(
         dim=cfg["dim"], layers=cfg["layers"], experts=cfg["experts"], vocab=cfg["vocab"], decay=cfg.get("decay", 0.8)
     )
     return dict(tc.tensors())

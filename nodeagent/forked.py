@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from nodeagent.engines import EngineInfo, Started
+from nodeagent.engine import EngineInfo, Started
 from nodeagent.errors import EngineFailed
 
 __all__ = ["ForkedEngine"]
@@ -92,7 +92,7 @@ class ForkedEngine:
             self._proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
-                "nodeagent.zygote",
+                "nodeagent.engine.zygote",
                 json.dumps(spec),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,

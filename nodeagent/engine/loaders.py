@@ -21,7 +21,7 @@ from typing import Any, Final, Protocol
 
 import numpy as np
 
-from nodeagent import safetensors_check
+from nodeagent.engine import safetensors_check
 from nodeagent.errors import LoaderUnavailable
 
 __all__ = ["GPU_LOADERS", "LOADERS", "HostLoader", "LoadedWeights", "Loader", "choose", "gpu_count"]
