@@ -29,7 +29,7 @@ from autoscaler.metrics import AutoscalerMetrics
 from warmpool import connect, protocol
 from warmpool.embedded import NatsServer, free_port
 from warmpool.protocol import QueueSample, ScaledObjectSpec, ScalerRecord
-from warmpool.registry import KvSlotStore, SlotChanged, ensure_buckets
+from warmpool.registry import Changed, KvSlotStore, ensure_buckets
 from warmpool.seed import seed_pool
 
 
@@ -148,7 +148,7 @@ async def _end_to_end(args: argparse.Namespace) -> None:
 
         async def watch_claims() -> None:
             async for ev in store.watch():
-                if isinstance(ev, SlotChanged) and ev.record.state == "claimed":
+                if isinstance(ev, Changed) and ev.record.state == "claimed":
                     claimed.setdefault(ev.record.model, time.perf_counter())
 
         watcher = asyncio.create_task(watch_claims())

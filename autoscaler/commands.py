@@ -39,7 +39,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 import msgspec
@@ -305,14 +305,14 @@ class CommandService:
             self._check_bounds(req.model, spec, req.replicas, "scale")
             override = Override(kind="scale", replicas=req.replicas, expires_at=now + req.for_s, by=req.by)
             await self.control.set_override(req.model, override)
-            return self._ok(model=req.model, override=asdict(override))
+            return self._ok(model=req.model, override=msgspec.to_builtins(override))
         if isinstance(req, PauseCommand):
             spec = self._spec(req.model)
             if req.replicas is not None:
                 self._check_bounds(req.model, spec, req.replicas, "pause")
             override = Override(kind="pause", replicas=req.replicas, expires_at=None, by=req.by)
             await self.control.set_override(req.model, override)
-            return self._ok(model=req.model, override=asdict(override))
+            return self._ok(model=req.model, override=msgspec.to_builtins(override))
         if isinstance(req, ResumeCommand):
             self._spec(req.model)
             await self.control.set_override(req.model, None)
@@ -356,7 +356,7 @@ class CommandService:
     def _check_node(self, node: str) -> None:
         if self.store.lease(node) is not None or any(r.node == node for r in self.store.records()):
             return
-        known = sorted({r.node for r in self.store.records()} | set(self.store.agents.items))
+        known = sorted({r.node for r in self.store.records()} | set(self.store.leases()))
         raise _Refused("unknown_node", f"no agent or slot on node {node!r}; known nodes: {', '.join(known) or 'none'}")
 
     def _trim(self, row: dict[str, Any]) -> dict[str, Any]:

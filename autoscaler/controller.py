@@ -195,12 +195,9 @@ class ModelController:
         self._last_eval_demand = max((g.queue_depth + g.inflight for g in self.demand.gateways.values()), default=0)
         obs = policy.Observation(
             demand=seen.demand,
-            arrival_rate=seen.arrival_rate,
             ready=self.ready,
-            activating=self.activating,
             lead_time_s=self.lead_time_s(),
             override=self._active_override(now),
-            sample_ts=seen.newest_ts,
         )
         decision, self.state = policy.decide(self.spec, obs, self.state, now)
         previous = self.decision
@@ -544,7 +541,7 @@ class ModelController:
                 key=key,
                 token=held.claim.token,
                 claim_id=held.claim.claim_id,
-                revision=self.deps.store.slots.items.get(key, (rec, held.claim.revision))[1],
+                revision=self.deps.store.slots.revision(key) or held.claim.revision,
                 record=rec,
             )
 
@@ -584,7 +581,7 @@ class ModelController:
                 self._spawn(self._release(h, reason="agent lease expired"), f"release-{key}")
             elif h.phase == "activating" and key not in self._activating_here and now - h.since > deadline_s + 0.5:
                 # An adopted activation that its agent did not finish within the deadline: give it back.
-                rec = self.deps.store.slots.items.get(key)
+                rec = self.deps.store.entry(key)
                 if rec is None or rec[0].state != "ready":
                     h.phase = "releasing"
                     self._spawn(self._release(h, reason="activation never finished"), f"release-{key}")

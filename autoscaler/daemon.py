@@ -33,7 +33,7 @@ from autoscaler.metrics import AutoscalerMetrics
 from warmpool import connect, protocol
 from warmpool.errors import BadMessage
 from warmpool.protocol import QueueSample, ScaledObjectSpec, ScalerRecord
-from warmpool.registry import KvSlotStore, Removed, SlotChanged, Snapshot, ensure_buckets
+from warmpool.registry import Changed, KvSlotStore, Removed, Snapshot, ensure_buckets
 from warmpool.rejects import Rejections
 
 __all__ = ["Autoscaler", "AutoscalerSettings", "run"]
@@ -244,12 +244,12 @@ class Autoscaler:
             with self._contained("a slot change"):
                 self._on_slot_event(event)
 
-    def _on_slot_event(self, event: Snapshot | SlotChanged | Removed) -> None:
+    def _on_slot_event(self, event: Snapshot | Changed | Removed) -> None:
         if isinstance(event, Snapshot):
             for c in self.by_model.values():
                 for key in list(c.held):
                     c.on_slot_change(key, event.records.get(key))
-        elif isinstance(event, SlotChanged):
+        elif isinstance(event, Changed):
             c = self.by_model.get(event.record.model)
             if c is not None:
                 c.on_slot_change(event.key, event.record)

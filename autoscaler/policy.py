@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 from autoscaler import detector
-from warmpool.protocol import ScaledObjectSpec
+from warmpool.protocol import Override, ScaledObjectSpec
 
 __all__ = [
     "Decision",
@@ -50,37 +50,18 @@ _ROUNDING: Final = 1e-9
 
 
 @dataclass(frozen=True, slots=True)
-class Override:
-    """An on-call command (``pulse.cmd.scale`` / ``pause``) or the paused annotations, built by the controller."""
-
-    kind: Literal["scale", "pause"]
-    replicas: int | None
-    """For ``pause``, None holds the current count; ``scale`` always names one (None is read as a pause)."""
-    expires_at: float | None
-    """Unix s; None lasts until resumed."""
-    by: str = ""
-
-
-@dataclass(frozen=True, slots=True)
 class Observation:
     """What the ingest layer knows about one model at decision time."""
 
     demand: float | None
     """Sum over fresh gateways of queue depth + in-flight; None when no gateway is fresh (missing/stale metrics)."""
-    arrival_rate: float | None
-    """Requests/s from counter deltas. Not used by this policy (demand is a level that already holds what arrived
-    and is not done); carried for reports and later forecasts."""
     ready: int
-    activating: int
-    """Claimed or activating slots. Desired counts them already (it is the total the controller holds), so the
-    policy only reports them; panic compares with ready capacity alone, as Knative."""
+    """Serving replicas. Panic compares demand with ready capacity alone, as Knative (slots still activating are
+    already counted in the desired total the controller holds)."""
     lead_time_s: float | None = None
     """Measured claim -> ready p90; None (or not a positive number) uses ``advanced.leadTimeSeconds``. Capped at
     the panic window (or the configured lead time, if longer): the trend is not extrapolated past its history."""
     override: Override | None = None
-    sample_ts: float | None = None
-    """Newest fresh sample's gateway timestamp. Not judged again here: the ingest layer owns freshness, and gateway
-    clocks may be skewed against ours."""
 
 
 @dataclass(frozen=True, slots=True)

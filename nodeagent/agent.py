@@ -53,7 +53,7 @@ from warmpool.errors import (
     StaleToken,
 )
 from warmpool.protocol import AgentLease, SlotRecord, StageTimings
-from warmpool.registry import Claim, KvSlotStore, Removed, SlotChanged, Snapshot
+from warmpool.registry import Changed, Claim, KvSlotStore, Removed, Snapshot
 from warmpool.rejects import Rejections
 
 __all__ = ["Agent", "run"]
@@ -169,7 +169,7 @@ class Agent:
             log.error("task %s failed", task.get_name(), exc_info=task.exception())
 
     def record(self, slot: Slot) -> tuple[SlotRecord, int] | None:
-        return self.store.slots.items.get(slot.key)
+        return self.store.entry(slot.key)
 
     def refresh_gauges(self) -> None:
         counts = dict.fromkeys(protocol.SLOT_STATES, 0)
@@ -861,7 +861,7 @@ class Agent:
                 for slot in self.slots.values():
                     if slot.key not in event.records:
                         self.spawn(self._restore(slot), name=f"restore-{slot.name}")
-            elif isinstance(event, SlotChanged):
+            elif isinstance(event, Changed):
                 changed = [(event.key, event.record)]
             elif isinstance(event, Removed):
                 for slot in self.slots.values():

@@ -75,7 +75,7 @@ class CopyBaseline:
 async def _wait_warm(store: KvSlotStore, key: str, timeout_s: float, agent: subprocess.Popen[bytes]) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        hit = store.slots.items.get(key)
+        hit = store.entry(key)
         if hit is not None and hit[0].state == "warm":
             return
         if hit is not None and hit[0].state == "failed":

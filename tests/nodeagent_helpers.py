@@ -69,7 +69,7 @@ async def wait_for(pred: Callable[[], bool], timeout_s: float = 15.0, what: str 
 
 
 def state(store: KvSlotStore, key: str) -> SlotRecord | None:
-    hit = store.slots.items.get(key)
+    hit = store.entry(key)
     return hit[0] if hit else None
 
 

@@ -398,7 +398,7 @@ async def test_an_orphaned_claim_is_adopted_and_given_back(
             orphan = await store.advance(orphan, "ready", endpoint="http://lost:1")
             gw = Gateway(nc, "m")
             quiet = gw.background(0, 6.0)
-            await wait_for(lambda: store.slots.items["m.node-0.s0"][0].state == "warm", 6)
+            await wait_for(lambda: store.record("m.node-0.s0").state == "warm", 6)
             quiet.cancel()
     finally:
         await agent.stop()

@@ -34,7 +34,7 @@ from tests.test_autoscaler import (  # noqa: F401 - cancel_gateways is an autous
     wait_for,
 )
 from warmpool.embedded import NatsServer
-from warmpool.registry import KvSlotStore, SlotChanged
+from warmpool.registry import Changed, KvSlotStore
 
 FAST_WINDOWS = {
     "cooldownPeriod": 0.5,
@@ -113,7 +113,7 @@ async def test_a_frozen_agent_is_released_and_the_next_slot_claimed_in_time(
 
     async def watch() -> None:
         async for ev in store.watch():
-            if isinstance(ev, SlotChanged) and ev.record.state == "claimed":
+            if isinstance(ev, Changed) and ev.record.state == "claimed":
                 claims[ev.key] = time.monotonic()
 
     watcher = asyncio.create_task(watch())
@@ -128,7 +128,7 @@ async def test_a_frozen_agent_is_released_and_the_next_slot_claimed_in_time(
                 await gw.send(4)  # one replica, on the live node: the only one so far
                 await wait_for(lambda: any(r.state == "ready" for r in store.records(MODEL)), 10)
                 frozen = agent_process(nats_server.url, "frozen", model_dir, shm_dir / "frozen")
-                await wait_for(lambda: (r := store.slots.items.get("tiny.frozen.s0")) and r[0].state == "warm", 30)
+                await wait_for(lambda: (r := store.entry("tiny.frozen.s0")) and r[0].state == "warm", 30)
                 os.kill(frozen.pid, signal.SIGSTOP)
                 claims.clear()
                 # A second replica: the frozen node holds no slot of the model, so placement prefers it.

@@ -55,7 +55,6 @@ class Row:
     at_least: int | None = None
     repeat: int = 1
     override: Override | None = None
-    arrival_rate: float | None = None
     lead_s: float | None = None
 
 
@@ -82,9 +81,7 @@ def run(
         for _ in range(row.repeat):
             obs = Observation(
                 demand=row.demand,
-                arrival_rate=row.arrival_rate,
                 ready=row.ready,
-                activating=0,
                 lead_time_s=row.lead_s,
                 override=row.override,
             )
@@ -291,17 +288,14 @@ def test_hold_after_restart_then_policy_steps_down() -> None:
 
 
 def test_counter_reset_does_not_move_the_count() -> None:
-    # A gateway restart: its queue reads 0 and a naive counter delta gives a negative or absurd arrival rate.
+    # A gateway restart: its queue reads 0 for a few samples (the policy reads demand levels, never rates).
     rows = [
         Row(0.1, 40, 10, repeat=650, want=10),
-        Row(0.1, 0, 10, arrival_rate=-1e6, repeat=5, want=10, mode="normal"),
-        Row(0.1, 0, 10, arrival_rate=float("nan"), want=10),
-        Row(0.1, 40, 10, arrival_rate=1e12, want=10, panic=False),
+        Row(0.1, 0, 10, repeat=5, want=10, mode="normal"),
+        Row(0.1, 0, 10, want=10),
+        Row(0.1, 40, 10, want=10, panic=False),
     ]
-    with_garbage, _ = run(make_spec(), rows)
-    clean = [Row(r.dt, r.demand, r.ready, repeat=r.repeat) for r in rows]
-    without, _ = run(make_spec(), clean)
-    assert with_garbage == without
+    run(make_spec(), rows)
 
 
 def test_scale_down_stabilisation_and_rate_limit() -> None:
@@ -403,7 +397,7 @@ def test_decide_is_cheap() -> None:
     """A generous guard, not a benchmark: DESIGN wants p99 <= 20 ms for 100 models; one call is ~0.1 ms."""
     spec = make_spec()
     _, state = run(spec, [SETTLED])
-    obs = Observation(demand=24, arrival_rate=100.0, ready=6, activating=0)
+    obs = Observation(demand=24, ready=6)
     now = T0 + 100.0
     start = time.perf_counter()
     for i in range(1000):

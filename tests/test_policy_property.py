@@ -99,9 +99,7 @@ def test_decisions_hold_the_invariants(
     idle = spec.idle_replica_count if spec.idle_replica_count is not None else spec.min_replica_count
     for dt, demand, ready, lead_s, override in trace:
         now += dt
-        obs = Observation(
-            demand=demand, arrival_rate=None, ready=ready, activating=0, lead_time_s=lead_s, override=override
-        )
+        obs = Observation(demand=demand, ready=ready, lead_time_s=lead_s, override=override)
         before = copy.deepcopy(state)
         decision, after = decide(spec, obs, state, now)
 

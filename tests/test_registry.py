@@ -21,7 +21,7 @@ from warmpool.errors import (
     StaleToken,
 )
 from warmpool.protocol import AgentLease, SlotRecord
-from warmpool.registry import Claim, KvSlotStore, Removed, SlotChanged, Snapshot
+from warmpool.registry import Changed, Claim, KvSlotStore, Removed, Snapshot
 from warmpool.seed import seed_pool
 
 
@@ -140,9 +140,9 @@ async def test_stale_lease_stops_claims_within_lease_plus_one_second(store: KvSl
     lease_s = 1.0
     await store.heartbeat(AgentLease(node="n1", heartbeat_at=time.time(), lease_s=lease_s))
     await store.register(SlotRecord(model="m", node="n1", slot="s0", state="warm"))
-    assert await store.claimable("m")
+    assert store.claimable("m")
     stopped = time.time()  # the agent's last heartbeat; it dies here
-    while await store.claimable("m"):
+    while store.claimable("m"):
         await asyncio.sleep(0.05)
         assert time.time() - stopped <= lease_s + 1.0, "slot still claimable past lease + 1 s"
     with pytest.raises(NoSlotAvailable):
@@ -155,7 +155,7 @@ async def test_withdrawn_agent_is_not_claimable(store: KvSlotStore) -> None:
     await seed_pool(store, "m", nodes=1, slots_per_node=2)
     await store.withdraw("node-0")
     for _ in range(50):
-        if not await store.claimable("m"):
+        if not store.claimable("m"):
             break
         await asyncio.sleep(0.02)
     with pytest.raises(NoSlotAvailable):
@@ -167,14 +167,14 @@ async def test_drain_and_undrain(store: KvSlotStore) -> None:
     held = await store.claim_slot("m.node-0.s0")
     touched = await store.drain("node-0")
     assert set(touched) == {"m.node-0.s0", "m.node-0.s1"}
-    assert {r.node for r in await store.claimable("m")} == {"node-1"}
+    assert {r.node for r in store.claimable("m")} == {"node-1"}
     assert (await store.get("m.node-0.s1"))[0].state == "draining"
     # The held slot finishes, then goes to draining, not warm.
     held = await store.advance(held, "activating")
     await store.release(held)
     assert (await store.get("m.node-0.s0"))[0].state == "draining"
     await store.undrain("node-0")
-    assert {r.key for r in await store.claimable("m")} == {"m.node-0.s0", "m.node-0.s1", "m.node-1.s0", "m.node-1.s1"}
+    assert {r.key for r in store.claimable("m")} == {"m.node-0.s0", "m.node-0.s1", "m.node-1.s0", "m.node-1.s1"}
 
 
 async def test_register_keeps_a_pending_drain(store: KvSlotStore) -> None:
@@ -193,7 +193,7 @@ async def test_watch_snapshot_then_changes(store: KvSlotStore) -> None:
     assert isinstance(first, Snapshot) and set(first.records) == {"m.node-0.s0", "m.node-0.s1"}
     c = await store.claim("m")
     change = await asyncio.wait_for(anext(events), 5)
-    assert isinstance(change, SlotChanged) and change.key == c.key and change.record.state == "claimed"
+    assert isinstance(change, Changed) and change.key == c.key and change.record.state == "claimed"
     await store.unregister("m.node-0.s1")
     gone = await asyncio.wait_for(anext(events), 5)
     assert isinstance(gone, Removed) and gone.key == "m.node-0.s1"
@@ -254,13 +254,13 @@ async def test_broker_sigkill_mid_claims(nats_server: NatsServer, store: KvSlotS
         for s in [store, *stores]:
             for _ in range(100):
                 if all(
-                    s.slots.items.get(w.key, (None,))[0] is not None and s.slots.items[w.key][0].claim_id == w.claim_id
+                    (r := s.record(w.key)) is not None and r.claim_id == w.claim_id
                     for w in wins
                 ):
                     break
                 await asyncio.sleep(0.05)
             assert s.slots.relists >= 1
-            assert {k: r.claim_id for k, (r, _) in s.slots.items.items()} == {w.key: w.claim_id for w in wins}
+            assert {r.key: r.claim_id for r in s.records()} == {w.key: w.claim_id for w in wins}
     finally:
         await close_all(conns, stores)
 
@@ -333,10 +333,10 @@ async def test_an_undecodable_update_withdraws_the_slot(nc: Client, store: KvSlo
     kv = await nc.jetstream().key_value(protocol.SLOTS_BUCKET)
     await kv.put("m.node-0.s0", b'{"v":2,"model":"m","node":"node-0","slot":"s0","state":"warm"}')
     for _ in range(100):
-        if "m.node-0.s0" not in store.slots.items:
+        if store.record("m.node-0.s0") is None:
             break
         await asyncio.sleep(0.02)
-    assert [r.key for r in await store.claimable("m")] == ["m.node-0.s1"]
+    assert [r.key for r in store.claimable("m")] == ["m.node-0.s1"]
     assert (await store.claim("m")).key == "m.node-0.s1"
     with pytest.raises(NoSlotAvailable):
         await store.claim("m")

@@ -63,3 +63,33 @@ def test_claimable_needs_warm_fresh_lease_and_no_drain() -> None:
     drained = SlotRecord(model="m", node="n", slot="s", state="warm", drain=True)
     assert not slots.claimable(drained, lease, 101.0)
     assert slots.release_target(drained) == "draining" and slots.release_target(rec) == "warm"
+
+
+@pytest.mark.parametrize(
+    ("current", "wanted", "drain", "want"),
+    [
+        ("prewarming", "warm", False, "warm"),  # staged and armed
+        ("prewarming", "warm", True, "draining"),  # ready again on a drained node: not offered
+        ("warm", "prewarming", False, "prewarming"),  # a re-stage
+        ("failed", "prewarming", False, "prewarming"),  # a prewarm retries a failed slot
+        ("draining", "warm", True, "draining"),
+        ("claimed", "warm", False, None),  # a held slot is its holder's to move on
+        ("activating", "prewarming", False, None),
+        ("ready", "warm", False, None),
+        ("releasing", "warm", False, None),
+        ("ready", "failed", False, "failed"),  # ... but the agent may fail it (its engine died)
+        ("claimed", "failed", True, "failed"),
+        ("warm", "ready", False, None),  # not in the table
+        ("prewarming", "claimed", False, None),
+    ],
+)
+def test_agent_target(current: str, wanted: str, drain: bool, want: str | None) -> None:
+    assert slots.agent_target(current, wanted, drain=drain) == want  # type: ignore[arg-type]
+
+
+def test_agent_target_never_leaves_the_table() -> None:
+    for current, wanted, drain in itertools.product(protocol.SLOT_STATES, protocol.SLOT_STATES, (False, True)):
+        target = slots.agent_target(current, wanted, drain=drain)
+        if target is not None:
+            slots.check_transition(current, target)
+            assert current not in slots.HELD_STATES or target == "failed"

@@ -20,7 +20,7 @@ from warmpool.protocol import AgentLease, SlotRecord
 
 def __getattr__(name: str) -> object:
     # The registry pulls in nats: load it only when asked, so the pure modules stay import-light.
-    if name in ("Claim", "KvSlotStore", "SlotStore"):
+    if name in ("Claim", "KvSlotStore"):
         from warmpool import registry
 
         return getattr(registry, name)
@@ -41,6 +41,5 @@ __all__ = [
     "PulsescaleError",
     "SlotNotFound",
     "SlotRecord",
-    "SlotStore",
     "StaleToken",
 ]

@@ -5,6 +5,16 @@ it only grows by adding optional fields. All messages are UTF-8 JSON objects wit
 are ignored. `decode` enforces every rule of DESIGN.md ("Wire contract v1") and raises `BadMessage` with one
 of `REASONS`, so consumers count rejections by reason and keep going.
 
+Revisions of v1 (each only adds fields or tightens a request only our own autoscaler sends; ``v`` stays 1):
+
+- revision 1: the first contract.
+- revision 2: a `DeactivateRequest` must carry `claim_id` (the fencing token alone is public: anyone who reads
+  `pulse_slots` could stop a serving slot with it); one without is refused ``missing_field``. Replies, the leader
+  lease and the stored overrides became types of this module (`ActivateReply`, `StatusReply`, `PoolReply`,
+  `AgentStatusReply`, `LeaderLease`, `OverrideRecord`, ...) with the fields they already had; `StatusRow` adds
+  `stale` (warm slots whose agent's lease lapsed) and `AgentLease` adds `heartbeat_every_s`. Reply error codes
+  are listed in `ERROR_CODES`.
+
 Pure: no I/O, no NATS import; `now` is passed in where time matters.
 """
 
@@ -13,7 +23,7 @@ from __future__ import annotations
 import math
 import re
 from collections import OrderedDict
-from typing import Annotated, Any, Final, Literal, TypeVar
+from typing import Annotated, Any, Final, Literal, TypeVar, get_args
 
 import msgspec
 
@@ -26,8 +36,11 @@ __all__ = [
     "AUDIT_WILDCARD",
     "CMD_VERBS",
     "CMD_WILDCARD",
-    "EVENT_TYPES",
+    "CONTRACT_REVISION",
+    "ERROR_CODES",
+    "LEADER_LEASE_KEY",
     "LEASES_BUCKET",
+    "OVERRIDE_KEY_PREFIX",
     "MAX_MESSAGE_BYTES",
     "NAME_PATTERN",
     "QUEUE_WILDCARD",
@@ -38,7 +51,27 @@ __all__ = [
     "ActivateReply",
     "ActivateRequest",
     "AgentLease",
+    "AgentSlotStatus",
+    "AgentStatusReply",
     "AgentStatusRequest",
+    "CommandReply",
+    "DeactivateReply",
+    "DecisionRow",
+    "DrainReply",
+    "ErrorCode",
+    "EventType",
+    "LeaderLease",
+    "Override",
+    "OverrideRecord",
+    "OverrideReply",
+    "PoolReply",
+    "PoolSlot",
+    "PrewarmReply",
+    "ReplyError",
+    "SlotState",
+    "StatusReply",
+    "StatusRow",
+    "WeightsStatus",
     "AuditRecord",
     "DeactivateRequest",
     "DrainCommand",
@@ -75,12 +108,16 @@ __all__ = [
     "events_subject",
     "is_name",
     "ok_reply",
+    "override_key",
     "parse_slot_key",
+    "refusal",
     "queue_subject",
     "slot_key",
 ]
 
 VERSION: Final = 1
+CONTRACT_REVISION: Final = 2
+"""Revision of wire contract v1 this code speaks (see the module doc for what each revision changed)."""
 MAX_MESSAGE_BYTES: Final = 64 * 1024
 NAME_PATTERN: Final = r"^[a-z0-9]([a-z0-9_-]{0,61}[a-z0-9])?$"
 _NAME_RE: Final = re.compile(NAME_PATTERN)
@@ -104,7 +141,10 @@ LEASES_BUCKET: Final = "pulse_leases"
 
 CMD_VERBS: Final = ("scale", "pause", "resume", "status", "pool", "drain", "undrain")
 AGENT_VERBS: Final = ("prewarm", "activate", "deactivate", "status")
-EVENT_TYPES: Final = (
+SlotState = Literal["prewarming", "warm", "claimed", "activating", "ready", "releasing", "failed", "draining"]
+SLOT_STATES: Final[tuple[SlotState, ...]] = get_args(SlotState)
+
+EventType = Literal[
     "scale.decision",
     "slot.claimed",
     "slot.ready",
@@ -112,17 +152,12 @@ EVENT_TYPES: Final = (
     "slot.failed",
     "pool.exhausted",
     "cold.start",
-)
-SLOT_STATES: Final = (
-    "prewarming",
-    "warm",
-    "claimed",
-    "activating",
-    "ready",
-    "releasing",
-    "failed",
-    "draining",
-)
+]
+
+LEADER_LEASE_KEY: Final = "autoscaler"
+"""Key of the autoscaler replicas' leader lease in `pulse_leases`."""
+OVERRIDE_KEY_PREFIX: Final = "override."
+"""Keys ``override.<model>`` in `pulse_leases` hold on-call overrides, so a new leader keeps them."""
 
 # Machine-readable rejection reasons; metrics label on these, so they never change meaning.
 REASONS: Final = (
@@ -140,6 +175,32 @@ REASONS: Final = (
     "expired",  # a request past its expires_at
     "duplicate_id",  # a request id already applied
 )
+
+# Error codes of failed replies (``{"ok": false, "error": {"code", "message"}}``); clients branch on these, so
+# they never change meaning. A request that breaks the contract is answered with its `REASONS` entry as the code
+# (the on-call commands) or with ``bad_message`` and the reason in `reason` (the agent).
+ErrorCode = Literal[
+    # on-call commands (pulse.cmd.<verb>)
+    "not_leader",  # this autoscaler replica does not lead; retry (another will answer)
+    "unknown_model",  # no ScaledObject names the model
+    "out_of_bounds",  # a replica count outside [minReplicaCount, maxReplicaCount]
+    "unknown_node",  # no agent or slot on the node
+    # node agent (pulse.agent.<node>.<verb>)
+    "bad_message",  # the request broke the contract; `reason` says how
+    "unknown_slot",  # the node has no such slot
+    "stale_token",  # the request's claim no longer holds the slot (released, or a newer claim took it)
+    "foreign_claim",  # the slot is held by another claim with an equal or older token
+    "not_claimed",  # the slot is not in a state an activation can start from
+    "slot_unavailable",  # the slot cannot serve now (staging failed, engine not armed)
+    "deadline",  # the request's deadline passed (before or during the activation)
+    "engine_failed",  # the engine crashed or reported an error while starting
+    "not_ready",  # the engine started but failed its readiness check
+    "registry_unavailable",  # the agent could not read or write the slot's record
+    "busy",  # a prewarm is already running
+    # either
+    "internal",  # a bug, caught and survived; the message has the exception
+]
+ERROR_CODES: Final[tuple[str, ...]] = get_args(ErrorCode)
 
 
 def _check(subject: str, kind: str, name: str) -> str:
@@ -341,9 +402,12 @@ class ActivateRequest(Request, kw_only=True):
 
 
 class DeactivateRequest(Request, kw_only=True):
+    """Take a serving slot out of service. Both halves of the claim are required (revision 2): the token is
+    public in `pulse_slots`, the random `claim_id` is known only to the claimer."""
+
     slot: Name
     token: Token
-    claim_id: Id | None = None
+    claim_id: Id
 
 
 class AgentStatusRequest(Request, kw_only=True):
@@ -372,17 +436,7 @@ class StageTimings(msgspec.Struct, kw_only=True):
         _not_negative(self, "token_ms", "load_ms", "engine_ms", "readiness_ms", "total_ms")
 
 
-class ActivateReply(Message, kw_only=True):
-    ok: bool
-    endpoint: str | None = None
-    timings: StageTimings | None = None
-    error: dict[str, str] | None = None
-
-
 # --- KV records ---------------------------------------------------------------------------------------------------
-
-SlotState = Literal["prewarming", "warm", "claimed", "activating", "ready", "releasing", "failed", "draining"]
-
 
 class SlotRecord(Message, kw_only=True):
     """The value under ``<model>.<node>.<slot>`` in `pulse_slots`.
@@ -424,14 +478,22 @@ class AgentLease(Message, kw_only=True):
     rack: str = ""
     gpus: Count = 0
     shm_free_bytes: Count = 0
+    heartbeat_every_s: float | None = None
+    """How often the agent renews (revision 2): after an outage, leases are judged only once agents had this long
+    to renew. None (older agents): a third of `lease_s`."""
 
     def _validate(self) -> None:
-        _finite(self, "heartbeat_at", "lease_s")
+        _finite(self, "heartbeat_at", "lease_s", "heartbeat_every_s")
+        _not_negative(self, "heartbeat_every_s")
         if self.lease_s <= 0:
             raise ValueError("[bad_value] `lease_s` must be > 0")
 
     def fresh(self, now: float) -> bool:
         return now <= self.heartbeat_at + self.lease_s
+
+    @property
+    def renew_every_s(self) -> float:
+        return self.heartbeat_every_s if self.heartbeat_every_s else self.lease_s / 3
 
 
 # --- ScaledObject (KV pulse_scalers, key <namespace>.<name>) ----------------------------------------------------
@@ -542,15 +604,7 @@ class ScalerRecord(Message, kw_only=True):
 class Event(Message, kw_only=True):
     """Published on ``pulse.events.<model>``; the optional fields are the ones that explain the event."""
 
-    type: Literal[
-        "scale.decision",
-        "slot.claimed",
-        "slot.ready",
-        "slot.released",
-        "slot.failed",
-        "pool.exhausted",
-        "cold.start",
-    ]
+    type: EventType
     model: Name
     ts: float
     reason: Text | None = None
@@ -580,6 +634,43 @@ class AuditRecord(Message, kw_only=True):
     applied: bool
 
 
+# --- leader lease and overrides (KV pulse_leases) -------------------------------------------------------------
+
+
+class LeaderLease(Message, kw_only=True):
+    """The value under `LEADER_LEASE_KEY` in `pulse_leases`: who leads, judged by ``renewed_at + lease_s``."""
+
+    holder: Id
+    renewed_at: float
+    lease_s: float
+
+    def _validate(self) -> None:
+        _finite(self, "renewed_at", "lease_s")
+        if self.lease_s <= 0:
+            raise ValueError("[bad_value] `lease_s` must be > 0")
+
+
+class Override(msgspec.Struct, kw_only=True, frozen=True):
+    """An on-call override: ``scale`` holds `replicas` until `expires_at`; ``pause`` holds `replicas` (or the
+    current count when None) until resumed. It beats the policy while it lasts."""
+
+    kind: Literal["scale", "pause"]
+    replicas: Count | None = None
+    expires_at: float | None = None
+    by: Text = ""
+
+
+class OverrideRecord(Message, kw_only=True):
+    """The value under ``override.<model>`` in `pulse_leases`."""
+
+    model: Name
+    override: Override
+
+
+def override_key(model: str) -> str:
+    return _check(OVERRIDE_KEY_PREFIX + model, "model", model)
+
+
 # --- replies ----------------------------------------------------------------------------------------------------------
 
 
@@ -589,11 +680,170 @@ class ReplyError(msgspec.Struct):
 
 
 class Reply(msgspec.Struct):
-    """A decoded request/reply answer. Extra fields of an ok reply are in `fields`."""
+    """A decoded request/reply answer, untyped: extra fields of the reply are in `fields`."""
 
     ok: bool
     error: ReplyError | None = None
     fields: dict[str, Any] = {}
+
+
+class TypedReply(Message, kw_only=True):
+    """Base of the typed replies: ``{"v": 1, "ok": true, ...}`` or ``{"v": 1, "ok": false, "error": {...}}``."""
+
+    ok: bool = True
+    error: ReplyError | None = None
+
+
+class CommandReply(TypedReply, kw_only=True):
+    """What a mutating command's reply has in common; the verb's own fields are in its subclass."""
+
+
+class OverrideReply(CommandReply, kw_only=True):
+    """Reply to `scale`, `pause` and `resume`: the override now in force (None after `resume`)."""
+
+    model: Name | None = None
+    override: Override | None = None
+
+
+class DrainReply(CommandReply, kw_only=True):
+    node: Name | None = None
+    drained: bool = False
+    touched: list[str] = []
+
+
+class DecisionRow(msgspec.Struct, kw_only=True):
+    ts: float
+    desired: Count
+    reason: str
+
+
+class StatusRow(msgspec.Struct, kw_only=True):
+    """One model in `pulsescale status`."""
+
+    model: Name
+    scaler: str
+    desired: Count
+    ready: Count
+    activating: Count
+    warm: Count
+    """Claimable slots: warm, not drained, their agent's lease fresh."""
+    stale: Count = 0
+    """Slots that read `warm` but whose agent's lease has lapsed: not claimable (revision 2)."""
+    panic: bool = False
+    mode: str = "starting"
+    override: Override | None = None
+    reason: str = ""
+    decisions: list[DecisionRow] = []
+
+
+class StatusReply(CommandReply, kw_only=True):
+    models: list[StatusRow] = []
+
+
+class PoolSlot(msgspec.Struct, kw_only=True):
+    """One slot in `pulsescale pool`."""
+
+    key: str
+    model: Name
+    node: Name
+    rack: str = ""
+    state: SlotState
+    drain: bool = False
+    agent: Literal["fresh", "stale"]
+    resident: bool = False
+    endpoint: str | None = None
+    reason: str | None = None
+
+
+class PoolReply(CommandReply, kw_only=True):
+    slots: list[PoolSlot] = []
+    counts: dict[str, dict[str, int]] = {}
+    """Model -> state -> slots, for every slot (also those cut from `slots` to fit the message)."""
+    now: float = 0.0
+    truncated: Count = 0
+    """Slots left out of `slots` to stay under `MAX_MESSAGE_BYTES`."""
+
+
+class ActivateReply(TypedReply, kw_only=True):
+    """The agent's answer to `activate`. On success: the endpoint (informational: the serving endpoint is the one
+    in the holder's fenced `ready` write) and the stage timings; on failure the error, the stage it failed at and
+    the state the slot goes to."""
+
+    slot: Name | None = None
+    key: str | None = None
+    state: SlotState | None = None
+    endpoint: str | None = None
+    token: int | None = None
+    claim_id: str | None = None
+    timings: StageTimings | None = None
+    loaded_bytes: Count = 0
+    load_mode: str | None = None
+    loader: str | None = None
+    repeated: bool = False
+    """A retry of an activation that had already succeeded: answered from the running engine."""
+    stage: str | None = None
+
+
+class DeactivateReply(TypedReply, kw_only=True):
+    slot: Name | None = None
+    key: str | None = None
+    state: SlotState | None = None
+    note: str | None = None
+
+
+class PrewarmReply(TypedReply, kw_only=True):
+    accepted: list[Name] = []
+    skipped_serving: list[Name] = []
+    state: SlotState | None = None
+
+
+class WeightsStatus(msgspec.Struct, kw_only=True):
+    model: str
+    source: str
+    staged_dir: str | None = None
+    files: Count = 0
+    staged_bytes: Count = 0
+    staged_at: float | None = None
+    locked: bool = False
+    locked_bytes: Count = 0
+    lock_error: str | None = None
+    error: str | None = None
+
+
+class AgentSlotStatus(msgspec.Struct, kw_only=True):
+    slot: Name
+    key: str
+    phase: str
+    state: SlotState | None = None
+    reason: str | None = None
+    highest_token: Count = 0
+    claim_id: str | None = None
+    endpoint: str | None = None
+    activations: Count = 0
+    consecutive_failures: Count = 0
+    last_timings: StageTimings | None = None
+    engine: dict[str, Any] | None = None
+
+
+class AgentStatusReply(TypedReply, kw_only=True):
+    node: Name | None = None
+    rack: str = ""
+    engine: str | None = None
+    engine_memory: str | None = None
+    loader: str | None = None
+    loader_reason: str | None = None
+    weights: WeightsStatus | None = None
+    unlocked: bool = False
+    slots: list[AgentSlotStatus] = []
+    uptime_s: float = 0.0
+
+
+R = TypeVar("R", bound=TypedReply)
+
+
+def refusal(type_: type[R], code: str, message: str, **fields: Any) -> R:
+    """A failed typed reply: ``refusal(ActivateReply, "stale_token", "...", slot="s0")``."""
+    return type_(ok=False, error=ReplyError(code, message), **fields)
 
 
 def ok_reply(**fields: Any) -> bytes:

@@ -8,6 +8,11 @@ token; with the random `claim_id` it is what a holder must present to move the s
 A `KvSlotStore` keeps a view of both buckets from KV watches (snapshot, then deltas; re-listed after every
 reconnect, since watches do not resume by themselves). Claims pick candidates from the view and let the
 compare-and-set say whether the view was current: reads are not read-your-writes, so no decision rests on one.
+`BucketView` is that view for any bucket of contract records; the autoscaler follows `pulse_scalers` with one.
+
+Leases are judged by the reader's clock, and only on a current view: after a reconnect the agents' view is
+re-listed, and a lease is called lapsed only once its agent had one heartbeat interval since to renew it
+(`lease_lapsed`). Without that, an outage longer than a lease would make every healthy agent look dead.
 """
 
 from __future__ import annotations
@@ -19,9 +24,9 @@ import random
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 import msgspec
 import nats.errors
@@ -45,13 +50,13 @@ from warmpool.rejects import Rejections
 
 __all__ = [
     "BucketSettings",
+    "BucketView",
+    "Changed",
     "Claim",
     "KvSlotStore",
     "Removed",
     "Snapshot",
-    "SlotChanged",
     "SlotEvent",
-    "SlotStore",
     "ensure_buckets",
 ]
 
@@ -95,18 +100,20 @@ class Claim:
 
 # --- watch events -----------------------------------------------------------------------------------------------
 
-
-@dataclass(frozen=True)
-class Snapshot:
-    """Every slot as it is now; sent first and again after each reconnect. Replace, don't merge."""
-
-    records: dict[str, SlotRecord]
+V = TypeVar("V", bound=msgspec.Struct)
 
 
 @dataclass(frozen=True)
-class SlotChanged:
+class Snapshot(Generic[V]):
+    """Every record as it is now; sent first and again after each reconnect. Replace, don't merge."""
+
+    records: dict[str, V]
+
+
+@dataclass(frozen=True)
+class Changed(Generic[V]):
     key: str
-    record: SlotRecord
+    record: V
     revision: int
 
 
@@ -116,25 +123,8 @@ class Removed:
     revision: int
 
 
-SlotEvent = Snapshot | SlotChanged | Removed
-
-
-class SlotStore(Protocol):
-    """The seam between the registry and its users; `KvSlotStore` is the implementation."""
-
-    async def claimable(self, model: str) -> list[SlotRecord]: ...
-
-    async def claim(self, model: str, *, exclude: Iterable[str] = ()) -> Claim: ...
-
-    async def advance(self, claim: Claim, state: SlotState, **fields: Any) -> Claim: ...
-
-    async def release(self, claim: Claim, *, reason: str | None = None) -> None: ...
-
-    async def register(self, record: SlotRecord) -> int: ...
-
-    async def heartbeat(self, lease: AgentLease) -> int: ...
-
-    def watch(self) -> AsyncIterator[SlotEvent]: ...
+SlotEvent = Snapshot[SlotRecord] | Changed[SlotRecord] | Removed
+ViewEvent = Snapshot[V] | Changed[V] | Removed
 
 
 async def ensure_buckets(js: JetStreamContext, settings: BucketSettings = BucketSettings()) -> dict[str, KeyValue]:
@@ -157,26 +147,85 @@ async def ensure_buckets(js: JetStreamContext, settings: BucketSettings = Bucket
 
 # --- a bucket view --------------------------------------------------------------------------------------------
 
-V = TypeVar("V", bound=msgspec.Struct)
-
 _RELIST_POLL_S = 0.25  # how often the view checks for a reconnect while idle; bounds re-list latency
 
 
-class _BucketView(Generic[V]):
-    """Key -> (value, revision) for one bucket, kept by a watch that re-lists after every reconnect."""
+class BucketView(Generic[V]):
+    """Key -> (record, revision) for one bucket, kept by a watch that re-lists after every reconnect.
 
-    def __init__(self, nc: Client, kv: KeyValue, type_: type[V], rejected: Rejections) -> None:
+    `run()` keeps it (as a task); `changes()` yields a `Snapshot`, then `Changed` / `Removed` events, and a new
+    `Snapshot` after each re-list. A record that breaks the contract is counted by `rejected` and treated as
+    absent (`keep_bad=False`: a slot nobody can compare-and-set must not be offered) or ignored, keeping the last
+    good record (`keep_bad=True`: a bad edit of a ScaledObject must not stop autoscaling its model).
+    """
+
+    def __init__(
+        self,
+        nc: Client,
+        kv: KeyValue,
+        type_: type[V],
+        rejected: Rejections,
+        *,
+        keep_bad: bool = False,
+        clock: Clock = time.time,
+    ) -> None:
         self._nc = nc
         self._kv = kv
         self._type = type_
         self._rejected = rejected
-        self.items: dict[str, tuple[V, int]] = {}
+        self._keep_bad = keep_bad
+        self._clock = clock
+        self._items: dict[str, tuple[V, int]] = {}
         self.ready = asyncio.Event()
+        """Set once the first snapshot is in."""
         self.relists = 0
-        self._subscribers: set[asyncio.Queue[SlotEvent]] = set()
+        self.listed_at: float | None = None
+        """Reader's time of the latest complete snapshot; None until one is in, and again while re-listing."""
+        self._listed_reconnects = -1  # the connection's reconnect count when that snapshot was taken
+        self._subscribers: set[asyncio.Queue[ViewEvent[V]]] = set()
         self._on_change: Callable[[str, V | None, V | None], None] | None = None
         # Checked by the loops too: on Python 3.11 `wait_for` can swallow a cancellation that races a result.
         self.closed = False
+
+    # --- reading ---------------------------------------------------------------------------------------------
+
+    def get(self, key: str) -> tuple[V, int] | None:
+        """(record, revision) of `key` in the view, or None."""
+        return self._items.get(key)
+
+    def value(self, key: str) -> V | None:
+        hit = self._items.get(key)
+        return hit[0] if hit is not None else None
+
+    def revision(self, key: str) -> int | None:
+        hit = self._items.get(key)
+        return hit[1] if hit is not None else None
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def keys(self) -> list[str]:
+        return list(self._items)
+
+    def values(self) -> list[V]:
+        return [v for v, _ in self._items.values()]
+
+    def entries(self) -> list[tuple[str, V, int]]:
+        return [(k, v, rev) for k, (v, rev) in self._items.items()]
+
+    def current(self) -> bool:
+        """True when the view was listed on the connection as it is now: connected, and re-listed since the last
+        reconnect. While False, what the view holds may be arbitrarily old."""
+        return (
+            self.listed_at is not None
+            and self._nc.is_connected
+            and self._nc.stats["reconnects"] == self._listed_reconnects
+        )
+
+    # --- changes ---------------------------------------------------------------------------------------------
 
     def decode(self, key: str, data: bytes) -> V | None:
         try:
@@ -188,34 +237,48 @@ class _BucketView(Generic[V]):
     def apply_local(self, key: str, value: V, revision: int) -> None:
         """Our own acknowledged write: visible to our next decision (and to subscribers) before the watch
         echoes it; the echo is then skipped, so each revision is published once."""
-        cur = self.items.get(key)
+        cur = self._items.get(key)
         if cur is None or cur[1] < revision:
             self._set(key, value, revision)
             if self.ready.is_set():
-                self._publish(SlotChanged(key, value, revision))  # type: ignore[arg-type]
+                self._publish(Changed(key, value, revision))
+
+    def forget(self, key: str) -> None:
+        """Drop `key` from the view (a read found it gone or unreadable)."""
+        if key in self._items:
+            self._set(key, None, self._items[key][1])
 
     def _set(self, key: str, value: V | None, revision: int) -> None:
-        old = self.items.get(key)
+        old = self._items.get(key)
         if value is None:
-            self.items.pop(key, None)
+            self._items.pop(key, None)
         else:
-            self.items[key] = (value, revision)
+            self._items[key] = (value, revision)
         if self._on_change is not None:
             self._on_change(key, old[0] if old else None, value)
 
-    def _publish(self, event: SlotEvent) -> None:
+    def _publish(self, event: ViewEvent[V]) -> None:
         for q in self._subscribers:
             q.put_nowait(event)
 
-    def subscribe(self) -> asyncio.Queue[SlotEvent]:
-        q: asyncio.Queue[SlotEvent] = asyncio.Queue()
+    def subscribe(self) -> asyncio.Queue[ViewEvent[V]]:
+        q: asyncio.Queue[ViewEvent[V]] = asyncio.Queue()
         if self.ready.is_set():
-            q.put_nowait(Snapshot({k: v for k, (v, _) in self.items.items()}))  # type: ignore[misc]
+            q.put_nowait(Snapshot({k: v for k, (v, _) in self._items.items()}))
         self._subscribers.add(q)
         return q
 
-    def unsubscribe(self, q: asyncio.Queue[SlotEvent]) -> None:
+    def unsubscribe(self, q: asyncio.Queue[ViewEvent[V]]) -> None:
         self._subscribers.discard(q)
+
+    async def changes(self) -> AsyncIterator[ViewEvent[V]]:
+        """A `Snapshot` of the bucket, then each change; a new `Snapshot` after every re-list."""
+        q = self.subscribe()
+        try:
+            while True:
+                yield await q.get()
+        finally:
+            self.unsubscribe(q)
 
     async def run(self) -> None:
         while not self.closed:
@@ -229,12 +292,14 @@ class _BucketView(Generic[V]):
             try:
                 await self._follow(watcher, reconnects)
             finally:
+                self.listed_at = None
                 with contextlib.suppress(Exception):
                     await watcher.stop()
             self.relists += 1
 
     async def _follow(self, watcher: KeyValue.KeyWatcher, reconnects: int) -> None:
         snapshot: dict[str, tuple[V, int]] | None = {}
+        kept_bad: set[str] = set()  # keys listed with an unreadable value, whose last good record stands
         while self._nc.stats["reconnects"] == reconnects and not self.closed:
             try:
                 entry = await watcher.updates(timeout=_RELIST_POLL_S)
@@ -243,9 +308,13 @@ class _BucketView(Generic[V]):
             if isinstance(entry, KeyValue.Entry):
                 value = None
                 if entry.operation not in ("DEL", "PURGE") and entry.value is not None:
-                    # An undecodable record (a newer agent's v2, a hand edit) counts as absent: keeping the old
-                    # value would offer a slot whose compare-and-set can never succeed.
                     value = self.decode(entry.key, entry.value)
+                    if value is None and self._keep_bad:
+                        if snapshot is not None:
+                            snapshot.pop(entry.key, None)
+                            kept_bad.add(entry.key)
+                        continue  # counted; the last good record stands
+                kept_bad.discard(entry.key)
                 rev = entry.revision or 0
                 if snapshot is not None:
                     if value is None:
@@ -253,25 +322,29 @@ class _BucketView(Generic[V]):
                     else:
                         snapshot[entry.key] = (value, rev)
                     continue
-                cur = self.items.get(entry.key)
+                cur = self._items.get(entry.key)
                 if cur is not None and cur[1] >= rev:
                     continue  # our own write, already applied and published by `apply_local`
+                if value is None and cur is None:
+                    continue  # nothing to remove
                 self._set(entry.key, value, rev)
-                self._publish(SlotChanged(entry.key, value, rev) if value is not None else Removed(entry.key, rev))  # type: ignore[arg-type]
+                self._publish(Changed(entry.key, value, rev) if value is not None else Removed(entry.key, rev))
             elif entry is None and snapshot is not None:
                 # End of the initial values: swap the whole view (deletes missed while away vanish here),
                 # keeping our own writes that are newer than the snapshot (their echo comes as a delta).
-                old = self.items
+                old = self._items
                 for key, (value, rev) in old.items():
-                    if key in snapshot and snapshot[key][1] < rev:
+                    if (key in snapshot and snapshot[key][1] < rev) or key in kept_bad:
                         snapshot[key] = (value, rev)
-                self.items = snapshot
+                self._items = snapshot
                 if self._on_change is not None:
                     for key in old.keys() | snapshot.keys():
                         before, after = old.get(key), snapshot.get(key)
                         self._on_change(key, before[0] if before else None, after[0] if after else None)
                 snapshot = None
-                self._publish(Snapshot({k: v for k, (v, _) in self.items.items()}))  # type: ignore[misc]
+                self.listed_at = self._clock()
+                self._listed_reconnects = reconnects
+                self._publish(Snapshot({k: v for k, (v, _) in self._items.items()}))
                 self.ready.set()
             else:
                 return  # the watcher was stopped under us
@@ -283,7 +356,11 @@ class _BucketView(Generic[V]):
 
 
 class KvSlotStore:
-    """`SlotStore` on JetStream KV. Use ``async with await KvSlotStore.open(nc) as store:``."""
+    """The slot registry on JetStream KV. Use ``async with await KvSlotStore.open(nc) as store:``.
+
+    Reading is from the views (`record`, `entry`, `records`, `lease`, `leases`, `claimable`; no I/O), writing is by
+    compare-and-set: claims (`claim`, `claim_slot`), the holder's moves (`advance`, `release`), the agent's
+    (`register`, `set_state`, `heartbeat`, `withdraw`), drains, and `watch` for the slot changes."""
 
     # A claim tries at most this many candidates that turn out to be taken before it reports a conflict:
     # a loser of a race learns the truth from the compare-and-set and moves on to the next slot.
@@ -297,18 +374,20 @@ class KvSlotStore:
         clock: Clock = time.time,
         rng: random.Random | None = None,
         resolve_timeout_s: float = 10.0,
+        on_reject: Callable[[str], None] | None = None,
     ) -> None:
         self.nc = nc
         self.clock = clock
         self.rng = rng or random.Random()
         self.resolve_timeout_s = resolve_timeout_s
         """How long a claim whose outcome is unknown (broker gone mid-write) keeps asking the broker."""
-        self.rejected = Rejections(log)
-        """Records in the buckets that break the contract: skipped, counted by reason, logged at a bounded rate."""
+        self.rejected = Rejections(log, on_reject=on_reject)
+        """Records in the buckets that break the contract: skipped, counted by reason, logged at a bounded rate;
+        `on_reject(reason)` binds the owner's metric (``pulsescale_registry_rejected_records_total``)."""
         self._slots_kv = buckets[protocol.SLOTS_BUCKET]
         self._agents_kv = buckets[protocol.AGENTS_BUCKET]
-        self.slots: _BucketView[SlotRecord] = _BucketView(nc, self._slots_kv, SlotRecord, self.rejected)
-        self.agents: _BucketView[AgentLease] = _BucketView(nc, self._agents_kv, AgentLease, self.rejected)
+        self.slots: BucketView[SlotRecord] = BucketView(nc, self._slots_kv, SlotRecord, self.rejected, clock=clock)
+        self.agents: BucketView[AgentLease] = BucketView(nc, self._agents_kv, AgentLease, self.rejected, clock=clock)
         # Indexes kept in step with the view, so a claim looks only at the model's warm and held slots.
         self._by_model: dict[str, set[str]] = {}
         self._warm: dict[str, dict[int, dict[str, set[str]]]] = {}  # model -> tier -> node -> keys
@@ -374,28 +453,57 @@ class KvSlotStore:
 
     # --- reading -----------------------------------------------------------------------------------------------
 
+    def record(self, key: str) -> SlotRecord | None:
+        """The slot under `key` in the view, or None."""
+        return self.slots.value(key)
+
+    def entry(self, key: str) -> tuple[SlotRecord, int] | None:
+        """(record, revision) of the slot under `key` in the view, or None."""
+        return self.slots.get(key)
+
     def records(self, model: str | None = None) -> list[SlotRecord]:
         """Slots in the current view (of one model, or all)."""
         if model is None:
-            return [rec for rec, _ in self.slots.items.values()]
-        items = self.slots.items
-        return [items[k][0] for k in self._by_model.get(model, ()) if k in items]
+            return self.slots.values()
+        return [rec for k in self._by_model.get(model, ()) if (rec := self.slots.value(k)) is not None]
 
     def lease(self, node: str) -> AgentLease | None:
-        hit = self.agents.items.get(node)
-        return hit[0] if hit else None
+        return self.agents.value(node)
 
-    async def claimable(self, model: str) -> list[SlotRecord]:
-        now = self.clock()
-        items, agents = self.slots.items, self.agents.items
+    def leases(self) -> dict[str, AgentLease]:
+        return {node: lease for node, lease, _ in self.agents.entries()}
+
+    def nodes(self) -> set[str]:
+        """Every node that has a lease or a slot in the views."""
+        return {r.node for r in self.slots.values()} | set(self.agents.keys())
+
+    def claimable(self, model: str, now: float | None = None) -> list[SlotRecord]:
+        """The model's slots that a claim could take at `now` (default: the store's clock)."""
+        now = self.clock() if now is None else now
         out = []
         for by_node in self._warm.get(model, {}).values():
             for node, keys in by_node.items():
-                lease = agents.get(node)
-                if lease is None or not lease[0].fresh(now):
+                lease = self.lease(node)
+                if lease is None or not lease.fresh(now):
                     continue
-                out += [items[k][0] for k in keys]
+                out += [rec for k in keys if (rec := self.record(k)) is not None]
         return out
+
+    def lease_lapsed(self, node: str, now: float) -> bool:
+        """True only when we *know* the agent of `node` stopped renewing: its lease is missing or old in a view
+        that is current, and the agent had one heartbeat interval since that view was listed to renew it.
+
+        A stale view (disconnected, or not re-listed since a reconnect) proves nothing: after a broker outage
+        longer than a lease, every agent's last heartbeat is old until the agents reconnect and renew."""
+        view = self.agents
+        if not view.current() or view.listed_at is None:
+            return False
+        lease = self.lease(node)
+        if lease is None:
+            return True  # withdrawn (a clean shutdown), or gone from a current listing
+        if lease.fresh(now):
+            return False
+        return now - view.listed_at >= lease.renew_every_s
 
     async def get(self, key: str) -> tuple[SlotRecord, int]:
         """Read one slot from the broker (not the view)."""
@@ -410,8 +518,7 @@ class KvSlotStore:
         try:
             rec, rev = await self.get(key)
         except (SlotNotFound, BadMessage):
-            if key in self.slots.items:
-                self.slots._set(key, None, self.slots.items[key][1])
+            self.slots.forget(key)
             return None
         self.slots.apply_local(key, rec, rev)
         return rec, rev
@@ -424,11 +531,10 @@ class KvSlotStore:
         conflicts = 0
         while True:
             now = self.clock()
-            agents = self.agents.items
 
-            def eligible(node: str, agents: dict[str, tuple[AgentLease, int]] = agents, now: float = now) -> bool:
-                lease = agents.get(node)
-                return lease is not None and lease[0].fresh(now)
+            def eligible(node: str, now: float = now) -> bool:
+                lease = self.lease(node)
+                return lease is not None and lease.fresh(now)
 
             key = placement.pick(
                 self._warm.get(model, {}),
@@ -442,7 +548,7 @@ class KvSlotStore:
             if key is None:
                 raise NoSlotAvailable(f"no claimable slot of model {model}")
             try:
-                return await self._claim_one(self.slots.items[key][0], now)
+                return await self._claim_one(self.slots.get(key), now)
             except ClaimConflict:
                 conflicts += 1
                 skip.add(key)
@@ -453,17 +559,19 @@ class KvSlotStore:
 
     async def claim_slot(self, key: str) -> Claim:
         """Claim one named slot (the on-call path and tests)."""
-        hit = self.slots.items.get(key) or await self._refresh(key)
+        hit = self.slots.get(key) or await self._refresh(key)
         if hit is None:
             raise SlotNotFound(f"no slot {key}")
         rec = hit[0]
         if not slots.claimable(rec, self.lease(rec.node), self.clock()):
             raise NoSlotAvailable(f"slot {key} is {rec.state}{' (drained)' if rec.drain else ''} or its agent is stale")
-        return await self._claim_one(rec, self.clock())
+        return await self._claim_one(hit, self.clock())
 
-    async def _claim_one(self, rec: SlotRecord, now: float) -> Claim:
+    async def _claim_one(self, hit: tuple[SlotRecord, int] | None, now: float) -> Claim:
+        if hit is None:
+            raise ClaimConflict("the slot left the view")
+        rec, last = hit
         key = rec.key
-        last = self.slots.items[key][1]
         if rec.state != "warm" or rec.drain:
             # The CAS would pass (the revision is current) but would take a slot that is not free: the
             # index and the record disagree, which must never turn into a double hold.
@@ -513,16 +621,25 @@ class KvSlotStore:
         return Claim(key=claim.key, token=claim.token, claim_id=claim.claim_id, revision=rev, record=new)
 
     async def release(self, claim: Claim, *, reason: str | None = None) -> None:
-        """Give a held slot back: `warm`, or `draining` if its node was drained meanwhile."""
+        """Give a held slot back: `warm`, or `draining` if its node was drained meanwhile. A slot whose agent's
+        lease has lapsed goes to `failed` instead: `warm` would advertise a slot nobody can serve from (its agent
+        writes it `warm` again when it comes back)."""
 
         def build(rec: SlotRecord) -> SlotRecord:
+            now = self.clock()
             if rec.state in ("activating", "ready"):
                 # In service (or getting there): the lifecycle goes through `releasing` first.
-                return msgspec.structs.replace(rec, state="releasing", reason=reason, updated_at=self.clock())
+                return msgspec.structs.replace(rec, state="releasing", reason=reason, updated_at=now)
             target = slots.release_target(rec)
+            why = reason
+            if target == "warm" and self.lease_lapsed(rec.node, now):
+                target = "failed"
+                why = f"released while the agent of {rec.node} was away (lease lapsed)" + (
+                    f": {reason}" if reason else ""
+                )
             slots.check_transition(rec.state, target)
             return msgspec.structs.replace(
-                rec, state=target, claim_id=None, token=None, endpoint=None, reason=reason, updated_at=self.clock()
+                rec, state=target, claim_id=None, token=None, endpoint=None, reason=why, updated_at=now
             )
 
         for _ in range(2):
@@ -532,31 +649,77 @@ class KvSlotStore:
             claim = Claim(key=claim.key, token=claim.token, claim_id=claim.claim_id, revision=rev, record=new)
         raise ClaimConflict(f"slot {claim.key} did not leave releasing")
 
-    async def _cas_as_holder(self, claim: Claim, build: Callable[[SlotRecord], SlotRecord]) -> tuple[SlotRecord, int]:
-        """Write `build(current)` as the claim's holder. Our copy of the record may be stale: a check that
-        fails on it is repeated on a fresh read before it counts, and a lost CAS re-reads and retries
-        (the agent and drains write to held slots too)."""
-        rec, rev = claim.record, claim.revision
-        fresh = False
-        for _ in range(8):
+    # --- compare-and-set -------------------------------------------------------------------------------------------
+
+    max_cas_attempts = 8
+    """Lost compare-and-sets (another writer got there first) one write retries before `ClaimConflict`."""
+
+    async def _read(self, key: str) -> tuple[SlotRecord | None, int]:
+        """(record, revision) from the broker; (None, 0) when the key does not exist, (None, revision) when its
+        value breaks the contract (counted)."""
+        try:
+            entry = await self._slots_kv.get(key)
+        except nats.js.errors.KeyNotFoundError:
+            return None, 0
+        assert entry.revision is not None
+        if entry.value is None or entry.operation in ("DEL", "PURGE"):
+            return None, entry.revision
+        return self.slots.decode(key, entry.value), entry.revision
+
+    async def _cas(
+        self,
+        key: str,
+        build: Callable[[SlotRecord | None, int], Awaitable[SlotRecord | None]],
+        *,
+        what: str,
+        start: tuple[SlotRecord, int] | None = None,
+    ) -> tuple[SlotRecord, int] | None:
+        """The one compare-and-set loop: write ``await build(current, revision)`` over the slot's record.
+
+        `build` gets None for a key that is absent or unreadable; it returns the record to write, None for
+        "nothing to write" (returned as None), or raises to refuse. Another writer winning the race means a
+        re-read and a re-build. `start` is a copy we hold (a holder's claim): it may be stale, so a refusal
+        (`StaleToken`, `InvalidTransition`) built on it is tried once more on a fresh read before it counts."""
+        cur: tuple[SlotRecord | None, int] | None = start
+        fresh = start is None
+        for _ in range(self.max_cas_attempts):
+            if cur is None:
+                cur = await self._read(key)
+                fresh = True
+            rec, rev = cur
             try:
-                await self._verify_holder(claim, rec, rev)
-                new = build(rec)
+                new = await build(rec, rev)
             except (StaleToken, InvalidTransition):
                 if fresh:
                     raise
-                rec, rev = await self.get(claim.key)
-                fresh = True
+                cur = None
                 continue
+            if new is None:
+                return None
             try:
-                new_rev = await self._slots_kv.update(claim.key, protocol.encode(new), last=rev)
+                if rev == 0:
+                    new_rev = await self._slots_kv.create(key, protocol.encode(new))
+                else:
+                    new_rev = await self._slots_kv.update(key, protocol.encode(new), last=rev)
             except nats.js.errors.KeyWrongLastSequenceError:
-                rec, rev = await self.get(claim.key)
-                fresh = True
+                cur = None
                 continue
-            self.slots.apply_local(claim.key, new, new_rev)
+            self.slots.apply_local(key, new, new_rev)
             return new, new_rev
-        raise ClaimConflict(f"slot {claim.key} keeps changing under its holder")
+        raise ClaimConflict(f"slot {key} keeps changing {what}")
+
+    async def _cas_as_holder(self, claim: Claim, build: Callable[[SlotRecord], SlotRecord]) -> tuple[SlotRecord, int]:
+        """Write `build(current)` as the claim's holder: fenced by `_verify_holder` on every attempt."""
+
+        async def fenced(rec: SlotRecord | None, rev: int) -> SlotRecord:
+            if rec is None:
+                raise StaleToken(f"slot {claim.key} is gone; claim {claim.claim_id} holds nothing")
+            await self._verify_holder(claim, rec, rev)
+            return build(rec)
+
+        done = await self._cas(claim.key, fenced, what="under its holder", start=(claim.record, claim.revision))
+        assert done is not None  # `fenced` never returns None
+        return done
 
     async def _verify_holder(self, claim: Claim, rec: SlotRecord, rev: int) -> None:
         """The fencing check: same claim id, and the token is the revision of that claim's write."""
@@ -587,27 +750,13 @@ class KvSlotStore:
 
     async def register(self, record: SlotRecord) -> int:
         """Write a slot as its agent sees it (start-up, re-stage). Keeps a pending drain request."""
-        key = record.key
-        for _ in range(8):
-            try:
-                cur, rev = await self.get(key)
-            except SlotNotFound:
-                try:
-                    new_rev = await self._slots_kv.create(key, protocol.encode(record))
-                except nats.js.errors.KeyWrongLastSequenceError:
-                    continue
-                self.slots.apply_local(key, record, new_rev)
-                return new_rev
-            except BadMessage:
-                cur, rev = None, (await self._slots_kv.get(key)).revision or 0
-            new = record if cur is None else msgspec.structs.replace(record, drain=record.drain or cur.drain)
-            try:
-                new_rev = await self._slots_kv.update(key, protocol.encode(new), last=rev)
-            except nats.js.errors.KeyWrongLastSequenceError:
-                continue
-            self.slots.apply_local(key, new, new_rev)
-            return new_rev
-        raise ClaimConflict(f"slot {key} keeps changing while its agent registers it")
+
+        async def build(cur: SlotRecord | None, _: int) -> SlotRecord:
+            return record if cur is None else msgspec.structs.replace(record, drain=record.drain or cur.drain)
+
+        done = await self._cas(record.key, build, what="while its agent registers it")
+        assert done is not None
+        return done[1]
 
     async def set_state(
         self, key: str, state: SlotState, *, expect: Iterable[SlotState] | None = None, **fields: Any
@@ -617,19 +766,18 @@ class KvSlotStore:
         `expect` lists the states the slot must be in; anything else raises `InvalidTransition`.
         """
         allowed = set(expect) if expect is not None else None
-        for _ in range(8):
-            rec, rev = await self.get(key)
+
+        async def build(rec: SlotRecord | None, _: int) -> SlotRecord:
+            if rec is None:
+                raise SlotNotFound(f"no slot {key} in {protocol.SLOTS_BUCKET}")
             if allowed is not None and rec.state not in allowed:
                 raise InvalidTransition(f"slot {key} is {rec.state}, expected one of {sorted(allowed)}")
             slots.check_transition(rec.state, state)
-            new = msgspec.structs.replace(rec, state=state, updated_at=self.clock(), **fields)
-            try:
-                new_rev = await self._slots_kv.update(key, protocol.encode(new), last=rev)
-            except nats.js.errors.KeyWrongLastSequenceError:
-                continue
-            self.slots.apply_local(key, new, new_rev)
-            return new, new_rev
-        raise ClaimConflict(f"slot {key} keeps changing under its agent")
+            return msgspec.structs.replace(rec, state=state, updated_at=self.clock(), **fields)
+
+        done = await self._cas(key, build, what="under its agent")
+        assert done is not None
+        return done
 
     async def heartbeat(self, lease: AgentLease) -> int:
         """Write an agent's lease. One writer per node, so a plain put is enough."""
@@ -640,7 +788,7 @@ class KvSlotStore:
     def adopt(self, key: str) -> Claim | None:
         """The claim that holds `key` now, as a `Claim` this process can act on (a new leader takes over the
         previous leader's claims this way). None when the slot is not held."""
-        hit = self.slots.items.get(key)
+        hit = self.slots.get(key)
         if hit is None:
             return None
         rec, rev = hit
@@ -668,29 +816,24 @@ class KvSlotStore:
         return await self._drain(node, False)
 
     async def _drain(self, node: str, on: bool) -> list[str]:
+        async def build(rec: SlotRecord | None, _: int) -> SlotRecord | None:
+            if rec is None:
+                return None  # gone meanwhile
+            if rec.state in slots.HELD_STATES:
+                new = msgspec.structs.replace(rec, drain=on)
+            elif on:
+                new = msgspec.structs.replace(rec, state="draining", drain=True, updated_at=self.clock())
+            else:
+                state: SlotState = "warm" if rec.state == "draining" else rec.state
+                new = msgspec.structs.replace(rec, state=state, drain=False, updated_at=self.clock())
+            if msgspec.structs.replace(new, updated_at=rec.updated_at) == rec:
+                return None  # already so: a repeated drain changes nothing
+            return new
+
         touched = []
-        for key in [k for k, (r, _) in self.slots.items.items() if r.node == node]:
-            for _ in range(8):
-                try:
-                    rec, rev = await self.get(key)
-                except SlotNotFound:
-                    break
-                if rec.state in slots.HELD_STATES:
-                    new = msgspec.structs.replace(rec, drain=on)
-                elif on:
-                    new = msgspec.structs.replace(rec, state="draining", drain=True, updated_at=self.clock())
-                else:
-                    state: SlotState = "warm" if rec.state == "draining" else rec.state
-                    new = msgspec.structs.replace(rec, state=state, drain=False, updated_at=self.clock())
-                if msgspec.structs.replace(new, updated_at=rec.updated_at) == rec:
-                    break  # already so: a repeated drain changes nothing
-                try:
-                    new_rev = await self._slots_kv.update(key, protocol.encode(new), last=rev)
-                except nats.js.errors.KeyWrongLastSequenceError:
-                    continue
-                self.slots.apply_local(key, new, new_rev)
+        for key in [r.key for r in self.slots.values() if r.node == node]:
+            if await self._cas(key, build, what="while its node is (un)drained") is not None:
                 touched.append(key)
-                break
         return touched
 
     # --- watch ---------------------------------------------------------------------------------------------------
@@ -699,9 +842,5 @@ class KvSlotStore:
         """A `Snapshot` of every slot, then each change; a new `Snapshot` after every reconnect."""
         if not self._tasks:
             await self.start()
-        q = self.slots.subscribe()
-        try:
-            while True:
-                yield await q.get()
-        finally:
-            self.slots.unsubscribe(q)
+        async for event in self.slots.changes():
+            yield event

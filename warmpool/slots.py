@@ -12,7 +12,7 @@ from typing import Final
 from warmpool.errors import InvalidTransition
 from warmpool.protocol import AgentLease, SlotRecord, SlotState
 
-__all__ = ["HELD_STATES", "TRANSITIONS", "check_transition", "claimable", "release_target"]
+__all__ = ["HELD_STATES", "TRANSITIONS", "agent_target", "check_transition", "claimable", "release_target"]
 
 # from-state -> the states it may move to. Self-loops are field updates (endpoint, residency, drain flag).
 TRANSITIONS: Final[dict[SlotState, frozenset[SlotState]]] = {
@@ -44,3 +44,19 @@ def release_target(record: SlotRecord) -> SlotState:
 def claimable(record: SlotRecord, lease: AgentLease | None, now: float) -> bool:
     """A slot may be claimed only while warm, not drained, and its agent's lease is fresh at `now`."""
     return record.state == "warm" and not record.drain and lease is not None and lease.fresh(now)
+
+
+def agent_target(current: SlotState, wanted: SlotState, *, drain: bool) -> SlotState | None:
+    """The state a node agent's own write moves a slot to, when the slot is `current` and the agent wants it
+    `wanted` (its staging, arming or failure says so); None: the agent leaves the slot alone.
+
+    A held slot belongs to its claim's holder, so the agent only ever fails it (its engine died, its weights are
+    damaged). A slot of a drained node that is ready again goes to `draining`, not `warm`: ready, not offered.
+    Anything else follows the lifecycle table.
+    """
+    if wanted == "failed":
+        return "failed"
+    if current in HELD_STATES:
+        return None
+    target: SlotState = "draining" if wanted == "warm" and drain else wanted
+    return target if target in TRANSITIONS[current] else None
