@@ -15,7 +15,7 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry
 from nodeagent import agent as agent_mod
 from nodeagent import tinymodel
 from nodeagent.settings import AgentSettings
+from tests.helpers import wait_for
 from warmpool import connect, protocol
 from warmpool.embedded import NatsServer
 from warmpool.protocol import SlotRecord
@@ -58,14 +59,6 @@ def model_dir_fixture(tiny_source: Path, tmp_path: Path) -> Path:
     out = tmp_path / MODEL
     shutil.copytree(tiny_source, out)
     return out
-
-
-async def wait_for(pred: Callable[[], bool], timeout_s: float = 15.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 def state(store: KvSlotStore, key: str) -> SlotRecord | None:

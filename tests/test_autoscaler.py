@@ -24,6 +24,7 @@ from autoscaler.controller import ControllerSettings
 from autoscaler.leader import LeaseSettings
 from autoscaler.metrics import AutoscalerMetrics
 from tests.agent_double import AgentDouble
+from tests.helpers import wait_for
 from warmpool import connect, protocol
 from warmpool.embedded import NatsServer, free_port
 from warmpool.protocol import QueueSample, ScaledObjectSpec, ScalerRecord
@@ -103,18 +104,6 @@ async def collect_events(nc: Client, model: str) -> list[protocol.Event]:
 
 async def held(store: KvSlotStore, model: str, states: tuple[str, ...] = ("ready",)) -> list[protocol.SlotRecord]:
     return [r for r in store.records(model) if r.state in states]
-
-
-async def wait_for(cond, timeout: float) -> float:  # type: ignore[no-untyped-def]
-    t0 = time.monotonic()
-    while True:
-        result = cond()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return time.monotonic() - t0
-        assert time.monotonic() - t0 < timeout, "timed out"
-        await asyncio.sleep(0.01)
 
 
 @contextlib.asynccontextmanager

@@ -16,6 +16,7 @@ from nats.aio.client import Client
 
 from autoscaler.commands import CommandService, CommandSettings
 from autoscaler.policy import Override
+from tests.helpers import ShiftedClock
 from warmpool import protocol
 from warmpool.protocol import AuditRecord, ScaledObjectSpec
 from warmpool.registry import KvSlotStore
@@ -84,29 +85,19 @@ class ControlPlaneDouble:
         return rows
 
 
-class Clock:
-    """Wall time plus a shift the test controls (requests carry real `expires_at`)."""
-
-    def __init__(self) -> None:
-        self.shift = 0.0
-
-    def __call__(self) -> float:
-        return time.time() + self.shift
-
-
 @pytest.fixture
 def control() -> ControlPlaneDouble:
     return ControlPlaneDouble({"qwen": make_spec("qwen", 1, 8), "llama": make_spec("llama", 0, 4)})
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
+def clock() -> ShiftedClock:
+    return ShiftedClock()
 
 
 @pytest.fixture
 async def service(
-    nc: Client, store: KvSlotStore, control: ControlPlaneDouble, clock: Clock
+    nc: Client, store: KvSlotStore, control: ControlPlaneDouble, clock: ShiftedClock
 ) -> AsyncIterator[CommandService]:
     await seed_pool(store, "qwen", nodes=2, slots_per_node=2)
     svc = CommandService(nc, control, store, clock=clock)
@@ -143,7 +134,7 @@ async def audit_records(nc: Client) -> list[AuditRecord]:
 
 
 async def test_scale_installs_a_timed_override(
-    nc: Client, service: CommandService, control: ControlPlaneDouble, clock: Clock
+    nc: Client, service: CommandService, control: ControlPlaneDouble, clock: ShiftedClock
 ) -> None:
     clock.shift = 100.0  # the service's clock decides expiry: the request must be valid by it
     before = clock()

@@ -8,12 +8,13 @@ what it names. Defaults: targetQueueDepth 4, panic at 2x, windows 60 s / 6 s, st
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
 from autoscaler.policy import Decision, Observation, Override, PolicyState, decide, initial_state
+from tests.helpers import HandClock
 from warmpool.protocol import Advanced, Fallback, ScaledObjectSpec, ScaleTargetRef, Trigger, TriggerMetadata
 
 T0 = 1_700_000_000.0
@@ -58,23 +59,10 @@ class Row:
     lead_s: float | None = None
 
 
-@dataclass
-class Clock:
-    """Seconds since T0 kept in tenths of a millisecond, so a thousand 0.1 s steps land exactly on 100.0 s."""
-
-    ticks: int = 0
-    now: float = field(default=T0)
-
-    def advance(self, dt: float) -> float:
-        self.ticks += round(dt * 10_000)
-        self.now = T0 + self.ticks / 10_000
-        return self.now
-
-
 def run(
     spec: ScaledObjectSpec, rows: list[Row], *, current: int = 1, state: PolicyState | None = None
 ) -> tuple[Decision, PolicyState]:
-    clock = Clock()
+    clock = HandClock(T0)
     state = state or initial_state(spec, now=T0, current_replicas=current)
     decision: Decision | None = None
     for i, row in enumerate(rows):
