@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections import Counter
@@ -11,6 +12,7 @@ import nats.errors
 import pytest
 from nats.aio.client import Client
 
+from tests.helpers import ShiftedClock, wait_for
 from warmpool import connect, protocol
 from warmpool.embedded import NatsServer
 from warmpool.errors import (
@@ -21,7 +23,8 @@ from warmpool.errors import (
     StaleToken,
 )
 from warmpool.protocol import AgentLease, SlotRecord
-from warmpool.registry import Changed, Claim, KvSlotStore, Removed, Snapshot
+from warmpool.registry import BucketView, Changed, Claim, KvSlotStore, Removed, Snapshot, ensure_buckets
+from warmpool.rejects import Rejections
 from warmpool.seed import seed_pool
 
 
@@ -341,3 +344,79 @@ async def test_an_undecodable_update_withdraws_the_slot(nc: Client, store: KvSlo
     with pytest.raises(NoSlotAvailable):
         await store.claim("m")
     assert store.rejected.counts["bad_version"] >= 1
+
+
+async def test_lease_is_judged_only_on_a_current_view(nats_server: NatsServer) -> None:
+    """After an outage longer than a lease every heartbeat in the view is old: a lease is called lapsed only once
+    the view was re-listed and its agent had one heartbeat interval since to renew (issue 7: healthy serving
+    slots were replaced after an 8 s outage)."""
+    clock = ShiftedClock()
+    c = await connect.connect(connect.NatsOptions(servers=(nats_server.url,), name="judge"))
+    s = await KvSlotStore.open(c, clock=clock)
+    await s.start()
+    try:
+        await s.heartbeat(AgentLease(node="n1", heartbeat_at=clock(), lease_s=1.0, heartbeat_every_s=0.5))
+        assert not s.lease_lapsed("n1", clock())
+        assert s.lease_lapsed("gone", clock())  # no lease at all in a current view: withdrawn or never there
+        await asyncio.to_thread(nats_server.kill)
+        await wait_for(lambda: not c.is_connected, 5, "the client to notice the outage")
+        clock.shift = 10.0  # the outage lasts ten leases
+        assert not s.agents.current()
+        assert not s.lease_lapsed("n1", clock()), "judged on a view that is not current"
+        await asyncio.to_thread(nats_server.start)
+        await wait_for(lambda: s.agents.current(), 10, "the agents view to re-list")
+        # Re-listed, but the agent had no time to renew yet: its old heartbeat proves nothing.
+        assert not s.lease_lapsed("n1", clock())
+        clock.shift += 0.6  # one heartbeat interval later, still no renewal: now it has lapsed
+        assert s.lease_lapsed("n1", clock())
+        await s.heartbeat(AgentLease(node="n1", heartbeat_at=clock(), lease_s=1.0, heartbeat_every_s=0.5))
+        assert not s.lease_lapsed("n1", clock())
+    finally:
+        await s.close()
+        await c.close()
+
+
+async def test_release_of_a_slot_whose_agent_is_gone_does_not_offer_it(store: KvSlotStore) -> None:
+    """`warm` would advertise a slot nobody serves from: a release under a lapsed lease writes `failed`."""
+    await seed_pool(store, "m", nodes=2, slots_per_node=1)
+    alive, dead = await store.claim_slot("m.node-0.s0"), await store.claim_slot("m.node-1.s0")
+    await store.withdraw("node-1")
+    await wait_for(lambda: store.lease("node-1") is None, 5, "the withdrawal to reach the view")
+    await store.release(alive, reason="scale down")
+    await store.release(dead, reason="scale down")
+    back, _ = await store.get(alive.key)
+    assert back.state == "warm" and back.claim_id is None
+    failed, _ = await store.get(dead.key)
+    assert failed.state == "failed" and failed.claim_id is None
+    assert failed.reason is not None and "lease lapsed" in failed.reason and "scale down" in failed.reason
+
+
+async def test_a_bucket_view_can_keep_the_last_good_record(nc: Client) -> None:
+    """The autoscaler follows ScaledObjects with `keep_bad=True`: a bad edit is counted and the last good spec
+    stands; slots use the default, where an unreadable record is absent."""
+    kv = (await ensure_buckets(nc.jetstream()))[protocol.AGENTS_BUCKET]
+    good = AgentLease(node="n1", heartbeat_at=1.0, lease_s=2.0)
+    await kv.put("n1", protocol.encode(good))
+    rejected = Rejections(logging.getLogger("test"))
+    keeping = BucketView(nc, kv, AgentLease, rejected, keep_bad=True)
+    dropping = BucketView(nc, kv, AgentLease, rejected)
+    tasks = [asyncio.create_task(v.run()) for v in (keeping, dropping)]
+    try:
+        await wait_for(lambda: keeping.ready.is_set() and dropping.ready.is_set(), 5, "both snapshots")
+        events = keeping.changes()
+        first = await asyncio.wait_for(anext(events), 5)
+        assert isinstance(first, Snapshot) and first.records == {"n1": good}
+        await kv.put("n1", b'{"v":1,"node":"n1"}')  # no heartbeat_at, no lease_s
+        await wait_for(lambda: rejected.total() >= 2, 5, "both views to count the bad record")
+        assert keeping.value("n1") == good
+        assert dropping.value("n1") is None
+        newer = AgentLease(node="n1", heartbeat_at=2.0, lease_s=2.0)
+        await kv.put("n1", protocol.encode(newer))
+        changed = await asyncio.wait_for(anext(events), 5)
+        assert isinstance(changed, Changed) and changed.record == newer
+        await events.aclose()
+    finally:
+        keeping.closed = dropping.closed = True
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
