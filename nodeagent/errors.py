@@ -5,7 +5,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from warmpool.errors import PulsescaleError
+
+if TYPE_CHECKING:  # the engine process imports this module: no wire contract at run time
+    from warmpool.protocol import ErrorCode
 
 __all__ = [
     "ActivationRefused",
@@ -14,6 +19,7 @@ __all__ = [
     "EngineFailed",
     "LoaderUnavailable",
     "StagingFailed",
+    "describe",
 ]
 
 
@@ -49,18 +55,23 @@ class LoaderUnavailable(PulsescaleError):
 class EngineFailed(PulsescaleError):
     """The engine did not come up: it crashed, reported an error, or missed the deadline. `stage` says where."""
 
-    code = "engine_failed"
-
-    def __init__(self, stage: str, reason: str, *, code: str = "engine_failed") -> None:
+    def __init__(self, stage: str, reason: str, *, code: ErrorCode = "engine_failed") -> None:
         self.stage = stage
         self.reason = reason
-        self.code = code
+        self.code: ErrorCode = code
         super().__init__(f"{stage}: {reason}")
 
 
 class ActivationRefused(PulsescaleError):
     """An activate/deactivate request the agent will not apply; `code` is the reply's error code."""
 
-    def __init__(self, code: str, message: str) -> None:
-        self.code = code
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        self.code: ErrorCode = code
         super().__init__(message)
+
+
+def describe(err: BaseException) -> str:
+    """An error for a reason field: our named errors say it all; anything else also says what it is."""
+    if isinstance(err, (PulsescaleError, ValueError)):
+        return str(err)
+    return f"{type(err).__name__}: {err}"

@@ -36,7 +36,7 @@ class AgentMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         self.activation_seconds = Histogram(
-            "pulsescale_activation_seconds",
+            "pulsescale_agent_activation_seconds",
             "Time an activation spent per stage (token, load, engine, readiness, total), successful activations",
             ["stage"],
             buckets=ACTIVATION_BUCKETS_S,
@@ -54,6 +54,12 @@ class AgentMetrics:
         self.rejected = Counter(
             "pulsescale_agent_rejected_messages_total",
             "Agent requests rejected for breaking wire contract v1, by reason",
+            ["reason"],
+            registry=registry,
+        )
+        self.registry_rejected = Counter(
+            "pulsescale_registry_rejected_records_total",
+            "Registry records (pulse_slots, pulse_agents) that break wire contract v1, skipped, by reason",
             ["reason"],
             registry=registry,
         )

@@ -140,5 +140,3 @@ def make_tiny(
     sums[CONFIG_FILE] = hashlib.sha256(raw).hexdigest()
     write_manifest(out, sums)
     return cfg
-
-

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from nats.aio.client import Client
 from prometheus_client import CollectorRegistry
@@ -128,6 +129,16 @@ async def deactivate(nc: Client, claim: Claim, **extra: Any) -> protocol.Reply:
     return await request(nc, "deactivate", slot=claim.slot, token=claim.token, claim_id=claim.claim_id, **extra)
 
 
+async def completion(endpoint: str, prompt: str = "hello", max_tokens: int = 4) -> dict[str, object]:
+    """One real completion from a slot's engine; fails the test unless it answers 200."""
+    async with aiohttp.ClientSession() as s:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens}
+        async with s.post(f"{endpoint}/v1/completions", json=body) as r:
+            assert r.status == 200
+            out: dict[str, object] = await r.json()
+            return out
+
+
 def key(slot: str) -> str:
     return protocol.slot_key(MODEL, NODE, slot)
 
@@ -149,6 +160,7 @@ __all__ = [
     "NatsServer",
     "activate",
     "alive",
+    "completion",
     "deactivate",
     "key",
     "model_dir_fixture",

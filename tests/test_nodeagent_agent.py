@@ -14,11 +14,13 @@ import aiohttp
 from nats.aio.client import Client
 
 from nodeagent import modelformat, tinymodel
+from tests.helpers import ShiftedClock
 from tests.nodeagent_helpers import (  # noqa: F401
     MODEL,
     NODE,
     activate,
     alive,
+    completion,
     deactivate,
     key,
     model_dir_fixture,
@@ -48,15 +50,6 @@ def digests(directory: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
 
 
-async def completion(endpoint: str, prompt: str = "hello", max_tokens: int = 4) -> dict[str, object]:
-    async with aiohttp.ClientSession() as s:
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens}
-        async with s.post(f"{endpoint}/v1/completions", json=body) as r:
-            assert r.status == 200
-            out: dict[str, object] = await r.json()
-            return out
-
-
 async def test_activate_ready_deactivate_warm_and_again_without_restaging(
     nats_server: NatsServer, nc: Client, store: KvSlotStore, model_dir: Path, shm_dir: Path
 ) -> None:
@@ -68,6 +61,7 @@ async def test_activate_ready_deactivate_warm_and_again_without_restaging(
         await wait_for(lambda: store.lease(NODE) is not None, 5, "the lease")
         lease = store.lease(NODE)
         assert lease is not None and lease.slots == ["s0", "s1"] and lease.shm_free_bytes > 0
+        assert lease.heartbeat_every_s == cfg.heartbeat_interval_s  # readers judge leases after an outage by it
         staged_at = agent.staged.staged_at if agent.staged else None
         zygote = agent.slots["s0"].engine.zygote_pid if agent.slots["s0"].engine else None
         staged_files = digests(shm_dir / MODEL)
@@ -103,7 +97,7 @@ async def test_activate_ready_deactivate_warm_and_again_without_restaging(
         assert agent.staged is not None and agent.staged.staged_at == staged_at
         assert agent.slots["s0"].engine is not None and agent.slots["s0"].engine.zygote_pid == zygote
         assert digests(shm_dir / MODEL) == staged_files
-        assert registry.get_sample_value("pulsescale_activation_seconds_count", {"stage": "total"}) == 2
+        assert registry.get_sample_value("pulsescale_agent_activation_seconds_count", {"stage": "total"}) == 2
         assert registry.get_sample_value("pulsescale_agent_activations_total", {"outcome": "ready"}) == 2
         assert registry.get_sample_value("pulsescale_agent_slots", {"state": "warm"}) == 2
         locked = registry.get_sample_value("pulsescale_agent_weights_locked_bytes")
@@ -416,3 +410,29 @@ async def test_a_stuck_slot_answers_activations_by_their_deadline_and_cleans_up_
         await wait_for(lambda: slot.busy is None and slot.phase == "warm", 10, "the clean-up to finish")
         claim = await store.claim_slot(key("s0"))
         assert (await activate(nc, claim)).ok
+
+
+async def test_an_idle_slot_released_while_the_agent_seemed_dead_comes_back_warm(
+    nats_server: NatsServer, nc: Client, store: KvSlotStore, model_dir: Path, shm_dir: Path
+) -> None:
+    """A claimer whose view says the agent's lease lapsed gives the slot back as `failed` (not claimable); the
+    agent, alive after all, sees its idle, armed slot failed with no claim and writes it `warm` again."""
+    cfg = settings(model_dir, shm_dir, nats_server.url)
+    async with running_agent(cfg) as (agent, _):
+        await wait_state(store, key("s0"), "warm")
+        claim = await store.claim_slot(key("s0"))
+        clock = ShiftedClock()
+        async with await KvSlotStore.open(nc, clock=clock) as late:
+            clock.shift = cfg.lease_s * 3  # this claimer's clock: the agent has not renewed for three leases
+            assert late.lease_lapsed(NODE, clock())
+            await late.release(claim, reason="scaled down")
+            released = late.record(key("s0"))
+            assert released is not None and released.state == "failed" and released.claim_id is None
+            assert released.reason is not None and "lease lapsed" in released.reason
+        rec = await wait_state(store, key("s0"), "warm")
+        assert rec.claim_id is None and rec.reason is None and rec.weights_resident
+        assert agent.slots["s0"].phase == "warm"
+        claim = await store.claim_slot(key("s0"))
+        reply = await activate(nc, claim)
+        assert reply.ok, reply.error
+        await completion(reply.fields["endpoint"])

@@ -1,21 +1,22 @@
-"""Engine adapters, as the agent drives them: one `Engine` per slot.
+"""The code that runs inside the engine process, and what the agent learns from it.
 
-An adapter arms a standby engine while the slot is warm (off the activation path), starts it serving on
-activation and stops it on deactivation, keeping the standby armed. `local` is a pre-forked numpy model
-(`forked.ForkedEngine` driving a `zygote`); part 2 adds `command` (any server command plus a readiness URL) and
-`vllm` (a standby engine in sleep mode: activation wakes it) behind the same protocol. Readiness (``GET /health``
-and one real completion) is checked by the agent for every adapter alike (`readiness`).
+The agent arms a zygote per slot while the slot is warm (off the activation path), starts an engine from it on
+activation and stops it on deactivation, keeping the zygote armed (`nodeagent.forked` is the agent's side).
+Modules: `zygote` (the pre-forked process), `local` (a numpy model behind an OpenAI-shaped HTTP server),
+`loaders` (weights into engine memory), `safetensors_check` (pure header validation). An import contract keeps
+NATS, aiohttp, prometheus_client and the registry out of this package. Readiness (``GET /health`` and one real
+completion) is checked by the agent for every engine alike (`nodeagent.readiness`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Final
 
-__all__ = ["ENGINES", "Engine", "EngineInfo", "Started"]
+__all__ = ["ENGINES", "EngineInfo", "Started"]
 
 ENGINES: Final = ("local", "command", "vllm")
+"""Engine adapters a node can be asked for; only `local` is built in this version (the CLI says so)."""
 
 
 @dataclass(frozen=True)
@@ -37,29 +38,3 @@ class EngineInfo:
     name: str
     device: str
     """Where the engine computes (``cpu`` for local): the loader choice depends on it."""
-
-
-class Engine(Protocol):
-    info: EngineInfo
-
-    @property
-    def armed(self) -> bool: ...
-
-    @property
-    def serving(self) -> Started | None: ...
-
-    async def arm(self) -> None:
-        """Bring the standby up (idempotent); raises `EngineFailed` when it cannot."""
-        ...
-
-    async def start(self, *, timeout_s: float) -> Started:
-        """Load the staged weights and listen; raises `EngineFailed` (its `stage` says where)."""
-        ...
-
-    async def stop(self) -> None:
-        """Stop serving and free the engine's memory; the standby stays armed."""
-        ...
-
-    async def close(self) -> None: ...
-
-    def status(self) -> Mapping[str, Any]: ...

@@ -1,0 +1,218 @@
+"""Prewarm: bring slots to `warm` and keep them there.
+
+A prewarm stages (or re-verifies) the model's weights in shm (`staging.stage`, all or nothing: a failed re-stage
+keeps the complete previous set), maps and locks them (`staging.lock`), arms each slot's zygote for them, and
+writes the slots `warm`. It runs at start-up and on the ``prewarm`` verb, one at a time; a slot that serves is
+skipped (it is re-armed for the new weights when it is given back).
+
+Keeping slots warm: an engine or zygote that dies on its own fails the claim it served and is re-armed, bounded by
+the slot's failures in a row (`recover`); a slot record deleted under the agent is written again (`restore`);
+an idle slot the registry failed while this agent's lease had lapsed is written `warm` again (`revive`). Every
+write goes through `SlotKeeper.set_state`, so a slot held by a claim is never taken from its holder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from nodeagent import modelformat, staging
+from nodeagent.engine import local as local_engine
+from nodeagent.errors import ActivationRefused, describe
+from nodeagent.slot import REGISTRY_ERRORS, Slot, SlotKeeper
+from warmpool import protocol
+from warmpool.errors import InvalidTransition, StaleToken
+from warmpool.protocol import PrewarmReply, SlotRecord, SlotState
+
+__all__ = ["Prewarmer"]
+
+log = logging.getLogger("pulsescale.agent")
+
+
+class Prewarmer:
+    """The ``prewarm`` verb and the start-up prewarm; recovers, restores and revives slots (it is the keeper's
+    `on_engine_exit`)."""
+
+    def __init__(self, keeper: SlotKeeper) -> None:
+        self.keeper = keeper
+        self.locked: staging.LockedWeights | None = None
+        """The staged weights' mappings, locked in memory where the limit allows."""
+        self._running: asyncio.Task[None] | None = None
+        keeper.on_engine_exit = self._engine_exited
+
+    async def register_all(self) -> None:
+        """Write every slot `prewarming` (start-up): visible at once, claimable only once `warm`."""
+        k, s = self.keeper, self.keeper.settings
+        now = time.time()
+        for slot in k.slots.values():
+            rec = SlotRecord(
+                model=s.model_name, node=s.node, slot=slot.name, state="prewarming", rack=s.rack, updated_at=now
+            )
+            await k.store.register(rec)
+        k.refresh_gauges()
+
+    def start(self, names: list[str]) -> None:
+        self._running = self.keeper.spawn(self.prewarm(names), name="prewarm")
+
+    @property
+    def running(self) -> bool:
+        return self._running is not None and not self._running.done()
+
+    async def on_prewarm(self, req: protocol.PrewarmRequest, t_recv: float) -> PrewarmReply:
+        k = self.keeper
+        names = [req.slot] if req.slot else list(k.slots)
+        try:
+            busy = [n for n in names if k.slot(n).active is not None]
+        except ActivationRefused as err:
+            return protocol.refusal(PrewarmReply, err.code, str(err))
+        names = [n for n in names if n not in busy]
+        if self.running:
+            return protocol.refusal(
+                PrewarmReply, "busy", "a prewarm is already running; watch the registry for its result"
+            )
+        if names:
+            for n in names:
+                k.slots[n].failures = 0
+            self.start(names)
+        return PrewarmReply(accepted=names, skipped_serving=busy, state="prewarming")
+
+    async def prewarm(self, names: list[str]) -> None:
+        """Stage (or re-verify) the weights, lock them, arm the named slots' zygotes, then mark them `warm`."""
+        k, s = self.keeper, self.keeper.settings
+        targets = [k.slots[n] for n in names if k.slots[n].active is None]
+        for slot in targets:
+            slot.phase = "prewarming"
+            await k.set_state(slot, "prewarming", reason=None, weights_resident=False)
+        t0 = time.perf_counter()
+        try:
+            # All or nothing: on failure the staged files, `staged` and the zygotes' specs stay on the complete
+            # previous set.
+            staged = await asyncio.to_thread(
+                staging.stage,
+                s.model_dir,
+                s.shm_dir,
+                s.model_name,
+                threads=s.stage_threads,
+                check=_check_model,
+            )
+        except Exception as err:  # noqa: BLE001 - whatever it is, the slots must not stay `prewarming`
+            await self._staging_failed(targets, f"staging failed: {describe(err)}")
+            return
+        k.staged = staged  # what the staged files on disk now are
+        try:
+            # Re-uses the mappings of unchanged files and unlocks the rest before locking anything new, so the
+            # weights never count twice against RLIMIT_MEMLOCK.
+            locked = await asyncio.to_thread(
+                staging.lock, [f.path for f in staged.weights], want_lock=s.lock_weights, previous=self.locked
+            )
+        except Exception as err:  # noqa: BLE001
+            self.locked = None
+            await self._staging_failed(targets, f"cannot map the staged weights: {describe(err)}")
+            return
+        self.locked = locked
+        k.staging_error = None
+        took = time.perf_counter() - t0
+        m = k.metrics
+        m.staging_seconds.set(took)
+        m.staged_bytes.set(staged.weights_bytes)
+        m.locked_bytes.set(locked.locked_bytes)
+        m.lock_refused.set(1 if locked.error else 0)
+        log.info(
+            "staged %s: %d file(s), %.1f MiB (%.1f MiB copied) in %.2f s; %s",
+            s.model_name,
+            len(staged.files),
+            staged.nbytes / 2**20,
+            staged.copied_bytes / 2**20,
+            took,
+            f"locked {locked.locked_bytes / 2**20:.1f} MiB" if locked.error is None else locked.error,
+        )
+        await asyncio.gather(*(self.arm(slot, staged) for slot in targets))
+
+    async def _staging_failed(self, targets: list[Slot], reason: str) -> None:
+        self.keeper.staging_error = reason
+        log.error("%s", reason)
+        for slot in targets:
+            await self.keeper.fail(slot, reason)
+
+    async def arm(self, slot: Slot, staged: staging.Staged) -> None:
+        k = self.keeper
+        async with slot.held("arming its engine"):
+            if slot.active is not None:
+                return
+            err = await k.ensure_armed(slot, staged)
+            if err is not None:
+                await k.fail(slot, f"cannot arm the engine: {err}")
+                return
+            slot.phase, slot.reason, slot.failures = "warm", None, 0
+            await k.set_state(slot, "warm", reason=None, weights_resident=True, claim_id=None, token=None)
+
+    def release(self) -> None:
+        """Unlock and unmap the staged weights (shutdown); the staged files stay for the next start."""
+        if self.locked is not None:
+            self.locked.release()
+            self.locked = None
+
+    # --- keeping slots warm --------------------------------------------------------------------------------------
+
+    def _engine_exited(self, slot: Slot, reason: str) -> None:
+        self.keeper.spawn(self.recover(slot, reason), name=f"recover-{slot.name}")
+
+    async def recover(self, slot: Slot, reason: str) -> None:
+        """An engine or zygote died on its own: fail the claim it served, then re-arm (bounded by the failure
+        count) so the slot comes back `warm` if nothing is broken."""
+        k = self.keeper
+        async with slot.held(f"re-arming after: {reason}"):
+            active, slot.active = slot.active, None
+            if active is not None:
+                slot.failures += 1
+                slot.phase, slot.reason = "failed", f"engine died while serving: {reason}"
+                with contextlib.suppress(StaleToken, InvalidTransition, *REGISTRY_ERRORS):
+                    await k.store.advance(active.claim, "failed", reason=slot.reason, claim_id=None, endpoint=None)
+                k.refresh_gauges()
+            elif slot.phase == "warm":
+                slot.phase = "prewarming"
+                await k.set_state(slot, "prewarming", reason=f"re-arming: {reason}")
+            else:
+                return  # failed or prewarming: a prewarm owns the slot now
+        if slot.failures >= k.settings.max_consecutive_failures:
+            await k.fail(slot, f"{slot.failures} failures in a row, last: {reason}; send prewarm to retry")
+            return
+        if k.staged is not None:
+            await self.arm(slot, k.staged)
+
+    async def restore(self, slot: Slot) -> None:
+        """The slot's record was deleted under us: write it again as what the slot is."""
+        k = self.keeper
+        if k.stopping or k.record(slot) is not None:
+            return
+        state: SlotState = "prewarming" if slot.phase == "prewarming" else "warm" if slot.phase == "warm" else "failed"
+        log.warning("slot %s vanished from the registry; writing it again as %s", slot.key, state)
+        async with slot.held("restoring its record"):
+            if slot.active is not None:
+                await k.stop_engine(slot, "its record was deleted")
+                await k.rearm(slot)
+                state = "warm" if slot.phase == "warm" else state
+            with contextlib.suppress(*REGISTRY_ERRORS):
+                await k.store.register(
+                    k.fresh_record(slot, state, weights_resident=k.staged is not None, reason=slot.reason)
+                )
+
+    async def revive(self, slot: Slot) -> None:
+        """An idle, armed slot that the registry shows `failed` with no claim: a claim was given back while this
+        agent's lease had lapsed (the registry cannot tell a dead agent from a slow one). Alive again, the agent
+        writes it `warm`."""
+        k = self.keeper
+        async with slot.held("writing it warm again"):
+            rec = k.store.record(slot.key)
+            if k.stopping or not slot.idle or rec is None or rec.state != "failed" or rec.claim_id is not None:
+                return
+            log.info("slot %s: failed while this agent was away (%s); warm again", slot.key, rec.reason)
+            await k.set_state(slot, "warm", reason=None, weights_resident=True, claim_id=None, token=None)
+
+
+def _check_model(pending: staging.Staged) -> None:
+    """Vets a new staged set before it replaces the old one: the engine's config against the tensors."""
+    cfg = local_engine.read_config_file(pending.path_of(modelformat.CONFIG_FILE))
+    local_engine.check_model(cfg, pending.shapes())

@@ -1,0 +1,331 @@
+"""A slot as the agent keeps it, and what every part of the agent does to one.
+
+`Slot` is one engine slot of this node: its local phase (`SlotPhase`), the lock that serialises its requests, the
+zygote that keeps its engine armed (`forked.ForkedEngine`), and, while it serves, the claim it serves under
+(`Active`). The local phase is the agent's own readiness; the slot's state in the registry is the shared truth,
+moved by compare-and-set.
+
+`SlotKeeper` holds the node's slots and the weights they are armed for, and does what activation and prewarm
+both do to a slot: write its record as its agent (`set_state`, `fail`, `give_back`), arm its zygote for the staged
+weights (`ensure_armed`, `rearm`), stop its engine (`stop_engine`), and run background work on it (`spawn`,
+cancelled at shutdown). Which state the agent may move a slot to is the pure `warmpool.slots.agent_target`; the
+compare-and-set itself is `warmpool.registry`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+import nats.errors
+
+from nodeagent import staging
+from nodeagent.engine import Started
+from nodeagent.errors import ActivationRefused, EngineFailed
+from nodeagent.forked import ForkedEngine
+from nodeagent.metrics import AgentMetrics
+from nodeagent.settings import AgentSettings
+from warmpool import protocol, slots
+from warmpool.errors import ClaimConflict, InvalidTransition, SlotNotFound, StaleToken
+from warmpool.protocol import AgentSlotStatus, SlotRecord, SlotState, StageTimings
+from warmpool.registry import Claim, KvSlotStore
+
+__all__ = ["REGISTRY_ERRORS", "Active", "Slot", "SlotKeeper", "SlotPhase"]
+
+log = logging.getLogger("pulsescale.agent")
+
+REGISTRY_ERRORS = (nats.errors.Error, TimeoutError, OSError, ClaimConflict)
+"""What a registry call raises when the broker is away or contended: logged and retried, never fatal."""
+
+SlotPhase = Literal["prewarming", "warm", "active", "failed"]
+"""A slot's local readiness: ``prewarming`` (staging or arming), ``warm`` (weights staged, zygote armed),
+``active`` (an engine serves or is starting under a claim), ``failed`` (`Slot.reason` says why)."""
+
+
+@dataclass
+class Active:
+    """The engine a slot serves with, and the claim it serves under."""
+
+    claim: Claim
+    started: Started
+    timings: StageTimings
+
+    @property
+    def token(self) -> int:
+        return self.claim.token
+
+    @property
+    def claim_id(self) -> str:
+        return self.claim.claim_id
+
+
+class Slot:
+    """One engine slot of this node, as its agent keeps it (the registry holds its shared state)."""
+
+    def __init__(self, name: str, key: str, port: int) -> None:
+        self.name = name
+        self.key = key
+        self.port = port
+        """The engine's port; 0: any free port (reported in its endpoint)."""
+        self.lock = asyncio.Lock()
+        self.phase: SlotPhase = "prewarming"
+        self.reason: str | None = None
+        self.highest_token = 0
+        """The highest fencing token the registry has verified for this slot: anything lower is refused unread."""
+        self.active: Active | None = None
+        self.failures = 0
+        """Failures in a row (activations, engine deaths): at `max_consecutive_failures` the slot is quarantined."""
+        self.activations = 0
+        self.last_timings: StageTimings | None = None
+        self.engine: ForkedEngine | None = None
+        self.busy: str | None = None
+        """What holds the lock now (re-arming, deactivating...): named when an activation cannot wait for it."""
+
+    @contextlib.asynccontextmanager
+    async def held(self, what: str) -> AsyncIterator[None]:
+        """The slot's lock, with `what` it is held for."""
+        async with self.lock:
+            self.busy = what
+            try:
+                yield
+            finally:
+                self.busy = None
+
+    async def lock_by(self, deadline: float, t_recv: float) -> None:
+        """Take the lock, waiting no longer than `deadline` (Unix s); say what held it if it was not free in time.
+        The caller releases it, or hands that to `unlock_after`."""
+        left_s = deadline - time.time()
+        try:
+            async with asyncio.timeout(max(0.0, left_s)):
+                await self.lock.acquire()  # a free lock is taken without waiting, even past the deadline
+        except TimeoutError:
+            waited_ms = (time.perf_counter() - t_recv) * 1e3
+            if left_s <= 0:
+                raise ActivationRefused(
+                    "deadline", f"request arrived {-left_s * 1e3:.0f} ms after its deadline (slot {self.key} busy)"
+                ) from None
+            raise ActivationRefused(
+                "deadline",
+                f"slot {self.key} busy ({self.busy or 'serving another request'}) until the deadline; "
+                f"waited {waited_ms:.0f} ms",
+            ) from None
+
+    async def unlock_after(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run `work` under the lock taken by `lock_by`, then release it."""
+        try:
+            await work
+        finally:
+            self.busy = None
+            self.lock.release()
+
+    @property
+    def idle(self) -> bool:
+        """Warm, armed and serving nobody: what the registry should say `warm` (or `draining`)."""
+        return self.phase == "warm" and self.active is None and self.engine is not None and self.engine.armed
+
+    def status(self, record: SlotRecord | None) -> AgentSlotStatus:
+        return AgentSlotStatus(
+            slot=self.name,
+            key=self.key,
+            phase=self.phase,
+            state=record.state if record else None,
+            reason=self.reason or (record.reason if record else None),
+            highest_token=self.highest_token,
+            claim_id=self.active.claim_id if self.active else None,
+            endpoint=self.active.started.endpoint if self.active else None,
+            activations=self.activations,
+            consecutive_failures=self.failures,
+            last_timings=self.last_timings,
+            engine=self.engine.status() if self.engine else None,
+        )
+
+
+class SlotKeeper:
+    """The node's slots, the weights they are armed for, and the agent-side moves of a slot."""
+
+    def __init__(self, settings: AgentSettings, store: KvSlotStore, metrics: AgentMetrics, loader: str) -> None:
+        s = settings
+        self.settings = settings
+        self.store = store
+        self.metrics = metrics
+        self.loader = loader
+        self.slots = {
+            name: Slot(name, protocol.slot_key(s.model_name, s.node, name), port=_port(s, i))
+            for i, name in enumerate(s.slot_names)
+        }
+        self.staged: staging.Staged | None = None
+        """The verified weights on disk now; zygotes are armed for them (`engine_spec`)."""
+        self.staging_error: str | None = None
+        self.stopping = False
+        self.on_engine_exit: Callable[[Slot, str], None] | None = None
+        """Called when a slot's engine or zygote dies on its own (prewarm recovers it)."""
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # --- reading ----------------------------------------------------------------------------------------------
+
+    def slot(self, name: str) -> Slot:
+        slot = self.slots.get(name)
+        if slot is None:
+            raise ActivationRefused(
+                "unknown_slot", f"node {self.settings.node} has no slot {name!r} (it has {', '.join(self.slots)})"
+            )
+        return slot
+
+    def by_key(self, key: str) -> Slot | None:
+        return next((x for x in self.slots.values() if x.key == key), None)
+
+    def record(self, slot: Slot) -> tuple[SlotRecord, int] | None:
+        """The slot's (record, revision) in the registry view."""
+        return self.store.entry(slot.key)
+
+    def refresh_gauges(self) -> None:
+        counts = dict.fromkeys(protocol.SLOT_STATES, 0)
+        for slot in self.slots.values():
+            hit = self.record(slot)
+            if hit is not None:
+                counts[hit[0].state] += 1
+        for state, n in counts.items():
+            self.metrics.slots.labels(state).set(n)
+
+    # --- background work --------------------------------------------------------------------------------------
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("task %s failed", task.get_name(), exc_info=task.exception())
+
+    async def cancel_tasks(self) -> None:
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # --- the slot's record --------------------------------------------------------------------------------------
+
+    async def set_state(self, slot: Slot, wanted: SlotState, **fields: Any) -> None:
+        """Agent-side transition to where `slots.agent_target` says `wanted` leads; a slot held by a claim is
+        left alone (its holder moves it on) unless it is failed."""
+        try:
+            rec, _ = await self.store.get(slot.key)
+        except SlotNotFound:
+            await self.store.register(self.fresh_record(slot, wanted, **fields))
+            return
+        except REGISTRY_ERRORS as err:
+            log.warning("slot %s: cannot write %s: %s", slot.key, wanted, err)
+            return
+        target = slots.agent_target(rec.state, wanted, drain=rec.drain)
+        if target is None:
+            return
+        # The compare-and-set re-reads on a lost race: accept any state from which `wanted` leads to the same move.
+        expect = [st for st in protocol.SLOT_STATES if slots.agent_target(st, wanted, drain=rec.drain) == target]
+        try:
+            await self.store.set_state(slot.key, target, expect=expect, **fields)
+        except InvalidTransition as err:
+            log.info("slot %s: not moved to %s: %s", slot.key, target, err)
+        except REGISTRY_ERRORS as err:
+            log.warning("slot %s: cannot write %s: %s", slot.key, target, err)
+        self.refresh_gauges()
+
+    def fresh_record(self, slot: Slot, state: SlotState, **fields: Any) -> SlotRecord:
+        s = self.settings
+        rec = SlotRecord(model=s.model_name, node=s.node, slot=slot.name, state="prewarming", rack=s.rack)
+        return msgspec.structs.replace(rec, state=state, updated_at=time.time(), **fields)
+
+    async def fail(self, slot: Slot, reason: str) -> None:
+        slot.phase, slot.reason = "failed", reason
+        await self.set_state(slot, "failed", reason=reason[:4000], claim_id=None, endpoint=None)
+
+    async def give_back(self, slot: Slot, claim: Claim, reason: str | None) -> None:
+        """Release a claim as its holder: `warm` (or `draining`); a claim already released elsewhere is fine."""
+        try:
+            await self.store.release(claim, reason=reason)
+        except (StaleToken, InvalidTransition) as err:
+            log.info("slot %s: claim %s already released: %s", slot.key, claim.claim_id, err)
+        except REGISTRY_ERRORS as err:
+            log.warning("slot %s: cannot release claim %s: %s", slot.key, claim.claim_id, err)
+        self.refresh_gauges()
+
+    # --- the slot's engine ----------------------------------------------------------------------------------------
+
+    def engine_spec(self, slot: Slot, staged: staging.Staged) -> dict[str, Any]:
+        s = self.settings
+        return {
+            "engine": s.engine,
+            "loader": self.loader,
+            "model_dir": str(staged.dir),
+            "files": [str(f.path) for f in staged.weights],
+            "model_name": s.model_name,
+            "host": s.engine_host,
+            "private": s.engine_memory == "private",
+            "fault": s.faults.get(slot.name),
+            "slot": slot.name,
+            "version": staged.version,  # a zygote armed for another version is re-armed before it serves
+        }
+
+    async def ensure_armed(self, slot: Slot, staged: staging.Staged) -> str | None:
+        """With the slot's lock held: a zygote armed for `staged` (re-made if its spec changed); the reason if
+        it cannot arm."""
+        spec = self.engine_spec(slot, staged)
+        if slot.engine is None or slot.engine.spec != {**spec}:
+            if slot.engine is not None:
+                await slot.engine.close()
+            slot.engine = ForkedEngine(
+                spec,
+                name=slot.name,
+                advertise_host=self.settings.endpoint_host,
+                port=slot.port,
+                on_exit=lambda reason: self._engine_exited(slot, reason),
+            )
+        try:
+            was_armed = slot.engine.armed
+            await slot.engine.arm()
+            if not was_armed:
+                self.metrics.zygote_arms.inc()
+        except EngineFailed as err:
+            return err.reason
+        except OSError as err:  # the interpreter could not even be started
+            return f"cannot start the zygote: {err.strerror or err}"
+        return None
+
+    def _engine_exited(self, slot: Slot, reason: str) -> None:
+        if not self.stopping:
+            self.metrics.engine_exits.inc()
+            if self.on_engine_exit is not None:
+                self.on_engine_exit(slot, reason)
+
+    async def stop_engine(self, slot: Slot, why: str) -> None:
+        active, slot.active = slot.active, None
+        if slot.engine is not None:
+            await slot.engine.stop()
+        if active is not None:
+            log.info("slot %s: engine %d stopped: %s", slot.key, active.started.pid, why)
+        if slot.phase == "active":
+            slot.phase = "warm"
+
+    async def rearm(self, slot: Slot) -> None:
+        """After an engine stops the zygote must be ready for the next activation (it normally still is), and
+        armed for the weights staged now (a re-stage while it served skipped it)."""
+        if slot.engine is not None and self.staged is not None:
+            err = await self.ensure_armed(slot, self.staged)
+            if err is not None:
+                await self.fail(slot, f"cannot re-arm the engine: {err}")
+                return
+        if slot.phase == "active":
+            slot.phase = "warm"
+
+
+def _port(settings: AgentSettings, index: int) -> int:
+    """Slot `index`'s engine port: `engine_port_base` + index, or 0 (any free port) without a base."""
+    return settings.engine_port_base + index if settings.engine_port_base else 0
