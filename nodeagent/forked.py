@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from nodeagent.engine import EngineInfo, Started
+from nodeagent.engine import Started
 from nodeagent.errors import EngineFailed
 
 __all__ = ["ForkedEngine"]
@@ -42,7 +42,6 @@ class ForkedEngine:
         port: int = 0,
         on_exit: Callable[[str], None] | None = None,
     ) -> None:
-        self.info = EngineInfo(name=spec["engine"], device="cpu")
         self.spec = dict(spec)
         self.name = name
         self.advertise_host = advertise_host
@@ -70,7 +69,7 @@ class ForkedEngine:
 
     def status(self) -> dict[str, Any]:
         return {
-            "engine": self.info.name,
+            "engine": self.spec["engine"],
             "armed": self.armed,
             "zygote_pid": self.zygote_pid,
             "arms": self.arms,

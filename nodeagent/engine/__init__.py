@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-__all__ = ["ENGINES", "EngineInfo", "Started"]
+__all__ = ["ENGINES", "Started"]
 
 ENGINES: Final = ("local", "command", "vllm")
 """Engine adapters a node can be asked for; only `local` is built in this version (the CLI says so)."""
@@ -31,10 +31,3 @@ class Started:
     """Everything else from the start command to listening: fork, model build, bind."""
     loaded_bytes: int
     mode: str
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    name: str
-    device: str
-    """Where the engine computes (``cpu`` for local): the loader choice depends on it."""

@@ -67,10 +67,6 @@ class LoadedWeights:
     load_s: float = 0.0
     _keep: list[Any] = field(default_factory=list, repr=False)
 
-    @property
-    def gb_per_s(self) -> float:
-        return self.nbytes / self.load_s / 1e9 if self.load_s > 0 else 0.0
-
     def release(self) -> None:
         """Drop the tensors and the mappings (the process exiting does the same, faster)."""
         self.tensors.clear()
