@@ -72,3 +72,91 @@ def test_long_gone_gateways_are_forgotten() -> None:
     d.add(s("a", 1, T0), T0)
     d.add(s("b", 1, T0 + 100), T0 + 100)
     assert d.forget_stale(T0 + 200, older_than_s=150) == 1 and set(d.gateways) == {"b"}
+
+
+def t(gw: str, seq: int, ts: float, *, arr: int = 0, comp: int = 0, tout: int = 0) -> QueueSample:
+    """A sample that sets all three counters (the timeouts too)."""
+    return QueueSample(
+        gateway=gw, model="m", seq=seq, ts=ts, queue_depth=1, inflight=0,
+        arrivals_total=arr, completions_total=comp, timeouts_total=tout,
+    )  # fmt: skip
+
+
+def test_the_next_sample_in_order_is_accepted() -> None:
+    # The controller decides only on "accepted" or "restart": anything else would leave a pulse undecided.
+    d = ModelDemand("m", stale_after_s=1.0)
+    assert d.model == "m"
+    assert d.add(s("a", 1, T0, arr=10), T0) == "accepted"
+    assert d.add(s("a", 2, T0 + 0.1, arr=20), T0 + 0.1) == "accepted"
+    assert d.add(s("a", 4, T0 + 0.3, arr=30), T0 + 0.3) == "accepted"  # a lost sample in between is no restart
+    assert d.gateways["a"].restarts == 0
+
+
+def test_unchanged_counters_are_a_rate_of_zero_not_a_restart() -> None:
+    # An idle gateway repeats its counters; that is no traffic, not a new run (which would drop the baseline).
+    d = ModelDemand("m", stale_after_s=1.0)
+    d.add(t("a", 1, T0, arr=50, comp=40, tout=2), T0)
+    assert d.add(t("a", 2, T0 + 0.5, arr=50, comp=40, tout=2), T0 + 0.5) == "accepted"
+    o = d.observe(T0 + 0.5)
+    assert o.arrival_rate == 0.0 and o.completion_rate == 0.0
+    assert d.gateways["a"].restarts == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "comp", "tout"),
+    [
+        ("completions went down", 3, 2),
+        ("timeouts went down", 40, 0),
+        ("both went down", 3, 0),
+    ],
+)
+def test_a_restart_seen_only_through_completions_or_timeouts(name: str, comp: int, tout: int) -> None:
+    # Arrivals grew (a busy new run overtook the old count), seq grew: only the other counters tell.
+    d = ModelDemand("m", stale_after_s=1.0)
+    d.add(t("a", 7, T0, arr=50, comp=40, tout=2), T0)
+    assert d.add(t("a", 8, T0 + 0.1, arr=60, comp=comp, tout=tout), T0 + 0.1) == "restart", name
+    assert d.observe(T0 + 0.1).arrival_rate is None, name  # no baseline in the new run: never a negative rate
+
+
+def test_two_samples_with_the_same_timestamp() -> None:
+    d = ModelDemand("m", stale_after_s=1.0)
+    d.add(s("a", 1, T0, q=2, arr=10, comp=10), T0)
+    d.add(s("a", 2, T0 + 0.1, q=2, arr=20, comp=10), T0 + 0.1)
+    # In order, same timestamp (two samples in one clock tick): accepted, its level used, no rate over 0 s
+    # (the rate from the last interval stands).
+    assert d.add(s("a", 3, T0 + 0.1, q=9, arr=25, comp=10), T0 + 0.15) == "accepted"
+    o = d.observe(T0 + 0.15)
+    assert o.demand == 9 and o.arrival_rate == pytest.approx(100)
+    # Reordered within that tick (lower seq, same timestamp): a late packet of this run, not a new run.
+    assert d.add(s("a", 2, T0 + 0.1, q=5, arr=20, comp=10), T0 + 0.16) == "out_of_order"
+    assert d.gateways["a"].restarts == 0 and d.observe(T0 + 0.16).demand == 9
+
+
+def test_a_repeated_seq_is_a_duplicate_whatever_it_carries() -> None:
+    # seq is a sample's identity: a second copy is dropped even with another timestamp or lower counters (a new
+    # run is recognised by its seq starting again, or by its next sample's counters).
+    d = ModelDemand("m", stale_after_s=1.0)
+    d.add(s("a", 5, T0, q=3, arr=100, comp=90), T0)
+    assert d.add(s("a", 5, T0 + 0.5, q=8, arr=0, comp=0), T0 + 0.5) == "duplicate"
+    assert d.gateways["a"].restarts == 0 and d.observe(T0 + 0.5).demand == 3
+
+
+def test_rates_and_newest_timestamp_over_fresh_gateways() -> None:
+    d = ModelDemand("m", stale_after_s=1.0)
+    d.add(s("a", 1, T0 + 0.2, arr=5, comp=5), T0 + 0.2)
+    o = d.observe(T0 + 0.2)
+    assert o.arrival_rate is None and o.completion_rate is None  # one sample each: no rate yet, not 0
+    assert o.newest_ts == T0 + 0.2
+    d.add(s("b", 1, T0 + 0.1, arr=5), T0 + 0.3)  # an older timestamp, received later (another clock)
+    assert d.observe(T0 + 0.3).newest_ts == T0 + 0.2
+
+
+def test_staleness_and_forgetting_boundaries() -> None:
+    # Stale is silent for *more* than staleAfterSeconds; a gateway right at the limit still counts.
+    d = ModelDemand("m", stale_after_s=1.0)
+    d.add(s("a", 1, T0, q=4), T0)
+    assert d.observe(T0 + 1.0).demand == 4
+    o = d.observe(T0 + 2.0)
+    assert o.demand is None and o.fresh_gateways == 0 and o.stale_gateways == 1
+    assert d.forget_stale(T0 + 10.0, older_than_s=10.0) == 0  # only *longer* than the limit is gone
+    assert d.forget_stale(T0 + 11.0, older_than_s=10.0) == 1

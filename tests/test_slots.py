@@ -24,6 +24,71 @@ def test_happy_path_is_allowed() -> None:
         slots.check_transition(a, b)  # type: ignore[arg-type]
 
 
+# Every change the lifecycle allows, and who makes it. A change to the table must change this spec too: the agent,
+# the registry and the controller all rely on both what is allowed and what is refused.
+ALLOWED: dict[tuple[str, str], str] = {
+    ("prewarming", "prewarming"): "agent: staging progress (a field update)",
+    ("prewarming", "warm"): "agent: staged and armed, now offered",
+    ("prewarming", "failed"): "agent: staging failed (bad weights, no shm)",
+    ("prewarming", "draining"): "agent: staged on a drained node: ready, not offered",
+    ("warm", "warm"): "agent: residency or endpoint update",
+    ("warm", "claimed"): "a claimer: the one way into service",
+    ("warm", "prewarming"): "agent: a re-stage (new weights version)",
+    ("warm", "failed"): "agent: its armed engine died or its weights were damaged",
+    ("warm", "draining"): "agent: re-armed on a drained node",
+    ("claimed", "claimed"): "holder: the claim's token written",
+    ("claimed", "activating"): "agent, as the holder: activation starts",
+    ("claimed", "releasing"): "holder: a give-back through the served path",
+    ("claimed", "warm"): "holder: given back before it activated",
+    ("claimed", "failed"): "agent: the slot broke under the claim; or released while its agent was away",
+    ("claimed", "draining"): "holder: given back on a node drained meanwhile",
+    ("activating", "activating"): "holder: a field update",
+    ("activating", "ready"): "agent, as the holder: the engine answers",
+    ("activating", "releasing"): "holder: gave up on an activation (deadline, scale-down)",
+    ("activating", "failed"): "agent: the activation broke the slot",
+    ("ready", "ready"): "holder: endpoint update",
+    ("ready", "releasing"): "holder: scale-down of a serving replica",
+    ("ready", "failed"): "agent: the serving engine died",
+    ("releasing", "releasing"): "holder: a field update",
+    ("releasing", "warm"): "holder: the engine stopped, the slot is offered again",
+    ("releasing", "draining"): "holder: stopped on a drained node",
+    ("releasing", "failed"): "agent or holder: stopping failed, or the agent was away",
+    ("failed", "failed"): "agent: a new reason",
+    ("failed", "prewarming"): "agent: a prewarm retries a failed slot",
+    ("failed", "warm"): "agent: back after an outage, re-armed",
+    ("failed", "draining"): "agent: back on a drained node",
+    ("draining", "draining"): "a field update",
+    ("draining", "warm"): "agent: re-armed after an undrain",
+    ("draining", "prewarming"): "agent: a re-stage on a drained node",
+    ("draining", "failed"): "agent: the slot broke while drained",
+}
+# Everything else is refused; why, per source state:
+REFUSED: dict[str, str] = {
+    "prewarming": "not staged: nothing to claim, activate, serve or release",
+    "warm": "activation starts from a claim (its fencing token), and nothing is held to release",
+    "claimed": "re-staging would pull the weights from its holder; ready without activating has no engine",
+    "activating": "an engine may be running: out only through releasing or failed; drain waits for the release",
+    "ready": "a serving engine leaves only through releasing (or dies: failed)",
+    "releasing": "only a warm slot is claimed again; a re-stage waits until it is given back",
+    "failed": "re-armed (prewarming or warm) before it is offered, claimed or served again",
+    "draining": "a drained slot is not offered: no claim, activation or serving",
+}
+
+
+def test_the_lifecycle_table_edge_by_edge() -> None:
+    states = sorted(protocol.SLOT_STATES)
+    assert set(REFUSED) == set(states)
+    for a, b in itertools.product(states, states):
+        try:
+            slots.check_transition(a, b)  # type: ignore[arg-type]
+            moved = True
+        except InvalidTransition as err:
+            assert f"from {a} to {b}" in str(err)
+            moved = False
+        why = ALLOWED.get((a, b), f"refused: {REFUSED[a]}")
+        assert moved == ((a, b) in ALLOWED), f"{a} -> {b} ({why})"
+
+
 @pytest.mark.parametrize(
     ("a", "b"),
     [

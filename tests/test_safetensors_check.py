@@ -1,0 +1,174 @@
+"""The safetensors header check, beyond the refusal table in test_nodeagent_weights.py: zero-size tensors, files
+that cannot be read, entries that are not objects, refusals that name the tensor, the metadata, the edges of the
+header length and the data buffer."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from nodeagent.engine import safetensors_check
+from nodeagent.engine.safetensors_check import MAX_HEADER_BYTES, parse_header, read_header
+from nodeagent.errors import BadWeights
+
+NAME = "model.layers.0.mlp.weight"
+
+
+def st_file(header: dict[str, object] | bytes, data: bytes = b"", *, length: int | None = None) -> bytes:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return struct.pack("<Q", len(raw) if length is None else length) + raw + data
+
+
+def entry(dtype: object, shape: object, begin: int, end: int) -> dict[str, object]:
+    return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+
+
+def parse(data: bytes, *, file_bytes: int | None = None) -> safetensors_check.Header:
+    return parse_header(io.BytesIO(data), len(data) if file_bytes is None else file_bytes, file="w.safetensors")
+
+
+def refusal(data: bytes) -> str:
+    with pytest.raises(BadWeights) as err:
+        parse(data)
+    assert err.value.file == "w.safetensors"
+    return err.value.reason
+
+
+def test_zero_size_tensors_are_valid_anywhere() -> None:
+    # Real checkpoints carry empty tensors (an unused bias, a [0, n] buffer): they take no bytes and must not be
+    # read as a gap, an overlap or an out-of-range offset, at the start, between others or at the very end.
+    header = {
+        "first": entry("F32", [0], 0, 0),
+        "a": entry("F16", [2], 0, 4),
+        "middle": entry("I64", [3, 0], 4, 4),
+        "b": entry("U8", [4], 4, 8),
+        "last": entry("BF16", [0, 7], 8, 8),
+    }
+    hdr = parse(st_file(header, bytes(8)))
+    sizes = {t.name: t.nbytes for t in hdr.tensors}
+    assert sizes == {"first": 0, "a": 4, "middle": 0, "b": 4, "last": 0}
+    assert hdr.tensor("last").begin == hdr.data_offset + 8 == hdr.file_bytes
+    assert hdr.tensor("middle").shape == (3, 0)
+
+
+def test_a_header_without_tensors_is_a_valid_empty_file() -> None:
+    hdr = parse(st_file({}))
+    assert hdr.tensors == () and hdr.data_bytes == 0 and hdr.metadata == {}
+
+
+def test_tensors_are_given_in_file_order_with_file_offsets() -> None:
+    # The loaders map each tensor at `begin` of the *file*; JSON order is not file order.
+    header = {"late": entry("F32", [1], 8, 12), "early": entry("F32", [2], 0, 8)}
+    hdr = parse(st_file(header, bytes(12)))
+    assert [t.name for t in hdr.tensors] == ["early", "late"]
+    assert (hdr.tensor("early").begin, hdr.tensor("early").end) == (hdr.data_offset, hdr.data_offset + 8)
+    assert (hdr.tensor("late").begin, hdr.tensor("late").end) == (hdr.data_offset + 8, hdr.data_offset + 12)
+    assert hdr.tensor("late").dtype == "F32" and hdr.tensor("late").nbytes == 4
+    assert hdr.data_offset == 8 + len(json.dumps(header).encode())
+    assert hdr.file_bytes == hdr.data_offset + 12 and hdr.data_bytes == 12
+    with pytest.raises(KeyError):
+        hdr.tensor("absent")
+
+
+def test_metadata_is_kept_and_is_not_a_tensor() -> None:
+    header = {"__metadata__": {"format": "pt", "source": "make-tiny"}, NAME: entry("U8", [2], 0, 2)}
+    hdr = parse(st_file(header, bytes(2)))
+    assert hdr.metadata == {"format": "pt", "source": "make-tiny"}
+    assert [t.name for t in hdr.tensors] == [NAME]
+
+
+@pytest.mark.parametrize(
+    ("name", "spec", "data", "needle"),
+    [
+        ("a list", [1, 2], b"", "entry is not an object"),
+        ("a number", 7, b"", "entry is not an object"),
+        ("a string", "F32", b"", "entry is not an object"),
+        ("null", None, b"", "entry is not an object"),
+        ("no dtype", {"shape": [1], "data_offsets": [0, 1]}, bytes(1), "unknown dtype None"),
+        ("dtype not a string", entry(4, [1], 0, 4), bytes(4), "unknown dtype 4"),
+        ("unknown dtype", entry("F7", [1], 0, 4), bytes(4), "unknown dtype 'F7'"),
+        ("shape not a list", entry("U8", 3, 0, 3), bytes(3), "shape 3"),
+        ("negative dim", entry("U8", [2, -1], 0, 2), bytes(2), "shape [2, -1]"),
+        ("float dim", entry("U8", [1.0], 0, 1), bytes(1), "shape [1.0]"),
+        ("bool dim", entry("U8", [True], 0, 1), bytes(1), "shape [True]"),
+        ("offsets not a list", {"dtype": "U8", "shape": [1], "data_offsets": 1}, bytes(1), "data_offsets 1"),
+        ("three offsets", {"dtype": "U8", "shape": [1], "data_offsets": [0, 1, 2]}, bytes(2), "data_offsets"),
+        ("negative offset", entry("U8", [0], -1, -1), b"", "data_offsets [-1, -1]"),
+        (
+            "bool offset",
+            {"dtype": "U8", "shape": [1], "data_offsets": [False, True]},
+            bytes(1),
+            "data_offsets [False, True]",
+        ),
+        ("reversed", entry("U8", [0], 2, 1), bytes(2), "end before they begin"),
+        ("past the buffer", entry("U8", [3], 0, 3), bytes(2), "out of range"),
+        ("span too short", entry("I32", [2, 2], 0, 12), bytes(12), "needs 16 bytes but data_offsets span 12"),
+        ("span too long", entry("F16", [3], 0, 8), bytes(8), "needs 6 bytes but data_offsets span 8"),
+    ],
+)
+def test_a_bad_entry_is_refused_naming_the_tensor(name: str, spec: object, data: bytes, needle: str) -> None:
+    # An operator with a 300-tensor checkpoint needs to know which tensor is wrong, not only which file.
+    reason = refusal(st_file({NAME: spec}, data))
+    assert f"tensor {NAME!r}" in reason, (name, reason)
+    assert needle in reason, (name, reason)
+
+
+def test_overlaps_and_gaps_name_the_tensors() -> None:
+    overlap = refusal(st_file({"a": entry("U8", [4], 0, 4), "b": entry("U8", [4], 2, 6)}, bytes(6)))
+    assert "'b'" in overlap and "'a'" in overlap and "overlaps" in overlap
+    gap = refusal(st_file({"a": entry("U8", [2], 0, 2), "b": entry("U8", [2], 3, 5)}, bytes(5)))
+    assert "gap of 1 bytes before tensor 'b'" in gap
+    leading = refusal(st_file({"a": entry("U8", [2], 1, 3)}, bytes(3)))
+    assert "gap of 1 bytes before tensor 'a'" in leading
+    trailing = refusal(st_file({"a": entry("U8", [2], 0, 2)}, bytes(5)))
+    assert "3 bytes after the last tensor" in trailing
+
+
+@pytest.mark.parametrize(
+    ("name", "meta"),
+    [("a number value", {"k": 1}), ("a nested object", {"k": {"x": "y"}}), ("a string", "pt"), ("a list", ["pt"])],
+)
+def test_metadata_must_be_an_object_of_strings(name: str, meta: object) -> None:
+    assert "__metadata__" in refusal(st_file({"__metadata__": meta})), name
+
+
+def test_the_header_length_edges() -> None:
+    # 8 bytes are the smallest file that says anything; fewer are truncated, not an unpacking crash.
+    assert "not even the 8-byte header length" in refusal(bytes(7))
+    assert "header length is 0" in refusal(bytes(8))
+    # Exactly the limit is not absurd, only truncated here; one byte over is refused before anything is read.
+    assert "truncated" in refusal(st_file(b"{}", length=MAX_HEADER_BYTES))
+    assert "absurd" in refusal(st_file(b"{}", length=MAX_HEADER_BYTES + 1))
+    # A header that ends exactly at the end of the file is complete; one byte short is truncated.
+    assert parse(st_file(b"{}")).data_bytes == 0
+    short = st_file(b"{} ")[:-1]
+    assert "header says 3 bytes but the file has only 2 after it" in refusal(short)
+
+
+def test_a_file_shorter_than_its_stated_size_is_truncated() -> None:
+    # The size comes from fstat and the bytes from a read: a file cut between the two reads short.
+    with pytest.raises(BadWeights, match="read 2 of 4 header bytes"):
+        parse(struct.pack("<Q", 4) + b"{}", file_bytes=100)
+
+
+def test_unreadable_files_are_refused_by_name(tmp_path: Path) -> None:
+    # A missing shard or a directory where a shard should be: a named refusal, never an OSError in the caller.
+    with pytest.raises(BadWeights) as err:
+        read_header(tmp_path / "missing.safetensors")
+    assert err.value.file == "missing.safetensors" and "cannot read" in err.value.reason
+    (tmp_path / "dir.safetensors").mkdir()
+    with pytest.raises(BadWeights) as err:
+        read_header(tmp_path / "dir.safetensors")
+    assert err.value.file == "dir.safetensors" and "cannot read" in err.value.reason
+
+
+def test_read_header_reads_the_file_it_is_given(tmp_path: Path) -> None:
+    path = tmp_path / "shard.safetensors"
+    path.write_bytes(st_file({NAME: entry("F32", [2], 0, 8)}, bytes(8)))
+    hdr = read_header(path)
+    assert hdr.file == "shard.safetensors" and hdr.file_bytes == path.stat().st_size
+    assert hdr.tensor(NAME).end == hdr.file_bytes
