@@ -246,7 +246,10 @@ def _fresh(
     if bounds.idle_capable and not pulse.panic:
         if prev <= bounds.idle and demand <= activation:
             return bounds.idle, "idle", f"idle at {bounds.idle}: demand {_n(demand)} <= activation {_n(activation)}"
-        if prev > bounds.idle and (last_active_at is None or now - last_active_at >= spec.cooldown_period):
+        # Only while inactive now: with a cooldownPeriod of 0 the time since the last activity is 0 >= 0 even under
+        # demand, and the count would flap between idle and active on every decision.
+        inactive = demand <= activation
+        if prev > bounds.idle and inactive and (last_active_at is None or now - last_active_at >= spec.cooldown_period):
             return (
                 bounds.idle,
                 "idle",

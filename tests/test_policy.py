@@ -2,7 +2,8 @@
 
 Each scenario starts at T0 from `initial_state` and feeds rows: ``Row(dt, demand, ready, ...)`` is one sample
 `dt` seconds after the previous one (``repeat=n``: n samples `dt` apart, checks on the last). A row checks only
-what it names. Defaults: targetQueueDepth 4, panic at 2x, windows 60 s / 6 s, stabilisation 60 s, 50 %/60 s.
+what it names; ``spec=`` edits the ScaledObject live from that row on. Defaults: targetQueueDepth 4, panic at 2x,
+windows 60 s / 6 s, stabilisation 60 s, 50 %/60 s.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ class Row:
     repeat: int = 1
     override: Override | None = None
     lead_s: float | None = None
+    spec: ScaledObjectSpec | None = None
+    stable_demand: float | None = None
+    panic_demand: float | None = None
+    forecast: float | None = None
 
 
 def run(
@@ -66,6 +71,7 @@ def run(
     state = state or initial_state(spec, now=T0, current_replicas=current)
     decision: Decision | None = None
     for i, row in enumerate(rows):
+        spec = row.spec or spec
         for _ in range(row.repeat):
             obs = Observation(
                 demand=row.demand,
@@ -86,6 +92,11 @@ def run(
             assert decision.panic == row.panic, where
         if row.reason is not None:
             assert row.reason in decision.reason, where
+        for name in ("stable_demand", "panic_demand"):
+            if getattr(row, name) is not None:
+                assert getattr(decision, name) == pytest.approx(getattr(row, name)), where
+        if row.forecast is not None:
+            assert decision.forecast_demand == pytest.approx(row.forecast, abs=0.05), where
     assert decision is not None and state is not None
     return decision, state
 
@@ -398,3 +409,229 @@ def test_decide_is_cheap() -> None:
 def test_burst_of_samples_in_one_bucket_does_not_skew(dt: float) -> None:
     # 500 samples of a stale-looking 0 within one bucket, then the true level: the bucket holds the latest.
     run(make_spec(), [SETTLED, Row(dt, 0, 2, repeat=500), Row(0.0, 8, 2, want=2, reason="steady at 2")])
+
+
+# --- the spec's own settings reach the detector and the rules (every scenario above runs on the defaults) ---
+
+
+def test_panic_threshold_from_the_spec() -> None:
+    run(
+        make_spec(advanced={"panic_threshold": 3.0}),
+        [
+            SETTLED,
+            Row(0.1, 20, 2, panic=False, mode="normal"),  # 2.5x capacity: a panic at the default 2x, not at 3x
+            Row(0.1, 24, 2, panic=True, mode="panic"),  # 3x
+        ],
+    )
+
+
+def test_target_queue_depth_sets_the_detectors_capacity() -> None:
+    # One replica carries 10 here: 2 ready are a capacity of 20, so 30 is no panic (it would be at 4 per replica).
+    run(
+        make_spec(target=10.0),
+        [
+            Row(0.1, 20, 2, repeat=650, want=2, mode="normal"),
+            Row(0.1, 30, 2, panic=False, mode="normal", at_least=3),
+            Row(0.1, 40, 2, panic=True, mode="panic", at_least=4),
+        ],
+    )
+
+
+def test_a_target_below_one_wants_nothing_for_no_demand() -> None:
+    # 0.5 per replica: no demand is no replica beyond the floor (not one "for the rounding").
+    run(make_spec(target=0.5), [Row(0.1, 0, 1, repeat=650, want=1, mode="normal"), Row(0.1, 1, 1, want=2)])
+
+
+def test_stable_window_from_the_spec_ends_the_hold_and_the_panic() -> None:
+    run(
+        make_spec(advanced={"stable_window_seconds": 20.0}),
+        [
+            Row(0.1, 8, 4, repeat=195, want=4, mode="hold"),  # restart hold: one stable window (20 s) of data
+            Row(0.1, 8, 4, repeat=10, mode="normal", want=2),
+            Row(0.1, 24, 2, want=6, panic=True, stable_demand=(199 * 8 + 24) / 200),  # the mean of 20 s
+            Row(0.1, 4, 6, repeat=195, want=6, panic=True, mode="panic"),
+            Row(0.1, 4, 6, repeat=10, panic=False),  # 20 s without the condition, not 60
+        ],
+        current=4,
+    )
+
+
+def test_panic_window_from_the_spec() -> None:
+    # The panic demand is the peak of the last 2 s, not of 6.
+    run(
+        make_spec(advanced={"panic_window_seconds": 2.0}),
+        [
+            Row(0.1, 8, 20, repeat=650, panic_demand=8),
+            Row(0.1, 30, 20, panic_demand=30, panic=False),
+            Row(0.1, 8, 20, repeat=19, panic_demand=30),
+            Row(0.1, 8, 20, repeat=2, panic_demand=8),
+        ],
+    )
+
+
+def test_stale_after_seconds_is_how_long_a_level_is_carried() -> None:
+    # 10 for 1 s, then a 2.5 s silence, then 20: within staleAfterSeconds (3 s) the silence holds the last level,
+    # so the stable demand is 34 buckets of 10 and one of 20 (at the default 1 s, only 10 would be carried).
+    run(
+        make_spec(advanced={"stale_after_seconds": 3.0}),
+        [Row(0.1, 10, 2, repeat=10), Row(2.5, 20, 2, stable_demand=(34 * 10 + 20) / 35)],
+    )
+
+
+def test_missed_intervals_count_in_the_specs_stale_after_seconds() -> None:
+    spec = make_spec(fallback=(3, 7), advanced={"stale_after_seconds": 0.5})
+    run(
+        spec,
+        [
+            Row(0.1, 20, 5, repeat=650, want=5),
+            Row(1.4, None, 5, want=5, mode="stale"),  # two intervals of 0.5 s missed
+            Row(0.1, None, 5, want=7, mode="fallback", reason="3 missed intervals"),
+        ],
+    )
+
+
+def test_a_short_stabilisation_window_still_holds_for_its_length() -> None:
+    run(
+        make_spec(advanced={"scale_down_stabilization_seconds": 1.0}),
+        [
+            Row(0.1, 40, 10, repeat=650, want=10),
+            Row(0.1, 4, 10, repeat=5, want=10, reason="stabilising"),
+            Row(0.1, 4, 10, repeat=10, want=5),
+        ],
+    )
+
+
+def test_the_stabilisation_window_remembers_a_peak_inside_one_bucket() -> None:
+    # Two decisions within 100 ms: the higher recommendation is the one the window keeps.
+    decision, _ = run(
+        make_spec(),
+        [Row(0.1, 40, 10, repeat=650, want=10), Row(0.1, 60, 10, panic=False, at_least=15)],
+    )
+    peak = decision.desired
+    run(
+        make_spec(),
+        [
+            Row(0.1, 40, 10, repeat=650, want=10),
+            Row(0.1, 60, 10, want=peak),
+            Row(0.001, 40, 10, want=peak),
+            Row(0.1, 40, 10, repeat=10, want=peak, reason="stabilising"),
+        ],
+    )
+
+
+# --- live edits of the spec between decisions ---
+
+
+def test_a_live_edit_of_the_stabilisation_window_starts_it_from_the_current_count() -> None:
+    short = make_spec(advanced={"scale_down_stabilization_seconds": 5.0})
+    run(
+        make_spec(),
+        [
+            Row(0.1, 40, 10, repeat=650, want=10),
+            Row(0.1, 8, 10, repeat=300, want=10, reason="stabilising"),
+            # The window is now 5 s: the count it held is where the new window starts, not forgotten ...
+            Row(0.1, 8, 10, spec=short, repeat=45, want=10, reason="stabilising, max 10 over 5 s"),
+            # ... and it steps down once 5 s have passed (rate-limited to half).
+            Row(0.1, 8, 10, repeat=10, want=5),
+        ],
+    )
+
+
+def test_a_live_edit_of_the_windows_keeps_a_panic_and_ends_it_on_the_new_window() -> None:
+    short = make_spec(advanced={"stable_window_seconds": 20.0, "panic_window_seconds": 2.0})
+    run(
+        make_spec(),
+        [
+            SETTLED,
+            Row(0.1, 24, 2, want=6, panic=True),
+            Row(0.1, 4, 6, repeat=100, want=6, panic=True),
+            Row(0.1, 4, 6, spec=short, want=6, panic=True, mode="panic"),  # the edit is no reason to calm down
+            Row(0.1, 4, 6, repeat=80, want=6, panic=True),
+            Row(0.1, 4, 6, repeat=30, panic=False),  # 20 s after the last panic condition
+        ],
+    )
+
+
+# --- edges a user relies on ---
+
+
+def test_stale_metrics_while_idle_at_zero_keep_it_at_zero() -> None:
+    # Missing metrics are no demand: an idle model must not wake (or be held at one replica) because a gateway
+    # went quiet.
+    run(
+        make_spec(min_replica_count=0),
+        [
+            Row(0.1, 0, 0, repeat=650, want=0, mode="idle"),
+            Row(0.1, None, 0, repeat=100, want=0, mode="stale"),
+        ],
+        current=0,
+    )
+    run(make_spec(min_replica_count=0), [Row(0.1, None, 0, repeat=30, want=0, mode="hold")], current=0)
+
+
+def test_cooldown_after_a_restart_counts_from_the_restart() -> None:
+    # A restarted autoscaler has no record of the last demand: the replicas it finds serving get a full cooldown
+    # before going idle, not an instant scale to zero once the restart hold ends.
+    spec = make_spec(min_replica_count=0, cooldown_period=120.0)
+    run(
+        spec,
+        [
+            Row(0.1, 0, 3, repeat=599, want=3, mode="hold"),
+            Row(0.1, 0, 3, repeat=10, at_least=1, mode="normal"),
+            Row(0.1, 0, 1, repeat=590, at_least=1, mode="normal"),
+            Row(0.1, 0, 1, repeat=10, want=0, mode="idle"),
+        ],
+        current=3,
+    )
+
+
+def test_with_no_cooldown_idle_and_wake_follow_demand_at_once() -> None:
+    # cooldownPeriod 0: idle as soon as the demand is gone, never while it is there (issue 7: it went idle under
+    # demand on every other decision, flapping between the idle count and the need).
+    run(
+        make_spec(min_replica_count=3, idle_replica_count=1, cooldown_period=0.0),
+        [
+            Row(0.1, 4, 3, repeat=650, want=3, mode="normal"),
+            Row(0.1, 0, 3, want=1, mode="idle"),
+            Row(0.1, 0, 1, repeat=100, want=1, mode="idle"),
+            Row(0.1, 2, 1, want=3, panic=False),  # above activation on the idle count: awake
+        ],
+    )
+
+
+def test_scale_down_rate_period_ends_on_time() -> None:
+    # A step down exactly one scaleDownPeriodSeconds ago no longer counts against the rate. (The step comes from
+    # an expiring override so that it lands on an exact time.)
+    ten = Override(kind="scale", replicas=10, expires_at=T0 + 66.0)
+    run(
+        make_spec(advanced={"scale_down_stabilization_seconds": 0.0}),
+        [
+            SETTLED,
+            Row(0.5, 8, 2, override=ten, want=10),
+            Row(0.5, 8, 10, override=ten, want=5, reason="rate-limited"),  # at +66 s: half of 10
+            Row(1.0, 8, 5, repeat=59, want=5),  # the period's 50 % is used up
+            Row(1.0, 8, 5, want=3),  # at +126 s: a new period, half of 5
+        ],
+    )
+
+
+def test_scale_override_to_zero_and_its_expiry_time() -> None:
+    # `pulsescale scale llm 0` means zero, and an override ends at its expiry time, not one tick later.
+    zero = Override(kind="scale", replicas=0, expires_at=T0 + 66.0, by="carol")
+    run(
+        make_spec(),
+        [
+            SETTLED,
+            Row(0.5, 8, 2, override=zero, want=0, mode="override"),
+            Row(0.5, 8, 0, override=zero, reason="expired"),
+        ],
+    )
+
+
+@pytest.mark.parametrize("lead_s", [0.0, -1.0, float("nan"), float("inf")])
+def test_a_measured_lead_time_that_is_not_positive_uses_the_configured_one(lead_s: float) -> None:
+    ramp = [Row(0.1, 8 + 0.4 * i, 40, lead_s=lead_s) for i in range(60)]
+    configured = [Row(0.1, 8 + 0.4 * i, 40) for i in range(60)]
+    got, _ = run(make_spec(), [SETTLED, *ramp])
+    want, _ = run(make_spec(), [SETTLED, *configured])
+    assert got.desired == want.desired == 11 and got.forecast_demand == want.forecast_demand
