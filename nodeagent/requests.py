@@ -20,7 +20,6 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any, Final
 
-import msgspec
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -119,9 +118,5 @@ class Requests:
 
 
 def _bad_message(verb: str, err: BadMessage) -> bytes:
-    """``bad_message`` with the rejection reason in `reason`, as the agent has always answered.
-
-    The typed replies have no `reason` field yet (asked of the contract's owner), so it is added to the encoded
-    refusal here, the one reply not encoded by `protocol.encode` alone."""
-    refusal = protocol.refusal(REPLY_TYPES[verb], "bad_message", str(err))
-    return msgspec.json.encode({**msgspec.structs.asdict(refusal), "reason": err.reason})
+    """``bad_message``, with the rejection reason in `reason`."""
+    return protocol.encode(protocol.refusal(REPLY_TYPES[verb], "bad_message", str(err), reason=err.reason))

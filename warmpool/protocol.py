@@ -692,6 +692,8 @@ class TypedReply(Message, kw_only=True):
 
     ok: bool = True
     error: ReplyError | None = None
+    reason: str | None = None
+    """With error code ``bad_message``: the request's rejection reason, one of `REASONS`."""
 
 
 class CommandReply(TypedReply, kw_only=True):
