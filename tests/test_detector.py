@@ -147,3 +147,143 @@ def test_stable_demand_is_time_weighted() -> None:
     samples += [(30.0 + i * 0.01, 12.0, 1) for i in range(3000)]  # ten times the sample rate
     last = _feed(samples)[-1]
     assert last.stable_demand == pytest.approx(8.0, abs=0.1)
+
+
+# --- the edges of the windows ---
+
+
+def test_a_bucket_exactly_one_span_old_has_left_the_window() -> None:
+    # Windows are (now - span, now]: at +6 s the bucket of +0 s is out of a 6 s window, the one after it is in.
+    w = _window([(0.0, 100.0), (0.1, 50.0), (6.0, 4.0)], span_s=12.0)
+    assert w.peak(T0 + 6.0, 6.0) == 50.0
+    assert w.mean(T0 + 6.0, 6.0) == pytest.approx(27.0)
+
+
+def test_a_record_exactly_one_ring_older_than_the_newest_is_ignored() -> None:
+    # Its ring slot is the newest bucket's: writing it would overwrite the newest value with an old one.
+    w = _window([(6.0, 4.0)])
+    late = T0 + 6.0 - 6.0
+    assert w.key(late) == w.last_key - len(w.keys)
+    assert w.record(late, 99.0) is w
+
+
+def test_a_late_record_fills_its_own_empty_bucket_but_never_overwrites_one() -> None:
+    w = _window([(0.2, 5.0), (0.5, 7.0)])
+    late_into_empty = w.record(T0 + 0.3, 6.0)
+    assert late_into_empty.mean(T0 + 0.5, 6.0) == pytest.approx(6.0)  # 5, 6, 7
+    late_into_filled = w.record(T0 + 0.2, 99.0)
+    assert late_into_filled.peak(T0 + 0.5, 6.0) == 7.0  # the bucket of 0.2 keeps the value it had
+
+
+def test_a_one_bucket_gap_is_carried_too() -> None:
+    assert _window([(0.0, 10.0), (0.2, 20.0)], carry_s=1.0).mean(T0 + 0.2, 6.0) == pytest.approx(40.0 / 3)
+
+
+def test_a_carry_longer_than_the_window_fills_all_of_it() -> None:
+    # A 1 s window, a 5 s carry: after 3 s of silence every bucket of the window holds the carried level.
+    w = _window([(0.0, 10.0), (3.0, 20.0)], span_s=1.0, carry_s=5.0)
+    assert w.mean(T0 + 3.0, 1.0) == pytest.approx((9 * 10.0 + 20.0) / 10)
+
+
+def test_a_window_made_without_carry_leaves_gaps_empty() -> None:
+    # The stabilisation window is made so: a recommendation must not be stretched into the silence after it.
+    w = TimeWindow.empty(6.0, combine="max").record(T0, 10.0).record(T0 + 0.5, 2.0)
+    assert w.carry_s == 0.0
+    assert w.mean(T0 + 0.5, 6.0) == pytest.approx(6.0)
+
+
+def test_after_the_clock_stepped_back_only_buckets_up_to_now_count() -> None:
+    w = _window([(i * 0.1, float(i)) for i in range(11)])  # 0 .. 10 over the first second
+    assert w.peak(T0 + 0.5, 6.0) == 5.0
+    assert w.mean(T0 + 0.5, 6.0) == pytest.approx(2.5)  # 0 .. 5, no empty slot read as a zero, nothing newer
+
+
+def test_trend_of_one_bucket_is_flat() -> None:
+    assert _window([(0.0, 8.0)]).trend(T0 + 1.0, 6.0) == (8.0, 0.0)
+
+
+def test_no_demand_in_the_panic_window_is_no_panic_condition() -> None:
+    assert not detector.panic_condition(CFG, None, 0)
+
+
+# --- the detector's readings ---
+
+
+def test_forecast_of_a_falling_trend_stops_at_zero() -> None:
+    # Over 4 s of history (enough for a trend), falling 20/s: the line one lead time ahead is far below zero.
+    fall = [(i * 0.1, max(80.0 - i * 2.0, 0.0), 5) for i in range(40)]
+    last = _feed(fall, lead_s=5.0)[-1]
+    assert last.slope_per_s < 0 and last.forecast_demand == 0.0
+
+
+def test_the_trend_needs_half_the_panic_window_of_history() -> None:
+    cfg = DetectorConfig(panic_window_s=2.0)
+    state = detector.initial(cfg)
+    pulses = []
+    for i in range(11):  # +1/s, over exactly 1 s: half of the 2 s panic window
+        pulse, state = detector.observe(cfg, state, now=T0 + i * 0.1, demand=10.0 + i, ready=50, lead_time_s=1.0)
+        pulses.append(pulse)
+    assert pulses[-2].slope_per_s == 0.0 and pulses[-2].forecast_demand == 19.0  # 0.9 s: the level
+    assert pulses[-1].slope_per_s == pytest.approx(10.0) and pulses[-1].forecast_demand == pytest.approx(30.0)
+
+
+def _flags(pulses: list[detector.Pulse]) -> list[str]:
+    return [
+        ("P" if p.panic else "-") + ("c" if p.panic_condition else "") + ("+" if p.entered_panic else "")
+        + ("x" if p.left_panic else "")
+        for p in pulses
+    ]  # fmt: skip
+
+
+def test_panic_entry_and_exit_are_flagged_once() -> None:
+    samples: list[tuple[float, float | None, int]] = [
+        (0.0, 8.0, 2),
+        (0.1, 24.0, 2),  # enters
+        (0.2, 24.0, 2),  # still the condition
+        (0.3, 4.0, 8),  # calm, but within a stable window
+        (60.2, 4.0, 8),  # a stable window after the last condition: leaves
+        (60.3, 4.0, 8),
+    ]
+    assert _flags(_feed(samples)) == ["-", "Pc+", "Pc", "P", "-x", "-"]
+
+
+def test_panic_since_is_when_it_began() -> None:
+    state = detector.initial(CFG)
+    since = []
+    for at_s, demand, ready in [(0.0, 24.0, 2), (0.1, 30.0, 2), (0.2, None, 2), (0.3, 4.0, 8), (60.1, 4.0, 8)]:
+        _, state = detector.observe(CFG, state, now=T0 + at_s, demand=demand, ready=ready, lead_time_s=2.5)
+        since.append(None if state.panic_since is None else round(state.panic_since - T0, 3))
+    assert since == [0.0, 0.0, 0.0, 0.0, None]
+
+
+def test_a_tick_without_demand_keeps_the_time_of_the_last_panic_condition() -> None:
+    # Missing metrics are no evidence the pulse is over: panic still ends one stable window after the condition
+    # last held, not at the first fresh sample after the gap.
+    samples: list[tuple[float, float | None, int]] = [(0.0, 24.0, 2), (0.1, None, 2), (0.2, 4.0, 8), (59.9, 4.0, 8)]
+    assert [p.panic for p in _feed(samples)] == [True, True, True, True]
+
+
+def test_a_reading_without_demand_reports_the_windows_and_changes_nothing() -> None:
+    samples: list[tuple[float, float | None, int]] = [(i * 0.1, 8.0 + i, 2) for i in range(40)]
+    fresh = _feed(samples)[-1]
+    blind = _feed([*samples, (4.0, None, 2)])[-1]
+    assert fresh.fresh and not blind.fresh and blind.current is None
+    # What status shows while metrics are missing: the last readings of the windows, not blanks.
+    assert blind.stable_demand == pytest.approx(fresh.stable_demand)
+    assert blind.panic_demand == fresh.panic_demand == 47.0
+    assert blind.forecast_demand is not None and blind.forecast_demand > 47.0 and blind.slope_per_s > 0
+    assert blind.capacity == 8.0 and blind.panic  # 47 >= 2 x 8: the panic it was in
+    assert not (blind.panic_condition or blind.entered_panic or blind.left_panic)
+
+
+def test_lengthening_the_stable_window_live_reads_over_the_new_length() -> None:
+    short, long = DetectorConfig(stable_window_s=20.0), DetectorConfig(stable_window_s=60.0)
+    state = detector.initial(short)
+    for i in range(300):
+        _, state = detector.observe(short, state, now=T0 + i * 0.1, demand=100.0, ready=50, lead_time_s=2.5)
+    # Edited to 60 s: 30 s of 4 then 10 s of 12 average 6 over the new window (not 8 over the last 20 s).
+    pulse = None
+    for i in range(400):
+        value = 4.0 if i < 300 else 12.0
+        pulse, state = detector.observe(long, state, now=T0 + 30.0 + i * 0.1, demand=value, ready=50, lead_time_s=2.5)
+    assert pulse is not None and pulse.stable_demand == pytest.approx(6.0)

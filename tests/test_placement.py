@@ -153,6 +153,14 @@ def _pick(
             {"rack_of": {"a": "r1", "b": "r2"}, "node_load": {"b": 1}, "rack_load": {"r1": 5}},
             {"a.1"},
         ),
+        (
+            # A node the rack index does not know is in the unnamed rack, as its records say (rack ""): it shares
+            # that rack's load, as `rank` counts it.
+            "a node of unknown rack counts with the rack-less ones",
+            {0: {"a": {"a.1"}, "b": {"b.1"}}},
+            {"rack_of": {"b": "r2"}, "rack_load": {"": 3, "r2": 1}},
+            {"b.1"},
+        ),
         ("nothing eligible", {0: {"a": {"a.1"}}, 1: {"b": {"b.1"}}}, {"stale": {"a", "b"}}, {None}),
         ("everything tried", {0: {"a": {"a.1"}}}, {"skip": {"a.1"}}, {None}),
         ("an empty pool", {}, {}, {None}),

@@ -31,9 +31,9 @@ def parse(data: bytes, *, file_bytes: int | None = None) -> safetensors_check.He
     return parse_header(io.BytesIO(data), len(data) if file_bytes is None else file_bytes, file="w.safetensors")
 
 
-def refusal(data: bytes) -> str:
+def refusal(data: bytes, *, file_bytes: int | None = None) -> str:
     with pytest.raises(BadWeights) as err:
-        parse(data)
+        parse(data, file_bytes=file_bytes)
     assert err.value.file == "w.safetensors"
     return err.value.reason
 
@@ -70,7 +70,7 @@ def test_tensors_are_given_in_file_order_with_file_offsets() -> None:
     assert hdr.tensor("late").dtype == "F32" and hdr.tensor("late").nbytes == 4
     assert hdr.data_offset == 8 + len(json.dumps(header).encode())
     assert hdr.file_bytes == hdr.data_offset + 12 and hdr.data_bytes == 12
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError, match="absent"):
         hdr.tensor("absent")
 
 
@@ -151,8 +151,14 @@ def test_the_header_length_edges() -> None:
 
 def test_a_file_shorter_than_its_stated_size_is_truncated() -> None:
     # The size comes from fstat and the bytes from a read: a file cut between the two reads short.
-    with pytest.raises(BadWeights, match="read 2 of 4 header bytes"):
-        parse(struct.pack("<Q", 4) + b"{}", file_bytes=100)
+    assert "read 2 of 4 header bytes" in refusal(struct.pack("<Q", 4) + b"{}", file_bytes=100)
+
+
+def test_a_tensor_named_twice_is_named() -> None:
+    twice = (
+        b'{"a":{"dtype":"U8","shape":[0],"data_offsets":[0,0]},"' + NAME.encode() + b'":{},"' + NAME.encode() + b'":{}}'
+    )
+    assert f"names tensor {NAME!r} twice" in refusal(st_file(twice))
 
 
 def test_unreadable_files_are_refused_by_name(tmp_path: Path) -> None:
