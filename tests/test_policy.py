@@ -635,3 +635,18 @@ def test_a_measured_lead_time_that_is_not_positive_uses_the_configured_one(lead_
     got, _ = run(make_spec(), [SETTLED, *ramp])
     want, _ = run(make_spec(), [SETTLED, *configured])
     assert got.desired == want.desired == 11 and got.forecast_demand == want.forecast_demand
+
+
+def test_a_gap_in_the_metrics_does_not_shorten_a_panic() -> None:
+    # The panic runs one stable window from the last time its condition held, gap or not.
+    run(
+        make_spec(),
+        [
+            SETTLED,
+            Row(0.1, 24, 2, want=6, panic=True),
+            Row(0.1, None, 6, repeat=10, want=6, panic=True, mode="stale"),
+            Row(0.1, 4, 6, want=6, panic=True, mode="panic"),
+            Row(0.1, 4, 6, repeat=580, want=6, panic=True),
+            Row(0.1, 4, 6, repeat=10, panic=False),
+        ],
+    )
