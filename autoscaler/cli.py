@@ -1,4 +1,7 @@
-"""`pulsescale autoscaler` (the daemon) and `pulsescale operator`."""
+"""`pulsescale autoscaler` (the daemon). (`pulsescale operator` lands here with the Kubernetes operator.)
+
+A NATS failure at start-up (unreachable, credentials or a permission refused) leaves as `NatsUnavailable`; the
+dispatcher prints it as one line and exits 1."""
 
 from __future__ import annotations
 
@@ -6,13 +9,13 @@ import argparse
 import asyncio
 import logging
 import signal
-import sys
+from collections.abc import Awaitable
+from dataclasses import replace
 
 from autoscaler import daemon
 from autoscaler.controller import ControllerSettings
 from autoscaler.leader import LeaseSettings
 from warmpool import connect
-from warmpool.errors import NatsUnavailable
 
 
 def run_autoscaler(argv: list[str], prog: str) -> int:
@@ -50,15 +53,15 @@ def run_autoscaler(argv: list[str], prog: str) -> int:
     )
 
     async def main() -> None:
-        stop = asyncio.Event()
+        stop, ready = asyncio.Event(), asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await daemon.run(settings, stop=stop)
 
-    try:
-        asyncio.run(main())
-    except NatsUnavailable as err:
-        print(f"{prog}: {err}", file=sys.stderr)
-        return 1
+        def run(nats: connect.NatsOptions) -> Awaitable[daemon.Autoscaler]:
+            return daemon.run(replace(settings, nats=nats), stop=stop, ready=ready)
+
+        await connect.run_daemon(settings.nats, run, ready)
+
+    asyncio.run(main())
     return 0

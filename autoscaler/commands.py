@@ -40,7 +40,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Any, Protocol
 
 import msgspec
 import nats.errors
@@ -50,19 +50,27 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 
-from autoscaler.policy import Override
 from warmpool import protocol
 from warmpool.errors import BadMessage, DuplicateRequest
 from warmpool.protocol import (
     AuditRecord,
     Command,
+    CommandReply,
     DrainCommand,
+    DrainReply,
+    ErrorCode,
+    Override,
+    OverrideReply,
     PauseCommand,
     PoolCommand,
+    PoolReply,
+    PoolSlot,
     ResumeCommand,
     ScaleCommand,
     ScaledObjectSpec,
     StatusCommand,
+    StatusReply,
+    StatusRow,
     UndrainCommand,
 )
 from warmpool.registry import KvSlotStore
@@ -71,9 +79,6 @@ from warmpool.rejects import Rejections
 __all__ = ["CommandService", "CommandSettings", "ControlPlane", "ensure_audit_stream"]
 
 log = logging.getLogger("pulsescale.commands")
-
-CMD_WILDCARD: Final = protocol.CMD_WILDCARD
-MUTATING: Final = frozenset({"scale", "pause", "resume", "drain", "undrain"})
 
 
 class ControlPlane(Protocol):
@@ -89,9 +94,8 @@ class ControlPlane(Protocol):
         """Install an on-call override (it beats the policy until it expires); None hands the model back."""
         ...
 
-    def status(self, model: str | None) -> list[dict[str, Any]]:
-        """One row per model (all, or `model`): ``model, desired, ready, activating, warm, panic, mode, override
-        ({kind, replicas, expires_at, by} or None), reason, decisions ([{ts, desired, reason}], newest last)``."""
+    def status(self, model: str | None) -> list[StatusRow]:
+        """One row per model (all, or `model`), its decisions newest last."""
         ...
 
 
@@ -154,7 +158,7 @@ class _Outcome:
 
 
 class _Refused(Exception):
-    def __init__(self, code: str, message: str, *, remember: bool = True) -> None:
+    def __init__(self, code: ErrorCode, message: str, *, remember: bool = True) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
@@ -230,14 +234,16 @@ class CommandService:
         """Subscribe (leader) or unsubscribe (standby); idempotent."""
         async with self._lock:
             if leading and self._started and self._sub is None:
-                self._sub = await self.nc.subscribe(CMD_WILDCARD, queue=self.settings.queue_group, cb=self._on_msg)
-                log.info("answering on-call commands on %s", CMD_WILDCARD)
+                self._sub = await self.nc.subscribe(
+                    protocol.CMD_WILDCARD, queue=self.settings.queue_group, cb=self._on_msg
+                )
+                log.info("answering on-call commands on %s", protocol.CMD_WILDCARD)
             elif not leading and self._sub is not None:
                 sub, self._sub = self._sub, None
                 try:
                     await sub.unsubscribe()
                 except nats.errors.Error as err:  # closed or draining connection: nothing left to stop
-                    log.debug("unsubscribe %s: %s", CMD_WILDCARD, err)
+                    log.debug("unsubscribe %s: %s", protocol.CMD_WILDCARD, err)
                 log.info("stopped answering on-call commands (not the leader)")
 
     def on_leadership(self, leading: bool) -> None:
@@ -275,14 +281,14 @@ class CommandService:
         except BadMessage as err:
             self.rejections(err, source=subject)
             self.outcomes[err.reason] += 1
-            outcome = _Outcome(protocol.error_reply(err.reason, err.detail or str(err)), applied=False, remember=False)
+            outcome = _Outcome(_refusal(err.reason, err.detail or str(err)), applied=False, remember=False)
         except _Refused as ref:
             self.outcomes[ref.code] += 1
-            outcome = _Outcome(protocol.error_reply(ref.code, ref.message), applied=False, remember=ref.remember)
+            outcome = _Outcome(_refusal(ref.code, ref.message), applied=False, remember=ref.remember)
         except Exception as err:
             log.exception("%s command failed", verb)
             self.outcomes["internal"] += 1
-            outcome = _Outcome(protocol.error_reply("internal", f"{type(err).__name__}: {err}"), False, False)
+            outcome = _Outcome(_refusal("internal", f"{type(err).__name__}: {err}"), applied=False, remember=False)
         if req is not None and outcome.remember:
             self.ledger.record(req, outcome.reply, now)
         await self._audit(verb, req, data, outcome, now)
@@ -305,35 +311,37 @@ class CommandService:
             self._check_bounds(req.model, spec, req.replicas, "scale")
             override = Override(kind="scale", replicas=req.replicas, expires_at=now + req.for_s, by=req.by)
             await self.control.set_override(req.model, override)
-            return self._ok(model=req.model, override=msgspec.to_builtins(override))
+            return self._ok(OverrideReply(model=req.model, override=override))
         if isinstance(req, PauseCommand):
             spec = self._spec(req.model)
             if req.replicas is not None:
                 self._check_bounds(req.model, spec, req.replicas, "pause")
             override = Override(kind="pause", replicas=req.replicas, expires_at=None, by=req.by)
             await self.control.set_override(req.model, override)
-            return self._ok(model=req.model, override=msgspec.to_builtins(override))
+            return self._ok(OverrideReply(model=req.model, override=override))
         if isinstance(req, ResumeCommand):
             self._spec(req.model)
             await self.control.set_override(req.model, None)
-            return self._ok(model=req.model, override=None)
+            return self._ok(OverrideReply(model=req.model, override=None))
         if isinstance(req, StatusCommand):
             if req.model is not None:
                 self._spec(req.model)
             rows = [self._trim(row) for row in self.control.status(req.model)]
-            return _Outcome(protocol.ok_reply(models=rows), True, False, {"ok": True, "models": len(rows)})
+            reply = protocol.encode(StatusReply(models=rows))
+            return _Outcome(reply, applied=True, remember=False, audit_reply={"ok": True, "models": len(rows)})
         if isinstance(req, PoolCommand):
             return self._pool(req.model, now)
         if isinstance(req, DrainCommand | UndrainCommand):
             self._check_node(req.node)
             on = isinstance(req, DrainCommand)
             touched = await (self.store.drain(req.node) if on else self.store.undrain(req.node))
-            return self._ok(node=req.node, drained=on, touched=sorted(touched))
+            return self._ok(DrainReply(node=req.node, drained=on, touched=sorted(touched)))
         raise BadMessage("bad_value", f"unknown command verb {verb!r}")  # pragma: no cover - COMMAND_TYPES is closed
 
     @staticmethod
-    def _ok(**fields: Any) -> _Outcome:
-        return _Outcome(protocol.ok_reply(**fields), applied=True, remember=True)
+    def _ok(reply: CommandReply) -> _Outcome:
+        """A mutating command applied: its reply is remembered for a repeat of its id."""
+        return _Outcome(protocol.encode(reply), applied=True, remember=True)
 
     def _spec(self, model: str) -> ScaledObjectSpec:
         spec = self.control.spec_for(model)
@@ -359,10 +367,9 @@ class CommandService:
         known = sorted({r.node for r in self.store.records()} | set(self.store.leases()))
         raise _Refused("unknown_node", f"no agent or slot on node {node!r}; known nodes: {', '.join(known) or 'none'}")
 
-    def _trim(self, row: dict[str, Any]) -> dict[str, Any]:
-        decisions = row.get("decisions")
-        if isinstance(decisions, list) and len(decisions) > self.settings.status_decisions:
-            row = {**row, "decisions": decisions[-self.settings.status_decisions :]}
+    def _trim(self, row: StatusRow) -> StatusRow:
+        if len(row.decisions) > self.settings.status_decisions:
+            row = msgspec.structs.replace(row, decisions=row.decisions[-self.settings.status_decisions :])
         return row
 
     def _pool(self, model: str | None, now: float) -> _Outcome:
@@ -374,28 +381,35 @@ class CommandService:
         for r in records:
             lease = self.store.lease(r.node)
             slots.append(
-                {
-                    "key": r.key,
-                    "model": r.model,
-                    "node": r.node,
-                    "rack": r.rack,
-                    "state": r.state,
-                    "drain": r.drain,
-                    "agent": "fresh" if lease is not None and lease.fresh(now) else "stale",
-                    "resident": r.weights_resident,
-                    "endpoint": r.endpoint,
-                    "reason": r.reason,
-                }
+                PoolSlot(
+                    key=r.key,
+                    model=r.model,
+                    node=r.node,
+                    rack=r.rack,
+                    state=r.state,
+                    drain=r.drain,
+                    agent="fresh" if lease is not None and lease.fresh(now) else "stale",
+                    resident=r.weights_resident,
+                    endpoint=r.endpoint,
+                    reason=r.reason,
+                )
             )
             counts.setdefault(r.model, Counter())[r.state] += 1
         by_model = {m: dict(sorted(c.items())) for m, c in sorted(counts.items())}
         # The contract caps a message at 64 KiB; a big pool sends every count but only as many slots as fit.
         shown = len(slots)
-        reply = protocol.ok_reply(slots=slots, counts=by_model, now=now)
-        while len(reply) > protocol.MAX_MESSAGE_BYTES and shown:
-            shown //= 2
-            reply = protocol.ok_reply(slots=slots[:shown], counts=by_model, now=now, truncated=len(slots) - shown)
-        return _Outcome(reply, True, False, {"ok": True, "slots": len(slots), "counts": by_model})
+        while True:
+            reply = PoolReply(slots=slots[:shown], counts=by_model, now=now, truncated=len(slots) - shown)
+            try:
+                data = protocol.encode(reply)
+                break
+            except BadMessage:  # too_large
+                if not shown:
+                    raise
+                shown //= 2
+        return _Outcome(
+            data, applied=True, remember=False, audit_reply={"ok": True, "slots": len(slots), "counts": by_model}
+        )
 
     # --- audit ---------------------------------------------------------------------------------------------------
 
@@ -418,6 +432,11 @@ class CommandService:
         except (nats.errors.Error, BadMessage, TimeoutError) as err:
             # The command's outcome stands; the record goes to the log so it is not lost entirely.
             log.error("audit record not written (%s): %s", err, protocol.encode(record).decode(errors="replace"))
+
+
+def _refusal(code: str, message: str) -> bytes:
+    """A failed reply: the envelope alone (``{"v", "ok": false, "error"}``), which every verb's reply type reads."""
+    return protocol.encode(protocol.refusal(CommandReply, code, message))
 
 
 def _raw_request(data: bytes) -> tuple[dict[str, Any], str, str]:

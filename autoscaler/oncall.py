@@ -1,12 +1,15 @@
 """On-call CLI verbs: `pulsescale scale|pause|resume|status|pool|drain|undrain` and `pulsescale apply -f`.
 
-Each verb sends one request on ``pulse.cmd.<verb>`` (wire contract v1) and prints the answer. A request gets a
-fresh ``id`` and ``expires_at = now + --timeout``: once the CLI has given up waiting, the autoscaler will not apply
-it either (nats-py may deliver a buffered request late, after a reconnect).
+Each verb sends one command of the contract (`protocol.ScaleCommand`, ...) on ``pulse.cmd.<verb>`` and prints
+its typed reply (`protocol.OverrideReply`, `StatusReply`, `PoolReply`, `DrainReply`). A command gets a fresh
+``id`` and ``expires_at = now + --timeout``: once the CLI has given up waiting, the autoscaler will not apply it
+either (nats-py may deliver a buffered request late, after a reconnect).
 
-Exit codes: 0 done; 1 the autoscaler refused (``<prog>: <code>: <message>``) or NATS is unreachable; 2 usage;
-3 no autoscaler is answering (NATS ``NoResponders``: nobody subscribes, which is not the same as slow);
-4 the autoscaler did not answer in time (it may or may not have applied the command; ``pulsescale status`` says).
+Exit codes: 0 done; 1 the autoscaler refused (``<prog>: <code>: <message>``), or NATS is unreachable, refused
+our credentials or denied a permission (``<prog>: refused: permission denied on <subject> ...``; those are
+`NatsUnavailable`, printed by the dispatcher); 2 usage; 3 no autoscaler is answering (NATS ``NoResponders``:
+nobody subscribes, which is not the same as slow); 4 the autoscaler did not answer in time (it may or may not have
+applied the command; ``pulsescale status`` says).
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import argparse
 import asyncio
 import getpass
 import json
-import logging
 import os
 import re
 import socket
@@ -25,7 +27,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Final, TextIO
+from typing import Any, Final, Literal, TextIO, TypeVar
 
 import msgspec
 import nats.errors
@@ -35,7 +37,21 @@ from nats.aio.client import Client
 from autoscaler import scaledobject
 from warmpool import connect as nats_connect
 from warmpool import protocol
-from warmpool.errors import BadMessage, NatsUnavailable
+from warmpool.errors import BadMessage
+from warmpool.protocol import (
+    DrainCommand,
+    DrainReply,
+    OverrideReply,
+    PauseCommand,
+    PoolCommand,
+    PoolReply,
+    ResumeCommand,
+    ScaleCommand,
+    StatusCommand,
+    StatusReply,
+    StatusRow,
+    UndrainCommand,
+)
 from warmpool.registry import ensure_buckets
 
 __all__ = [
@@ -43,6 +59,7 @@ __all__ = [
     "EXIT_REFUSED",
     "EXIT_TIMEOUT",
     "apply",
+    "default_by",
     "drain",
     "format_duration",
     "format_pool",
@@ -151,17 +168,16 @@ class _Failed(Exception):
         self.code = code
 
 
-async def _request(nc: Client, verb: str, fields: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+R = TypeVar("R", bound=protocol.CommandReply)
+Build = Callable[..., protocol.Command]
+"""Makes the verb's command from its envelope (``id``, ``expires_at``, ``by``), at the moment it is sent."""
+
+
+async def _request(nc: Client, verb: str, build: Build, reply_type: type[R], args: argparse.Namespace) -> R:
     subject = protocol.cmd_subject(verb)
-    body = {
-        "v": 1,
-        "id": uuid.uuid4().hex,
-        "expires_at": time.time() + args.timeout,
-        "by": args.by or default_by(),
-        **{k: v for k, v in fields.items() if v is not None},
-    }
+    command = build(id=uuid.uuid4().hex, expires_at=time.time() + args.timeout, by=args.by or default_by())
     try:
-        msg = await nc.request(subject, json.dumps(body).encode(), timeout=args.timeout)
+        msg = await nc.request(subject, protocol.encode(command), timeout=args.timeout)
     except nats.errors.NoRespondersError:
         raise _Failed(
             f"no autoscaler is answering on {subject} (is `pulsescale autoscaler` running and connected to the "
@@ -177,41 +193,22 @@ async def _request(nc: Client, verb: str, fields: dict[str, Any], args: argparse
     except nats.errors.Error as err:
         raise _Failed(f"NATS failed during the request on {subject}: {err}", EXIT_REFUSED) from None
     try:
-        reply = protocol.decode_reply(msg.data)
+        reply = protocol.decode(msg.data, reply_type)
     except BadMessage as err:
         raise _Failed(f"the autoscaler sent a reply this CLI cannot read ({err})", EXIT_REFUSED) from None
     if not reply.ok:
-        assert reply.error is not None
-        raise _Failed(f"{reply.error.code}: {reply.error.message}", EXIT_REFUSED)
-    return reply.fields
-
-
-def _quiet_connection_log() -> None:
-    """The connection logs its retries as warnings; a CLI says what failed once, in its own error line. (A
-    handler on the logger keeps Python's last-resort stderr handler away; records still propagate to any
-    handler the host process configured.)"""
-    logger = logging.getLogger("pulsescale.nats")
-    if not any(isinstance(h, logging.NullHandler) for h in logger.handlers):
-        logger.addHandler(logging.NullHandler())
+        code, message = (reply.error.code, reply.error.message) if reply.error else ("internal", "no error given")
+        raise _Failed(f"{code}: {message}", EXIT_REFUSED)
+    return reply
 
 
 def _run(
-    prog: str, args: argparse.Namespace, verb: str, fields: dict[str, Any], show: Callable[[dict[str, Any]], None]
+    prog: str, args: argparse.Namespace, verb: str, build: Build, reply_type: type[R], show: Callable[[R], None]
 ) -> int:
-    _quiet_connection_log()
-
-    async def go() -> dict[str, Any]:
-        nc = await nats_connect.connect(nats_connect.options_from_args(args, name=f"pulsescale-{verb}"))
-        try:
-            return await _request(nc, verb, fields, args)
-        finally:
-            await nc.close()
-
+    """Send one command and show its reply. A NATS failure (unreachable, refused) is left to the dispatcher."""
+    opts = nats_connect.options_from_args(args, name=f"pulsescale-{verb}")
     try:
-        reply = asyncio.run(go())
-    except NatsUnavailable as err:
-        print(f"{prog}: {err}", file=sys.stderr)
-        return EXIT_REFUSED
+        reply = asyncio.run(nats_connect.run_client(opts, lambda nc: _request(nc, verb, build, reply_type, args)))
     except _Failed as err:
         print(f"{prog}: {err}", file=sys.stderr)
         return err.code
@@ -223,14 +220,18 @@ def _clock_time(ts: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(ts))
 
 
-def _describe_override(override: dict[str, Any] | None, now: float) -> str:
-    if not override:
+def _describe_override(o: protocol.Override | None, now: float) -> str:
+    if o is None:
         return "-"
-    kind, replicas, expires, by = (override.get(k) for k in ("kind", "replicas", "expires_at", "by"))
-    text = f"{kind} {replicas}" if replicas is not None else f"{kind} (current count)"
-    if expires is not None:
-        text += f", {format_duration(expires - now)} left"
-    return f"{text} by {by}" if by else text
+    text = f"{o.kind} {o.replicas}" if o.replicas is not None else f"{o.kind} (current count)"
+    if o.expires_at is not None:
+        text += f", {format_duration(o.expires_at - now)} left"
+    return f"{text} by {o.by}" if o.by else text
+
+
+def _fields(reply: protocol.CommandReply) -> dict[str, Any]:
+    """A reply as --json prints it: its own fields, without the envelope (``v``, ``ok``, ``error``, ``reason``)."""
+    return {k: v for k, v in msgspec.to_builtins(reply).items() if k not in ("v", "ok", "error", "reason")}
 
 
 # --- the verbs -----------------------------------------------------------------------------------------------------
@@ -250,13 +251,17 @@ def scale(argv: list[str], prog: str) -> int:
     )
     args = p.parse_args(argv)
 
-    def show(reply: dict[str, Any]) -> None:
-        o = reply.get("override") or {}
-        until = o.get("expires_at")
-        when = f" until {_clock_time(until)} ({format_duration(args.for_s)})" if until else ""
-        print(f"{args.model} held at {o.get('replicas', args.replicas)} replicas{when} by {o.get('by', '?')}")
+    def build(**envelope: Any) -> ScaleCommand:
+        return ScaleCommand(**envelope, model=args.model, replicas=args.replicas, for_s=args.for_s)
 
-    return _run(prog, args, "scale", {"model": args.model, "replicas": args.replicas, "for_s": args.for_s}, show)
+    def show(reply: OverrideReply) -> None:
+        o = reply.override
+        until = o.expires_at if o is not None else None
+        when = f" until {_clock_time(until)} ({format_duration(args.for_s)})" if until else ""
+        replicas = o.replicas if o is not None and o.replicas is not None else args.replicas
+        print(f"{args.model} held at {replicas} replicas{when} by {o.by if o is not None else '?'}")
+
+    return _run(prog, args, "scale", build, OverrideReply, show)
 
 
 def pause(argv: list[str], prog: str) -> int:
@@ -265,98 +270,91 @@ def pause(argv: list[str], prog: str) -> int:
     p.add_argument("--replicas", type=_replicas_arg, metavar="N", help="hold at N replicas [the current count]")
     args = p.parse_args(argv)
 
-    def show(reply: dict[str, Any]) -> None:
+    def build(**envelope: Any) -> PauseCommand:
+        return PauseCommand(**envelope, model=args.model, replicas=args.replicas)
+
+    def show(_: OverrideReply) -> None:
         at = f"at {args.replicas} replicas" if args.replicas is not None else "at its current count"
         print(f"{args.model} paused {at}; `pulsescale resume {args.model}` hands it back to the policy")
 
-    return _run(prog, args, "pause", {"model": args.model, "replicas": args.replicas}, show)
+    return _run(prog, args, "pause", build, OverrideReply, show)
 
 
 def resume(argv: list[str], prog: str) -> int:
     p = _parser(prog, "End a model's override (scale or pause): the policy decides again.")
     p.add_argument("model", type=_name_arg("model"))
     args = p.parse_args(argv)
-    return _run(prog, args, "resume", {"model": args.model}, lambda _: print(f"{args.model} is autoscaled again"))
+
+    def build(**envelope: Any) -> ResumeCommand:
+        return ResumeCommand(**envelope, model=args.model)
+
+    return _run(prog, args, "resume", build, OverrideReply, lambda _: print(f"{args.model} is autoscaled again"))
 
 
-def format_status(rows: Sequence[dict[str, Any]], now: float) -> str:
-    """The `status` table; with one model, its recent decisions below it."""
-    header: tuple[str, ...] = ("MODEL", "DESIRED", "READY", "ACTIVATING", "WARM", "MODE", "OVERRIDE", "LAST-REASON")
+def format_status(rows: Sequence[StatusRow], now: float) -> str:
+    """The `status` table; with one model, its recent decisions below it. WARM counts the claimable slots;
+    STALE the ones that read warm but whose agent's lease lapsed (not claimable until it heartbeats again)."""
+    header: tuple[str, ...] = (
+        "MODEL", "DESIRED", "READY", "ACTIVATING", "WARM", "STALE", "MODE", "OVERRIDE", "LAST-REASON",
+    )  # fmt: skip
     table = [header]
     for r in rows:
-        mode = str(r.get("mode") or "-")
-        if r.get("panic") and "panic" not in mode:
+        mode = r.mode or "-"
+        if r.panic and "panic" not in mode:
             mode += ",panic"
-        table.append(
-            (
-                str(r.get("model", "?")),
-                *(str(r.get(k, "-")) for k in ("desired", "ready", "activating", "warm")),
-                mode,
-                _describe_override(r.get("override"), now),
-                str(r.get("reason") or "-"),
-            )
-        )
+        counts = (r.desired, r.ready, r.activating, r.warm, r.stale)
+        table.append((r.model, *map(str, counts), mode, _describe_override(r.override, now), r.reason or "-"))
     widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1] for row in table]
     if not rows:
         lines.append("(no models: apply a ScaledObject with `pulsescale apply -f FILE.yaml`)")
-    if len(rows) == 1 and rows[0].get("decisions"):
-        lines += ["", f"recent decisions of {rows[0].get('model')} (newest last):"]
-        for d in rows[0]["decisions"]:
-            ts = d.get("ts")
-            lines.append(
-                f"  {_clock_time(ts) if isinstance(ts, int | float) else '?':<8}  desired {d.get('desired', '?'):<4}"
-                f"  {d.get('reason') or ''}"
-            )
+    if len(rows) == 1 and rows[0].decisions:
+        lines += ["", f"recent decisions of {rows[0].model} (newest last):"]
+        lines += [f"  {_clock_time(d.ts):<8}  desired {d.desired:<4}  {d.reason}" for d in rows[0].decisions]
     return "\n".join(line.rstrip() for line in lines)
 
 
 def status(argv: list[str], prog: str) -> int:
-    p = _parser(prog, "Show models: desired/ready replicas, mode, override and the last decision's reason.")
+    p = _parser(
+        prog,
+        "Show models: desired/ready replicas, warm slots (STALE: warm but their agent's lease lapsed), mode, "
+        "override and the last decision's reason.",
+    )
     p.add_argument("model", nargs="?", type=_name_arg("model"))
     p.add_argument("--json", action="store_true", help="print the reply's rows as JSON, for scripts")
     args = p.parse_args(argv)
 
-    def show(reply: dict[str, Any]) -> None:
-        rows = reply.get("models", [])
-        print(json.dumps(rows, indent=2) if args.json else format_status(rows, time.time()))
+    def build(**envelope: Any) -> StatusCommand:
+        return StatusCommand(**envelope, model=args.model)
 
-    return _run(prog, args, "status", {"model": args.model}, show)
+    def show(reply: StatusReply) -> None:
+        rows = reply.models
+        print(json.dumps(msgspec.to_builtins(rows), indent=2) if args.json else format_status(rows, time.time()))
+
+    return _run(prog, args, "status", build, StatusReply, show)
 
 
-def format_pool(reply: dict[str, Any]) -> str:
+def format_pool(reply: PoolReply) -> str:
     """Slots grouped by model, each group headed by its counts by state."""
-    slots = reply.get("slots", [])
-    counts: dict[str, dict[str, int]] = reply.get("counts", {})
     lines: list[str] = []
     header: tuple[str, ...] = ("SLOT", "STATE", "NODE", "RACK", "AGENT", "RESIDENT", "ENDPOINT", "REASON")
-    for model, by_state in counts.items():
+    for model, by_state in reply.counts.items():
         total = sum(by_state.values())
         summary = ", ".join(f"{state} {n}" for state, n in by_state.items())
         lines.append(f"{model}: {total} slot(s): {summary}")
         table = [header]
-        for s in slots:
-            if s.get("model") != model:
+        for s in reply.slots:
+            if s.model != model:
                 continue
-            state = str(s.get("state")) + (" (drain)" if s.get("drain") and s.get("state") != "draining" else "")
-            table.append(
-                (
-                    str(s.get("key")),
-                    state,
-                    str(s.get("node")),
-                    str(s.get("rack") or "-"),
-                    str(s.get("agent")),
-                    "yes" if s.get("resident") else "no",
-                    str(s.get("endpoint") or "-"),
-                    str(s.get("reason") or ""),
-                )
-            )
+            state = s.state + (" (drain)" if s.drain and s.state != "draining" else "")
+            resident = "yes" if s.resident else "no"
+            table.append((s.key, state, s.node, s.rack or "-", s.agent, resident, s.endpoint or "-", s.reason or ""))
         widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
         lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1] for r in table]
         lines.append("")
-    if reply.get("truncated"):
-        lines.append(f"({reply['truncated']} more slot(s) not shown: the reply is capped at 64 KiB; name a model)")
-    if not counts:
+    if reply.truncated:
+        lines.append(f"({reply.truncated} more slot(s) not shown: the reply is capped at 64 KiB; name a model)")
+    if not reply.counts:
         lines.append("(no slots registered: are node agents running?)")
     return "\n".join(line.rstrip() for line in lines).rstrip()
 
@@ -367,13 +365,16 @@ def pool(argv: list[str], prog: str) -> int:
     p.add_argument("--json", action="store_true", help="print the reply as JSON, for scripts")
     args = p.parse_args(argv)
 
-    def show(reply: dict[str, Any]) -> None:
-        print(json.dumps(reply, indent=2) if args.json else format_pool(reply))
+    def build(**envelope: Any) -> PoolCommand:
+        return PoolCommand(**envelope, model=args.model)
 
-    return _run(prog, args, "pool", {"model": args.model}, show)
+    def show(reply: PoolReply) -> None:
+        print(json.dumps(_fields(reply), indent=2) if args.json else format_pool(reply))
+
+    return _run(prog, args, "pool", build, PoolReply, show)
 
 
-def _drain_verb(verb: str, argv: list[str], prog: str) -> int:
+def _drain_verb(verb: Literal["drain", "undrain"], argv: list[str], prog: str) -> int:
     what = (
         "Stop offering a node's slots: idle ones go to draining at once, serving ones when released."
         if verb == "drain"
@@ -382,18 +383,21 @@ def _drain_verb(verb: str, argv: list[str], prog: str) -> int:
     p = _parser(prog, what)
     p.add_argument("node", type=_name_arg("node"))
     args = p.parse_args(argv)
+    command = DrainCommand if verb == "drain" else UndrainCommand
 
-    def show(reply: dict[str, Any]) -> None:
-        touched = reply.get("touched", [])
+    def build(**envelope: Any) -> DrainCommand | UndrainCommand:
+        return command(**envelope, node=args.node)
+
+    def show(reply: DrainReply) -> None:
         done = "drained" if verb == "drain" else "undrained"
-        if not touched:
+        if not reply.touched:
             print(f"{args.node}: nothing to change (already {done})")
             return
-        print(f"{args.node} {done}: {len(touched)} slot(s) changed")
-        for key in touched:
+        print(f"{args.node} {done}: {len(reply.touched)} slot(s) changed")
+        for key in reply.touched:
             print(f"  {key}")
 
-    return _run(prog, args, verb, {"node": args.node}, show)
+    return _run(prog, args, verb, build, DrainReply, show)
 
 
 def drain(argv: list[str], prog: str) -> int:
@@ -416,35 +420,27 @@ def _read(path: str, stdin: TextIO) -> tuple[str, str]:
         raise scaledobject.ScaledObjectError("", f"cannot read it: {err}", where=path) from None
 
 
-async def _write(args: argparse.Namespace, manifests: list[scaledobject.Manifest]) -> list[str]:
-    nc = await nats_connect.connect(nats_connect.options_from_args(args, name="pulsescale-apply"))
-    try:
-        kv = (await ensure_buckets(nc.jetstream(timeout=5.0)))[protocol.SCALERS_BUCKET]
-        out = []
-        for m in manifests:
-            rec = m.record
-            previous = None
-            try:
-                entry = await kv.get(rec.key)
-                if entry.value is not None:
-                    previous = protocol.decode(entry.value, protocol.ScalerRecord)
-            except nats.js.errors.KeyNotFoundError:
-                pass
-            except BadMessage:
-                previous = None  # unreadable: overwrite it
-            if previous is not None and scaledobject.same_content(previous, rec):
-                out.append(f"scaledobject {rec.key} unchanged")
-                continue
-            gen = (previous.generation if previous is not None else 0) + 1
-            await kv.put(rec.key, protocol.encode(_with_generation(rec, gen)))
-            out.append(f"scaledobject {rec.key} {'configured' if previous else 'created'}{_summary(rec)}")
-        return out
-    finally:
-        await nc.close()
-
-
-def _with_generation(rec: protocol.ScalerRecord, generation: int) -> protocol.ScalerRecord:
-    return msgspec.structs.replace(rec, generation=generation)
+async def _write(nc: Client, manifests: list[scaledobject.Manifest]) -> list[str]:
+    kv = (await ensure_buckets(nc.jetstream(timeout=5.0)))[protocol.SCALERS_BUCKET]
+    out = []
+    for m in manifests:
+        rec = m.record
+        previous = None
+        try:
+            entry = await kv.get(rec.key)
+            if entry.value is not None:
+                previous = protocol.decode(entry.value, protocol.ScalerRecord)
+        except nats.js.errors.KeyNotFoundError:
+            pass
+        except BadMessage:
+            previous = None  # unreadable: overwrite it
+        if previous is not None and scaledobject.same_content(previous, rec):
+            out.append(f"scaledobject {rec.key} unchanged")
+            continue
+        gen = (previous.generation if previous is not None else 0) + 1
+        await kv.put(rec.key, protocol.encode(msgspec.structs.replace(rec, generation=gen)))
+        out.append(f"scaledobject {rec.key} {'configured' if previous else 'created'}{_summary(rec)}")
+    return out
 
 
 def _summary(rec: protocol.ScalerRecord) -> str:
@@ -483,16 +479,13 @@ def apply(argv: list[str], prog: str, *, stdin: TextIO | None = None) -> int:
     except scaledobject.ScaledObjectError as err:
         print(f"{prog}: {err}", file=sys.stderr)
         return EXIT_REFUSED
-    _quiet_connection_log()
     if args.dry_run:
         for m in manifests:
             print(f"scaledobject {m.record.key} valid{_summary(m.record)} (dry run: nothing written)")
         return 0
+    opts = nats_connect.options_from_args(args, name="pulsescale-apply")
     try:
-        lines = asyncio.run(_write(args, manifests))
-    except NatsUnavailable as err:
-        print(f"{prog}: {err}", file=sys.stderr)
-        return EXIT_REFUSED
+        lines = asyncio.run(nats_connect.run_client(opts, lambda nc: _write(nc, manifests)))
     except (nats.errors.Error, TimeoutError) as err:
         print(f"{prog}: writing to {protocol.SCALERS_BUCKET} failed: {err}", file=sys.stderr)
         return EXIT_REFUSED

@@ -10,6 +10,8 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Awaitable
+from dataclasses import replace
 from pathlib import Path
 
 from nodeagent import modelformat, tinymodel
@@ -19,7 +21,6 @@ from nodeagent.errors import BadModel, BadWeights, LoaderUnavailable
 from nodeagent.settings import AgentSettings
 from warmpool import connect as nats_connect
 from warmpool import protocol
-from warmpool.errors import PulsescaleError
 
 __all__ = ["model", "run_agent"]
 
@@ -125,7 +126,7 @@ def run_agent(argv: list[str], prog: str) -> int:
     from nodeagent import agent  # the daemon's imports (nats, aiohttp) only when it runs
 
     async def main() -> None:
-        stop = asyncio.Event()
+        stop, ready = asyncio.Event(), asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
@@ -134,13 +135,14 @@ def run_agent(argv: list[str], prog: str) -> int:
             where = f", metrics on :{port}" if port is not None else ""
             print(f"agent {settings.node}: serving pulse.agent.{settings.node}.*{where}", file=sys.stderr, flush=True)
 
-        await agent.run(settings, stop=stop, on_started=started)
+        def run(nats: nats_connect.NatsOptions) -> Awaitable[None]:
+            return agent.run(replace(settings, nats=nats), stop=stop, ready=ready, on_started=started)
 
-    try:
-        asyncio.run(main())
-    except PulsescaleError as err:  # NATS unreachable, metrics port taken: one line, no traceback
-        print(f"{prog}: {err}", file=sys.stderr)
-        return 1
+        await nats_connect.run_daemon(settings.nats, run, ready)
+
+    # NATS unreachable or refused, a permission denied at start, the metrics port taken: `PulsescaleError`s, which
+    # the dispatcher prints as one line.
+    asyncio.run(main())
     return 0
 
 

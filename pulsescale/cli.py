@@ -3,6 +3,10 @@
 Each package owns its subcommands; a package is imported only when one of its subcommands runs, so
 `pulsescale scale` never pays for the node agent's imports (or a GPU library). Every target is a function
 ``main(argv, prog) -> exit code``.
+
+Errors that end a command the same way everywhere end here: a named error (`PulsescaleError`: NATS unreachable,
+credentials refused, a permission denied, a port taken) is one line ``<prog>: <what was wrong and what to do>``
+and exit 1, for every command, daemons included; a closed stdout pipe is a quiet exit.
 """
 
 from __future__ import annotations
@@ -75,7 +79,13 @@ def _run(cmd: Command, argv: list[str], prog: str) -> int:
             raise  # a real missing dependency, not a command that has not landed yet
         print(f"{prog}: not available yet in this version ({cmd.summary})", file=sys.stderr)
         return 2
-    return int(fn(argv, prog) or 0)
+    from warmpool.errors import PulsescaleError  # after the target's imports: `--help` stays light
+
+    try:
+        return int(fn(argv, prog) or 0)
+    except PulsescaleError as err:
+        print(f"{prog}: {err}", file=sys.stderr)
+        return 1
 
 
 def bench(argv: list[str], prog: str) -> int:

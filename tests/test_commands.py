@@ -15,10 +15,9 @@ import pytest
 from nats.aio.client import Client
 
 from autoscaler.commands import CommandService, CommandSettings
-from autoscaler.policy import Override
 from tests.helpers import ShiftedClock
 from warmpool import protocol
-from warmpool.protocol import AuditRecord, ScaledObjectSpec
+from warmpool.protocol import AuditRecord, DecisionRow, Override, ScaledObjectSpec, StatusRow
 from warmpool.registry import KvSlotStore
 from warmpool.seed import seed_pool
 
@@ -43,7 +42,7 @@ class ControlPlaneDouble:
         self.specs = specs
         self.overrides: dict[str, Override | None] = {}
         self.calls: list[tuple[str, Override | None]] = []
-        self.decisions: dict[str, list[dict[str, Any]]] = {}
+        self.decisions: dict[str, list[DecisionRow]] = {}
         self.fail_next: Exception | None = None
 
     def spec_for(self, model: str) -> ScaledObjectSpec | None:
@@ -59,7 +58,7 @@ class ControlPlaneDouble:
         self.calls.append((model, override))
         self.overrides[model] = override
 
-    def status(self, model: str | None) -> list[dict[str, Any]]:
+    def status(self, model: str | None) -> list[StatusRow]:
         rows = []
         for m in sorted(self.specs):
             if model is not None and m != model:
@@ -67,20 +66,19 @@ class ControlPlaneDouble:
             o = self.overrides.get(m)
             desired = o.replicas if o is not None and o.replicas is not None else self.specs[m].min_replica_count
             rows.append(
-                {
-                    "model": m,
-                    "desired": desired,
-                    "ready": desired,
-                    "activating": 0,
-                    "warm": 2,
-                    "panic": False,
-                    "mode": "override" if o else "stable",
-                    "override": None
-                    if o is None
-                    else {k: getattr(o, k) for k in ("kind", "replicas", "expires_at", "by")},
-                    "reason": "demand 3.0 / target 4 per replica",
-                    "decisions": self.decisions.get(m, []),
-                }
+                StatusRow(
+                    model=m,
+                    scaler=f"default.{m}",
+                    desired=desired,
+                    ready=desired,
+                    activating=0,
+                    warm=2,
+                    stale=1,
+                    mode="override" if o else "stable",
+                    override=o,
+                    reason="demand 3.0 / target 4 per replica",
+                    decisions=self.decisions.get(m, []),
+                )
             )
         return rows
 
@@ -253,7 +251,7 @@ async def test_a_failing_controller_is_an_internal_error_not_a_crash(
 
 
 async def test_status_rows_and_decision_trim(nc: Client, service: CommandService, control: ControlPlaneDouble) -> None:
-    control.decisions["qwen"] = [{"ts": float(i), "desired": i, "reason": f"r{i}"} for i in range(25)]
+    control.decisions["qwen"] = [DecisionRow(ts=float(i), desired=i, reason=f"r{i}") for i in range(25)]
     reply = await send(nc, "status", request("status"))
     assert [r["model"] for r in reply["models"]] == ["llama", "qwen"]
     qwen = reply["models"][1]
@@ -285,6 +283,38 @@ async def test_pool_lists_slots_with_agent_freshness(nc: Client, service: Comman
     only = await send(nc, "pool", request("pool", model="llama"))
     assert [s["key"] for s in only["slots"]] == ["llama.old-0.s0"]
     assert (await send(nc, "pool", request("pool", model="mistral")))["error"]["code"] == "unknown_model"
+
+
+async def test_a_big_pool_is_cut_to_fit_the_message_cap_but_counted_whole(
+    nc: Client, service: CommandService, store: KvSlotStore
+) -> None:
+    long_prefix = "rack-row-" + "n" * 50  # long node names: a few hundred slots exceed 64 KiB
+    await seed_pool(store, "llama", nodes=30, slots_per_node=10, node_prefix=long_prefix)
+    msg = await nc.request("pulse.cmd.pool", json.dumps(request("pool")).encode(), 5)
+    assert len(msg.data) <= protocol.MAX_MESSAGE_BYTES
+    reply = protocol.decode(msg.data, protocol.PoolReply)
+    assert reply.ok and reply.counts == {"llama": {"warm": 300}, "qwen": {"warm": 4}}
+    assert 0 < len(reply.slots) < 304 and reply.truncated == 304 - len(reply.slots)
+    assert len(msg.data) > protocol.MAX_MESSAGE_BYTES // 4  # halved at most twice: not cut to nothing
+
+
+async def test_replies_are_the_contracts_types(nc: Client, service: CommandService) -> None:
+    async def raw(verb: str, **fields: Any) -> bytes:
+        return (await nc.request(f"pulse.cmd.{verb}", json.dumps(request(verb, **fields)).encode(), 2)).data
+
+    scaled = protocol.decode(await raw("scale", model="qwen", replicas=3, for_s=60), protocol.OverrideReply)
+    assert scaled.ok and scaled.model == "qwen" and scaled.override is not None and scaled.override.replicas == 3
+    resumed = protocol.decode(await raw("resume", model="qwen"), protocol.OverrideReply)
+    assert resumed.ok and resumed.override is None
+    status = protocol.decode(await raw("status", model="qwen"), protocol.StatusReply)
+    assert [(r.model, r.warm, r.stale) for r in status.models] == [("qwen", 2, 1)]
+    drained = protocol.decode(await raw("drain", node="node-0"), protocol.DrainReply)
+    assert drained.drained and drained.touched == ["qwen.node-0.s0", "qwen.node-0.s1"]
+    # A refusal is the envelope alone, whatever the verb (no empty pool), and reads as any verb's reply.
+    refused = await raw("pool", model="mistral")
+    assert set(json.loads(refused)) <= {"v", "ok", "error", "reason"}
+    pool = protocol.decode(refused, protocol.PoolReply)
+    assert not pool.ok and pool.error is not None and pool.error.code == "unknown_model"
 
 
 async def test_drain_and_undrain_touch_the_nodes_slots(nc: Client, service: CommandService, store: KvSlotStore) -> None:

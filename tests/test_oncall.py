@@ -1,5 +1,5 @@
-"""The on-call CLI verbs, run as the dispatcher runs them (``fn(argv, prog)``) against a real nats-server and a
-running `CommandService`; the controller behind it is the in-memory double of test_commands."""
+"""The on-call CLI verbs, run through the `pulsescale` dispatcher against a real nats-server and a running
+`CommandService`; the controller behind it is the in-memory double of test_commands."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 from nats.aio.client import Client
@@ -14,10 +15,10 @@ from nats.aio.msg import Msg
 
 from autoscaler import oncall
 from autoscaler.commands import CommandService
-from autoscaler.policy import Override
+from pulsescale import cli as dispatcher
 from tests.test_commands import ControlPlaneDouble, make_spec
 from warmpool.embedded import NatsServer, free_port
-from warmpool.protocol import AuditRecord
+from warmpool.protocol import AuditRecord, DecisionRow, Override, StatusRow
 from warmpool.registry import KvSlotStore
 from warmpool.seed import seed_pool
 
@@ -43,13 +44,12 @@ Run = Callable[..., "asyncio.Future[tuple[int, str, str]]"]
 
 @pytest.fixture
 def cli(nats_server: NatsServer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    """Run a verb as `pulsescale VERB ARGS` would, in a thread (it runs its own event loop) while the service
-    answers in the test's loop. Returns (exit code, stdout, stderr)."""
+    """Run `pulsescale VERB ARGS` in a thread (it runs its own event loop) while the service answers in the
+    test's loop. Returns (exit code, stdout, stderr)."""
     monkeypatch.setenv("PULSESCALE_USER", "oncall-bob")
 
     async def run(verb: str, *args: str) -> tuple[int, str, str]:
-        fn = getattr(oncall, verb)
-        code = await asyncio.to_thread(fn, [*args, "--nats", nats_server.url], f"pulsescale {verb}")
+        code = await asyncio.to_thread(dispatcher.main, [verb, *args, "--nats", nats_server.url])
         out = capsys.readouterr()
         return code, out.out, out.err
 
@@ -150,9 +150,10 @@ async def test_status_table_and_json(cli, service: CommandService, control: Cont
     code, out, _ = await cli("status")
     assert code == 0
     lines = out.splitlines()
-    assert lines[0].split() == ["MODEL", "DESIRED", "READY", "ACTIVATING", "WARM", "MODE", "OVERRIDE", "LAST-REASON"]
-    assert lines[1].split()[:6] == ["llama", "0", "0", "0", "2", "stable"]
-    assert lines[2].split()[:6] == ["qwen", "3", "3", "0", "2", "override"]
+    header = ["MODEL", "DESIRED", "READY", "ACTIVATING", "WARM", "STALE", "MODE", "OVERRIDE", "LAST-REASON"]
+    assert lines[0].split() == header
+    assert lines[1].split()[:7] == ["llama", "0", "0", "0", "2", "1", "stable"]
+    assert lines[2].split()[:7] == ["qwen", "3", "3", "0", "2", "1", "override"]
     assert "scale 3, 1h29m" in lines[2] or "scale 3, 1h30m" in lines[2]
     assert lines[2].endswith("by oncall-bob  demand 3.0 / target 4 per replica")
     # Columns line up: every row's MODE starts where the header's does.
@@ -161,6 +162,7 @@ async def test_status_table_and_json(cli, service: CommandService, control: Cont
     code, out, _ = await cli("status", "qwen", "--json")
     rows = json.loads(out)
     assert code == 0 and [r["model"] for r in rows] == ["qwen"] and rows[0]["override"]["kind"] == "scale"
+    assert (rows[0]["warm"], rows[0]["stale"]) == (2, 1)
 
 
 async def test_pool_groups_slots_by_model(cli, service: CommandService) -> None:  # type: ignore[no-untyped-def]
@@ -235,77 +237,63 @@ async def test_a_silent_autoscaler_is_a_timeout(cli, nc: Client) -> None:  # typ
 
 
 async def test_unreachable_nats_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    code = await asyncio.to_thread(oncall.status, ["--nats", f"nats://127.0.0.1:{free_port()}"], "pulsescale status")
+    argv = ["status", "--nats", f"nats://127.0.0.1:{free_port()}", "--nats-connect-timeout", "0.5"]
+    code = await asyncio.to_thread(dispatcher.main, argv)
     err = capsys.readouterr().err
-    assert code == 1 and err.startswith("pulsescale status: cannot connect to NATS") and "Traceback" not in err
+    assert code == 1 and err.startswith("pulsescale status: cannot connect to NATS") and err.count("\n") == 1
 
 
 # --- formatting (no NATS) -------------------------------------------------------------------------------------
 
 
+def row(model: str, **fields: Any) -> StatusRow:
+    counts = {"desired": 1, "ready": 1, "activating": 0, "warm": 0}
+    return StatusRow(model=model, scaler=f"default.{model}", **{**counts, **fields})
+
+
 def test_status_table_formatting() -> None:
     now = 1_700_000_000.0
     rows = [
-        {
-            "model": "qwen",
-            "desired": 6,
-            "ready": 4,
-            "activating": 2,
-            "warm": 1,
-            "panic": True,
-            "mode": "panic",
-            "override": None,
-            "reason": "panic: demand 30 >= 2.0 x capacity 12",
-            "decisions": [],
-        },
-        {
-            "model": "llama-3-70b",
-            "desired": 2,
-            "ready": 2,
-            "activating": 0,
-            "warm": 3,
-            "panic": False,
-            "mode": "stable",
-            "override": {"kind": "pause", "replicas": 2, "expires_at": None, "by": "alice"},
-            "reason": None,
-            "decisions": [],
-        },
-        {
-            "model": "m",
-            "desired": 1,
-            "ready": 1,
-            "activating": 0,
-            "warm": 0,
-            "panic": True,
-            "mode": "stable",
-            "override": {"kind": "scale", "replicas": 1, "expires_at": now + 552, "by": "bob"},
-            "reason": "override",
-            "decisions": [],
-        },
+        row(
+            "qwen",
+            desired=6,
+            ready=4,
+            activating=2,
+            warm=1,
+            stale=2,
+            panic=True,
+            mode="panic",
+            reason="panic: demand 30 >= 2.0 x capacity 12",
+        ),
+        row(
+            "llama-3-70b",
+            desired=2,
+            ready=2,
+            warm=3,
+            mode="stable",
+            override=Override(kind="pause", replicas=2, by="alice"),
+        ),
+        row(
+            "m",
+            panic=True,
+            mode="stable",
+            override=Override(kind="scale", replicas=1, expires_at=now + 552, by="bob"),
+            reason="override",
+        ),
     ]
     assert oncall.format_status(rows, now).splitlines() == [
-        "MODEL        DESIRED  READY  ACTIVATING  WARM  MODE          OVERRIDE                    LAST-REASON",
-        "qwen         6        4      2           1     panic         -                           "
+        "MODEL        DESIRED  READY  ACTIVATING  WARM  STALE  MODE          OVERRIDE                    LAST-REASON",
+        "qwen         6        4      2           1     2      panic         -                           "
         "panic: demand 30 >= 2.0 x capacity 12",
-        "llama-3-70b  2        2      0           3     stable        pause 2 by alice            -",
-        "m            1        1      0           0     stable,panic  scale 1, 9m12s left by bob  override",
+        "llama-3-70b  2        2      0           3     0      stable        pause 2 by alice            -",
+        "m            1        1      0           0     0      stable,panic  scale 1, 9m12s left by bob  override",
     ]
 
 
 def test_status_of_one_model_shows_its_decisions() -> None:
-    row = {
-        "model": "qwen",
-        "desired": 3,
-        "ready": 3,
-        "activating": 0,
-        "warm": 2,
-        "panic": False,
-        "mode": "stable",
-        "override": None,
-        "reason": "r2",
-        "decisions": [{"ts": 0.0, "desired": 2, "reason": "r1"}, {"ts": 60.0, "desired": 3, "reason": "r2"}],
-    }
-    lines = oncall.format_status([row], 100.0).splitlines()
+    decisions = [DecisionRow(ts=0.0, desired=2, reason="r1"), DecisionRow(ts=60.0, desired=3, reason="r2")]
+    qwen = row("qwen", desired=3, ready=3, warm=2, mode="stable", reason="r2", decisions=decisions)
+    lines = oncall.format_status([qwen], 100.0).splitlines()
     assert lines[3] == "recent decisions of qwen (newest last):"
     assert lines[4].split()[1:] == ["desired", "2", "r1"] and lines[5].split()[1:] == ["desired", "3", "r2"]
     assert oncall.format_status([], 0.0).splitlines()[1].startswith("(no models: apply a ScaledObject")

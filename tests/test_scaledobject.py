@@ -13,6 +13,7 @@ from nats.aio.client import Client
 
 from autoscaler import oncall, scaledobject
 from autoscaler.scaledobject import ScaledObjectError
+from pulsescale import cli as dispatcher
 from warmpool import protocol
 from warmpool.embedded import NatsServer, free_port
 from warmpool.protocol import ScalerRecord
@@ -248,8 +249,10 @@ def test_apply_dry_run_needs_no_nats(capsys: pytest.CaptureFixture[str]) -> None
 def test_apply_missing_file_and_unreachable_nats(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert apply("-f", str(tmp_path / "nope.yaml")) == 1
     assert capsys.readouterr().err.startswith(f"pulsescale apply: {tmp_path / 'nope.yaml'}: cannot read it:")
-    assert apply("-f", str(EXAMPLE), nats_url=f"nats://127.0.0.1:{free_port()}") == 1
-    assert "cannot connect to NATS" in capsys.readouterr().err
+    unreachable = ["--nats", f"nats://127.0.0.1:{free_port()}", "--nats-connect-timeout", "0.5"]
+    assert dispatcher.main(["apply", "-f", str(EXAMPLE), *unreachable]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("pulsescale apply: cannot connect to NATS") and err.count("\n") == 1
 
 
 def test_apply_same_object_in_two_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

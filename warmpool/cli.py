@@ -1,4 +1,8 @@
-"""warmpool's subcommands: `pulsescale nats` (a local broker) and `pulsescale slots` (the registry, raw)."""
+"""warmpool's subcommands: `pulsescale nats` (a local broker), `pulsescale slots` (the registry, raw) and
+`pulsescale sample` (gateway samples by hand).
+
+A NATS failure (unreachable, credentials or a permission refused) leaves these as `NatsUnavailable`; the
+dispatcher prints it as one line and exits 1."""
 
 from __future__ import annotations
 
@@ -9,10 +13,11 @@ import sys
 import threading
 import time
 
+from nats.aio.client import Client
+
 from warmpool import connect as nats_connect
 from warmpool import protocol
 from warmpool.embedded import NatsServer
-from warmpool.errors import NatsUnavailable
 from warmpool.registry import KvSlotStore
 
 
@@ -40,21 +45,17 @@ def run_nats(argv: list[str], prog: str) -> int:
     return 0
 
 
-async def _slots(args: argparse.Namespace) -> None:
-    nc = await nats_connect.connect(nats_connect.options_from_args(args, name="pulsescale-slots"))
-    try:
-        async with await KvSlotStore.open(nc) as store:
-            now = store.clock()
-            rows = sorted(store.records(args.model), key=lambda r: r.key)
-            print(f"{'SLOT':<40} {'STATE':<11} {'RACK':<10} {'AGENT':<7} {'RESIDENT':<8} REASON")
-            for r in rows:
-                lease = store.lease(r.node)
-                agent = "fresh" if lease and lease.fresh(now) else "stale"
-                resident = "yes" if r.weights_resident else "no"
-                print(f"{r.key:<40} {r.state:<11} {r.rack or '-':<10} {agent:<7} {resident:<8} {r.reason or ''}")
-            print(f"{len(rows)} slot(s)")
-    finally:
-        await nc.close()
+async def _slots(nc: Client, model: str | None) -> None:
+    async with await KvSlotStore.open(nc) as store:
+        now = store.clock()
+        rows = sorted(store.records(model), key=lambda r: r.key)
+        print(f"{'SLOT':<40} {'STATE':<11} {'RACK':<10} {'AGENT':<7} {'RESIDENT':<8} REASON")
+        for r in rows:
+            lease = store.lease(r.node)
+            agent = "fresh" if lease and lease.fresh(now) else "stale"
+            resident = "yes" if r.weights_resident else "no"
+            print(f"{r.key:<40} {r.state:<11} {r.rack or '-':<10} {agent:<7} {resident:<8} {r.reason or ''}")
+        print(f"{len(rows)} slot(s)")
 
 
 def slots(argv: list[str], prog: str) -> int:
@@ -62,42 +63,37 @@ def slots(argv: list[str], prog: str) -> int:
     p.add_argument("model", nargs="?", help="only this model's slots")
     nats_connect.add_nats_arguments(p)
     args = p.parse_args(argv)
-    try:
-        asyncio.run(_slots(args))
-    except NatsUnavailable as err:
-        print(f"{prog}: {err}", file=sys.stderr)
-        return 1
+    opts = nats_connect.options_from_args(args, name="pulsescale-slots")
+    asyncio.run(nats_connect.run_client(opts, lambda nc: _slots(nc, args.model)))
     return 0
 
 
-async def _sample(args: argparse.Namespace) -> None:
-    nc = await nats_connect.connect(nats_connect.options_from_args(args, name="pulsescale-sample"))
-    try:
-        end = time.monotonic() + args.for_s
-        seq = 0
-        arrivals = 0
-        while True:
-            seq += 1
-            arrivals += args.queue_depth
-            s = protocol.QueueSample(
-                gateway=args.gateway,
-                model=args.model,
-                seq=seq,
-                ts=time.time(),
-                queue_depth=args.queue_depth,
-                inflight=args.inflight,
-                arrivals_total=arrivals,
-                completions_total=0,
-                timeouts_total=0,
-            )
-            await nc.publish(protocol.queue_subject(args.model), protocol.encode(s))
-            if time.monotonic() >= end:
-                break
-            await asyncio.sleep(args.every_s)
-        await nc.flush()
-        print(f"published {seq} sample(s) for {args.model}: queue {args.queue_depth}, in-flight {args.inflight}")
-    finally:
-        await nc.close()
+async def _sample(nc: Client, args: argparse.Namespace) -> int:
+    """Publish the samples; how many. The flush waits for the server's answer, so a refused publish is known
+    (and `run_client` raises it) before this returns."""
+    end = time.monotonic() + args.for_s
+    seq = 0
+    arrivals = 0
+    while True:
+        seq += 1
+        arrivals += args.queue_depth
+        s = protocol.QueueSample(
+            gateway=args.gateway,
+            model=args.model,
+            seq=seq,
+            ts=time.time(),
+            queue_depth=args.queue_depth,
+            inflight=args.inflight,
+            arrivals_total=arrivals,
+            completions_total=0,
+            timeouts_total=0,
+        )
+        await nc.publish(protocol.queue_subject(args.model), protocol.encode(s))
+        if time.monotonic() >= end:
+            break
+        await asyncio.sleep(args.every_s)
+    await nc.flush()
+    return seq
 
 
 def sample(argv: list[str], prog: str) -> int:
@@ -118,9 +114,7 @@ def sample(argv: list[str], prog: str) -> int:
         p.error(f"model {args.model!r} is not a valid name ({protocol.NAME_PATTERN})")
     if args.queue_depth < 0 or args.inflight < 0:
         p.error("counts must be >= 0")
-    try:
-        asyncio.run(_sample(args))
-    except NatsUnavailable as err:
-        print(f"{prog}: {err}", file=sys.stderr)
-        return 1
+    opts = nats_connect.options_from_args(args, name="pulsescale-sample")
+    sent = asyncio.run(nats_connect.run_client(opts, lambda nc: _sample(nc, args)))
+    print(f"published {sent} sample(s) for {args.model}: queue {args.queue_depth}, in-flight {args.inflight}")
     return 0

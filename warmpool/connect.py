@@ -1,8 +1,18 @@
-"""NATS connection options shared by every daemon and CLI verb.
+"""NATS connections for every daemon and CLI verb: options, the first connection, refusals.
 
-Flags win over ``PULSESCALE_NATS*`` environment variables, which win over defaults. Once connected, clients
-reconnect forever (a daemon must outlive a broker restart); the *first* connection is bounded by
-`connect_deadline_s` and fails with a `NatsUnavailable` that says what went wrong and what to check.
+Options come from flags, which win over ``PULSESCALE_NATS*`` environment variables, which win over defaults
+(`add_nats_arguments`, `options_from_args`).
+
+`connect` makes the first connection or raises `NatsUnavailable` with one message that says what went wrong and
+what to check: at once when the server refuses our credentials (nats-py would otherwise retry them until the
+deadline), else within `NatsOptions.connect_deadline_s`. What goes wrong before that is collected for that
+message, not logged, so a command fails with one line. Once connected, clients reconnect forever (a daemon must
+outlive a broker restart) and log what the server reports.
+
+`run_client` is how a CLI verb uses a connection: connect, do the work, close; a permission violation the server
+reports meanwhile ends the work with `PermissionDenied` (nats-py reports those only through the error callback,
+and the refused publish or subscribe itself just goes unanswered, so a request would wait out its timeout).
+`run_daemon` does the same for a daemon's start-up, until it serves.
 """
 
 from __future__ import annotations
@@ -10,21 +20,37 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
+import re
 import ssl
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any, Final, Literal, TypeVar
 
 import nats
 from nats.aio.client import Client
 
 from warmpool.errors import NatsUnavailable
 
-__all__ = ["NatsOptions", "add_nats_arguments", "connect", "options_from_args"]
+__all__ = [
+    "NatsOptions",
+    "PermissionDenied",
+    "add_nats_arguments",
+    "connect",
+    "options_from_args",
+    "permission_denied",
+    "run_client",
+    "run_daemon",
+]
 
 log = logging.getLogger("pulsescale.nats")
+# A library's logger: a daemon's logging configuration shows these records; a CLI that configures none does not
+# get them from Python's last-resort handler as extra lines beside its one error line.
+log.addHandler(logging.NullHandler())
 
-DEFAULT_URL = "nats://127.0.0.1:4222"
+DEFAULT_URL: Final = "nats://127.0.0.1:4222"
+DEFAULT_CONNECT_DEADLINE_S: Final = 5.0
 
 
 @dataclass(frozen=True)
@@ -40,25 +66,40 @@ class NatsOptions:
     """CA bundle to verify the server's certificate; implies TLS."""
     name: str = "pulsescale"
     """Connection name shown in the server's monitoring (`/connz`)."""
-    connect_deadline_s: float = 5.0
+    connect_deadline_s: float = DEFAULT_CONNECT_DEADLINE_S
     """How long the first connection may take before we give up: long enough for a server that is starting,
-    short enough that a typo in the URL is reported while the operator is still looking."""
+    short enough that a typo in the URL is reported while the operator is still looking. A refusal of our
+    credentials does not wait for it."""
     reconnect_wait_s: float = 0.25
     """Pause between reconnect attempts. Short: the registry is on the activation path."""
     request_timeout_s: float = 2.0
     """Default timeout of a JetStream API call (a KV compare-and-set is one)."""
     extra: Mapping[str, object] = field(default_factory=dict)
     """More `nats.connect` keyword arguments (callbacks) for the daemon that owns the connection."""
+    on_error: Callable[[Exception], Awaitable[None]] | None = None
+    """Sees what the server reports once connected (a permission violation, say), after it is logged. An option
+    rather than an argument of `connect` so that it reaches a daemon's own connection (`run_daemon`)."""
 
 
-_ENV = {
-    "servers": "PULSESCALE_NATS_URL",
-    "user": "PULSESCALE_NATS_USER",
-    "password": "PULSESCALE_NATS_PASSWORD",
-    "token": "PULSESCALE_NATS_TOKEN",
-    "creds_file": "PULSESCALE_NATS_CREDS",
-    "tls_ca_file": "PULSESCALE_NATS_TLS_CA",
-}
+_CONNECT_TIMEOUT_ENV: Final = "PULSESCALE_NATS_CONNECT_TIMEOUT"
+_TEXT_OPTIONS: Final = (  # NatsOptions field, argparse dest, environment variable
+    ("servers", "nats_url", "PULSESCALE_NATS_URL"),
+    ("user", "nats_user", "PULSESCALE_NATS_USER"),
+    ("password", "nats_password", "PULSESCALE_NATS_PASSWORD"),
+    ("token", "nats_token", "PULSESCALE_NATS_TOKEN"),
+    ("creds_file", "nats_creds", "PULSESCALE_NATS_CREDS"),
+    ("tls_ca_file", "nats_tls_ca", "PULSESCALE_NATS_TLS_CA"),
+)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
+    return value
 
 
 def add_nats_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,31 +110,98 @@ def add_nats_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--nats-token", metavar="TOKEN")
     g.add_argument("--nats-creds", metavar="FILE", help="credentials file (JWT + nkey seed)")
     g.add_argument("--nats-tls-ca", metavar="FILE", help="CA bundle; enables TLS")
+    g.add_argument(
+        "--nats-connect-timeout",
+        type=_seconds,
+        metavar="SECONDS",
+        help=f"give up on an unreachable server after this long [${_CONNECT_TIMEOUT_ENV} or "
+        f"{DEFAULT_CONNECT_DEADLINE_S:g}]",
+    )
 
 
 def options_from_args(args: argparse.Namespace, *, name: str, env: Mapping[str, str] | None = None) -> NatsOptions:
+    """The options `add_nats_arguments` parsed, else the environment's, else the defaults. A bad connect timeout
+    in the environment is a `NatsUnavailable` naming the variable (argparse checked the flag)."""
     env = os.environ if env is None else env
-
-    def pick(flag: str | None, key: str) -> str | None:
-        return flag if flag else (env.get(_ENV[key]) or None)
-
-    url = pick(getattr(args, "nats_url", None), "servers") or DEFAULT_URL
+    text = {key: getattr(args, dest, None) or env.get(var) or None for key, dest, var in _TEXT_OPTIONS}
+    deadline_s: float | None = getattr(args, "nats_connect_timeout", None)
+    if deadline_s is None and env.get(_CONNECT_TIMEOUT_ENV):
+        try:
+            deadline_s = _seconds(env[_CONNECT_TIMEOUT_ENV])
+        except argparse.ArgumentTypeError as err:
+            raise NatsUnavailable(f"{_CONNECT_TIMEOUT_ENV}: {err}") from None
+    url = text["servers"] or DEFAULT_URL
     return NatsOptions(
         servers=tuple(u.strip() for u in url.split(",") if u.strip()),
-        user=pick(getattr(args, "nats_user", None), "user"),
-        password=pick(getattr(args, "nats_password", None), "password"),
-        token=pick(getattr(args, "nats_token", None), "token"),
-        creds_file=pick(getattr(args, "nats_creds", None), "creds_file"),
-        tls_ca_file=pick(getattr(args, "nats_tls_ca", None), "tls_ca_file"),
+        user=text["user"],
+        password=text["password"],
+        token=text["token"],
+        creds_file=text["creds_file"],
+        tls_ca_file=text["tls_ca_file"],
         name=name,
+        connect_deadline_s=DEFAULT_CONNECT_DEADLINE_S if deadline_s is None else deadline_s,
     )
+
+
+# --- what the server refused -------------------------------------------------------------------------------------
+
+
+class PermissionDenied(NatsUnavailable):
+    """The server refused a publish or a subscription on `subject`: the NATS user lacks that permission."""
+
+    code = "permission_denied"
+
+    def __init__(self, operation: Literal["publish", "subscribe"], subject: str) -> None:
+        self.operation = operation
+        self.subject = subject
+        super().__init__(
+            f"refused: permission denied on {subject} (this NATS user may not {operation} "
+            f"{'to' if operation == 'publish' else 'on'} it: use the user of the right role, or grant it in the "
+            "server's authorization)"
+        )
+
+
+_PERMISSION_VIOLATION: Final = re.compile(r'permissions violation for (publish|subscription) to "([^"]*)"', re.I)
+
+
+def permission_denied(err: BaseException) -> PermissionDenied | None:
+    """The `PermissionDenied` an error from nats-py's error callback reports, or None for any other error."""
+    m = _PERMISSION_VIOLATION.search(str(err))
+    if m is None:
+        return None
+    operation: Literal["publish", "subscribe"] = "publish" if m.group(1).lower() == "publish" else "subscribe"
+    return PermissionDenied(operation, _system_case(m.group(2)))
+
+
+def _system_case(subject: str) -> str:
+    """nats-py lower-cases the server's error text. Our own names are lower case; put back the upper case of the
+    system subjects we use (``_INBOX.``, ``$KV.``, ``$JS.API.STREAM.INFO.KV_<bucket>``), since a permission is
+    granted on the exact subject."""
+    tokens = subject.split(".")
+    if tokens[0] not in ("_inbox", "$kv", "$js"):
+        return subject
+    tokens[0] = tokens[0].upper()
+    if tokens[0] == "$JS":  # API words are upper case up to the stream's name: KV_<bucket> or PULSE_AUDIT
+        for i, token in enumerate(tokens[1:], start=1):
+            if not token.isalpha():
+                tokens[i] = "KV_" + token[3:] if token.startswith("kv_") else token.upper()
+                break
+            tokens[i] = token.upper()
+    return ".".join(tokens)
+
+
+def _refuses_credentials(err: BaseException) -> bool:
+    """The server said no to who we are ('Authorization Violation', 'User Authentication Expired', ...): trying
+    the same credentials again cannot help."""
+    low = str(err).lower()
+    return isinstance(err, nats.errors.AuthorizationError) or "authorization violation" in low or "authentic" in low
 
 
 def _explain(servers: tuple[str, ...], err: BaseException | None) -> str:
     where = ", ".join(servers)
     text = str(err) if err else "no answer"
     low = text.lower()
-    if "authorization" in low or "authentication" in low or "permissions" in low:
+    if err is not None and _refuses_credentials(err):
         hint = "the server refused our credentials: check --nats-user/--nats-password, --nats-token or --nats-creds"
     elif "refused" in low or isinstance(err, ConnectionRefusedError):
         hint = "nothing listens there: is nats-server running, and is the URL/port right?"
@@ -104,20 +212,38 @@ def _explain(servers: tuple[str, ...], err: BaseException | None) -> str:
     return f"cannot connect to NATS at {where}: {text}; {hint}"
 
 
+# --- connecting --------------------------------------------------------------------------------------------------
+
+
 async def connect(
     opts: NatsOptions,
     *,
     on_reconnect: Callable[[], Awaitable[None]] | None = None,
     on_disconnect: Callable[[], Awaitable[None]] | None = None,
 ) -> Client:
-    """Connect, or raise `NatsUnavailable` within `opts.connect_deadline_s` saying why."""
-    last_error: list[BaseException] = []
+    """Connect, or raise `NatsUnavailable` saying why: at the first refusal of our credentials, else within
+    `opts.connect_deadline_s`."""
+    loop = asyncio.get_running_loop()
+    connected = False
+    early_errors: list[BaseException] = []
+    refused: asyncio.Future[BaseException] = loop.create_future()
+    last_logged = ""
 
     async def error_cb(err: Exception) -> None:
-        if not last_error or type(err) is not type(last_error[-1]):
-            log.warning("nats: %s", err)
-        last_error.append(err)
-        del last_error[:-8]
+        nonlocal last_logged
+        if not connected:
+            early_errors.append(err)
+            del early_errors[:-8]
+            if _refuses_credentials(err) and not refused.done():
+                refused.set_result(err)
+            return
+        denied = permission_denied(err)
+        text = str(denied) if denied is not None else f"nats: {str(err).removeprefix('nats: ')}"
+        if text != last_logged:  # a reconnect loop repeats the same error; say it once
+            log.warning("%s", text)
+            last_logged = text
+        if opts.on_error is not None:
+            await opts.on_error(err)
 
     async def reconnected_cb() -> None:
         log.info("nats: reconnected to %s", nc.connected_url.netloc if nc.connected_url else "?")
@@ -136,7 +262,7 @@ async def connect(
         "error_cb": error_cb,
         "reconnected_cb": reconnected_cb,
         "disconnected_cb": disconnected_cb,
-        "connect_timeout": max(1, int(opts.connect_deadline_s)),
+        "connect_timeout": max(1.0, opts.connect_deadline_s),  # per attempt; also bounds each reconnect attempt
         "reconnect_time_wait": opts.reconnect_wait_s,
         "max_reconnect_attempts": -1,
         **opts.extra,
@@ -155,16 +281,27 @@ async def connect(
         except (OSError, ssl.SSLError) as err:
             raise NatsUnavailable(f"cannot load NATS TLS CA {opts.tls_ca_file}: {err}") from None
     nc = Client()
+    attempt = asyncio.ensure_future(nc.connect(**kwargs))  # type: ignore[arg-type]
     try:
-        await asyncio.wait_for(nc.connect(**kwargs), timeout=opts.connect_deadline_s)  # type: ignore[arg-type]
-    except (TimeoutError, OSError, nats.errors.Error) as err:
-        await _close_quietly(nc)
-        # A refusal of our credentials is followed by the server hanging up: report the refusal, not the hang-up.
-        refusals = [e for e in last_error if "authoriz" in str(e).lower() or "authentic" in str(e).lower()]
-        seen: list[BaseException | None] = [*(refusals or last_error)]
-        cause = seen[-1] if seen else (None if isinstance(err, TimeoutError) else err)
-        raise NatsUnavailable(_explain(opts.servers, cause)) from None
-    return nc
+        first: set[asyncio.Future[Any]] = {attempt, refused}
+        await asyncio.wait(first, timeout=opts.connect_deadline_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not attempt.done():
+            attempt.cancel()
+        await asyncio.gather(attempt, return_exceptions=True)
+    if not attempt.cancelled() and attempt.exception() is None:
+        connected = True
+        refused.cancel()
+        return nc
+    await _close_quietly(nc)
+    if refused.done() and not refused.cancelled():
+        cause: BaseException | None = refused.result()
+    elif early_errors:
+        cause = early_errors[-1]
+    else:
+        failed = None if attempt.cancelled() else attempt.exception()
+        cause = None if isinstance(failed, TimeoutError) else failed
+    raise NatsUnavailable(_explain(opts.servers, cause))
 
 
 async def _close_quietly(nc: Client) -> None:
@@ -172,3 +309,56 @@ async def _close_quietly(nc: Client) -> None:
         await nc.close()
     except Exception:  # noqa: BLE001 - best effort on a connection that never came up
         pass
+
+
+T = TypeVar("T")
+
+
+async def run_client(opts: NatsOptions, work: Callable[[Client], Awaitable[T]]) -> T:
+    """Connect, run `work(nc)`, close. A permission violation the server reports meanwhile ends it with
+    `PermissionDenied`, even when `work` itself finished (a denied publish looks sent)."""
+
+    connected: list[Client] = []
+
+    async def session(o: NatsOptions) -> T:
+        connected.append(await connect(o))
+        return await work(connected[0])
+
+    try:
+        return await _until_denied(opts, session, armed=lambda: True)
+    finally:  # here, not in `session`: a refusal cancels `session`, and a cancelled close leaves sockets open
+        for nc in connected:
+            await _close_quietly(nc)
+
+
+async def run_daemon(opts: NatsOptions, run: Callable[[NatsOptions], Awaitable[T]], ready: asyncio.Event) -> T:
+    """Run a daemon, `run(opts)`, which connects by itself and sets `ready` once it serves. A permission the
+    server refuses before then ends it with `PermissionDenied`: a role without the rights it needs fails at start,
+    saying which, instead of half working or timing out; once it serves, a refusal is logged and it carries on."""
+    return await _until_denied(opts, run, armed=lambda: not ready.is_set())
+
+
+async def _until_denied(
+    opts: NatsOptions, work: Callable[[NatsOptions], Awaitable[T]], *, armed: Callable[[], bool]
+) -> T:
+    denied: asyncio.Future[PermissionDenied] = asyncio.get_running_loop().create_future()
+
+    async def on_error(err: Exception) -> None:
+        refusal = permission_denied(err)
+        if refusal is not None and armed() and not denied.done():
+            denied.set_result(refusal)
+        if opts.on_error is not None:
+            await opts.on_error(err)
+
+    task = asyncio.ensure_future(work(replace(opts, on_error=on_error)))
+    try:
+        either: set[asyncio.Future[Any]] = {task, denied}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        if denied.done():  # also when `work` ended meanwhile: it failed or looked done because of the refusal
+            raise denied.result()
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        denied.cancel()
