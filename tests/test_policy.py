@@ -390,6 +390,8 @@ def test_forecast_claims_for_the_demand_one_lead_time_ahead(lead_s: float | None
     decision, _ = run(make_spec(), [SETTLED, *ramp])
     assert decision.desired == want
     assert decision.panic is False
+    ahead_s = min(2.5 if lead_s is None else lead_s, 6.0)
+    assert decision.forecast_demand == pytest.approx(31.6 + 4 * ahead_s, abs=0.05)  # shown in status
 
 
 def test_decide_is_cheap() -> None:
@@ -582,6 +584,20 @@ def test_cooldown_after_a_restart_counts_from_the_restart() -> None:
             Row(0.1, 0, 1, repeat=10, want=0, mode="idle"),
         ],
         current=3,
+    )
+
+
+def test_an_override_on_a_model_idle_since_the_restart_ends_in_idle() -> None:
+    # Nothing to cool down from: the model was idle when the autoscaler started and has seen no demand since, so
+    # when on-call's scale-up ends it goes back to idle at once, not a cooldown later.
+    up = Override(kind="scale", replicas=3, expires_at=T0 + 10.0, by="dave")
+    run(
+        make_spec(min_replica_count=0, cooldown_period=300.0),
+        [
+            Row(0.1, 0, 0, override=up, repeat=99, want=3, mode="override"),
+            Row(0.1, 0, 3, override=up, repeat=2, want=0, mode="idle"),
+        ],
+        current=0,
     )
 
 
