@@ -31,7 +31,7 @@ from typing import Any, Final, Literal, TypeVar
 import nats
 from nats.aio.client import Client
 
-from warmpool.errors import NatsUnavailable
+from warmpool.errors import NatsUnavailable, PermissionDenied
 
 __all__ = [
     "NatsOptions",
@@ -144,21 +144,6 @@ def options_from_args(args: argparse.Namespace, *, name: str, env: Mapping[str, 
 
 
 # --- what the server refused -------------------------------------------------------------------------------------
-
-
-class PermissionDenied(NatsUnavailable):
-    """The server refused a publish or a subscription on `subject`: the NATS user lacks that permission."""
-
-    code = "permission_denied"
-
-    def __init__(self, operation: Literal["publish", "subscribe"], subject: str) -> None:
-        self.operation = operation
-        self.subject = subject
-        super().__init__(
-            f"refused: permission denied on {subject} (this NATS user may not {operation} "
-            f"{'to' if operation == 'publish' else 'on'} it: use the user of the right role, or grant it in the "
-            "server's authorization)"
-        )
 
 
 _PERMISSION_VIOLATION: Final = re.compile(r'permissions violation for (publish|subscription) to "([^"]*)"', re.I)

@@ -6,6 +6,8 @@ Each error says what was wrong and, where a person will read it, what to do. Mac
 
 from __future__ import annotations
 
+from typing import Literal
+
 __all__ = [
     "BadMessage",
     "ClaimConflict",
@@ -14,6 +16,7 @@ __all__ = [
     "LeaseExpired",
     "NatsUnavailable",
     "NoSlotAvailable",
+    "PermissionDenied",
     "PulsescaleError",
     "SlotNotFound",
     "StaleToken",
@@ -85,3 +88,18 @@ class NatsUnavailable(PulsescaleError):
     """The NATS server could not be reached or refused us; the message says which and what to check."""
 
     code = "nats_unavailable"
+
+
+class PermissionDenied(NatsUnavailable):
+    """The server refused a publish or a subscription on `subject`: the NATS user lacks that permission."""
+
+    code = "permission_denied"
+
+    def __init__(self, operation: Literal["publish", "subscribe"], subject: str) -> None:
+        self.operation = operation
+        self.subject = subject
+        super().__init__(
+            f"refused: permission denied on {subject} (this NATS user may not {operation} "
+            f"{'to' if operation == 'publish' else 'on'} it: use the user of the right role, or grant it in the "
+            "server's authorization)"
+        )
