@@ -281,9 +281,10 @@ def test_lengthening_the_stable_window_live_reads_over_the_new_length() -> None:
     state = detector.initial(short)
     for i in range(300):
         _, state = detector.observe(short, state, now=T0 + i * 0.1, demand=100.0, ready=50, lead_time_s=2.5)
-    # Edited to 60 s: 30 s of 4 then 10 s of 12 average 6 over the new window (not 8 over the last 20 s).
+    # Edited to 60 s, then 40 s of 4 and 20 s of 12: the stable demand is their mean over the new 60 s
+    # (not 12, the mean of a window that kept its old 20 s length).
     pulse = None
-    for i in range(400):
-        value = 4.0 if i < 300 else 12.0
+    for i in range(600):
+        value = 4.0 if i < 400 else 12.0
         pulse, state = detector.observe(long, state, now=T0 + 30.0 + i * 0.1, demand=value, ready=50, lead_time_s=2.5)
-    assert pulse is not None and pulse.stable_demand == pytest.approx(6.0)
+    assert pulse is not None and pulse.stable_demand == pytest.approx((400 * 4.0 + 200 * 12.0) / 600)
