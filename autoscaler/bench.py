@@ -4,7 +4,8 @@
 2. End to end, against an embedded nats-server and a real `pulsescale autoscaler` process: `--models` models
    have ScaledObjects and warm slots and get steady background samples; then one model at a time gets a pulse,
    and we time *sample published -> first claim written* by watching `pulse_slots`. A stand-in agent in this
-   process answers `activate` at once, so the figure is the autoscaler's own and not an engine's.
+   process answers `activate` at once (writing `activating` and `ready` as a holder's agent does), so the figure
+   is the autoscaler's own and not an engine's.
 3. Ingest throughput through NATS: samples published as fast as one publisher can, counted by the
    autoscaler's `pulsescale_samples_total` metric.
 Figures are printed, not asserted: these machines are shared and noisy.
@@ -28,6 +29,7 @@ from autoscaler.controller import Deps, LocalColdPath, ModelController
 from autoscaler.metrics import AutoscalerMetrics
 from warmpool import connect, protocol
 from warmpool.embedded import NatsServer, free_port
+from warmpool.errors import PulsescaleError
 from warmpool.protocol import QueueSample, ScaledObjectSpec, ScalerRecord
 from warmpool.registry import Changed, KvSlotStore, ensure_buckets
 from warmpool.seed import seed_pool
@@ -85,12 +87,45 @@ async def _ingest_in_process(nc, store: KvSlotStore, models: int, samples: int) 
     return samples / (time.perf_counter() - t0)
 
 
-async def _stand_in_agent(nc) -> None:  # type: ignore[no-untyped-def]
-    async def answer(msg) -> None:  # type: ignore[no-untyped-def]
-        await msg.respond(protocol.ok_reply(endpoint="http://127.0.0.1:1/bench", timings={"total_ms": 0.0}))
+async def _stand_in_agent(nc, store: KvSlotStore) -> None:  # type: ignore[no-untyped-def]
+    """Answers for every node at once, as the holder's agent would: `activating`, then `ready` with the endpoint
+    (the autoscaler reads the endpoint from that fenced write), then the reply; `deactivate` gives the slot back."""
 
-    await nc.subscribe("pulse.agent.*.activate", cb=answer)
-    await nc.subscribe("pulse.agent.*.deactivate", cb=answer)
+    def key_of(subject: str, slot: str, claim_id: str) -> str | None:
+        node = subject.split(".")[2]
+        held = [r for r in store.records() if r.node == node and r.slot == slot and r.claim_id == claim_id]
+        return held[0].key if held else None
+
+    async def activate(msg) -> None:  # type: ignore[no-untyped-def]
+        req = protocol.decode(msg.data, protocol.ActivateRequest)
+        key = key_of(msg.subject, req.slot, req.claim_id)
+        for _ in range(100):  # the claim's watch echo may still be on its way to this process
+            if key is not None:
+                break
+            await asyncio.sleep(0.002)
+            key = key_of(msg.subject, req.slot, req.claim_id)
+        try:
+            if key is None:
+                raise PulsescaleError(f"no slot {req.slot} held by {req.claim_id}")
+            await store.set_state(key, "activating", expect=["claimed"], token=req.token)
+            await store.set_state(key, "ready", expect=["activating"], endpoint="http://127.0.0.1:1/bench")
+        except PulsescaleError as err:
+            reply = protocol.refusal(protocol.ActivateReply, "stale_token", str(err), slot=req.slot)
+        else:
+            reply = protocol.ActivateReply(slot=req.slot, key=key, state="ready", timings=protocol.StageTimings())
+        await msg.respond(protocol.encode(reply))
+
+    async def deactivate(msg) -> None:  # type: ignore[no-untyped-def]
+        req = protocol.decode(msg.data, protocol.DeactivateRequest)
+        key = key_of(msg.subject, req.slot, req.claim_id)
+        claim = store.adopt(key) if key is not None else None
+        if claim is not None:
+            with contextlib.suppress(PulsescaleError):
+                await store.release(claim, reason="deactivated")
+        await msg.respond(protocol.encode(protocol.DeactivateReply(slot=req.slot, key=key)))
+
+    await nc.subscribe("pulse.agent.*.activate", cb=activate)
+    await nc.subscribe("pulse.agent.*.deactivate", cb=deactivate)
 
 
 def _metric(port: int, name: str) -> float:
@@ -115,7 +150,7 @@ async def _end_to_end(args: argparse.Namespace) -> None:
             await seed_pool(store, m, nodes=2, slots_per_node=2, node_prefix=f"n{i}")
             rec = ScalerRecord(namespace="bench", name=m, spec=_spec(m))
             await scalers.put(rec.key, protocol.encode(rec))
-        await _stand_in_agent(nc)
+        await _stand_in_agent(nc, store)
         rate = await _ingest_in_process(nc, store, args.models, args.samples)
         print(f"ingest in process (decode + fold + debounced decide, one core): {rate:,.0f} samples/s")
         port = free_port()

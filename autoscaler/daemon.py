@@ -1,46 +1,51 @@
 """`pulsescale autoscaler`: the daemon. One `run(settings, stop=...)` starts everything, as named root tasks.
 
-Every replica ingests samples, follows the ScaledObjects in `pulse_scalers` and the slots in `pulse_slots`, and
-runs the policy, so a standby's windows are full when it takes over. Only the leader (lease in `pulse_leases`)
-claims, activates, releases, and answers on-call commands. A new leader adopts the slots its predecessor held.
+Every replica ingests samples, follows the ScaledObjects in `pulse_scalers` (a `registry.BucketView`) and the
+slots in `pulse_slots`, and runs one `ModelController` per model, so a standby's windows are full when it takes
+over. Only the leader (lease in `pulse_leases`, `autoscaler.leader`) claims, activates, releases, and answers
+on-call commands (`autoscaler.commands`, through the `ControlPlane` that `Autoscaler` implements). A new leader
+adopts the slots its predecessor held and restores the on-call overrides stored under
+``protocol.override_key(model)``.
+
+Its HTTP port serves ``/metrics``, ``/healthz`` (200 while this replica leads, or follows with a live connection
+and current views) and ``/readyz`` (200 once the views are listed and the ScaledObjects followed).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import nats.errors
 import nats.js.errors
+from aiohttp import web
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
-from prometheus_client import start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from autoscaler import commands, policy
+from autoscaler import commands
 from autoscaler.controller import ColdPath, ControllerSettings, Deps, LocalColdPath, ModelController
 from autoscaler.leader import LeaderElection, LeaseSettings
 from autoscaler.metrics import AutoscalerMetrics
 from warmpool import connect, protocol
-from warmpool.errors import BadMessage
-from warmpool.protocol import QueueSample, ScaledObjectSpec, ScalerRecord
-from warmpool.registry import Changed, KvSlotStore, Removed, Snapshot, ensure_buckets
+from warmpool.errors import BadMessage, PulsescaleError
+from warmpool.protocol import Override, OverrideRecord, QueueSample, ScaledObjectSpec, ScalerRecord, StatusRow
+from warmpool.registry import BucketView, Changed, KvSlotStore, Removed, Snapshot, ensure_buckets
 from warmpool.rejects import Rejections
 
 __all__ = ["Autoscaler", "AutoscalerSettings", "run"]
 
 log = logging.getLogger("pulsescale.autoscaler")
-
-_OVERRIDE_PREFIX = "override."  # keys in pulse_leases holding on-call overrides, so a new leader keeps them
 
 
 @dataclass(frozen=True)
@@ -48,8 +53,12 @@ class AutoscalerSettings:
     nats: connect.NatsOptions = field(default_factory=connect.NatsOptions)
     identity: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
     """Unique per process: two replicas must never mistake each other's lease for their own."""
+    metrics_host: str = "0.0.0.0"
+    """Bind address of the metrics/health port: every interface, so Prometheus and the kubelet's probes reach it
+    on the pod IP."""
     metrics_port: int | None = None
-    """Prometheus scrape port; None serves no metrics endpoint (tests read the registry directly)."""
+    """Port of ``/metrics``, ``/healthz`` and ``/readyz``; None serves none (tests read the registry directly),
+    0 picks a free one."""
     lease: LeaseSettings = field(default_factory=LeaseSettings)
     controller: ControllerSettings = field(default_factory=ControllerSettings)
     housekeeping_every_s: float = 0.25
@@ -70,12 +79,15 @@ class Autoscaler:
         *,
         metrics: AutoscalerMetrics | None = None,
         cold_path: ColdPath | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.settings = settings
         self.nc = nc
         self.store = store
         self.metrics = metrics or AutoscalerMetrics()
+        self.clock = clock
         self.rejections = Rejections(log, on_reject=lambda r: self.metrics.rejected.labels(r).inc())
+        """Messages (samples) that break the contract; records in the buckets go to `store.rejected`."""
         self.leader: LeaderElection | None = None
         self.deps = Deps(
             nc=nc,
@@ -84,11 +96,19 @@ class Autoscaler:
             cold_path=cold_path or LocalColdPath(),
             is_leader=self.is_leader,
             settings=settings.controller,
+            clock=clock,
         )
         self.by_scaler: dict[str, ModelController] = {}
         self.by_model: dict[str, ModelController] = {}
         self._leases_kv = buckets[protocol.LEASES_BUCKET]
-        self._scalers_kv = buckets[protocol.SCALERS_BUCKET]
+        # A bad edit of a ScaledObject keeps the last good one (counted), so autoscaling its model goes on.
+        self.scalers: BucketView[ScalerRecord] = BucketView(
+            nc, buckets[protocol.SCALERS_BUCKET], ScalerRecord, store.rejected, keep_bad=True, clock=clock
+        )
+        self.scalers_followed = False
+        """Set once the first listing of `pulse_scalers` has been applied (``/readyz``)."""
+        self.metrics_port: int | None = None
+        """The port ``/metrics``, ``/healthz`` and ``/readyz`` are served on (bound by `run`); None: not served."""
         self._takeover: asyncio.Task[None] | None = None  # held so the task is not garbage-collected mid-run
         self._handled = 0
         self.commands: commands.CommandService | None = None
@@ -105,6 +125,33 @@ class Autoscaler:
     def is_leader(self) -> bool:
         return self.leader is not None and self.leader.is_leader
 
+    # --- health ---------------------------------------------------------------------------------------------
+
+    def ready(self) -> bool:
+        """The views are listed and the ScaledObjects followed: this replica can decide (``/readyz``)."""
+        return self.store.slots.ready.is_set() and self.store.agents.ready.is_set() and self.scalers_followed
+
+    def healthy(self) -> bool:
+        """Leading, or able to take over: connected, with views current since the last reconnect (``/healthz``)."""
+        if self.is_leader():
+            return True
+        views = (self.store.slots, self.store.agents, self.scalers)
+        return self.nc.is_connected and all(v.current() for v in views)
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "ok": self.healthy(),
+            "ready": self.ready(),
+            "leader": self.is_leader(),
+            "nats_connected": self.nc.is_connected,
+            "views_current": {
+                "slots": self.store.slots.current(),
+                "agents": self.store.agents.current(),
+                "scalers": self.scalers.current(),
+            },
+            "models": len(self.by_model),
+        }
+
     # --- ControlPlane ---------------------------------------------------------------------------------------
 
     def spec_for(self, model: str) -> ScaledObjectSpec | None:
@@ -114,33 +161,26 @@ class Autoscaler:
     def models(self) -> list[str]:
         return sorted(self.by_model)
 
-    async def set_override(self, model: str, override: policy.Override | None) -> None:
+    async def set_override(self, model: str, override: Override | None) -> None:
+        """Store the override (a new leader restores it) and apply it at once."""
         c = self.by_model[model]
-        key = _OVERRIDE_PREFIX + model
+        key = protocol.override_key(model)
         if override is None:
             with contextlib.suppress(nats.js.errors.KeyNotFoundError):
                 await self._leases_kv.delete(key)
         else:
-            data = msgspec.json.encode(
-                {
-                    "kind": override.kind,
-                    "replicas": override.replicas,
-                    "expires_at": override.expires_at,
-                    "by": override.by,
-                }
-            )
-            await self._leases_kv.put(key, data)
-        c.override = override
-        c.evaluate(time.time())
+            await self._leases_kv.put(key, protocol.encode(OverrideRecord(model=model, override=override)))
+        c.set_override(override)
 
-    def status(self, model: str | None) -> list[dict[str, Any]]:
-        rows = [c.status_row() for m, c in sorted(self.by_model.items()) if model is None or m == model]
-        return rows
+    def status(self, model: str | None) -> list[StatusRow]:
+        now = self.clock()
+        return [c.status_row(now) for m, c in sorted(self.by_model.items()) if model is None or m == model]
 
     # --- scalers --------------------------------------------------------------------------------------------
 
-    def apply_scaler(self, key: str, data: bytes | None) -> None:
-        if data is None:
+    def apply_scaler(self, key: str, record: ScalerRecord | None) -> None:
+        """A ScaledObject appeared, changed, or (None) was deleted."""
+        if record is None:
             c = self.by_scaler.pop(key, None)
             if c is not None:
                 self.by_model.pop(c.model, None)
@@ -148,15 +188,10 @@ class Autoscaler:
                 task = asyncio.ensure_future(c.stop(release_in_flight=True))
                 task.add_done_callback(lambda t: t.exception())
             return
-        try:
-            record = protocol.decode(data, ScalerRecord)
-        except BadMessage as err:
-            self.rejections(err, source=f"{protocol.SCALERS_BUCKET}/{key}")
-            return
         model = record.spec.model
         owner = self.by_model.get(model)
         if owner is not None and owner.record.key != key:
-            self.rejections(
+            self.store.rejected(
                 BadMessage("bad_value", f"{key} targets model {model}, already scaled by {owner.record.key}"),
                 source=f"{protocol.SCALERS_BUCKET}/{key}",
             )
@@ -179,37 +214,27 @@ class Autoscaler:
             c.update_record(record)
 
     async def follow_scalers(self, stop: asyncio.Event) -> None:
-        kv = self._scalers_kv
-        while not stop.is_set():
-            reconnects = self.nc.stats["reconnects"]
-            try:
-                watcher = await kv.watchall()
-            except (nats.errors.Error, TimeoutError):
-                await asyncio.sleep(0.25)
-                continue
-            seen: set[str] = set()
-            snapshot = True
-            try:
-                while not stop.is_set() and self.nc.stats["reconnects"] == reconnects:
-                    try:
-                        entry = await watcher.updates(timeout=0.25)
-                    except nats.errors.TimeoutError:
-                        continue
-                    if entry is None:
-                        if snapshot:  # after a re-list, scalers deleted meanwhile are gone
-                            for key in set(self.by_scaler) - seen:
-                                self.apply_scaler(key, None)
-                        snapshot = False
-                        continue
-                    if not hasattr(entry, "key"):
-                        break
-                    seen.add(entry.key)
-                    deleted = entry.operation in ("DEL", "PURGE")
-                    with self._contained(f"applying ScaledObject {entry.key}"):
-                        self.apply_scaler(entry.key, None if deleted else entry.value)
-            finally:
-                with contextlib.suppress(Exception):
-                    await watcher.stop()
+        """Apply `pulse_scalers` as the view sees it: each listing whole (a ScaledObject deleted while we were
+        away is gone from it), then each change. The view runs as its own task (`run`)."""
+        async for event in self.scalers.changes():
+            if stop.is_set():
+                return
+            with self._contained("a ScaledObject change"):
+                self.apply_scalers_event(event)
+
+    def apply_scalers_event(self, event: Snapshot[ScalerRecord] | Changed[ScalerRecord] | Removed) -> None:
+        """One event of the `pulse_scalers` view: a `Snapshot` is the whole bucket (replace, don't merge)."""
+        if isinstance(event, Snapshot):
+            for key in set(self.by_scaler) - set(event.records):
+                self.apply_scaler(key, None)
+            for key, record in event.records.items():
+                with self._contained(f"applying ScaledObject {key}"):
+                    self.apply_scaler(key, record)
+            self.scalers_followed = True
+        elif isinstance(event, Changed):
+            self.apply_scaler(event.key, event.record)
+        else:
+            self.apply_scaler(event.key, None)
 
     # --- samples ----------------------------------------------------------------------------------------------
 
@@ -219,7 +244,7 @@ class Autoscaler:
             # nats-py runs this callback back to back while samples are queued, and it never awaits: let the
             # lease renewal and the claims in flight run, or a flood of samples would cost us the lease.
             await asyncio.sleep(0)
-        now = time.time()
+        now = self.clock()
         try:
             sample = protocol.decode(msg.data, QueueSample)
             if msg.subject != protocol.QUEUE_PREFIX + sample.model:
@@ -244,20 +269,15 @@ class Autoscaler:
             with self._contained("a slot change"):
                 self._on_slot_event(event)
 
-    def _on_slot_event(self, event: Snapshot | Changed | Removed) -> None:
+    def _on_slot_event(self, event: Snapshot[protocol.SlotRecord] | Changed[protocol.SlotRecord] | Removed) -> None:
         if isinstance(event, Snapshot):
             for c in self.by_model.values():
-                for key in list(c.held):
-                    c.on_slot_change(key, event.records.get(key))
-        elif isinstance(event, Changed):
-            c = self.by_model.get(event.record.model)
-            if c is not None:
-                c.on_slot_change(event.key, event.record)
-        elif isinstance(event, Removed):
-            model = event.key.split(".", 1)[0]
-            c = self.by_model.get(model)
-            if c is not None:
-                c.on_slot_change(event.key, None)
+                c.on_slot_snapshot(event.records)
+            return
+        record = event.record if isinstance(event, Changed) else None
+        owner = self.by_model.get(event.key.split(".", 1)[0])  # keys are <model>.<node>.<slot>
+        if owner is not None:
+            owner.on_slot_change(event.key, record)
 
     def _slot_gauges(self) -> None:
         counts: dict[tuple[str, str], int] = {}
@@ -270,27 +290,34 @@ class Autoscaler:
     async def housekeeping(self, stop: asyncio.Event) -> None:
         every = self.settings.housekeeping_every_s
         stopped = asyncio.ensure_future(stop.wait())  # asyncio.wait: see LeaderElection.campaign
-        while not stop.is_set():
-            await asyncio.wait([stopped], timeout=every)
-            now = time.time()
-            self.metrics.leader.set(1 if self.is_leader() else 0)
-            for c in list(self.by_model.values()):
-                with self._contained(f"housekeeping of {c.model}"):
-                    c.demand.forget_stale(now, self.settings.forget_gateway_after_s)
-                    await c.housekeeping(now)
-            with self._contained("slot gauges"):
-                self._slot_gauges()
+        try:
+            while not stop.is_set():
+                await asyncio.wait([stopped], timeout=every)
+                await self.housekeeping_once()
+        finally:
+            stopped.cancel()
+
+    async def housekeeping_once(self) -> None:
+        now = self.clock()
+        self.metrics.leader.set(1 if self.is_leader() else 0)
+        for c in list(self.by_model.values()):
+            with self._contained(f"housekeeping of {c.model}"):
+                c.forget_gateways(now, self.settings.forget_gateway_after_s)
+                await c.housekeeping(now)
+        with self._contained("slot gauges"):
+            self._slot_gauges()
 
     # --- leadership ---------------------------------------------------------------------------------------------
 
     def on_elected(self) -> None:
+        self.metrics.leader.set(1)
         self._takeover = asyncio.ensure_future(self.take_over())
         if self.commands is not None:
             self.commands.on_leadership(True)
 
     async def take_over(self) -> None:
         """Rebuild from the buckets: adopt held slots, restore overrides, then act."""
-        overrides = await self._load_overrides()
+        overrides = await self.load_overrides()
         if not self.is_leader():
             return  # deposed while reading: the next leader adopts, not us
         for model, c in list(self.by_model.items()):
@@ -298,33 +325,49 @@ class Autoscaler:
             if model in overrides:
                 c.override = overrides[model]
             c.start()
-            c.evaluate(time.time())
+            c.evaluate(self.clock())
         log.info("leader: acting for %d model(s)", len(self.by_model))
 
-    async def _load_overrides(self) -> dict[str, policy.Override]:
-        out: dict[str, policy.Override] = {}
+    async def load_overrides(self) -> dict[str, Override]:
+        """The on-call overrides stored in `pulse_leases`, by model. One that breaks the contract is counted (by
+        reason, in the registry's rejections) and logged, and its model runs on the policy."""
+        out: dict[str, Override] = {}
         try:
             keys = await self._leases_kv.keys()
-        except (nats.js.errors.NoKeysError, nats.errors.Error, TimeoutError):
+        except nats.js.errors.NoKeysError:
+            return out
+        except (nats.errors.Error, TimeoutError) as err:
+            log.warning("cannot list the stored overrides (%s); models run on the policy until one is set", err)
             return out
         for key in keys:
-            if not key.startswith(_OVERRIDE_PREFIX):
+            if not key.startswith(protocol.OVERRIDE_KEY_PREFIX):
                 continue
-            with contextlib.suppress(Exception):
+            source = f"{protocol.LEASES_BUCKET}/{key}"
+            try:
                 entry = await self._leases_kv.get(key)
-                d = msgspec.json.decode(entry.value)
-                out[key.removeprefix(_OVERRIDE_PREFIX)] = policy.Override(
-                    kind=d["kind"], replicas=d["replicas"], expires_at=d["expires_at"], by=d.get("by", "")
-                )
+            except nats.js.errors.KeyNotFoundError:
+                continue  # resumed meanwhile
+            except (nats.errors.Error, TimeoutError) as err:
+                log.warning("cannot read %s (%s); its model runs on the policy", source, err)
+                continue
+            try:
+                record = protocol.decode(entry.value or b"", OverrideRecord)
+                if protocol.override_key(record.model) != key:
+                    raise BadMessage("subject_mismatch", f"an override of {record.model} stored under {key}")
+            except BadMessage as err:
+                self.store.rejected(err, source=source)
+                continue
+            out[record.model] = record.override
         return out
 
     def on_deposed(self) -> None:
         # Stop acting at once; claims in flight are left for the next leader to adopt or expire.
+        self.metrics.leader.set(0)
         if self.commands is not None:
             self.commands.on_leadership(False)
         for c in list(self.by_model.values()):
             task = asyncio.ensure_future(c.stop(release_in_flight=False))
-            task.add_done_callback(lambda t, c=c: (t.exception(), c.forget_claims()))
+            task.add_done_callback(functools.partial(_forget_after_stop, c))
 
     async def shutdown(self, campaign: asyncio.Task[None] | None = None) -> None:
         for c in list(self.by_model.values()):
@@ -338,6 +381,41 @@ class Autoscaler:
             await self.leader.resign()
 
 
+def _forget_after_stop(c: ModelController, stopped: asyncio.Future[None]) -> None:
+    if not stopped.cancelled() and stopped.exception() is not None:
+        log.error("%s: stopping after deposition failed: %s", c.model, stopped.exception())
+    c.forget_claims()
+
+
+async def _serve_http(scaler: Autoscaler, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """``/metrics``, ``/healthz`` and ``/readyz`` on `host`:`port`; returns the runner and the bound port."""
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(scaler.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response(scaler.health(), status=200 if scaler.healthy() else 503)
+
+    async def readyz(_: web.Request) -> web.Response:
+        return web.json_response(scaler.health(), status=200 if scaler.ready() else 503)
+
+    app = web.Application()
+    app.add_routes([web.get("/metrics", metrics), web.get("/healthz", healthz), web.get("/readyz", readyz)])
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as err:
+        await runner.cleanup()
+        raise PulsescaleError(
+            f"cannot serve metrics on {host}:{port}: {err.strerror or err}; pick another --metrics-port"
+        ) from None
+    addresses = runner.addresses
+    return runner, int(addresses[0][1]) if addresses else port
+
+
 async def run(
     settings: AutoscalerSettings,
     *,
@@ -345,11 +423,14 @@ async def run(
     ready: asyncio.Event | None = None,
     metrics: AutoscalerMetrics | None = None,
     cold_path: ColdPath | None = None,
+    on_started: Callable[[Autoscaler], None] | None = None,
 ) -> Autoscaler:
-    """Run until `stop` is set; SIGTERM handling is the caller's (signal handlers belong to the main thread)."""
+    """Run until `stop` is set; SIGTERM handling is the caller's (signal handlers belong to the main thread).
+    `on_started(autoscaler)` lets a caller (tests) see the live daemon."""
+    metrics = metrics or AutoscalerMetrics()
     nc = await connect.connect(settings.nats)
     buckets = await ensure_buckets(nc.jetstream(timeout=2.0))
-    store = KvSlotStore(nc, buckets)
+    store = KvSlotStore(nc, buckets, on_reject=lambda reason: metrics.registry_rejected.labels(reason).inc())
     await store.start()
     scaler = Autoscaler(settings, nc, store, buckets, metrics=metrics, cold_path=cold_path)
     scaler.leader = LeaderElection(
@@ -358,18 +439,25 @@ async def run(
         settings.lease,
         on_elected=scaler.on_elected,
         on_deposed=scaler.on_deposed,
+        rejections=store.rejected,
     )
+    runner: web.AppRunner | None = None
     if settings.metrics_port is not None:
-        start_http_server(settings.metrics_port, registry=scaler.metrics.registry)
+        runner, scaler.metrics_port = await _serve_http(scaler, settings.metrics_host, settings.metrics_port)
+        log.info("metrics on http://%s:%d/metrics", settings.metrics_host, scaler.metrics_port)
     sub = await nc.subscribe(protocol.QUEUE_WILDCARD, cb=scaler.on_queue_msg, pending_msgs_limit=1_000_000)
     service = scaler.commands = commands.CommandService(nc, scaler, store, is_leader=scaler.is_leader)
+    campaign = asyncio.create_task(scaler.leader.campaign(stop), name="leader")
     tasks = [
+        asyncio.create_task(scaler.scalers.run(), name="scalers-view"),
         asyncio.create_task(scaler.follow_scalers(stop), name="scalers"),
         asyncio.create_task(scaler.follow_slots(stop), name="slots"),
         asyncio.create_task(scaler.housekeeping(stop), name="housekeeping"),
-        asyncio.create_task(scaler.leader.campaign(stop), name="leader"),
+        campaign,
     ]
     await service.start()
+    if on_started is not None:
+        on_started(scaler)
     if ready is not None:
         ready.set()
     try:
@@ -383,12 +471,15 @@ async def run(
             await sub.unsubscribe()
         with contextlib.suppress(Exception):
             await service.stop()
-        await scaler.shutdown(campaign=tasks[3])
+        await scaler.shutdown(campaign=campaign)
+        scaler.scalers.closed = True
         for t in tasks:
             t.cancel()
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+        if runner is not None:
+            await runner.cleanup()
         await store.close()
         with contextlib.suppress(Exception):
             await nc.drain()

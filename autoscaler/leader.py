@@ -1,7 +1,9 @@
 """Leader election over a fenced lease in KV `pulse_leases`.
 
-Several autoscaler replicas run; one acts. The lease record says who holds it and when it was last renewed;
-it is taken and renewed only by compare-and-set, so two replicas can never both win the same revision.
+Several autoscaler replicas run; one acts. The lease (`protocol.LeaderLease` under `protocol.LEADER_LEASE_KEY`)
+says who holds it and when it was last renewed; it is taken and renewed only by compare-and-set, so two replicas
+can never both win the same revision. A lease that breaks the contract protects nobody: it is counted (by
+reason), logged, and taken over as if expired.
 
 Safety rests on timing the two sides differently. A standby may take the lease only once
 ``renewed_at + lease_s`` has passed by its clock. The leader stops acting at ``sent + lease_s * stop_fraction``
@@ -20,26 +22,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import nats.errors
 import nats.js.errors
 from nats.js.kv import KeyValue
 
-__all__ = ["LeaderElection", "LeaseRecord", "LeaseSettings"]
+from warmpool import protocol
+from warmpool.errors import BadMessage
+from warmpool.protocol import LeaderLease
+from warmpool.rejects import Rejections
+
+__all__ = ["LeaderElection", "LeaseSettings"]
 
 log = logging.getLogger("pulsescale.leader")
 
 
-class LeaseRecord(msgspec.Struct, kw_only=True):
-    v: int = 1
-    holder: str
-    renewed_at: float
-    lease_s: float
-
-
 @dataclass(frozen=True)
 class LeaseSettings:
-    key: str = "autoscaler"
+    key: str = protocol.LEADER_LEASE_KEY
     """One lease for all autoscaler replicas sharing these buckets."""
     lease_s: float = 2.0
     """How long a silent leader keeps the lease: the failover time is at most this plus one renewal interval."""
@@ -62,7 +61,10 @@ class LeaderElection:
         on_deposed: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
+        rejections: Rejections | None = None,
     ) -> None:
+        """`clock` stamps and judges leases (wall time, shared with the other replicas); `monotonic` times this
+        replica's own term. `rejections` counts unreadable leases (the daemon binds the registry's metric)."""
         self.kv = kv
         self.identity = identity
         self.settings = settings
@@ -70,10 +72,10 @@ class LeaderElection:
         self.on_deposed = on_deposed
         self.clock = clock
         self.monotonic = monotonic
+        self.rejections = rejections or Rejections(log)
         self._revision: int | None = None
         self._act_until = 0.0  # monotonic deadline of our leadership
         self._leading = False
-        self.terms = 0
         self._halted = False
 
     @property
@@ -91,9 +93,17 @@ class LeaderElection:
                 self.on_deposed()
 
     def _encode(self) -> bytes:
-        return msgspec.json.encode(
-            LeaseRecord(holder=self.identity, renewed_at=self.clock(), lease_s=self.settings.lease_s)
+        return protocol.encode(
+            LeaderLease(holder=self.identity, renewed_at=self.clock(), lease_s=self.settings.lease_s)
         )
+
+    def _decode(self, data: bytes | None) -> LeaderLease | None:
+        """The lease in `data`, or None (counted and logged) when it breaks the contract."""
+        try:
+            return protocol.decode(data or b"", LeaderLease)
+        except BadMessage as err:
+            self.rejections(err, source=f"{protocol.LEASES_BUCKET}/{self.settings.key}")
+            return None
 
     async def _try_acquire(self) -> bool:
         if self._halted:
@@ -109,12 +119,9 @@ class LeaderElection:
             except nats.js.errors.KeyWrongLastSequenceError:
                 return False
         else:
-            try:
-                cur = msgspec.json.decode(entry.value, type=LeaseRecord)
-                expired = self.clock() > cur.renewed_at + cur.lease_s
-            except msgspec.DecodeError:
-                expired = True  # an unreadable lease protects nobody
-            if not expired and cur.holder != self.identity:
+            cur = self._decode(entry.value)
+            expired = cur is None or self.clock() > cur.renewed_at + cur.lease_s  # unreadable protects nobody
+            if not expired and cur is not None and cur.holder != self.identity:
                 return False
             try:
                 rev = await self.kv.update(self.settings.key, self._encode(), last=entry.revision)
@@ -123,7 +130,6 @@ class LeaderElection:
         self._revision = rev
         self._act_until = sent + self.settings.lease_s * self.settings.stop_fraction
         self._leading = True
-        self.terms += 1
         log.info("%s: elected leader (lease revision %d)", self.identity, rev)
         if self.on_elected is not None:
             self.on_elected()
@@ -140,11 +146,11 @@ class LeaderElection:
             # Take its revision but not a longer term: we do not know when it landed.
             try:
                 entry = await self.kv.get(self.settings.key)
-                mine = entry.value is not None and msgspec.json.decode(entry.value, type=LeaseRecord).holder == (
-                    self.identity
-                )
-            except (nats.errors.Error, TimeoutError, msgspec.DecodeError):
+            except (nats.errors.Error, TimeoutError):
                 mine = False
+            else:
+                lease = self._decode(entry.value)
+                mine = lease is not None and lease.holder == self.identity
             if mine and entry.revision is not None:
                 self._revision = entry.revision
                 return self.is_leader
@@ -169,15 +175,21 @@ class LeaderElection:
         cancellation that races a nats-py reply can be swallowed on Python 3.11 (its requests use wait_for)."""
         self._halted = True
 
+    async def step(self) -> bool:
+        """One round of the campaign: renew the lease if we hold it, else try to take it. Returns `is_leader`.
+        `campaign` runs one every `renew_every_s`; tests call it directly, on their own clocks."""
+        try:
+            if self._leading:
+                await self._renew()
+            else:
+                await self._try_acquire()
+        except (nats.errors.Error, TimeoutError, OSError) as err:
+            log.debug("lease round failed: %s", err)
+        return self.is_leader
+
     async def _campaign(self, stop: asyncio.Event, stopped: asyncio.Future[Any]) -> None:
         while not stop.is_set() and not self._halted:
-            try:
-                if self._leading:
-                    await self._renew()
-                else:
-                    await self._try_acquire()
-            except (nats.errors.Error, TimeoutError, OSError) as err:
-                log.debug("lease round failed: %s", err)
+            await self.step()
             await asyncio.wait([stopped], timeout=self.settings.renew_every_s)
 
     async def resign(self) -> None:
@@ -186,7 +198,8 @@ class LeaderElection:
         the shutdown may have landed without our hearing of it."""
         self.halt()
         self._depose("resigned")
-        with contextlib.suppress(nats.errors.Error, TimeoutError, OSError, msgspec.DecodeError):
+        with contextlib.suppress(nats.errors.Error, TimeoutError, OSError):
             entry = await self.kv.get(self.settings.key)
-            if entry.value is not None and msgspec.json.decode(entry.value, type=LeaseRecord).holder == self.identity:
+            lease = self._decode(entry.value)
+            if lease is not None and lease.holder == self.identity:
                 await self.kv.delete(self.settings.key, last=entry.revision)

@@ -1,29 +1,54 @@
-"""The autoscaler's Prometheus metrics, bound to an injected registry (tests build a fresh one)."""
+"""The autoscaler's Prometheus metrics, bound to an injected registry (tests build a fresh one).
+
+Besides its own series the registry carries the default process, platform and GC collectors and
+``pulsescale_build_info{version}``, so one scrape says which build runs and what it costs. The daemon serves it on
+``/metrics`` (see `autoscaler.daemon`).
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import importlib.metadata
 
-__all__ = ["AutoscalerMetrics"]
+from prometheus_client import (
+    GC_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
 
-# Decision latency lives in milliseconds-to-seconds territory; activation stages in tens of ms to seconds.
+__all__ = ["AutoscalerMetrics", "build_version"]
+
+# Decisions live in milliseconds-to-seconds territory; activation stages in tens of ms to seconds.
 _DECISION_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 _ACTIVATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+def build_version() -> str:
+    """The installed package's version ("unknown" when run from a tree that was never installed)."""
+    try:
+        return importlib.metadata.version("pulsescale")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 class AutoscalerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        if GC_COLLECTOR is not None:  # None on interpreters without gc statistics
+            GCCollector(registry=r)
+        self.build_info = Gauge("pulsescale_build_info", "The running build (value 1)", ["version"], registry=r)
+        self.build_info.labels(build_version()).set(1)
         self.decision_seconds = Histogram(
             "pulsescale_decision_seconds",
-            "Sample received to scaling decision made",
-            buckets=_DECISION_BUCKETS,
-            registry=r,
-        )
-        self.claim_latency_seconds = Histogram(
-            "pulsescale_decision_to_claim_seconds",
-            "Scale-up decision to the slot claim written",
+            "Sample received to the first slot claim written for the scale-up decision that sample caused "
+            "(once per such decision)",
             buckets=_DECISION_BUCKETS,
             registry=r,
         )
@@ -38,8 +63,9 @@ class AutoscalerMetrics:
         )
         self.slots = Gauge("pulsescale_slots", "Slots in the registry by state", ["model", "state"], registry=r)
         self.activation_seconds = Histogram(
-            "pulsescale_activation_seconds",
-            "Activation time by stage, as the agent measured it",
+            "pulsescale_autoscaler_activation_seconds",
+            "Activation time by stage: token, load, engine, readiness and total as the agent reported them; "
+            "claim_to_ready as the autoscaler measured it (claim written to the agent's ready reply)",
             ["stage"],
             buckets=_ACTIVATION_BUCKETS,
             registry=r,
@@ -52,6 +78,13 @@ class AutoscalerMetrics:
         )
         self.rejected = Counter(
             "pulsescale_rejected_messages_total", "Messages rejected, by reason", ["reason"], registry=r
+        )
+        self.registry_rejected = Counter(
+            "pulsescale_registry_rejected_records_total",
+            "Records in the KV buckets (slots, agents, ScaledObjects, overrides, the leader lease) that break the "
+            "contract, by reason",
+            ["reason"],
+            registry=r,
         )
         self.samples = Counter("pulsescale_samples_total", "Queue samples by outcome", ["outcome"], registry=r)
         self.internal_errors = Counter(

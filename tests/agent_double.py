@@ -1,8 +1,13 @@
 """A protocol-level double of the node agent, for autoscaler tests that need agents to misbehave on cue.
 
-It speaks exactly the agent's side of wire contract v1 — heartbeats in `pulse_agents`, slot records in
-`pulse_slots`, request/reply on `pulse.agent.<node>.{activate,deactivate}` with fencing checks against the
-registry — but runs no engine. The real agent (nodeagent) is exercised end to end in its own tests.
+It speaks exactly the agent's side of wire contract v1 — heartbeats in `pulse_agents` (with the renewal interval,
+revision 2), slot records in `pulse_slots`, request/reply on `pulse.agent.<node>.{activate,deactivate}` with the
+typed replies (`ActivateReply`, `DeactivateReply`) and fencing checks against the registry; as the holder it
+writes `activating` and then `ready` (with the endpoint) before it replies — but runs no engine. The real agent
+(nodeagent) is exercised end to end in its own tests.
+
+Behaviours: ``ok``; ``silent`` (never answers); ``refuse`` (answers `refuse_code`, ``engine_failed`` by default).
+`stop_heartbeat()` makes the agent look dead to the registry while it keeps answering.
 """
 
 from __future__ import annotations
@@ -17,8 +22,8 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from warmpool import protocol
-from warmpool.errors import PulsescaleError
-from warmpool.protocol import AgentLease, SlotRecord
+from warmpool.errors import InvalidTransition, PulsescaleError
+from warmpool.protocol import ActivateReply, AgentLease, DeactivateReply, SlotRecord, StageTimings
 from warmpool.registry import KvSlotStore
 
 Behaviour = Literal["ok", "silent", "refuse"]
@@ -34,11 +39,18 @@ class AgentDouble:
     rack: str = "rack-0"
     resident: bool = True
     behaviour: Behaviour = "ok"
+    refuse_code: str = "engine_failed"
     activation_delay_s: float = 0.0
     lease_s: float = 2.0
+    heartbeat_every_s: float | None = None
+    """Renewal interval, also written in the lease; default a quarter of `lease_s`."""
     activations: list[str] = field(default_factory=list)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _subs: list[object] = field(default_factory=list)
+
+    @property
+    def every_s(self) -> float:
+        return self.heartbeat_every_s if self.heartbeat_every_s is not None else self.lease_s / 4
 
     async def start(self) -> AgentDouble:
         names = [f"s{i}" for i in range(self.slots)]
@@ -54,19 +66,28 @@ class AgentDouble:
         return self
 
     async def beat(self) -> None:
-        await self.store.heartbeat(
-            AgentLease(node=self.node, heartbeat_at=time.time(), lease_s=self.lease_s, rack=self.rack)
+        lease = AgentLease(
+            node=self.node,
+            heartbeat_at=time.time(),
+            lease_s=self.lease_s,
+            rack=self.rack,
+            heartbeat_every_s=self.every_s,
         )
+        await self.store.heartbeat(lease)
 
     async def _heartbeat(self) -> None:
+        # As the real agent: one write per interval, each waiting for its acknowledgement (or a timeout).
         while True:
-            await asyncio.sleep(self.lease_s / 4)
+            await asyncio.sleep(self.every_s)
             with contextlib.suppress(Exception):
                 await self.beat()
 
-    async def stop(self) -> None:
+    def stop_heartbeat(self) -> None:
         for t in self._tasks:
             t.cancel()
+
+    async def stop(self) -> None:
+        self.stop_heartbeat()
         for s in self._subs:
             with contextlib.suppress(Exception):
                 await s.unsubscribe()  # type: ignore[attr-defined]
@@ -78,11 +99,16 @@ class AgentDouble:
         key = protocol.slot_key(self.model, self.node, req.slot)
         self.activations.append(key)
         if self.behaviour == "refuse":
-            await msg.respond(protocol.error_reply("engine_failed", "the double refuses"))
+            await self._reply(
+                msg, protocol.refusal(ActivateReply, self.refuse_code, "the double refuses", slot=req.slot)
+            )
             return
         rec, _ = await self.store.get(key)
         if rec.claim_id != req.claim_id:
-            await msg.respond(protocol.error_reply("foreign_claim", f"{key} is held by {rec.claim_id}"))
+            refusal = protocol.refusal(
+                ActivateReply, "foreign_claim", f"{key} is held by {rec.claim_id}", slot=req.slot
+            )
+            await self._reply(msg, refusal)
             return
         t0 = time.perf_counter()
         try:
@@ -90,11 +116,17 @@ class AgentDouble:
             await asyncio.sleep(self.activation_delay_s)
             endpoint = f"http://{self.node}.test:8000"
             await self.store.set_state(key, "ready", expect=["activating"], endpoint=endpoint)
+        except InvalidTransition as err:  # released or taken meanwhile
+            await self._reply(msg, protocol.refusal(ActivateReply, "not_claimed", str(err), slot=req.slot))
+            return
         except PulsescaleError as err:
-            await msg.respond(protocol.error_reply(err.code, str(err)))
+            await self._reply(msg, protocol.refusal(ActivateReply, "registry_unavailable", str(err), slot=req.slot))
             return
         total_ms = (time.perf_counter() - t0) * 1e3
-        await msg.respond(protocol.ok_reply(endpoint=endpoint, timings={"total_ms": total_ms, "load_ms": 0.0}))
+        timings = StageTimings(load_ms=0.0, engine_ms=0.0, readiness_ms=0.0, total_ms=total_ms)
+        reply = ActivateReply(slot=req.slot, key=key, state="ready", endpoint=endpoint, token=req.token,
+                              claim_id=req.claim_id, timings=timings)  # fmt: skip
+        await self._reply(msg, reply)
 
     async def _deactivate(self, msg: Msg) -> None:
         if self.behaviour == "silent":
@@ -103,6 +135,10 @@ class AgentDouble:
         key = protocol.slot_key(self.model, self.node, req.slot)
         with contextlib.suppress(PulsescaleError):
             claim = self.store.adopt(key)
-            if claim is not None and claim.claim_id == (req.claim_id or claim.claim_id):
+            if claim is not None and claim.claim_id == req.claim_id:
                 await self.store.release(claim, reason="deactivated")
-        await msg.respond(protocol.ok_reply())
+        await self._reply(msg, DeactivateReply(slot=req.slot, key=key))
+
+    @staticmethod
+    async def _reply(msg: Msg, reply: ActivateReply | DeactivateReply) -> None:
+        await msg.respond(protocol.encode(reply))

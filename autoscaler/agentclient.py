@@ -1,0 +1,90 @@
+"""The autoscaler's client of the node agents' verbs (``pulse.agent.<node>.activate`` / ``.deactivate``).
+
+It builds the contract's requests from a held claim — `ActivateRequest` and `DeactivateRequest` carry both halves
+of the claim (the fencing token and the claim id), a fresh request id, and an expiry — and decodes the typed
+replies, `ActivateReply` and `DeactivateReply`. A reply that came back is returned as it is, failed or not: the
+caller branches on its ``error.code`` (one of `protocol.ErrorCode`), never on message text. No reply at all (no
+agent subscribed, no answer in time, an answer that breaks the contract) raises `AgentUnavailable`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import TypeVar
+
+import nats.errors
+from nats.aio.client import Client
+
+from warmpool import protocol
+from warmpool.errors import BadMessage, PulsescaleError
+from warmpool.protocol import ActivateReply, ActivateRequest, DeactivateReply, DeactivateRequest
+from warmpool.registry import Claim
+
+__all__ = ["AgentClient", "AgentUnavailable"]
+
+Reply = TypeVar("Reply", ActivateReply, DeactivateReply)
+
+
+class AgentUnavailable(PulsescaleError):
+    """The agent gave no usable answer: nobody subscribed, no answer in time, or a reply that breaks the contract.
+    The slot's state is unknown; the caller releases its claim (fenced) rather than wait longer."""
+
+    code = "agent_unavailable"
+
+
+class AgentClient:
+    def __init__(self, nc: Client, *, clock: Callable[[], float] = time.time) -> None:
+        self.nc = nc
+        self.clock = clock
+
+    async def activate(self, claim: Claim, *, deadline_s: float) -> ActivateReply:
+        """Ask the slot's agent to take it into service within `deadline_s` (the request carries the deadline, so
+        the agent gives up at the same moment we stop waiting)."""
+        deadline = self.clock() + deadline_s
+        req = ActivateRequest(
+            id=uuid.uuid4().hex,
+            expires_at=deadline,
+            slot=claim.slot,
+            token=claim.token,
+            claim_id=claim.claim_id,
+            deadline=deadline,
+        )
+        data = await self._request(claim.node, "activate", protocol.encode(req), max(0.01, deadline - self.clock()))
+        if data is None:
+            raise AgentUnavailable(f"no answer from {claim.node} within the {deadline_s} s deadline")
+        return self._decode(claim.node, data, ActivateReply)
+
+    async def deactivate(self, claim: Claim, *, timeout_s: float) -> DeactivateReply:
+        """Ask the slot's agent to take it out of service (stop its engine, give the slot back)."""
+        req = DeactivateRequest(
+            id=uuid.uuid4().hex,
+            expires_at=self.clock() + timeout_s,
+            slot=claim.slot,
+            token=claim.token,
+            claim_id=claim.claim_id,
+        )
+        data = await self._request(claim.node, "deactivate", protocol.encode(req), timeout_s)
+        if data is None:
+            raise AgentUnavailable(f"no answer from {claim.node} to deactivate within {timeout_s} s")
+        return self._decode(claim.node, data, DeactivateReply)
+
+    async def _request(self, node: str, verb: str, payload: bytes, timeout_s: float) -> bytes | None:
+        """The reply's bytes, or None when it timed out."""
+        try:
+            msg = await self.nc.request(protocol.agent_subject(node, verb), payload, timeout=timeout_s)
+        except nats.errors.NoRespondersError:
+            raise AgentUnavailable(f"agent {node} is not answering (nobody subscribed to {verb})") from None
+        except (nats.errors.TimeoutError, TimeoutError):
+            return None
+        except nats.errors.Error as err:  # disconnected, connection closed, ...
+            raise AgentUnavailable(f"cannot reach agent {node}: {err}") from None
+        return bytes(msg.data)
+
+    @staticmethod
+    def _decode(node: str, data: bytes, type_: type[Reply]) -> Reply:
+        try:
+            return protocol.decode(data, type_)
+        except BadMessage as err:
+            raise AgentUnavailable(f"unreadable reply from {node}: {err}") from None

@@ -1,0 +1,200 @@
+"""The decide side of one model's control loop: samples in, a target replica count and its reason out.
+
+`ModelDecider` holds everything a decision rests on and nothing that acts: the gateways' demand
+(`ingest.ModelDemand`), the policy's state, the on-call override and the ScaledObject's paused annotation, the
+measured claim -> ready times the forecast looks ahead by, and the decisions made (for `pulsescale status`). No
+NATS, no tasks, no metrics, no clock: time is an argument, so it is tested on a hand clock.
+
+Its seams: `decide` runs the pure policy (`policy.decide`) and returns an `Evaluation`; the act side
+(`autoscaler.scaler`) reads the target through `desired(held)` and reports measured activations through
+`add_lead_time`; the controller (`autoscaler.controller`) joins the two and owns the one timer that fires a
+deferred decision at `due_at`.
+
+Debounce. Every accepted sample asks for a decision, at most one per `debounce_s`: a burst of samples is one
+decision, never a polling period. A sample above the largest single-gateway demand seen at the last decision may
+be a pulse, and is decided at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Final
+
+from autoscaler import policy
+from autoscaler.ingest import Accepted, ModelDemand
+from warmpool import protocol
+from warmpool.protocol import DecisionRow, Override, QueueSample, ScalerRecord, StatusRow
+
+__all__ = ["LEAD_TIME_MIN_SAMPLES", "DeciderSettings", "Evaluation", "ModelDecider"]
+
+log = logging.getLogger("pulsescale.decider")
+
+LEAD_TIME_MIN_SAMPLES: Final = 3
+"""Measured claim -> ready times needed before their p90 replaces the spec's `leadTimeSeconds`: one or two
+activations say little about the next one."""
+
+
+@dataclass(frozen=True)
+class DeciderSettings:
+    debounce_s: float = 0.05
+    """At most one decision per model per this many seconds: a burst of samples is one decision, not many."""
+    lead_time_samples: int = 50
+    """Recent claim -> ready durations kept for the lead-time p90 the forecast uses."""
+    decisions_kept: int = 20
+    """Decisions kept per model for `pulsescale status` (the reasons are what on-call reads)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    """One run of the policy and what the controller needs to act on it."""
+
+    decision: policy.Decision
+    changed: bool
+    """The target or the mode differs from the previous decision: a new history row, and an event."""
+    demand: float | None
+    """Queue + in-flight over the fresh gateways; None when no gateway is fresh."""
+    sample_at: float | None
+    """Receive time of the first sample since the previous decision, when samples caused this one (the start of
+    `pulsescale_decision_seconds`); None for a decision only time caused (housekeeping, an override, an edit)."""
+
+
+class ModelDecider:
+    """The decide side of one model; see the module docstring."""
+
+    def __init__(
+        self,
+        record: ScalerRecord,
+        settings: DeciderSettings = DeciderSettings(),
+        *,
+        now: float,
+        current_replicas: int = 0,
+    ) -> None:
+        self.record = record
+        self.settings = settings
+        self.demand = ModelDemand(record.spec.model, record.spec.advanced.stale_after_seconds)
+        self.state = policy.initial_state(record.spec, now=now, current_replicas=current_replicas)
+        self.override: Override | None = None
+        """The on-call override (`scale`, `pause`); the paused annotation is read from `record`."""
+        self.decision: policy.Decision | None = None
+        self.history: deque[DecisionRow] = deque(maxlen=settings.decisions_kept)
+        """Decisions that changed the target or the mode, newest last."""
+        self.lead_times: deque[float] = deque(maxlen=settings.lead_time_samples)
+        self.due_at: float | None = None
+        """When the next decision is due; None while none is asked for."""
+        self._decided_at = -math.inf
+        self._decided_demand = 0.0  # the largest single-gateway demand seen at the last decision
+        self._sample_at: float | None = None  # receive time of the first sample since the last decision
+
+    @property
+    def model(self) -> str:
+        return self.record.spec.model
+
+    @property
+    def spec(self) -> protocol.ScaledObjectSpec:
+        return self.record.spec
+
+    @property
+    def reason(self) -> str:
+        return self.decision.reason if self.decision is not None else ""
+
+    def desired(self, held: int) -> int:
+        """The target replica count; before the first decision, the `held` count (nothing to change yet)."""
+        return self.decision.desired if self.decision is not None else held
+
+    # --- asking for a decision ---------------------------------------------------------------------------------
+
+    def update_record(self, record: ScalerRecord, now: float) -> float:
+        """A live edit of the ScaledObject: the next decision uses it. Returns when that decision is due."""
+        self.record = record
+        self.demand.stale_after_s = record.spec.advanced.stale_after_seconds
+        return self.request(now)
+
+    def on_sample(self, sample: QueueSample, now: float) -> Accepted:
+        """Fold one gateway sample into the demand; an accepted one asks for a decision (`due_at`)."""
+        outcome = self.demand.add(sample, now)
+        if outcome in ("accepted", "restart"):
+            if self._sample_at is None:
+                self._sample_at = now
+            # Rising demand is a possible pulse: decide now. Flat or falling demand can wait for the debounce.
+            rising = sample.queue_depth + sample.inflight > self._decided_demand
+            self.request(now, urgent=rising)
+        return outcome
+
+    def request(self, now: float, *, urgent: bool = False) -> float:
+        """Ask for a decision: at once when `urgent` or the debounce has passed, else when it passes. Returns
+        `due_at`; an earlier request still pending stands."""
+        at = now if urgent else max(now, self._decided_at + self.settings.debounce_s)
+        if self.due_at is None or at < self.due_at:
+            self.due_at = at
+        return self.due_at
+
+    def due(self, now: float) -> bool:
+        return self.due_at is not None and now >= self.due_at
+
+    # --- deciding ------------------------------------------------------------------------------------------------
+
+    def lead_time_s(self) -> float | None:
+        """p90 of the measured claim -> ready times; None until `LEAD_TIME_MIN_SAMPLES` were measured."""
+        if len(self.lead_times) < LEAD_TIME_MIN_SAMPLES:
+            return None
+        ordered = sorted(self.lead_times)
+        rank = -(-9 * len(ordered) // 10)  # nearest rank, ceil(0.9 n) in integers: 9 in 10 are at or below it
+        return ordered[rank - 1]
+
+    def add_lead_time(self, seconds: float) -> None:
+        """One measured claim -> ready time (the act side reports its own activations)."""
+        self.lead_times.append(seconds)
+
+    def active_override(self, now: float) -> Override | None:
+        """The override in force: the paused annotation first, then the on-call one. An expired on-call override
+        is returned once more, so the decision's reason says the policy resumed, and then forgotten."""
+        if self.record.paused:
+            return Override(kind="pause", replicas=self.record.paused_replicas, expires_at=None, by="annotation")
+        o = self.override
+        if o is not None and o.expires_at is not None and now >= o.expires_at:
+            log.info("%s: override %s by %s expired; the policy resumes", self.model, o.kind, o.by)
+            self.override = None
+        return o
+
+    def decide(self, now: float, *, ready: int) -> Evaluation:
+        """Run the policy on what is known at `now`, with `ready` replicas serving."""
+        self._decided_at = now
+        self.due_at = None
+        sample_at, self._sample_at = self._sample_at, None
+        seen = self.demand.observe(now)
+        self._decided_demand = max((g.queue_depth + g.inflight for g in self.demand.gateways.values()), default=0)
+        obs = policy.Observation(
+            demand=seen.demand,
+            ready=ready,
+            lead_time_s=self.lead_time_s(),
+            override=self.active_override(now),
+        )
+        decision, self.state = policy.decide(self.spec, obs, self.state, now)
+        previous, self.decision = self.decision, decision
+        changed = previous is None or previous.desired != decision.desired or previous.mode != decision.mode
+        if changed:
+            self.history.append(DecisionRow(ts=now, desired=decision.desired, reason=decision.reason))
+        return Evaluation(decision, changed, seen.demand, sample_at)
+
+    # --- status --------------------------------------------------------------------------------------------------
+
+    def status_row(self, *, ready: int, activating: int, warm: int, stale: int) -> StatusRow:
+        """The model's row in `pulsescale status`; the slot counts come from the act side and the registry."""
+        d = self.decision
+        return StatusRow(
+            model=self.model,
+            scaler=self.record.key,
+            desired=self.desired(ready + activating),
+            ready=ready,
+            activating=activating,
+            warm=warm,
+            stale=stale,
+            panic=bool(d and d.panic),
+            mode=d.mode if d else "starting",
+            override=self.override,
+            reason=d.reason if d else "",
+            decisions=list(self.history),
+        )
