@@ -122,6 +122,7 @@ async def running_autoscaler(url: str, *, wait_to_lead: bool = True, **kw: objec
     await asyncio.wait_for(ready.wait(), 10)
     try:
         scaler = started[0]
+        await wait_for(scaler.ready, 5, "the autoscaler's views and ScaledObjects")
         if wait_to_lead:
             await wait_for(scaler.is_leader, 5, "the autoscaler to lead")
         yield scaler
