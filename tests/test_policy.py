@@ -571,6 +571,14 @@ def test_stale_metrics_while_idle_at_zero_keep_it_at_zero() -> None:
     run(make_spec(min_replica_count=0), [Row(0.1, None, 0, repeat=30, want=0, mode="hold")], current=0)
 
 
+def test_a_restart_between_the_idle_count_and_the_minimum_is_held_at_the_minimum() -> None:
+    # 2 serving with minReplicaCount 3 and idleReplicaCount 1: the count is brought into bounds (3), never down to
+    # the idle count, whether metrics are missing or the policy would go idle.
+    spec = make_spec(min_replica_count=3, idle_replica_count=1, cooldown_period=0.0)
+    run(spec, [Row(0.1, None, 2, repeat=20, want=3, mode="hold")], current=2)
+    run(spec, [Row(0.1, 0, 2, repeat=20, want=3, mode="hold", reason="hold 3 after restart")], current=2)
+
+
 def test_cooldown_after_a_restart_counts_from_the_restart() -> None:
     # A restarted autoscaler has no record of the last demand: the replicas it finds serving get a full cooldown
     # before going idle, not an instant scale to zero once the restart hold ends.
