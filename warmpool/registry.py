@@ -11,7 +11,7 @@ compare-and-set say whether the view was current: reads are not read-your-writes
 `BucketView` is that view for any bucket of contract records; the autoscaler follows `pulse_scalers` with one.
 
 Leases are judged by the reader's clock, and only on a current view: after a reconnect the agents' view is
-re-listed, and a lease is called lapsed only once its agent had one heartbeat interval since to renew it
+re-listed, and a lease is called lapsed only once its agent had two heartbeat intervals since to renew it
 (`lease_lapsed`). Without that, an outage longer than a lease would make every healthy agent look dead.
 """
 
@@ -491,7 +491,7 @@ class KvSlotStore:
 
     def lease_lapsed(self, node: str, now: float) -> bool:
         """True only when we *know* the agent of `node` stopped renewing: its lease is missing or old in a view
-        that is current, and the agent had one heartbeat interval since that view was listed to renew it.
+        that is current, and the agent had two heartbeat intervals since that view was listed to renew it.
 
         A stale view (disconnected, or not re-listed since a reconnect) proves nothing: after a broker outage
         longer than a lease, every agent's last heartbeat is old until the agents reconnect and renew."""
@@ -503,7 +503,9 @@ class KvSlotStore:
             return True  # withdrawn (a clean shutdown), or gone from a current listing
         if lease.fresh(now):
             return False
-        return now - view.listed_at >= lease.renew_every_s
+        # Two intervals, not one: the agent reconnects on its own schedule (possibly after us), and its first
+        # write after the outage may be a stale buffered heartbeat replayed by its client.
+        return now - view.listed_at >= 2 * lease.renew_every_s
 
     async def get(self, key: str) -> tuple[SlotRecord, int]:
         """Read one slot from the broker (not the view)."""
