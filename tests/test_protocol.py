@@ -89,7 +89,7 @@ def test_malformed_sample_gets_its_reason(reason: str, data: bytes) -> None:
 
 
 def test_every_reason_is_reachable_and_documented() -> None:
-    covered = {r for r, _ in BAD} | {"expired", "duplicate_id", "bad_value", "subject_mismatch"}
+    covered = {r for r, _ in BAD} | {"expired", "duplicate_id", "bad_value", "subject_mismatch", "too_late"}
     assert covered == set(protocol.REASONS)
 
 
@@ -146,6 +146,37 @@ def test_expired_and_duplicate_requests() -> None:
     with pytest.raises(BadMessage) as info:
         protocol.admit(req, 100.5, ledger)
     assert info.value.reason == "expired"
+
+
+def test_a_request_valid_for_longer_than_the_maximum_ttl_is_refused() -> None:
+    """A forged or clock-broken sender cannot make a request replayable (and remembered) for years."""
+    ledger = protocol.RequestLedger()
+    now = 1_000.0
+    far = protocol.ScaleCommand(
+        id="r", expires_at=now + protocol.MAX_REQUEST_TTL_S + 1, by="b", model="m", replicas=1, for_s=5
+    )
+    with pytest.raises(BadMessage) as info:
+        protocol.admit(far, now, ledger)
+    assert info.value.reason == "too_late" and "check the sender's clock" in str(info.value)
+    near = protocol.ScaleCommand(
+        id="r", expires_at=now + protocol.MAX_REQUEST_TTL_S, by="b", model="m", replicas=1, for_s=5
+    )
+    protocol.admit(near, now, ledger)  # exactly the maximum: admitted
+
+
+def test_a_future_dated_or_over_long_lease_is_not_fresh() -> None:
+    """A fake node cannot stay claimable by dating its heartbeat ahead or by claiming a lease of hours."""
+    now = 10_000.0
+    honest = protocol.AgentLease(node="n", heartbeat_at=now - 1, lease_s=6)
+    assert honest.fresh(now) and not honest.fresh(now + 6)
+    skewed = protocol.AgentLease(node="n", heartbeat_at=now + protocol.MAX_CLOCK_SKEW_S, lease_s=6)
+    assert skewed.fresh(now)  # within the allowed clock skew
+    forged = protocol.AgentLease(node="n", heartbeat_at=now + protocol.MAX_CLOCK_SKEW_S + 0.5, lease_s=6)
+    assert not forged.fresh(now)
+    assert not protocol.AgentLease(node="n", heartbeat_at=now + 1e9, lease_s=6).fresh(now)
+    with pytest.raises(BadMessage) as info:
+        protocol.decode(b'{"v":1,"node":"n","heartbeat_at":10000,"lease_s":1e6}', protocol.AgentLease)
+    assert info.value.reason == "bad_value" and "at most" in str(info.value)
 
 
 def test_ledger_is_bounded() -> None:

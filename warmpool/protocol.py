@@ -14,6 +14,11 @@ Revisions of v1 (each only adds fields or tightens a request only our own autosc
   `AgentStatusReply`, `LeaderLease`, `OverrideRecord`, ...) with the fields they already had; `StatusRow` adds
   `stale` (warm slots whose agent's lease lapsed) and `AgentLease` adds `heartbeat_every_s`. Reply error codes
   are listed in `ERROR_CODES`.
+- revision 3 (security): an `AgentLease` with `lease_s` over `MAX_LEASE_S` is refused ``bad_value``, and one whose
+  `heartbeat_at` is more than `MAX_CLOCK_SKEW_S` ahead of the reader's clock is not fresh; a request whose
+  `expires_at` is more than `MAX_REQUEST_TTL_S` ahead is refused ``too_late``; an agent with too many requests in
+  flight answers ``busy``. `ActivateReply.endpoint` is informational: a slot's serving endpoint is the one in its
+  record's fenced ``ready`` write, never a reply's.
 
 Pure: no I/O, no NATS import; `now` is passed in where time matters.
 """
@@ -41,7 +46,10 @@ __all__ = [
     "LEADER_LEASE_KEY",
     "LEASES_BUCKET",
     "OVERRIDE_KEY_PREFIX",
+    "MAX_CLOCK_SKEW_S",
+    "MAX_LEASE_S",
     "MAX_MESSAGE_BYTES",
+    "MAX_REQUEST_TTL_S",
     "NAME_PATTERN",
     "QUEUE_WILDCARD",
     "REASONS",
@@ -116,9 +124,18 @@ __all__ = [
 ]
 
 VERSION: Final = 1
-CONTRACT_REVISION: Final = 2
+CONTRACT_REVISION: Final = 3
 """Revision of wire contract v1 this code speaks (see the module doc for what each revision changed)."""
 MAX_MESSAGE_BYTES: Final = 64 * 1024
+MAX_LEASE_S: Final = 300.0
+"""The longest agent lease any reader honours: a lease that says it lasts longer is refused (``bad_value``), so a
+writer cannot keep a dead or fake node claimable for hours. Real leases are a few heartbeats (6 s by default)."""
+MAX_CLOCK_SKEW_S: Final = 5.0
+"""A heartbeat dated more than this ahead of the reader's clock is not fresh: a future-dated lease is a clock fault
+or a forgery, never a reason to trust a node for longer."""
+MAX_REQUEST_TTL_S: Final = 3_600.0
+"""The latest `expires_at` a consumer accepts, from its own clock: a request cannot stay replayable (or stay in the
+idempotency ledger) for longer. An hour covers the longest on-call wait anyone types."""
 NAME_PATTERN: Final = r"^[a-z0-9]([a-z0-9_-]{0,61}[a-z0-9])?$"
 _NAME_RE: Final = re.compile(NAME_PATTERN)
 
@@ -171,6 +188,7 @@ REASONS: Final = (
     "bad_name",  # model/node/slot name outside NAME_PATTERN
     "bad_value",  # in range for its type but not a legal value (unknown verb, empty id, ...)
     "too_large",  # over MAX_MESSAGE_BYTES
+    "too_late",  # a request whose expires_at is more than MAX_REQUEST_TTL_S ahead (revision 3)
     "subject_mismatch",  # the payload names another model/node than its subject
     "expired",  # a request past its expires_at
     "duplicate_id",  # a request id already applied
@@ -196,7 +214,7 @@ ErrorCode = Literal[
     "engine_failed",  # the engine crashed or reported an error while starting
     "not_ready",  # the engine started but failed its readiness check
     "registry_unavailable",  # the agent could not read or write the slot's record
-    "busy",  # a prewarm is already running
+    "busy",  # a prewarm is already running, or too many requests are in flight on the agent (revision 3)
     # either
     "internal",  # a bug, caught and survived; the message has the exception
 ]
@@ -438,6 +456,7 @@ class StageTimings(msgspec.Struct, kw_only=True):
 
 # --- KV records ---------------------------------------------------------------------------------------------------
 
+
 class SlotRecord(Message, kw_only=True):
     """The value under ``<model>.<node>.<slot>`` in `pulse_slots`.
 
@@ -487,9 +506,12 @@ class AgentLease(Message, kw_only=True):
         _not_negative(self, "heartbeat_every_s")
         if self.lease_s <= 0:
             raise ValueError("[bad_value] `lease_s` must be > 0")
+        if self.lease_s > MAX_LEASE_S:
+            raise ValueError(f"[bad_value] `lease_s` is {self.lease_s:g} s, at most {MAX_LEASE_S:g} s is honoured")
 
     def fresh(self, now: float) -> bool:
-        return now <= self.heartbeat_at + self.lease_s
+        """Renewed within `lease_s` of `now`, and not dated ahead of it by more than the allowed clock skew."""
+        return self.heartbeat_at <= now + MAX_CLOCK_SKEW_S and now <= self.heartbeat_at + min(self.lease_s, MAX_LEASE_S)
 
     @property
     def renew_every_s(self) -> float:
@@ -959,9 +981,17 @@ def decode(data: bytes, type_: type[M]) -> M:
 
 
 def check_fresh(req: Request, now: float) -> None:
-    """Refuse a request past its expiry: nats-py replays buffered publishes after a reconnect, possibly late."""
+    """Refuse a request past its expiry (nats-py replays buffered publishes after a reconnect, possibly late), and
+    one that would stay valid for more than `MAX_REQUEST_TTL_S`: every admitted request expires soon, so a replay
+    is refused and the ledger forgets it in bounded time."""
     if now > req.expires_at:
         raise BadMessage("expired", f"request {req.id} expired {now - req.expires_at:.3f} s ago")
+    if req.expires_at > now + MAX_REQUEST_TTL_S:
+        raise BadMessage(
+            "too_late",
+            f"request {req.id} expires {req.expires_at - now:.0f} s from now; at most {MAX_REQUEST_TTL_S:.0f} s "
+            "is accepted (check the sender's clock)",
+        )
 
 
 class RequestLedger:
