@@ -6,7 +6,7 @@ an agent writes after staging, so everything downstream sees a real pool.
 
 from __future__ import annotations
 
-from warmpool.protocol import AgentLease, SlotRecord
+from warmpool.protocol import MAX_LEASE_S, AgentLease, SlotRecord
 from warmpool.registry import KvSlotStore
 
 __all__ = ["seed_pool"]
@@ -19,10 +19,12 @@ async def seed_pool(
     nodes: int,
     slots_per_node: int,
     racks: int = 1,
-    lease_s: float = 3600.0,
+    lease_s: float = MAX_LEASE_S,
     node_prefix: str = "node",
 ) -> list[str]:
-    """Register `nodes` x `slots_per_node` warm slots of `model`; returns their keys."""
+    """Register `nodes` x `slots_per_node` warm slots of `model`; returns their keys. Nothing renews the leases:
+    they stay fresh for `lease_s` (by default the longest a reader honours, `protocol.MAX_LEASE_S`), which covers
+    a benchmark or a test; a longer run re-seeds."""
     now = store.clock()
     keys = []
     for n in range(nodes):
