@@ -60,6 +60,11 @@ def _agent_parser(prog: str) -> argparse.ArgumentParser:
         help=f"Prometheus port, 0 = any free, -1 = off [{d.metrics_port}]",
     )
     p.add_argument("--no-mlock", action="store_true", help="do not lock the staged weights in memory")
+    p.add_argument(
+        "--engine-user",
+        default=d.engine_user,
+        help=f"user engines run as when the agent is root (name or uid; root opts out) [{d.engine_user}]",
+    )
     p.add_argument("--fault", action="append", default=[], metavar="SLOT=KIND", help=argparse.SUPPRESS)
     p.add_argument("--log-level", default=os.environ.get("PULSESCALE_LOG_LEVEL", "INFO"), help="[INFO]")
     nats_connect.add_nats_arguments(p)
@@ -112,6 +117,7 @@ def _settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> AgentSett
         metrics_host=args.metrics_host,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         lock_weights=not args.no_mlock,
+        engine_user=args.engine_user,
         faults=faults,
     )
 

@@ -19,6 +19,8 @@ __all__ = [
     "EngineFailed",
     "LoaderUnavailable",
     "StagingFailed",
+    "UnsafeStagingDir",
+    "WeightsChanged",
     "describe",
 ]
 
@@ -44,6 +46,16 @@ class StagingFailed(PulsescaleError):
     """Copying, mapping or locking the staged weights failed for a reason outside the weights themselves."""
 
     code = "staging_failed"
+
+
+class UnsafeStagingDir(StagingFailed):
+    """The staging directory is not the agent's own (a link, someone else's, or in a directory others can
+    rewrite): the agent runs as root and will not stage, map or sweep through it. The message says the fix."""
+
+
+class WeightsChanged(BadWeights):
+    """The weights an engine was handed are not the file staging verified (device, inode or size differ): the
+    engine refuses to load them rather than serve unverified bytes."""
 
 
 class LoaderUnavailable(PulsescaleError):

@@ -1,4 +1,9 @@
-"""The agent's side of a zygote: arm it, start and stop its engine process, notice when either dies."""
+"""The agent's side of a zygote: arm it, start and stop its engine process, notice when either dies.
+
+The zygote gets the verified weights as descriptors (``pass_fds``: the spec's ``weights``, see
+`staging.Staged.engine_weights`) and, when the agent is root, the user to become (``engine_user``, default
+``nobody``): engines never run as root, and they read the 0600 staged files only through what they were given.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import pwd
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -21,6 +27,8 @@ log = logging.getLogger("pulsescale.agent.engine")
 
 ARM_TIMEOUT_S = 60.0
 """A zygote imports numpy and the engine: a second or two on a cold node; far more means something is wrong."""
+DEFAULT_ENGINE_USER = "nobody"
+"""Who engines run as when the agent is root and the spec names no one: exists on every Linux, owns nothing."""
 STOP_GRACE_S = 2.0
 """SIGTERM, then SIGKILL after this long: the local engine exits at once; a stuck one must not block release."""
 
@@ -87,7 +95,8 @@ class ForkedEngine:
             await self._kill_zygote()
             self._armed.clear()
             self._arm_error = None
-            spec = {**self.spec, "parent_pid": os.getpid()}
+            run_as = engine_identity(str(self.spec.get("engine_user") or DEFAULT_ENGINE_USER))
+            spec = {**self.spec, "parent_pid": os.getpid(), "run_as": run_as}
             self._proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
@@ -95,6 +104,7 @@ class ForkedEngine:
                 json.dumps(spec),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
+                pass_fds=[int(w["fd"]) for w in self.spec.get("weights", ())],
             )
             self.zygote_pid = self._proc.pid
             self._reader = asyncio.create_task(self._read(self._proc), name=f"zygote-{self.name}")
@@ -254,6 +264,28 @@ class ForkedEngine:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(proc.wait(), STOP_GRACE_S + 1.0)
             await self._kill_zygote()
+
+
+def engine_identity(user: str) -> tuple[int, int] | None:
+    """(uid, gid) the zygote drops to: `user`'s when the agent is root, None when it is not (nothing to drop)
+    or when `user` is root itself (an explicit, logged opt-out)."""
+    if os.geteuid() != 0:
+        return None
+    if user.isdigit():  # a bare uid (containers often have no passwd entry): its own group
+        uid = int(user)
+        return None if uid == 0 else (uid, uid)
+    try:
+        pw = pwd.getpwnam(user)
+    except KeyError:
+        raise EngineFailed(
+            "arm",
+            f"engine user {user!r} does not exist on this node; create it (useradd --system --no-create-home "
+            f"{user}) or pass --engine-user with an existing unprivileged user",
+        ) from None
+    if pw.pw_uid == 0:
+        log.warning("engines run as root (--engine-user %s): a compromised engine owns the node", user)
+        return None
+    return pw.pw_uid, pw.pw_gid
 
 
 def _describe_exit(ev: Mapping[str, Any]) -> str:

@@ -16,6 +16,7 @@ Pure apart from reading and writing the manifest: the engine process imports it 
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import re
@@ -67,17 +68,29 @@ def write_manifest(model_dir: str | os.PathLike[str], sums: dict[str, str]) -> N
 _MANIFEST_LINE: Final = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
 
 
-def read_manifest(model_dir: str | os.PathLike[str]) -> dict[str, str]:
-    """File name -> sha256 hex from ``sha256sums.txt``; refuses names that would leave the directory."""
+def read_manifest(model_dir: str | os.PathLike[str], *, dir_fd: int | None = None) -> dict[str, str]:
+    """File name -> sha256 hex from ``sha256sums.txt``; refuses names that would leave the directory, and a
+    manifest that is a symbolic link (the agent reads it as root). `dir_fd` is an open handle of `model_dir`."""
     path = Path(model_dir, MANIFEST_FILE)
     try:
-        text = path.read_text()
+        fd = os.open(
+            MANIFEST_FILE if dir_fd is not None else path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd
+        )
+        with open(fd, "rb") as f:
+            text = f.read().decode()
     except FileNotFoundError:
         raise BadModel(
             f"{model_dir} has no {MANIFEST_FILE}; every staged file must be checksummed "
             f"(write one with `cd {model_dir} && sha256sum *.safetensors config.json > {MANIFEST_FILE}`)"
         ) from None
-    except (OSError, UnicodeDecodeError) as err:
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise BadModel(
+                f"{path} is a symbolic link; the agent (root) never follows links in a model directory: "
+                "put the file itself there"
+            ) from None
+        raise BadModel(f"cannot read {path}: {err}") from None
+    except UnicodeDecodeError as err:
         raise BadModel(f"cannot read {path}: {err}") from None
     sums: dict[str, str] = {}
     for n, line in enumerate(text.splitlines(), 1):

@@ -3,7 +3,10 @@
 A prewarm stages (or re-verifies) the model's weights in shm (`staging.stage`, all or nothing: a failed re-stage
 keeps the complete previous set), maps and locks them (`staging.lock`), arms each slot's zygote for them, and
 writes the slots `warm`. It runs at start-up and on the ``prewarm`` verb, one at a time; a slot that serves is
-skipped (it is re-armed for the new weights when it is given back).
+skipped (it is re-armed for the new weights when it is given back). A prewarm costs little when nothing changed
+(anyone on the bus may send one): files this agent verified and that are unchanged since are not read again,
+and a `warm` slot stays `warm` (claimable) throughout; it goes `prewarming` only while its zygote is re-armed
+for a set that did change.
 
 Keeping slots warm: an engine or zygote that dies on its own fails the claim it served and is re-armed, bounded by
 the slot's failures in a row (`recover`); a slot record deleted under the agent is written again (`restore`);
@@ -82,9 +85,12 @@ class Prewarmer:
         """Stage (or re-verify) the weights, lock them, arm the named slots' zygotes, then mark them `warm`."""
         k, s = self.keeper, self.keeper.settings
         targets = [k.slots[n] for n in names if k.slots[n].active is None]
+        previous = k.staged
         for slot in targets:
-            slot.phase = "prewarming"
-            await k.set_state(slot, "prewarming", reason=None, weights_resident=False)
+            # A warm slot serves the staged set while it is re-verified; `arm` takes it out only to re-arm it.
+            if not (slot.phase == "warm" and previous is not None and slot.engine is not None and slot.engine.armed):
+                slot.phase = "prewarming"
+                await k.set_state(slot, "prewarming", reason=None, weights_resident=False)
         t0 = time.perf_counter()
         try:
             # All or nothing: on failure the staged files, `staged` and the zygotes' specs stay on the complete
@@ -96,16 +102,25 @@ class Prewarmer:
                 s.model_name,
                 threads=s.stage_threads,
                 check=_check_model,
+                previous=previous,
             )
         except Exception as err:  # noqa: BLE001 - whatever it is, the slots must not stay `prewarming`
             await self._staging_failed(targets, f"staging failed: {describe(err)}")
             return
         k.staged = staged  # what the staged files on disk now are
         try:
+            await self._lock_and_arm(staged, targets, t0)
+        finally:
+            if previous is not None:
+                previous.close(keep=staged)  # running zygotes hold their own copies of what they were given
+
+    async def _lock_and_arm(self, staged: staging.Staged, targets: list[Slot], t0: float) -> None:
+        k, s = self.keeper, self.keeper.settings
+        try:
             # Re-uses the mappings of unchanged files and unlocks the rest before locking anything new, so the
-            # weights never count twice against RLIMIT_MEMLOCK.
+            # weights never count twice against RLIMIT_MEMLOCK. Mapped from the verified descriptors.
             locked = await asyncio.to_thread(
-                staging.lock, [f.path for f in staged.weights], want_lock=s.lock_weights, previous=self.locked
+                staging.lock, staged.weights, want_lock=s.lock_weights, previous=self.locked
             )
         except Exception as err:  # noqa: BLE001
             self.locked = None
@@ -120,11 +135,12 @@ class Prewarmer:
         m.locked_bytes.set(locked.locked_bytes)
         m.lock_refused.set(1 if locked.error else 0)
         log.info(
-            "staged %s: %d file(s), %.1f MiB (%.1f MiB copied) in %.2f s; %s",
+            "staged %s: %d file(s), %.1f MiB (%.1f MiB copied, %.1f MiB read to verify) in %.2f s; %s",
             s.model_name,
             len(staged.files),
             staged.nbytes / 2**20,
             staged.copied_bytes / 2**20,
+            staged.hashed_bytes / 2**20,
             took,
             f"locked {locked.locked_bytes / 2**20:.1f} MiB" if locked.error is None else locked.error,
         )
@@ -141,6 +157,10 @@ class Prewarmer:
         async with slot.held("arming its engine"):
             if slot.active is not None:
                 return
+            same = slot.engine is not None and slot.engine.armed and slot.engine.spec == k.engine_spec(slot, staged)
+            if not same and slot.phase == "warm":
+                slot.phase = "prewarming"  # not claimable while its zygote is re-armed for the new set
+                await k.set_state(slot, "prewarming", reason=None)
             err = await k.ensure_armed(slot, staged)
             if err is not None:
                 await k.fail(slot, f"cannot arm the engine: {err}")

@@ -52,6 +52,9 @@ class AgentSettings:
     max_consecutive_failures: int = 3
     """Failed activations in a row after which a slot is `failed` (quarantined until a prewarm) rather than
     returned to `warm`: one crash may be bad luck, three is a broken slot that would eat every claim."""
+    engine_user: str = "nobody"
+    """Who engines run as when the agent is root (a name or a uid): the zygote drops to it, with no_new_privs,
+    before it serves, so an engine compromised through a request is not root on a GPU node. ``root`` opts out."""
     faults: Mapping[str, str] = field(default_factory=dict)
     """Test-only failpoints, slot name -> ``crash`` | ``hang`` | ``unhealthy`` | ``fail`` (see `zygote.FAULTS`)."""
 

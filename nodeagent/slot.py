@@ -266,6 +266,8 @@ class SlotKeeper:
             "loader": self.loader,
             "model_dir": str(staged.dir),
             "files": [str(f.path) for f in staged.weights],
+            "weights": staged.engine_weights(),  # verified descriptors, passed to the zygote
+            "engine_user": s.engine_user,  # who the zygote becomes when the agent is root
             "model_name": s.model_name,
             "host": s.engine_host,
             "private": s.engine_memory == "private",

@@ -6,8 +6,22 @@ way (one pass over the bytes), compared with the manifest, its safetensors heade
 file of the new set has verified are the partial files renamed into place. So a bad source or a crash mid-copy
 never replaces a good staged file, and a failed re-stage never leaves a mix of two versions. A staged file that
 already matches the manifest (the agent restarted, shm survived, or the file did not change between versions)
-is verified and kept instead of copied again. After a successful stage, files that are not in the manifest and
-``.partial`` files of a killed copy are removed, so shm holds one version.
+is verified and kept instead of copied again; one this agent verified itself and that has not changed since
+(same device, inode, size and mtime, same manifest digest) is kept without reading it again. After a successful
+stage, files that are not in the manifest and ``.partial`` files of a killed copy are removed, so shm holds one
+version.
+
+Ownership (the agent runs as root; ``/dev/shm`` is writable by every local user): ``<shm_dir>`` and
+``<shm_dir>/<model>`` must be real directories owned by the agent, mode 0700 (made so when absent, tightened
+when the agent's own are looser, refused with `UnsafeStagingDir` when they are links or someone else's). All work
+inside goes through directory handles and ``O_NOFOLLOW`` opens, so a link planted inside is never followed: a
+sweep removes the link, never its target. Sources are opened the same way (a link in the model directory is
+refused). Staged files are 0600.
+
+Verified bytes are the used bytes: each staged file is kept open (`StagedFile.fd`, read-only) from the moment
+its bytes are hashed; the agent maps and locks from that descriptor and the engines get it too
+(`Staged.engine_weights`, passed to the zygote), with its (device, inode, size) to check. A rename keeps the
+inode, so the descriptor stays the verified file whatever later happens to the name.
 
 Locking: the agent maps every staged weights file and ``mlock``s it, so the pages stay resident for as long as
 the agent runs (tmpfs pages can otherwise be swapped out). Locking needs ``CAP_IPC_LOCK`` or a large enough
@@ -23,23 +37,29 @@ import errno
 import hashlib
 import os
 import resource
-import shutil
+import stat
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from nodeagent import modelformat
 from nodeagent.engine import safetensors_check
-from nodeagent.errors import BadModel, BadWeights, StagingFailed
+from nodeagent.errors import BadModel, BadWeights, StagingFailed, UnsafeStagingDir
 
 __all__ = ["COPY_BLOCK_BYTES", "LockedWeights", "Staged", "StagedFile", "check_staged", "lock", "stage"]
 
 COPY_BLOCK_BYTES: Final = 8 * 2**20
 """Read-hash-write block: large enough for full disk and memory bandwidth, small enough to stay in cache."""
 PARTIAL_SUFFIX: Final = ".partial"
+DIR_MODE: Final = 0o700
+FILE_MODE: Final = 0o600
+"""Staged weights are the agent's: engines read them through the descriptors they are given, not by name."""
+
+_O_DIR: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_O_READ: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # NONBLOCK: a planted FIFO never hangs us
 
 
 @dataclass(frozen=True)
@@ -51,6 +71,10 @@ class StagedFile:
     copied: bool
     """False when an already staged copy matched the manifest and was kept."""
     header: safetensors_check.Header | None = None
+    fd: int = -1
+    """A read-only descriptor of the verified file, held by the agent for as long as this file is staged."""
+    ident: tuple[int, int, int, int] = (0, 0, 0, 0)
+    """(device, inode, size, mtime ns) when it verified: unchanged since means not read again."""
 
 
 @dataclass
@@ -63,6 +87,8 @@ class Staged:
     staged_at: float
     version: str = ""
     """A digest of the manifest: engines armed for another version must be re-armed before they serve."""
+    hashed_bytes: int = 0
+    """Bytes read and hashed by this stage (0 when every file was kept unchanged from the previous one)."""
 
     @property
     def weights(self) -> list[StagedFile]:
@@ -87,94 +113,243 @@ class Staged:
     def shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
         return {t.name: (t.shape, t.dtype) for f in self.weights for t in f.header.tensors}  # type: ignore[union-attr]
 
+    def engine_weights(self) -> list[dict[str, Any]]:
+        """What the zygote's spec carries: each weights file's descriptor (passed to it) and its identity."""
+        return [
+            {"name": f.name, "fd": f.fd, "dev": f.ident[0], "ino": f.ident[1], "size": f.nbytes} for f in self.weights
+        ]
 
-def _hash_file(path: Path) -> str:
-    h = hashlib.sha256()
-    buf = bytearray(COPY_BLOCK_BYTES)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
-
-
-def _copy_hashing(src: Path, dst: Path) -> str:
-    """Copy `src` to `dst` and return the sha256 of the bytes written: one read of the source."""
-    h = hashlib.sha256()
-    buf = bytearray(COPY_BLOCK_BYTES)
-    view = memoryview(buf)
-    with open(src, "rb", buffering=0) as fi, open(dst, "wb", buffering=0) as fo:
-        while n := fi.readinto(buf):
-            h.update(view[:n])  # hashlib releases the GIL for large blocks: files hash in parallel
-            fo.write(view[:n])
-    return h.hexdigest()
+    def close(self, keep: Staged | None = None) -> None:
+        """Close the descriptors of files that `keep` (the set that replaced this one) does not carry over."""
+        kept = {f.fd for f in keep.files} if keep is not None else set()
+        for f in self.files:
+            if f.fd >= 0 and f.fd not in kept:
+                _close(f.fd)
 
 
-def _reuse(dest: Path, name: str, want: str) -> StagedFile | None:
-    """The staged copy of `name` if it is there and matches the manifest (the agent restarted, shm survived)."""
-    final = dest / name
+def _close(fd: int) -> None:
     try:
-        if not final.is_file() or _hash_file(final) != want:
-            return None
-        size = final.stat().st_size
+        os.close(fd)
     except OSError:
-        return None  # unreadable: copied again
-    # Verified against the manifest: good whatever became of the source since.
-    header = safetensors_check.read_header(final) if name.endswith(".safetensors") else None
-    return StagedFile(name, final, size, want, copied=False, header=header)
+        pass  # already closed (a Staged closed twice): nothing to do
 
 
-def _partial(dest: Path, name: str) -> Path:
-    return dest / f".{name}{PARTIAL_SUFFIX}"
+def _ident(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def _copy_file(source: Path, dest: Path, name: str, want: str) -> StagedFile:
-    """Copy `name` to its ``.partial`` file, hash it on the way and validate its header; the staged name is
-    untouched. On any failure the partial file is removed."""
-    src = source / name
+# --- the staging directory -----------------------------------------------------------------------------------
+
+
+def _own_dir(path: Path) -> int:
+    """A handle of `path`, the agent's own directory: made 0700 if absent, refused unless ours and not a link."""
+    parent = Path(os.path.abspath(path)).parent
     try:
-        src_bytes = src.stat().st_size
+        pfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as err:
+        raise StagingFailed(f"cannot open {parent}, the parent of the staging directory: {err.strerror}") from None
+    try:
+        st = os.fstat(pfd)
+        if st.st_uid not in (0, os.geteuid()) or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
+            raise UnsafeStagingDir(
+                f"{parent} (the parent of the staging directory {path}) is writable by other users without the "
+                f"sticky bit (mode {stat.S_IMODE(st.st_mode):o}, owner uid {st.st_uid}): anyone could replace "
+                f"{path.name} with a link; use a --shm-dir inside a directory owned by root (e.g. /dev/shm/pulsescale)"
+            )
+        return _own_subdir(pfd, path.name, path)
+    finally:
+        os.close(pfd)
+
+
+def _own_subdir(dir_fd: int, name: str, shown: Path) -> int:
+    try:
+        os.mkdir(name, DIR_MODE, dir_fd=dir_fd)
+    except FileExistsError:
+        pass  # checked below, whoever made it
+    except OSError as err:
+        raise StagingFailed(f"cannot create the staging directory {shown}: {err.strerror}") from None
+    try:
+        fd = os.open(name, _O_DIR, dir_fd=dir_fd)
+    except OSError as err:
+        if err.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise UnsafeStagingDir(
+                f"{shown} is a symbolic link or not a directory: the agent (root) stages only into a directory "
+                f"it made itself, never through a link another user could point elsewhere; remove it "
+                f"(`rm {shown}`) and prewarm again: the agent creates it"
+            ) from None
+        raise StagingFailed(f"cannot open the staging directory {shown}: {err.strerror}") from None
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid():
+        os.close(fd)
+        raise UnsafeStagingDir(
+            f"{shown} is owned by uid {st.st_uid}, not by the agent (uid {os.geteuid()}): another user made it "
+            f"and could plant links or replace files in it; remove it (`rm -rf {shown}`) and prewarm again: the "
+            "agent creates it, mode 0700"
+        )
+    if stat.S_IMODE(st.st_mode) != DIR_MODE:
+        os.fchmod(fd, DIR_MODE)  # ours, made looser by an older version or by hand: only we could write in it
+    return fd
+
+
+# --- hashing and copying ---------------------------------------------------------------------------------------
+
+
+def _hash_fd(fd: int) -> str:
+    """The sha256 of the file behind `fd`, read with positional reads (the descriptor's offset is shared with
+    the zygotes that inherit it)."""
+    h = hashlib.sha256()
+    buf = bytearray(COPY_BLOCK_BYTES)
+    view = memoryview(buf)
+    at = 0
+    while n := os.preadv(fd, [buf], at):
+        h.update(view[:n])  # hashlib releases the GIL for large blocks: files hash in parallel
+        at += n
+    return h.hexdigest()
+
+
+def _copy_hashing(src_fd: int, dst_fd: int) -> str:
+    """Copy `src_fd` to `dst_fd` and return the sha256 of the bytes written: one read of the source."""
+    h = hashlib.sha256()
+    buf = bytearray(COPY_BLOCK_BYTES)
+    view = memoryview(buf)
+    while n := os.readv(src_fd, [buf]):
+        h.update(view[:n])
+        done = 0
+        while done < n:
+            done += os.write(dst_fd, view[done:n])
+    return h.hexdigest()
+
+
+def _header(fd: int, name: str) -> safetensors_check.Header | None:
+    return safetensors_check.read_header_fd(fd, name) if name.endswith(".safetensors") else None
+
+
+def _unchanged(prev: StagedFile, dest_fd: int, want: str) -> bool:
+    """`prev` (verified by this agent) is still the staged `name`, byte for byte as verified: no need to read it."""
+    if prev.sha256 != want or prev.fd < 0:
+        return False
+    try:
+        now = os.fstat(prev.fd)
+        there = os.stat(prev.name, dir_fd=dest_fd, follow_symlinks=False)
+    except OSError:
+        return False
+    return _ident(now) == prev.ident and (there.st_dev, there.st_ino) == prev.ident[:2]
+
+
+def _reuse(dest_fd: int, dest: Path, name: str, want: str) -> tuple[StagedFile | None, int]:
+    """The staged copy of `name` if it is there, ours, and matches the manifest (the agent restarted, shm
+    survived); and the bytes read to find out."""
+    try:
+        fd = os.open(name, _O_READ, dir_fd=dest_fd)
+    except OSError:
+        return None, 0  # absent, a link, unreadable: copied again (the rename replaces whatever the name was)
+    try:
+        st = os.fstat(fd)
+        # A file someone else made (or linked in) could change after we hash it.
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+            os.close(fd)
+            return None, 0
+        if _hash_fd(fd) != want:
+            os.close(fd)
+            return None, st.st_size
+        header = _header(fd, name)  # verified against the manifest: good whatever became of the source since
+    except BaseException:
+        _close(fd)
+        raise
+    if stat.S_IMODE(st.st_mode) != FILE_MODE:
+        os.fchmod(fd, FILE_MODE)
+    return StagedFile(name, dest / name, st.st_size, want, False, header, fd, _ident(st)), st.st_size
+
+
+def _partial(name: str) -> str:
+    return f".{name}{PARTIAL_SUFFIX}"
+
+
+def _unlink(dir_fd: int, name: str) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)  # a link is removed as a link, never its target
+    except FileNotFoundError:
+        pass
+
+
+def _open_source(src_fd: int, source: Path, name: str) -> int:
+    try:
+        fd = os.open(name, _O_READ, dir_fd=src_fd)
     except FileNotFoundError:
         raise BadWeights(name, f"listed in {modelformat.MANIFEST_FILE} but missing from {source}") from None
     except OSError as err:
-        raise BadWeights(name, f"cannot read the source: {err.strerror}") from None
-    partial = _partial(dest, name)
-    ok = False
-    try:
-        try:
-            got = _copy_hashing(src, partial)
-        except OSError as err:
-            if err.errno == errno.ENOSPC:
-                raise StagingFailed(f"{dest} is full while staging {name} ({src_bytes} bytes)") from None
-            raise BadWeights(name, f"copy failed: {err.strerror or err}") from None
-        if got != want:
+        if err.errno == errno.ELOOP:
             raise BadWeights(
                 name,
-                f"sha256 mismatch: the manifest says {want[:16]}..., the file hashes to {got[:16]}... "
-                "(corrupt copy or stale manifest)",
-            )
+                f"is a symbolic link in {source}; staging runs as root and never follows links in the model "
+                "directory: put the file itself there",
+            ) from None
+        raise BadWeights(name, f"cannot read the source: {err.strerror}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise BadWeights(name, f"is not a regular file in {source}")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _copy_file(src_fd: int, source: Path, dest_fd: int, dest: Path, name: str, want: str) -> StagedFile:
+    """Copy `name` to its ``.partial`` file, hash it on the way and validate its header; the staged name is
+    untouched. Returns the partial file verified, open read-only. On any failure the partial file is removed."""
+    sfd = _open_source(src_fd, source, name)
+    partial = _partial(name)
+    rfd = -1
+    ok = False
+    try:
+        src_bytes = os.fstat(sfd).st_size
+        _unlink(dest_fd, partial)
+        wfd = os.open(
+            partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE, dir_fd=dest_fd
+        )
         try:
-            header = safetensors_check.read_header(partial) if name.endswith(".safetensors") else None
+            try:
+                got = _copy_hashing(sfd, wfd)
+            except OSError as err:
+                if err.errno == errno.ENOSPC:
+                    raise StagingFailed(f"{dest} is full while staging {name} ({src_bytes} bytes)") from None
+                raise BadWeights(name, f"copy failed: {err.strerror or err}") from None
+            # The observed digest is not reported: reasons land in the registry, readable by every gateway.
+            if got != want:
+                raise BadWeights(
+                    name, f"sha256 mismatch with {modelformat.MANIFEST_FILE} (corrupt copy or stale manifest)"
+                )
+            # Read-only for the agent and the engines; the same inode as the one written (our 0700 directory).
+            rfd = os.open(partial, _O_READ, dir_fd=dest_fd)
+            written, st = os.fstat(wfd), os.fstat(rfd)
+            if (written.st_dev, written.st_ino) != (st.st_dev, st.st_ino):
+                raise StagingFailed(f"{dest / partial} was replaced while it was being written")
+        finally:
+            os.close(wfd)
+        try:
+            header = _header(rfd, name)
         except BadWeights as bad:
             raise BadWeights(name, bad.reason) from None
         ok = True
     finally:
+        os.close(sfd)
         if not ok:
-            partial.unlink(missing_ok=True)
-    return StagedFile(name, dest / name, src_bytes, want, copied=True, header=header)
+            if rfd >= 0:
+                os.close(rfd)
+            _unlink(dest_fd, partial)
+    return StagedFile(name, dest / name, st.st_size, want, True, header, rfd, _ident(st))
 
 
-def _sweep(dest: Path, keep: Collection[str]) -> list[str]:
-    """Remove what is not part of the staged set: files of an earlier version and ``.partial`` files left by a
-    copy that was killed. Directories are left alone (we never make any)."""
+def _sweep(dest_fd: int, keep: Collection[str]) -> list[str]:
+    """Remove what is not part of the staged set: files of an earlier version, ``.partial`` files left by a
+    copy that was killed, links. Directories are left alone (we never make any)."""
     removed = []
-    for p in dest.iterdir():
-        if p.name in keep:
+    for name in os.listdir(dest_fd):
+        if name in keep:
             continue
         try:
-            if p.is_symlink() or p.is_file():
-                p.unlink()
-                removed.append(p.name)
+            if not stat.S_ISDIR(os.stat(name, dir_fd=dest_fd, follow_symlinks=False).st_mode):
+                os.unlink(name, dir_fd=dest_fd)
+                removed.append(name)
         except OSError:
             pass  # reported by the free-space numbers; nothing depends on it
     return removed
@@ -188,10 +363,10 @@ def _version(sums: dict[str, str]) -> str:
 
 
 def _run_all(
-    pool: ThreadPoolExecutor, fn: Callable[..., StagedFile | None], args: list[tuple[object, ...]]
-) -> tuple[list[StagedFile | None], list[BaseException]]:
+    pool: ThreadPoolExecutor, fn: Callable[..., Any], args: Sequence[tuple[object, ...]]
+) -> tuple[list[Any], list[BaseException]]:
     futures = [pool.submit(fn, *a) for a in args]
-    out: list[StagedFile | None] = []
+    out: list[Any] = []
     errors: list[BaseException] = []
     for fut in futures:
         try:
@@ -202,6 +377,13 @@ def _run_all(
     return out, errors
 
 
+def _source_size(src_fd: int, name: str) -> int:
+    try:
+        return os.stat(name, dir_fd=src_fd, follow_symlinks=False).st_size
+    except OSError:
+        return 0  # reported by name when that file is copied
+
+
 def stage(
     source: str | os.PathLike[str],
     shm_dir: str | os.PathLike[str],
@@ -210,87 +392,138 @@ def stage(
     threads: int = 2,
     clock: Callable[[], float] = time.time,
     check: Callable[[Staged], None] | None = None,
+    previous: Staged | None = None,
 ) -> Staged:
-    """Stage `source` as `model` under `shm_dir`; raises `BadModel`, `BadWeights` or `StagingFailed`.
+    """Stage `source` as `model` under `shm_dir`; raises `BadModel`, `BadWeights`, `StagingFailed` (or its
+    `UnsafeStagingDir`).
 
     All or nothing: every file that needs copying is copied to its ``.partial`` file and verified first; only
     when the whole set verifies are they renamed into place. On failure the staged files are the complete
     previous set, untouched. After success, files not in the manifest and stale ``.partial`` files are removed.
     `check(pending)` vets the whole new set before it replaces anything (the engine's config against the
     tensors); in `pending` a copied file's `path` is its ``.partial`` file. What it raises is raised, nothing
-    replaced. One stager per directory (the agent serialises its prewarms). Blocking (disk and hashing): the agent runs
-    it in a thread.
+    replaced. `previous` is the set staged now by this agent: its files unchanged since they verified are carried
+    over (same descriptor) without being read. The caller closes `previous` (`Staged.close(keep=new)`) once
+    nothing uses it. One stager per directory (the agent serialises its prewarms). Blocking (disk and hashing):
+    the agent runs it in a thread.
     """
     t0 = time.perf_counter()
     src = Path(source)
-    if not src.is_dir():
-        raise BadModel(f"model directory {src} does not exist or is not a directory")
-    sums = modelformat.read_manifest(src)
-    dest = Path(shm_dir) / model
     try:
-        dest.mkdir(parents=True, exist_ok=True)
-        for stale in dest.glob(f".*{PARTIAL_SUFFIX}"):  # a copy killed mid-way (SIGKILL, node crash)
-            stale.unlink(missing_ok=True)
+        src_fd = os.open(src, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        raise BadModel(f"model directory {src} does not exist or is not a directory") from None
+    opened: list[StagedFile] = []  # what this call opened: closed unless it is returned
+    ok = False
+    try:
+        sums = modelformat.read_manifest(src, dir_fd=src_fd)
+        shm_fd = _own_dir(Path(shm_dir))
+        try:
+            dest_fd = _own_subdir(shm_fd, model, Path(shm_dir) / model)
+        finally:
+            os.close(shm_fd)
+        try:
+            staged = _stage_in(
+                src_fd, src, dest_fd, Path(shm_dir) / model, model, sums, threads, check, previous, opened, clock
+            )
+        finally:
+            os.close(dest_fd)
+        staged.stage_s = time.perf_counter() - t0
+        ok = True
+        return staged
+    finally:
+        os.close(src_fd)
+        if not ok:
+            for f in opened:
+                _close(f.fd)
+
+
+def _stage_in(
+    src_fd: int,
+    src: Path,
+    dest_fd: int,
+    dest: Path,
+    model: str,
+    sums: dict[str, str],
+    threads: int,
+    check: Callable[[Staged], None] | None,
+    previous: Staged | None,
+    opened: list[StagedFile],
+    clock: Callable[[], float],
+) -> Staged:
+    try:
+        for name in os.listdir(dest_fd):  # a copy killed mid-way (SIGKILL, node crash)
+            if name.startswith(".") and name.endswith(PARTIAL_SUFFIX):
+                _unlink(dest_fd, name)
     except OSError as err:
         raise StagingFailed(f"cannot prepare the staging directory {dest}: {err.strerror}") from None
     # Largest first, so the two halves of a multi-shard model finish together.
-    names = sorted(sums, key=lambda n: -((src / n).stat().st_size if (src / n).exists() else 0))
+    names = sorted(sums, key=lambda n: -_source_size(src_fd, n))
+    before = {f.name: f for f in previous.files} if previous is not None else {}
+    carried = {n: before[n] for n in names if n in before and _unchanged(before[n], dest_fd, sums[n])}
+    hashed = 0
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="stage") as pool:
-        kept, errors = _run_all(pool, _reuse, [(dest, n, sums[n]) for n in names])
+        again = [n for n in names if n not in carried]
+        found, errors = _run_all(pool, _reuse, [(dest_fd, dest, n, sums[n]) for n in again])
+        opened.extend(x[0] for x in found if x is not None and x[0] is not None)
         if errors:
             raise errors[0]
-        todo = [n for n, f in zip(names, kept, strict=True) if f is None]
-        need = 0
-        for name in todo:
-            try:
-                need += (src / name).stat().st_size
-            except OSError:
-                pass  # reported by name when that file is copied
-        free = shutil.disk_usage(dest).free
+        kept: dict[str, StagedFile] = dict(carried)
+        for n, (f, nbytes) in zip(again, found, strict=True):
+            hashed += nbytes
+            if f is not None:
+                kept[n] = f
+        todo = [n for n in names if n not in kept]
+        need = sum(_source_size(src_fd, n) for n in todo)
+        free = os.statvfs(dest_fd).f_bavail * os.statvfs(dest_fd).f_frsize
         if need > free:
             raise StagingFailed(
-                f"{shm_dir} has {free / 2**20:.0f} MiB free, staging {model} needs {need / 2**20:.0f} MiB more "
+                f"{dest.parent} has {free / 2**20:.0f} MiB free, staging {model} needs {need / 2**20:.0f} MiB more "
                 "(the previous version stays staged until the new one verifies); free shm or give the node a "
                 "larger /dev/shm"
             )
-        copied, errors = _run_all(pool, _copy_file, [(src, dest, n, sums[n]) for n in todo])
+        copied, errors = _run_all(pool, _copy_file, [(src_fd, src, dest_fd, dest, n, sums[n]) for n in todo])
+    done: list[StagedFile] = [f for f in copied if f is not None]
+    opened.extend(done)
     if errors:
         for name in todo:
-            _partial(dest, name).unlink(missing_ok=True)
+            _unlink(dest_fd, _partial(name))
         raise errors[0]
-    done = [f for f in copied if f is not None]
+    hashed += sum(f.nbytes for f in done)
     version = _version(sums)
     if check is not None:
-        pending = [f for f in kept if f is not None] + [replace(f, path=_partial(dest, f.name)) for f in done]
+        pending = list(kept.values()) + [replace(f, path=dest / _partial(f.name)) for f in done]
         try:
             check(Staged(model, src, dest, sorted(pending, key=lambda f: f.name), 0.0, clock(), version=version))
         except BaseException:
             for name in todo:
-                _partial(dest, name).unlink(missing_ok=True)
+                _unlink(dest_fd, _partial(name))
             raise
     try:
         for f in done:
-            os.replace(_partial(dest, f.name), f.path)
+            os.replace(_partial(f.name), f.name, src_dir_fd=dest_fd, dst_dir_fd=dest_fd)  # the inode (and fd) stays
     except OSError as err:
         for name in todo:
-            _partial(dest, name).unlink(missing_ok=True)
+            _unlink(dest_fd, _partial(name))
         raise StagingFailed(f"cannot rename the verified copies into {dest}: {err.strerror or err}") from None
-    _sweep(dest, set(sums))
-    files = sorted([f for f in kept if f is not None] + done, key=lambda f: f.name)
-    return Staged(model, src, dest, files, time.perf_counter() - t0, clock(), version=version)
+    _sweep(dest_fd, set(sums))
+    files = sorted(list(kept.values()) + done, key=lambda f: f.name)
+    return Staged(model, src, dest, files, 0.0, clock(), version=version, hashed_bytes=hashed)
 
 
 def check_staged(staged: Staged) -> None:
     """Cheap re-check after an engine crash: every staged file is still there, full size, header intact."""
     for f in staged.files:
         try:
-            size = f.path.stat().st_size
+            st = os.fstat(f.fd)
         except OSError:
-            raise BadWeights(f.name, f"the staged copy {f.path} is gone") from None
-        if size != f.nbytes:
-            raise BadWeights(f.name, f"the staged copy is {size} bytes, {f.nbytes} were staged")
+            raise BadWeights(f.name, f"the staged copy {f.path} is no longer open") from None
+        if st.st_nlink == 0:
+            raise BadWeights(f.name, f"the staged copy {f.path} was removed")
+        if st.st_size != f.nbytes:
+            raise BadWeights(f.name, f"the staged copy is {st.st_size} bytes, {f.nbytes} were staged")
         if f.header is not None:
-            safetensors_check.read_header(f.path)
+            safetensors_check.read_header_fd(f.fd, f.name)
 
 
 # --- map and lock ------------------------------------------------------------------------------------------------
@@ -357,20 +590,47 @@ def _explain_lock(err: int, want: int, done: int) -> str:
     )
 
 
-def lock(paths: list[Path], *, want_lock: bool = True, previous: LockedWeights | None = None) -> LockedWeights:
+def lock(
+    files: Sequence[StagedFile | Path], *, want_lock: bool = True, previous: LockedWeights | None = None
+) -> LockedWeights:
     """Map every file read-only and, if `want_lock`, `mlock` it (which also faults every page in).
 
-    `previous` is the lock being replaced (a re-stage): a file still the same (device, inode, size) keeps its
-    mapping and lock, and every other old mapping is unlocked and unmapped *before* anything new is locked, so
-    the weights never count twice against ``RLIMIT_MEMLOCK``. `previous` is left empty.
+    A `StagedFile` is mapped from its verified descriptor (never reopened by name); a `Path` is opened without
+    following links. `previous` is the lock being replaced (a re-stage): a file still the same (device, inode,
+    size) keeps its mapping and lock, and every other old mapping is unlocked and unmapped *before* anything new
+    is locked, so the weights never count twice against ``RLIMIT_MEMLOCK``. `previous` is left empty.
     """
     libc = _libc()
     out = LockedWeights()
-    stats = [(p, p.stat()) for p in paths]
-    total = sum(st.st_size for _, st in stats)
+    opened: list[int] = []
+    try:
+        fds = []
+        for f in files:
+            if isinstance(f, StagedFile):
+                fds.append((str(f.path), f.fd))
+            else:
+                fd = os.open(f, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                opened.append(fd)
+                fds.append((str(f), fd))
+        stats = [(p, fd, os.fstat(fd)) for p, fd in fds]
+        _lock_all(libc, out, stats, want_lock, previous)
+    finally:
+        for fd in opened:
+            os.close(fd)
+    return out
+
+
+def _lock_all(
+    libc: ctypes.CDLL,
+    out: LockedWeights,
+    stats: list[tuple[str, int, os.stat_result]],
+    want_lock: bool,
+    previous: LockedWeights | None,
+) -> None:
+    total = sum(st.st_size for _, _, st in stats)
     reusable: dict[tuple[int, int, int], _Map] = {}
     if previous is not None:
-        wanted = {(st.st_dev, st.st_ino, st.st_size) for _, st in stats}
+        wanted = {(st.st_dev, st.st_ino, st.st_size) for _, _, st in stats}
         for m in previous._maps:
             if m.ident in wanted and m.ident not in reusable:
                 reusable[m.ident] = m
@@ -381,7 +641,7 @@ def lock(paths: list[Path], *, want_lock: bool = True, previous: LockedWeights |
         previous._maps.clear()
         previous.mapped_bytes = previous.locked_bytes = 0
     try:
-        for p, st in stats:
+        for p, fd, st in stats:
             size = st.st_size
             if size == 0:
                 continue
@@ -390,11 +650,7 @@ def lock(paths: list[Path], *, want_lock: bool = True, previous: LockedWeights |
             if hit is not None:
                 m = hit
             else:
-                fd = os.open(p, os.O_RDONLY)
-                try:
-                    addr = libc.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
-                finally:
-                    os.close(fd)  # the mapping keeps the file; the descriptor is not needed
+                addr = libc.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)  # the mapping keeps the file
                 if addr is None or addr == _MAP_FAILED:
                     e = ctypes.get_errno()
                     raise StagingFailed(f"cannot map {p}: {os.strerror(e)}")
@@ -422,4 +678,3 @@ def lock(paths: list[Path], *, want_lock: bool = True, previous: LockedWeights |
                 libc.munlock(m.addr, m.size)
                 m.locked = False
         out.locked_bytes = 0
-    return out

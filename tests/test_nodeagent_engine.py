@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ def spec(staged: staging.Staged, **kw: Any) -> dict[str, Any]:
         "loader": "host",
         "model_dir": str(staged.dir),
         "files": [str(f.path) for f in staged.weights],
+        "weights": staged.engine_weights(),
         "model_name": "tiny",
         "host": "127.0.0.1",
         "private": False,
@@ -34,8 +35,10 @@ def spec(staged: staging.Staged, **kw: Any) -> dict[str, Any]:
 
 
 @pytest.fixture
-def staged(model_dir: Path, shm_dir: Path) -> staging.Staged:
-    return staging.stage(model_dir, shm_dir, "tiny")
+def staged(model_dir: Path, shm_dir: Path) -> Iterator[staging.Staged]:
+    out = staging.stage(model_dir, shm_dir, "tiny")
+    yield out
+    out.close()
 
 
 @pytest.fixture

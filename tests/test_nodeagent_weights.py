@@ -262,9 +262,17 @@ def test_lock_reports_locked_bytes(model_dir: Path, shm_dir: Path) -> None:
         locked.release()
 
 
+def _let_nobody_read(shm_dir: Path, staged: staging.Staged) -> None:
+    """Staging makes everything the agent's alone (0700/0600); these tests hand the files to a `nobody` child."""
+    os.chmod(shm_dir, 0o755)
+    os.chmod(staged.dir, 0o755)
+    for f in staged.files:
+        os.chmod(f.path, 0o644)
+
+
 def test_a_refused_lock_says_why_and_runs_unlocked(model_dir: Path, shm_dir: Path) -> None:
     staged = staging.stage(model_dir, shm_dir, "tiny")
-    os.chmod(shm_dir, 0o755)
+    _let_nobody_read(shm_dir, staged)
     # A child without CAP_IPC_LOCK and a 64 KiB RLIMIT_MEMLOCK: as root we drop to `nobody` to lose the capability.
     code = textwrap.dedent(
         f"""
@@ -290,7 +298,7 @@ def test_a_relock_never_counts_the_weights_twice(model_dir: Path, shm_dir: Path)
     """Re-prewarm with RLIMIT_MEMLOCK between 1x and 2x the weights: unchanged files keep their lock, changed
     ones are unlocked before the new copies are locked, so the weights stay locked."""
     staged = staging.stage(model_dir, shm_dir, "tiny")
-    os.chmod(shm_dir, 0o755)
+    _let_nobody_read(shm_dir, staged)
     os.chmod(staged.dir, 0o777)  # the child (nobody, as root) replaces a file
     limit = staged.weights_bytes * 3 // 2
     code = textwrap.dedent(
@@ -329,7 +337,7 @@ def test_a_relock_never_counts_the_weights_twice(model_dir: Path, shm_dir: Path)
 @pytest.mark.parametrize("threads", [1, 3])
 def test_host_loader_maps_in_place_or_copies_the_same_tensors(model_dir: Path, shm_dir: Path, threads: int) -> None:
     staged = staging.stage(model_dir, shm_dir, "tiny")
-    files = [str(f.path) for f in staged.weights]
+    files = loaders.verified_files(staged.engine_weights())
     loader = loaders.HostLoader(copy_threads=threads)
     mapped = loader.load(files, private=False)
     copied = loader.load(files, private=True)
@@ -346,6 +354,11 @@ def test_host_loader_maps_in_place_or_copies_the_same_tensors(model_dir: Path, s
         copied.release()
 
 
+def _dev_ino_size(fd: int) -> tuple[int, int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino, st.st_size
+
+
 def _headers(staged: staging.Staged) -> list[safetensors_check.Header]:
     return [f.header for f in staged.weights if f.header is not None]
 
@@ -358,8 +371,13 @@ def test_auto_picks_host_and_gpu_loaders_are_reserved() -> None:
 
 
 def test_the_tiny_model_really_computes_from_its_weights(model_dir: Path) -> None:
-    files = [str(p) for p in sorted(model_dir.glob("*.safetensors"))]
-    w = loaders.HostLoader().load(files, private=True)
+    fds = [os.open(p, os.O_RDONLY) for p in sorted(model_dir.glob("*.safetensors"))]
+    try:
+        files = [loaders.VerifiedFile(str(fd), fd, *_dev_ino_size(fd)) for fd in fds]
+        w = loaders.HostLoader().load(files, private=True)
+    finally:
+        for fd in fds:
+            os.close(fd)
     model = local.TinyMoE(local.read_config(model_dir), w.tensors)
     text, finish = model.generate(b"hello", 12, [])
     assert len(text) == 12 and finish == "length" and all(32 <= b < 127 for b in text)

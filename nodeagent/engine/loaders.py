@@ -1,7 +1,10 @@
 """Weight loaders: how an engine process gets the staged weights into the memory it computes from.
 
 A loader runs inside the engine process, right after the zygote forks it, on files that staging has already
-copied, verified and locked. `host` (this part) maps the shm files and either uses the mapping in place (the
+copied, verified and locked. It gets them as open descriptors (`VerifiedFile`: inherited from the agent, which
+hashed the bytes through that very descriptor), never by name, and checks each one's device, inode and size
+against what staging verified (`WeightsChanged` otherwise): the bytes an engine computes from are the verified
+ones. `host` (this part) maps the shm files and either uses the mapping in place (the
 engine reads page-cache pages directly: no copy at all) or copies them into memory the engine owns, with a few
 threads, when the engine needs its own copy (as a GPU engine does: the copy is the host-side stand-in for the
 upload). Part 2 adds `cuda-pinned` (``cudaHostRegister`` the mapping, chunked ``cudaMemcpyAsync`` over streams)
@@ -14,7 +17,7 @@ import mmap
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
@@ -22,9 +25,19 @@ from typing import Any, Final, Protocol
 import numpy as np
 
 from nodeagent.engine import safetensors_check
-from nodeagent.errors import LoaderUnavailable
+from nodeagent.errors import LoaderUnavailable, WeightsChanged
 
-__all__ = ["GPU_LOADERS", "LOADERS", "HostLoader", "LoadedWeights", "Loader", "choose", "gpu_count"]
+__all__ = [
+    "GPU_LOADERS",
+    "LOADERS",
+    "HostLoader",
+    "LoadedWeights",
+    "Loader",
+    "VerifiedFile",
+    "choose",
+    "gpu_count",
+    "verified_files",
+]
 
 LOADERS: Final = ("auto", "host", "cuda-pinned", "kvikio")
 GPU_LOADERS: Final = ("cuda-pinned", "kvikio")
@@ -79,10 +92,40 @@ class LoadedWeights:
         self._keep.clear()
 
 
+@dataclass(frozen=True)
+class VerifiedFile:
+    """A staged weights file as the engine gets it: an open read-only descriptor and what staging verified."""
+
+    name: str
+    fd: int
+    dev: int
+    ino: int
+    size: int
+
+    def check(self) -> None:
+        """Refuse a descriptor that is not the verified file (one ``fstat``: nothing on the activation path)."""
+        try:
+            st = os.fstat(self.fd)
+        except OSError as err:
+            raise WeightsChanged(self.name, f"the verified descriptor {self.fd} is not open: {err.strerror}") from None
+        got, want = (st.st_dev, st.st_ino, st.st_size), (self.dev, self.ino, self.size)
+        if got != want:
+            raise WeightsChanged(
+                self.name,
+                f"descriptor {self.fd} is device/inode/size {got}, staging verified {want}; refusing to load "
+                "weights that were not verified (send prewarm to stage and verify them again)",
+            )
+
+
+def verified_files(entries: Sequence[Mapping[str, Any]]) -> list[VerifiedFile]:
+    """The spec's ``weights`` entries (`staging.Staged.engine_weights`) as `VerifiedFile`s."""
+    return [VerifiedFile(str(e["name"]), int(e["fd"]), int(e["dev"]), int(e["ino"]), int(e["size"])) for e in entries]
+
+
 class Loader(Protocol):
     name: str
 
-    def load(self, files: Sequence[str], *, private: bool) -> LoadedWeights:
+    def load(self, files: Sequence[VerifiedFile], *, private: bool) -> LoadedWeights:
         """Map or move every tensor of `files` (staged safetensors); `private` asks for engine-owned memory."""
         ...
 
@@ -97,56 +140,48 @@ class HostLoader:
         """Copy threads: numpy releases the GIL while copying and the kernel populates mappings in parallel; twice
         the cores, because a thread waiting on page-table work leaves its core to another (measured here)."""
 
-    def load(self, files: Sequence[str], *, private: bool) -> LoadedWeights:
+    def load(self, files: Sequence[VerifiedFile], *, private: bool) -> LoadedWeights:
         t0 = time.perf_counter()
-        headers = [safetensors_check.read_header(path) for path in files]
+        for vf in files:
+            vf.check()
+        headers = [safetensors_check.read_header_fd(vf.fd, vf.name) for vf in files]
         total = sum(h.data_bytes for h in headers)
         if not private:
-            maps = []
-            for path in files:
-                with open(path, "rb") as f:
-                    maps.append(mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ))
+            maps = [mmap.mmap(vf.fd, vf.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) for vf in files]
             tensors = {t.name: _view(m, t) for m, h in zip(maps, headers, strict=True) for t in h.tensors}
             return LoadedWeights(tensors, total, "mapped", load_s=time.perf_counter() - t0, _keep=list(maps))
         dst = np.empty(total, np.uint8)
         tensors = {}
-        jobs: list[tuple[str, int, int, int]] = []  # (file, first byte, end byte, where in dst)
+        jobs: list[tuple[int, int, int, int]] = []  # (descriptor, first byte, end byte, where in dst)
         at = 0
-        for path, h in zip(files, headers, strict=True):
+        for vf, h in zip(files, headers, strict=True):
             for lo in range(h.data_offset, h.file_bytes, COPY_CHUNK_BYTES):
                 hi = min(lo + COPY_CHUNK_BYTES, h.file_bytes)
-                jobs.append((path, lo, hi, at + lo - h.data_offset))
+                jobs.append((vf.fd, lo, hi, at + lo - h.data_offset))
             for t in h.tensors:
                 first = at + t.begin - h.data_offset
                 tensors[t.name] = dst[first : first + t.nbytes].view(_NUMPY_DTYPES[t.dtype]).reshape(t.shape)
             at += h.data_bytes
-        fds = {path: os.open(path, os.O_RDONLY) for path in files}
-        try:
 
-            def copy(job: tuple[str, int, int, int]) -> None:
-                # Each chunk gets its own populated mapping: the page-table work for the source is done by the
-                # kernel in one call per chunk, in parallel across threads, instead of one fault per 4 KiB page.
-                path, lo, hi, into = job
-                base = lo - lo % mmap.ALLOCATIONGRANULARITY
-                m = mmap.mmap(
-                    fds[path], hi - base, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ, offset=base
-                )
-                try:
-                    src = np.frombuffer(m, np.uint8, count=hi - lo, offset=lo - base)
-                    np.copyto(dst[into : into + hi - lo], src)
-                    del src
-                finally:
-                    m.close()
+        def copy(job: tuple[int, int, int, int]) -> None:
+            # Each chunk gets its own populated mapping: the page-table work for the source is done by the
+            # kernel in one call per chunk, in parallel across threads, instead of one fault per 4 KiB page.
+            fd, lo, hi, into = job
+            base = lo - lo % mmap.ALLOCATIONGRANULARITY
+            m = mmap.mmap(fd, hi - base, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ, offset=base)
+            try:
+                src = np.frombuffer(m, np.uint8, count=hi - lo, offset=lo - base)
+                np.copyto(dst[into : into + hi - lo], src)
+                del src
+            finally:
+                m.close()
 
-            if self.copy_threads > 1 and len(jobs) > 1:
-                with ThreadPoolExecutor(min(self.copy_threads, len(jobs)), thread_name_prefix="copy") as pool:
-                    list(pool.map(copy, jobs))
-            else:
-                for job in jobs:
-                    copy(job)
-        finally:
-            for fd in fds.values():
-                os.close(fd)
+        if self.copy_threads > 1 and len(jobs) > 1:
+            with ThreadPoolExecutor(min(self.copy_threads, len(jobs)), thread_name_prefix="copy") as pool:
+                list(pool.map(copy, jobs))
+        else:
+            for job in jobs:
+                copy(job)
         return LoadedWeights(tensors, total, "copied", load_s=time.perf_counter() - t0, _keep=[dst])
 
 

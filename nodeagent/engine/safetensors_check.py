@@ -21,7 +21,7 @@ from typing import Any, BinaryIO, Final
 
 from nodeagent.errors import BadWeights
 
-__all__ = ["DTYPE_SIZES", "MAX_HEADER_BYTES", "Header", "TensorInfo", "parse_header", "read_header"]
+__all__ = ["DTYPE_SIZES", "MAX_HEADER_BYTES", "Header", "TensorInfo", "parse_header", "read_header", "read_header_fd"]
 
 # Bytes per element. Sub-byte float formats (F4, F6_*) are left out on purpose: the local engine cannot use them
 # and a span check would need bit arithmetic; add them with the engine that needs them.
@@ -96,7 +96,36 @@ def read_header(path: str | os.PathLike[str]) -> Header:
         raise BadWeights(os.path.basename(name), f"cannot read: {err.strerror or err}") from None
 
 
-def parse_header(f: BinaryIO, file_bytes: int, *, file: str) -> Header:
+def read_header_fd(fd: int, file: str) -> Header:
+    """Read and validate the header of the open file `fd` (named `file` in errors) with positional reads, so
+    the descriptor's offset, shared with every process that inherited it, is never moved."""
+    try:
+        size = os.fstat(fd).st_size
+        return parse_header(_PositionalReader(fd), size, file=file)
+    except OSError as err:
+        raise BadWeights(file, f"cannot read: {err.strerror or err}") from None
+
+
+class _PositionalReader:
+    """`read(n)` over ``pread``: what `parse_header` needs of a file, without touching the shared offset."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.at = 0
+
+    def read(self, n: int) -> bytes:
+        parts = []
+        while n > 0:
+            chunk = os.pread(self.fd, min(n, 2**30), self.at)
+            if not chunk:
+                break
+            parts.append(chunk)
+            self.at += len(chunk)
+            n -= len(chunk)
+        return b"".join(parts)
+
+
+def parse_header(f: BinaryIO | _PositionalReader, file_bytes: int, *, file: str) -> Header:
     """Validate a header read from `f` (positioned at the start) of a file of `file_bytes` bytes."""
     if file_bytes < _LEN.size:
         raise BadWeights(file, f"truncated: {file_bytes} bytes, not even the 8-byte header length")

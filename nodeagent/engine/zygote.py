@@ -11,6 +11,13 @@ stdin, one JSON object per line:
   byte of engine memory, while the staged weights stay in shm and the zygote stays armed.
 - ``{"cmd": "exit"}`` or end of stdin (the agent is gone): kill the child and exit.
 
+The spec's ``weights`` are the staged files as descriptors the agent passed to the zygote (open, read-only,
+hashed by the agent through that very descriptor) with the device, inode and size staging verified; the zygote
+checks them when it arms and the loader again before it maps (`loaders.VerifiedFile`). Nothing here opens the
+weights by name. ``run_as`` ([uid, gid], set when the agent is root) is the unprivileged user the zygote becomes
+once it has imported everything and read the config: ``PR_SET_NO_NEW_PRIVS``, no supplementary groups, then the
+group and user (real, effective and saved), so no engine process ever runs as root or can regain it.
+
 Events go to stdout, one JSON line each (< PIPE_BUF, so the zygote's and the child's lines never interleave):
 ``armed``, ``forked``, ``serving``, ``failed``, ``exited``, ``error``. Both processes ask the kernel to kill them
 when their parent dies (``PR_SET_PDEATHSIG``), so a SIGKILLed agent leaves no engine behind.
@@ -41,6 +48,7 @@ after loading (SIGABRT), ``hang`` loads and never serves, ``unhealthy`` serves 5
 an engine error and exits, ``badreply`` answers completions with a JSON list instead of an object."""
 
 _PR_SET_PDEATHSIG: Final = 1
+_PR_SET_NO_NEW_PRIVS: Final = 38
 
 
 def _die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
@@ -52,12 +60,26 @@ def _die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
         os._exit(1)  # the parent died before prctl took effect
 
 
+def drop_privileges(uid: int, gid: int) -> None:
+    """Become `uid`:`gid` for good: no new privileges (no setuid binary or file capability can raise them
+    again), no supplementary groups, then group and user. Raises `OSError` if any step is refused."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"PR_SET_NO_NEW_PRIVS: {os.strerror(e)}")
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+    if os.getresuid() != (uid, uid, uid) or os.getresgid() != (gid, gid, gid):
+        raise OSError(f"still {os.getresuid()}:{os.getresgid()} after dropping to {uid}:{gid}")
+
+
 def emit(event: dict[str, Any]) -> None:
     data = (json.dumps(event, separators=(",", ":")) + "\n").encode()
     os.write(1, data)
 
 
-def _child(spec: dict[str, Any], engine: Any, loader: Any, port: int, zygote_pid: int) -> None:
+def _child(spec: dict[str, Any], engine: Any, loader: Any, files: Any, port: int, zygote_pid: int) -> None:
     """Runs in the forked engine process; never returns."""
     code = 0
     try:
@@ -67,7 +89,7 @@ def _child(spec: dict[str, Any], engine: Any, loader: Any, port: int, zygote_pid
         os.dup2(devnull, 0)  # commands are the zygote's to read
         t0 = time.perf_counter()
         try:
-            weights = loader.load(spec["files"], private=spec["private"])
+            weights = loader.load(files, private=spec["private"])
         except Exception as err:  # noqa: BLE001 - reported to the agent, which decides what it means
             traceback.print_exc()
             emit({"ev": "failed", "pid": os.getpid(), "stage": "load", "reason": f"{type(err).__name__}: {err}"})
@@ -120,6 +142,15 @@ class _Zygote:
         module = importlib.import_module(CHILD_ENGINES[self.spec["engine"]])
         self.engine = module.prepare(self.spec)
         self.loader, _ = loaders.choose(self.spec["loader"])
+        if not self.spec.get("weights"):
+            raise ValueError("the spec names no verified weights descriptors (staging.Staged.engine_weights)")
+        self.files = loaders.verified_files(self.spec["weights"])
+        for vf in self.files:
+            vf.check()  # a descriptor that is not the verified file fails arming, not an activation later
+        run_as = self.spec.get("run_as")
+        if run_as is not None:
+            drop_privileges(int(run_as[0]), int(run_as[1]))
+            _die_with_parent(int(self.spec["parent_pid"]))  # a change of user clears the parent-death signal
         gc.collect()
         gc.freeze()  # objects made so far are never touched by the collector: children share them untouched
         emit({"ev": "armed", "pid": os.getpid(), "prepare_ms": (time.perf_counter() - t0) * 1e3})
@@ -131,7 +162,7 @@ class _Zygote:
         me = os.getpid()
         pid = os.fork()
         if pid == 0:
-            _child(self.spec, self.engine, self.loader, int(cmd.get("port", 0)), me)
+            _child(self.spec, self.engine, self.loader, self.files, int(cmd.get("port", 0)), me)
         self.child = pid
         self.pidfd = os.pidfd_open(pid)
         emit({"ev": "forked", "pid": pid})
