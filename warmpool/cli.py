@@ -1,4 +1,5 @@
-"""warmpool's subcommands: `pulsescale nats` (a local broker), `pulsescale slots` (the registry, raw) and
+"""warmpool's subcommands: `pulsescale nats` (a local broker; `--secure`: with the production's users,
+permissions and TLS), `pulsescale slots` (the registry, raw) and
 `pulsescale sample` (gateway samples by hand).
 
 A NATS failure (unreachable, credentials or a permission refused) leaves these as `NatsUnavailable`; the
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import signal
 import sys
 import threading
@@ -16,9 +18,9 @@ import time
 from nats.aio.client import Client
 
 from warmpool import connect as nats_connect
-from warmpool import protocol
+from warmpool import natsauth, protocol
 from warmpool.embedded import NatsServer
-from warmpool.registry import KvSlotStore
+from warmpool.registry import KvSlotStore, ensure_buckets
 
 
 def run_nats(argv: list[str], prog: str) -> int:
@@ -28,13 +30,44 @@ def run_nats(argv: list[str], prog: str) -> int:
     p.add_argument("--port", type=int, default=4222, help="client port [4222]")
     p.add_argument("--store-dir", default=".pulsescale/nats", help="JetStream store [.pulsescale/nats]")
     p.add_argument("--sync-always", action="store_true", help="fsync every JetStream write, as production does")
+    p.add_argument(
+        "--secure",
+        action="store_true",
+        help="the production layout: a NATS user per role with its permissions (DESIGN.md, 'Trust boundaries'), "
+        "TLS with a fresh local CA; credentials files under STORE-DIR/secure/credentials (0600)",
+    )
+    p.add_argument(
+        "--nodes",
+        default="node-0",
+        metavar="N1,N2",
+        help="with --secure: the nodes that get an agent user (agent-<node>) [node-0]",
+    )
+    p.add_argument("--no-tls", action="store_true", help="with --secure: users and permissions, but no TLS")
     args = p.parse_args(argv)
+    nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
+    if args.secure:
+        bad = [n for n in nodes if not protocol.is_name(n)]
+        if bad or not nodes:
+            p.error(f"--nodes: {', '.join(bad) or 'none given'}: names match {protocol.NAME_PATTERN}")
     server = NatsServer(args.store_dir, port=args.port, sync_always=args.sync_always)
+    layout: natsauth.SecureLayout | None = None
+    if args.secure:
+        tls = not args.no_tls
+        if tls and shutil.which("openssl") is None:
+            print("openssl not found: TLS skipped (users and permissions only)", file=sys.stderr)
+            tls = False
+        layout = natsauth.write_secure_layout(server.store_dir / "secure", server.url, nodes, tls=tls)
+        server.extra_config, server.tls = layout.authorization, layout.tls
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     server.start()
     print(f"nats-server with JetStream on {server.url} (store {server.store_dir}, log {server.log_path})", flush=True)
+    if layout is not None:
+        # Any start order works locally: the buckets exist before the first agent or `apply` looks them up.
+        creator = natsauth.read_env_file(layout.credentials["autoscaler"])
+        asyncio.run(_create_buckets(creator))
+        print(_secure_usage(layout), flush=True)
     try:
         while not stop.wait(0.5):
             if server.proc is None or server.proc.poll() is not None:
@@ -43,6 +76,35 @@ def run_nats(argv: list[str], prog: str) -> int:
     finally:
         server.kill(signal.SIGTERM)
     return 0
+
+
+async def _create_buckets(env: dict[str, str]) -> None:
+    opts = nats_connect.options_from_args(argparse.Namespace(), name="pulsescale-nats-init", env=env)
+    await nats_connect.run_client(opts, lambda nc: ensure_buckets(nc.jetstream(timeout=5.0)))
+
+
+_ROLE_COMMANDS: dict[natsauth.Role, str] = {
+    "autoscaler": "pulsescale autoscaler",
+    "agent": "pulsescale agent --model DIR",
+    "operator": "pulsescale apply -f FILE",
+    "oncall": "pulsescale status",
+    "gateway": "pulsescale sample MODEL --queue-depth N",
+}
+
+
+def _secure_usage(layout: natsauth.SecureLayout) -> str:
+    tls = f"TLS: clients verify the server with {layout.tls.ca_cert}" if layout.tls else "TLS: off"
+    lines = [
+        f"users and permissions per role; {tls}",
+        "credentials (PULSESCALE_NATS_URL/_USER/_PASSWORD/_TLS_CA; agents also PULSESCALE_NODE), one file per user:",
+    ]
+    for u in layout.users:
+        lines.append(f"  {u.role:<10} {u.name:<20} {layout.credentials[u.name]}")
+    lines.append("use one in a shell (the password stays out of the process list):")
+    for u in layout.users:
+        lines.append(f"  (set -a; . {layout.credentials[u.name]}; {_ROLE_COMMANDS[u.role]})")
+    lines.append("or as flags: --nats URL --nats-user USER --nats-password PASSWORD [--nats-tls-ca CA]")
+    return "\n".join(lines)
 
 
 async def _slots(nc: Client, model: str | None) -> None:

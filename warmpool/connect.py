@@ -31,6 +31,7 @@ from typing import Any, Final, Literal, TypeVar
 import nats
 from nats.aio.client import Client
 
+from warmpool import natsauth
 from warmpool.errors import NatsUnavailable, PermissionDenied
 
 __all__ = [
@@ -49,6 +50,17 @@ log = logging.getLogger("pulsescale.nats")
 # get them from Python's last-resort handler as extra lines beside its one error line.
 log.addHandler(logging.NullHandler())
 
+
+class _TlsEofNoise(logging.Filter):
+    """asyncio warns "returning true from eof_received() has no effect when using ssl" whenever a TLS connection
+    of nats-py's ends: noise, not a fault; without this filter a CLI's one error line gets a second one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "eof_received() has no effect when using ssl" not in record.getMessage()
+
+
+logging.getLogger("asyncio").addFilter(_TlsEofNoise())
+
 DEFAULT_URL: Final = "nats://127.0.0.1:4222"
 DEFAULT_CONNECT_DEADLINE_S: Final = 5.0
 
@@ -64,6 +76,9 @@ class NatsOptions:
     """A `.creds` file (JWT + nkey seed), as issued by `nsc`."""
     tls_ca_file: str | None = None
     """CA bundle to verify the server's certificate; implies TLS."""
+    inbox_prefix: str | None = None
+    """Where replies come in; None: ``_INBOX.<user>`` with a user name (so the server can confine each role to its
+    own replies, `warmpool.natsauth`), else ``_INBOX``."""
     name: str = "pulsescale"
     """Connection name shown in the server's monitoring (`/connz`)."""
     connect_deadline_s: float = DEFAULT_CONNECT_DEADLINE_S
@@ -81,6 +96,7 @@ class NatsOptions:
     rather than an argument of `connect` so that it reaches a daemon's own connection (`run_daemon`)."""
 
 
+_TOKEN: Final = re.compile(r"[A-Za-z0-9_-]+")  # a user name that is one subject token
 _CONNECT_TIMEOUT_ENV: Final = "PULSESCALE_NATS_CONNECT_TIMEOUT"
 _TEXT_OPTIONS: Final = (  # NatsOptions field, argparse dest, environment variable
     ("servers", "nats_url", "PULSESCALE_NATS_URL"),
@@ -254,6 +270,11 @@ async def connect(
     }
     if opts.user:
         kwargs["user"], kwargs["password"] = opts.user, opts.password
+    prefix = opts.inbox_prefix or (
+        natsauth.inbox_prefix(opts.user) if opts.user and _TOKEN.fullmatch(opts.user) else None
+    )
+    if prefix:
+        kwargs["inbox_prefix"] = prefix
     if opts.token:
         kwargs["token"] = opts.token
     if opts.creds_file:

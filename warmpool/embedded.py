@@ -21,6 +21,8 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
+from warmpool.natsauth import TlsFiles
+
 __all__ = ["NatsServer", "find_nats_server", "free_port"]
 
 
@@ -58,6 +60,7 @@ class NatsServer:
         port: int | None = None,
         sync_always: bool = False,
         extra_config: str = "",
+        tls: TlsFiles | None = None,
     ) -> None:
         self._own_dir = store_dir is None
         self.store_dir = Path(store_dir) if store_dir else Path(tempfile.mkdtemp(prefix="pulsescale-nats-"))
@@ -65,12 +68,14 @@ class NatsServer:
         self.monitor_port = free_port()
         self.sync_always = sync_always
         self.extra_config = extra_config
+        self.tls = tls
+        """Clients must use TLS, verified against `tls.ca_cert` (`pulsescale nats --secure`)."""
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = self.store_dir / "nats-server.log"
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        return f"{'tls' if self.tls else 'nats'}://127.0.0.1:{self.port}"
 
     def _write_config(self) -> Path:
         self.store_dir.mkdir(parents=True, exist_ok=True)
@@ -78,10 +83,17 @@ class NatsServer:
         if self.sync_always:
             js["sync_interval"] = "always"
         conf = self.store_dir / "nats-server.conf"
-        conf.write_text(
-            f"host: 127.0.0.1\nport: {self.port}\nhttp_port: {self.monitor_port}\n"
+        text = (
+            f"host: 127.0.0.1\nport: {self.port}\nhttp: 127.0.0.1:{self.monitor_port}\n"
             f"max_payload: 1048576\njetstream: {json.dumps(js)}\n{self.extra_config}\n"
         )
+        if self.tls is not None:
+            text += self.tls.server_block()
+        # 0600: the config may hold the users' passwords.
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o600)
+            f.write(text)
         return conf
 
     def start(self, timeout_s: float = 10.0) -> NatsServer:

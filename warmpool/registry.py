@@ -57,6 +57,7 @@ __all__ = [
     "Removed",
     "Snapshot",
     "SlotEvent",
+    "ALL_BUCKETS",
     "ensure_buckets",
 ]
 
@@ -127,21 +128,36 @@ SlotEvent = Snapshot[SlotRecord] | Changed[SlotRecord] | Removed
 ViewEvent = Snapshot[V] | Changed[V] | Removed
 
 
-async def ensure_buckets(js: JetStreamContext, settings: BucketSettings = BucketSettings()) -> dict[str, KeyValue]:
-    """Open the registry's buckets, creating those that do not exist yet."""
-    wanted = {
-        protocol.SLOTS_BUCKET: settings.slot_history,
-        protocol.AGENTS_BUCKET: 1,
-        protocol.SCALERS_BUCKET: 5,
-        protocol.LEASES_BUCKET: 1,
-    }
+_HISTORY = {
+    protocol.SLOTS_BUCKET: None,  # BucketSettings.slot_history
+    protocol.AGENTS_BUCKET: 1,
+    protocol.SCALERS_BUCKET: 5,
+    protocol.LEASES_BUCKET: 1,
+}
+ALL_BUCKETS = tuple(_HISTORY)
+
+
+async def ensure_buckets(
+    js: JetStreamContext, settings: BucketSettings = BucketSettings(), names: Iterable[str] = ALL_BUCKETS
+) -> dict[str, KeyValue]:
+    """Open the registry's buckets `names` (all by default), creating those that do not exist yet.
+
+    Each is looked up first, so a role that may read a bucket but not create it (DESIGN.md, "Trust boundaries";
+    only the autoscaler creates) opens an existing one; ask only for the buckets the role reads, since looking up
+    another is refused too."""
     out: dict[str, KeyValue] = {}
-    for bucket, history in wanted.items():
+    for bucket in names:
         try:
             out[bucket] = await js.key_value(bucket)
         except nats.js.errors.BucketNotFoundError:
+            history = _HISTORY[bucket] or settings.slot_history
             cfg = KeyValueConfig(bucket=bucket, history=history, storage=settings.storage, replicas=settings.replicas)
-            out[bucket] = await js.create_key_value(config=cfg)
+            try:
+                out[bucket] = await js.create_key_value(config=cfg)
+            except nats.js.errors.BadRequestError as err:
+                if err.err_code != 10058:  # created meanwhile by another process ("stream name already in use")
+                    raise
+                out[bucket] = await js.key_value(bucket)
     return out
 
 
@@ -403,7 +419,9 @@ class KvSlotStore:
     ) -> KvSlotStore:
         """`timeout_s` bounds each KV call: a claim caught by a broker restart learns its fate (by reading
         it back) after this long instead of the client's default 5 s."""
-        buckets = await ensure_buckets(nc.jetstream(timeout=timeout_s), settings)
+        buckets = await ensure_buckets(
+            nc.jetstream(timeout=timeout_s), settings, names=(protocol.SLOTS_BUCKET, protocol.AGENTS_BUCKET)
+        )
         return cls(nc, buckets, **kwargs)
 
     def _index(self, key: str, old: SlotRecord | None, new: SlotRecord | None) -> None:
