@@ -460,7 +460,9 @@ def _stage_in(
     # Largest first, so the two halves of a multi-shard model finish together.
     names = sorted(sums, key=lambda n: -_source_size(src_fd, n))
     before = {f.name: f for f in previous.files} if previous is not None else {}
-    carried = {n: before[n] for n in names if n in before and _unchanged(before[n], dest_fd, sums[n])}
+    carried = {
+        n: replace(before[n], copied=False) for n in names if n in before and _unchanged(before[n], dest_fd, sums[n])
+    }
     hashed = 0
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="stage") as pool:
         again = [n for n in names if n not in carried]
