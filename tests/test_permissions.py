@@ -1,0 +1,288 @@
+"""The whole chain under the production's NATS layout (`pulsescale nats --secure`: a user per role, TLS), then
+each role refused what it must not do (DESIGN.md, "Trust boundaries and permissions").
+
+Real processes throughout: a nats-server with the users `warmpool.natsauth` renders, the autoscaler and two node
+agents as `pulsescale` processes with their own users, `pulsescale apply` as the operator, `pulsescale sample`
+as the gateway and `pulsescale status` as on-call. The chain must run without a single permission violation in
+the server's log: every role has what it needs, and nothing is waited out."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+
+import nats.js.errors
+import pytest
+from nats.aio.client import Client
+
+from tests.helpers import wait_for
+from tests.nodeagent_helpers import MODEL, tiny_source_fixture  # noqa: F401 - fixture
+from warmpool import connect, natsauth, protocol
+from warmpool.embedded import NatsServer
+from warmpool.errors import PermissionDenied
+from warmpool.registry import BucketView
+from warmpool.rejects import Rejections
+
+NODES = ("n1", "n2")
+SCALED_OBJECT = f"""
+apiVersion: pulsescale.io/v1alpha1
+kind: ScaledObject
+metadata: {{name: {MODEL}, namespace: test}}
+spec:
+  scaleTargetRef: {{name: {MODEL}}}
+  minReplicaCount: 0
+  maxReplicaCount: 1
+  cooldownPeriod: 1
+  triggers:
+    - type: gateway-queue
+      metadata: {{model: {MODEL}, targetQueueDepth: 4}}
+  advanced:
+    stableWindowSeconds: 1
+    panicWindowSeconds: 0.5
+    scaleDownStabilizationSeconds: 0.5
+    scaleDownPeriodSeconds: 0.5
+    scaleDownPercent: 100
+"""
+VIOLATION = "Violation"  # nats-server logs "Publish Violation" / "Subscription Violation" per refusal
+
+
+class Secure:
+    def __init__(self, server: NatsServer, layout: natsauth.SecureLayout) -> None:
+        self.server, self.layout = server, layout
+
+    def env(self, user: str) -> dict[str, str]:
+        return {**os.environ, **natsauth.read_env_file(self.layout.credentials[user])}
+
+    def options(self, user: str) -> connect.NatsOptions:
+        import argparse
+
+        return connect.options_from_args(argparse.Namespace(), name=f"test-{user}", env=self.env(user))
+
+    def run(self, user: str, *argv: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "pulsescale", *argv],
+            env=self.env(user),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
+
+    def violations(self, since: int = 0) -> list[str]:
+        return [line for line in self.server.log_path.read_text()[since:].splitlines() if VIOLATION in line]
+
+
+@pytest.fixture(scope="module")
+def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secure]:
+    root = tmp_path_factory.mktemp("secure-nats")
+    server = NatsServer(root / "nats")
+    layout = natsauth.write_secure_layout(root / "auth", server.url, NODES, tls=shutil.which("openssl") is not None)
+    server.extra_config, server.tls = layout.authorization, layout.tls
+    with server:
+        yield Secure(server, layout)
+
+
+@contextlib.contextmanager
+def processes() -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
+    """Start `pulsescale` processes; all are stopped (SIGTERM, then SIGKILL) at exit, even on failure."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(env: dict[str, str], *argv: str) -> subprocess.Popen[bytes]:
+        p = subprocess.Popen([sys.executable, "-m", "pulsescale", *argv], env=env)
+        started.append(p)
+        return p
+
+    try:
+        yield start
+    finally:
+        for p in started:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in started:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+async def with_client(secure: Secure, user: str, work: Callable[[Client], Awaitable[object]]) -> object:
+    return await connect.run_client(secure.options(user), work)
+
+
+def test_the_layout_has_a_user_per_role_and_private_files(secure: Secure) -> None:
+    assert sorted(secure.layout.credentials) == sorted(
+        ["gateway", "autoscaler", "operator", "oncall", *(f"agent-{n}" for n in NODES)]
+    )
+    for path in secure.layout.credentials.values():
+        assert path.stat().st_mode & 0o777 == 0o600
+    conf = secure.server.store_dir / "nats-server.conf"
+    assert conf.stat().st_mode & 0o777 == 0o600  # it holds the passwords
+    if secure.layout.tls is not None:
+        assert secure.server.url.startswith("tls://")
+        assert secure.layout.tls.server_key.stat().st_mode & 0o777 == 0o600
+
+
+async def test_the_chain_runs_under_role_permissions_without_a_violation(
+    secure: Secure, tiny_source: Path, tmp_path: Path
+) -> None:
+    since = len(secure.server.log_path.read_text())
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(SCALED_OBJECT)
+    shm = [Path("/dev/shm") / f"pulsescale-perm-{os.getpid()}-{secrets.token_hex(3)}-{n}" for n in NODES]
+    gateway = await connect.connect(secure.options("gateway"))
+    view: BucketView[protocol.SlotRecord] | None = None
+    watch: asyncio.Task[None] | None = None
+    try:
+        with processes() as start:
+            start(secure.env("autoscaler"), "autoscaler", "--metrics-port", "0", "--log-level", "WARNING")
+
+            async def slots_bucket() -> object:
+                # The gateway may read pulse_slots, never create it: the autoscaler does, at its start.
+                with contextlib.suppress(nats.js.errors.BucketNotFoundError):
+                    return await gateway.jetstream(timeout=2.0).key_value(protocol.SLOTS_BUCKET)
+                return None
+
+            await wait_for(slots_bucket, 20, "the autoscaler to create the buckets")
+            applied = await asyncio.to_thread(secure.run, "operator", "apply", "-f", str(spec))
+            assert applied.returncode == 0, applied.stderr
+            assert f"scaledobject test.{MODEL} created" in applied.stdout
+            for node, shm_dir in zip(NODES, shm, strict=True):
+                start(secure.env(f"agent-{node}"), "agent", "--slots", "1", "--model", str(tiny_source),
+                      "--model-name", MODEL, "--shm-dir", str(shm_dir), "--metrics-port", "-1",
+                      "--log-level", "WARNING")  # fmt: skip
+            kv = await gateway.jetstream(timeout=2.0).key_value(protocol.SLOTS_BUCKET)
+            view = BucketView(gateway, kv, protocol.SlotRecord, Rejections(logging.getLogger("test")))
+            watch = asyncio.create_task(view.run())
+
+            def states() -> dict[str, str]:
+                assert view is not None
+                return {r.node: r.state for r in view.values()}
+
+            await wait_for(lambda: states() == {n: "warm" for n in NODES}, 30, f"both agents warm ({states()})")
+            pulse = asyncio.create_task(
+                asyncio.to_thread(secure.run, "gateway", "sample", MODEL, "--queue-depth", "4", "--for", "8")
+            )
+            await wait_for(lambda: "ready" in states().values(), 20, f"a slot ready ({states()})")
+            ready = next(r for r in view.values() if r.state == "ready")
+            assert ready.endpoint
+            status = await asyncio.to_thread(secure.run, "oncall", "status")
+            assert status.returncode == 0, status.stderr
+            assert MODEL in status.stdout
+            sent = await pulse
+            assert sent.returncode == 0, sent.stderr
+        assert secure.violations(since) == []
+    finally:
+        if view is not None:
+            view.closed = True
+        if watch is not None:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+        await gateway.close()
+        for d in shm:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+# --- what each role must not do ---------------------------------------------------------------------------------
+
+
+def publish(subject: str, payload: bytes = b"{}") -> Callable[[Client], Awaitable[object]]:
+    async def work(nc: Client) -> None:
+        await nc.publish(subject, payload)
+        await nc.flush()
+
+    return work
+
+
+def kv_put(bucket: str, key: str) -> Callable[[Client], Awaitable[object]]:
+    """A KV write is a publish to ``$KV.<bucket>.<key>``: refused on the subject, whatever the client library."""
+    return publish(f"$KV.{bucket}.{key}")
+
+
+def subscribe(subject: str) -> Callable[[Client], Awaitable[object]]:
+    async def work(nc: Client) -> None:
+        await nc.subscribe(subject)
+        await nc.flush()
+
+    return work
+
+
+@pytest.mark.parametrize(
+    ("user", "work", "operation", "subject"),
+    [
+        ("gateway", publish("pulse.agent.n1.activate"), "publish", "pulse.agent.n1.activate"),
+        ("gateway", kv_put(protocol.SLOTS_BUCKET, f"{MODEL}.n1.0"), "publish", f"$KV.pulse_slots.{MODEL}.n1.0"),
+        ("agent-n1", kv_put(protocol.SLOTS_BUCKET, f"{MODEL}.n2.0"), "publish", f"$KV.pulse_slots.{MODEL}.n2.0"),
+        ("agent-n1", kv_put(protocol.AGENTS_BUCKET, "n2"), "publish", "$KV.pulse_agents.n2"),
+        ("agent-n1", publish("pulse.agent.n2.deactivate"), "publish", "pulse.agent.n2.deactivate"),
+        ("agent-n1", subscribe("pulse.agent.n2.>"), "subscribe", "pulse.agent.n2.>"),
+        ("agent-n1", publish("pulse.queue.tiny"), "publish", "pulse.queue.tiny"),
+        ("oncall", kv_put(protocol.SCALERS_BUCKET, "test.tiny"), "publish", "$KV.pulse_scalers.test.tiny"),
+        ("oncall", kv_put(protocol.LEASES_BUCKET, "override.tiny"), "publish", "$KV.pulse_leases.override.tiny"),
+        ("oncall", subscribe("_INBOX.>"), "subscribe", "_INBOX.>"),  # nobody else's replies
+        ("operator", kv_put(protocol.SLOTS_BUCKET, f"{MODEL}.n1.0"), "publish", f"$KV.pulse_slots.{MODEL}.n1.0"),
+        ("autoscaler", kv_put(protocol.SCALERS_BUCKET, "test.tiny"), "publish", "$KV.pulse_scalers.test.tiny"),
+        ("autoscaler", kv_put(protocol.AGENTS_BUCKET, "n1"), "publish", "$KV.pulse_agents.n1"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+async def test_a_role_is_refused_what_it_must_not_do(
+    secure: Secure, user: str, work: Callable[[Client], Awaitable[object]], operation: str, subject: str
+) -> None:
+    with pytest.raises(PermissionDenied) as refused:
+        await with_client(secure, user, work)
+    assert (refused.value.operation, refused.value.subject) == (operation, subject)
+    assert str(refused.value).startswith(f"refused: permission denied on {subject} (")
+
+
+@pytest.mark.parametrize(
+    ("user", "argv", "subject"),
+    [
+        ("gateway", ["scale", MODEL, "--replicas", "1"], "pulse.cmd.scale"),
+        ("oncall", ["apply", "-f", "-"], f"$JS.API.STREAM.INFO.KV_{protocol.SCALERS_BUCKET}"),
+        ("oncall", ["sample", MODEL, "--queue-depth", "9"], f"pulse.queue.{MODEL}"),
+        ("operator", ["status"], "pulse.cmd.status"),
+        ("agent-n1", ["drain", "n2"], "pulse.cmd.drain"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else " ".join(v[:1]),
+)
+def test_a_refused_command_is_one_line_and_exit_1(secure: Secure, user: str, argv: list[str], subject: str) -> None:
+    """Real processes, as a person runs them with the wrong role's credentials."""
+    r = subprocess.run(
+        [sys.executable, "-m", "pulsescale", *argv],
+        env=secure.env(user),
+        input=SCALED_OBJECT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
+    assert r.stdout == ""
+    assert r.stderr.splitlines() == [
+        f"pulsescale {argv[0]}: refused: permission denied on {subject} (this NATS user may not publish to it: "
+        "use the user of the right role, or grant it in the server's authorization)"
+    ]
+
+
+async def test_a_client_without_tls_or_with_a_wrong_password_is_refused(secure: Secure) -> None:
+    from warmpool.errors import NatsUnavailable
+
+    opts = secure.options("gateway")
+    with pytest.raises(NatsUnavailable, match="refused our credentials"):
+        await connect.connect(connect.NatsOptions(**{**opts.__dict__, "password": "wrong"}))
+    if secure.layout.tls is None:
+        pytest.skip("no openssl: the layout runs without TLS")
+    plain = secure.server.url.replace("tls://", "nats://")
+    with pytest.raises(NatsUnavailable):
+        await connect.connect(connect.NatsOptions(**{**opts.__dict__, "servers": (plain,), "tls_ca_file": None}))
