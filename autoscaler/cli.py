@@ -8,11 +8,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import Awaitable
 from dataclasses import replace
 
-from autoscaler import daemon
+from autoscaler import daemon, scaledobject
 from autoscaler.controller import ControllerSettings
 from autoscaler.leader import LeaseSettings
 from warmpool import connect
@@ -25,7 +26,28 @@ def run_autoscaler(argv: list[str], prog: str) -> int:
         "Run several for high availability; one leads (lease in KV pulse_leases), the others stand by.",
     )
     connect.add_nats_arguments(p)
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics, /healthz and /readyz on this port")
+    p.add_argument(
+        "--metrics-host",
+        default=daemon.AutoscalerSettings.metrics_host,
+        metavar="ADDRESS",
+        help="bind the metrics port to this address; in Kubernetes the pod IP from the downward API "
+        f"[{daemon.AutoscalerSettings.metrics_host}]",
+    )
+    p.add_argument(
+        "--max-replicas",
+        type=int,
+        metavar="N",
+        help="the most replicas acted on per model: larger ScaledObjects are cut to it, larger scale/pause "
+        f"refused [${scaledobject.MAX_REPLICAS_ENV} or {scaledobject.DEFAULT_MAX_REPLICAS}]",
+    )
+    p.add_argument(
+        "--max-claims-in-flight",
+        type=int,
+        default=ControllerSettings.max_claims_in_flight,
+        metavar="N",
+        help=f"bring-ups one model may have in flight at once [{ControllerSettings.max_claims_in_flight}]",
+    )
     p.add_argument("--identity", help="replica name in the leader lease [host-pid-random]")
     p.add_argument(
         "--lease",
@@ -43,12 +65,22 @@ def run_autoscaler(argv: list[str], prog: str) -> int:
     )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
+    try:
+        max_replicas = args.max_replicas or scaledobject.max_replicas_from_env(os.environ)
+    except scaledobject.ScaledObjectError as err:
+        p.error(str(err))
+    if max_replicas < 1 or args.max_claims_in_flight < 1:
+        p.error("--max-replicas and --max-claims-in-flight must be >= 1")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = daemon.AutoscalerSettings(
         nats=connect.options_from_args(args, name="pulsescale-autoscaler"),
+        metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
+        max_replicas=max_replicas,
         lease=LeaseSettings(lease_s=args.lease, renew_every_s=args.lease / 4),
-        controller=ControllerSettings(activation_deadline_s=args.activation_deadline),
+        controller=ControllerSettings(
+            activation_deadline_s=args.activation_deadline, max_claims_in_flight=args.max_claims_in_flight
+        ),
         **({"identity": args.identity} if args.identity else {}),
     )
 

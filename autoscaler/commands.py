@@ -40,7 +40,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import msgspec
 import nats.errors
@@ -50,6 +50,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 
+from autoscaler import scaledobject
 from warmpool import protocol
 from warmpool.errors import BadMessage, DuplicateRequest
 from warmpool.protocol import (
@@ -76,9 +77,14 @@ from warmpool.protocol import (
 from warmpool.registry import KvSlotStore
 from warmpool.rejects import Rejections
 
-__all__ = ["CommandService", "CommandSettings", "ControlPlane", "ensure_audit_stream"]
+__all__ = ["MAX_OVERRIDE_S", "CommandService", "CommandSettings", "ControlPlane", "ensure_audit_stream"]
 
 log = logging.getLogger("pulsescale.commands")
+
+MAX_OVERRIDE_S: Final = 24 * 3600.0
+"""The longest a ``scale`` override may last (``--for``): a day covers any incident and its night; an override
+that outlives its reason holds a model at a stale count unnoticed, so a longer hold is refused — scale again when
+it lapses, or ``pause``, which is visible as paused until someone resumes it."""
 
 
 class ControlPlane(Protocol):
@@ -117,6 +123,11 @@ class CommandSettings:
     """Replies remembered for duplicate ids; far more than on-call traffic within one request lifetime."""
     status_decisions: int = 10
     """Newest decisions per model sent in a status reply; the autoscaler may keep more."""
+    max_replicas: int = scaledobject.DEFAULT_MAX_REPLICAS
+    """The largest replica count ``scale`` and ``pause`` accept, whatever a ScaledObject's maxReplicaCount says
+    (`scaledobject.DEFAULT_MAX_REPLICAS`; ``pulsescale autoscaler --max-replicas``)."""
+    max_override_s: float = MAX_OVERRIDE_S
+    """The longest ``scale --for`` accepted (`MAX_OVERRIDE_S`)."""
     leadership_poll_s: float = 0.25
     """How often the service checks `is_leader` to (un)subscribe: elections take a lease period (seconds), so
     this adds little to a failover; the per-request fence covers the lag on deposition."""
@@ -309,6 +320,12 @@ class CommandService:
         if isinstance(req, ScaleCommand):
             spec = self._spec(req.model)
             self._check_bounds(req.model, spec, req.replicas, "scale")
+            if req.for_s > self.settings.max_override_s:
+                raise _Refused(
+                    "out_of_bounds",
+                    f"scale {req.model} for {req.for_s:g} s is longer than an override may last "
+                    f"({self.settings.max_override_s:g} s); scale again when it lapses, or pause it until resumed",
+                )
             override = Override(kind="scale", replicas=req.replicas, expires_at=now + req.for_s, by=req.by)
             await self.control.set_override(req.model, override)
             return self._ok(OverrideReply(model=req.model, override=override))
@@ -351,8 +368,14 @@ class CommandService:
             raise _Refused("unknown_model", f"no ScaledObject names model {model!r}; known models: {listed}")
         return spec
 
-    @staticmethod
-    def _check_bounds(model: str, spec: ScaledObjectSpec, replicas: int, verb: str) -> None:
+    def _check_bounds(self, model: str, spec: ScaledObjectSpec, replicas: int, verb: str) -> None:
+        cap = self.settings.max_replicas
+        if replicas > cap:
+            raise _Refused(
+                "out_of_bounds",
+                f"{verb} {model} to {replicas} replicas is over this autoscaler's limit of {cap} replicas per model; "
+                f"raise it with `pulsescale autoscaler --max-replicas N` (or ${scaledobject.MAX_REPLICAS_ENV})",
+            )
         lo, hi = spec.min_replica_count, spec.max_replica_count
         if not lo <= replicas <= hi:
             raise _Refused(

@@ -43,6 +43,8 @@ class ControllerSettings:
     """Claim -> ready budget for one slot (DESIGN: 2.5 s for a 100 GB model); past it the claim is released."""
     deactivate_timeout_s: float = 2.0
     """How long a scale-down waits for the agent before releasing the claim itself."""
+    max_claims_in_flight: int = ScalerSettings.max_claims_in_flight
+    """Bring-ups one model may have in flight at once (`ScalerSettings.max_claims_in_flight` says why)."""
     lead_time_samples: int = 50
     """Recent claim -> ready durations kept for the lead-time p90 the forecast uses."""
     decisions_kept: int = 20
@@ -54,7 +56,7 @@ class ControllerSettings:
 
     @property
     def scaler(self) -> ScalerSettings:
-        return ScalerSettings(self.activation_deadline_s, self.deactivate_timeout_s)
+        return ScalerSettings(self.activation_deadline_s, self.deactivate_timeout_s, self.max_claims_in_flight)
 
 
 @dataclass

@@ -33,7 +33,7 @@ from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from autoscaler import commands
+from autoscaler import commands, scaledobject
 from autoscaler.controller import ColdPath, ControllerSettings, Deps, LocalColdPath, ModelController
 from autoscaler.leader import LeaderElection, LeaseSettings
 from autoscaler.metrics import AutoscalerMetrics
@@ -53,14 +53,18 @@ class AutoscalerSettings:
     nats: connect.NatsOptions = field(default_factory=connect.NatsOptions)
     identity: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
     """Unique per process: two replicas must never mistake each other's lease for their own."""
-    metrics_host: str = "0.0.0.0"
-    """Bind address of the metrics/health port: every interface, so Prometheus and the kubelet's probes reach it
-    on the pod IP."""
+    metrics_host: str = "127.0.0.1"
+    """Bind address of the metrics/health port: loopback unless told otherwise, since the metrics name every model
+    and node. In Kubernetes pass the pod IP (``--metrics-host $(POD_IP)`` from the downward API), so Prometheus
+    and the kubelet's probes reach it and nothing else on the node's other interfaces does."""
     metrics_port: int | None = None
     """Port of ``/metrics``, ``/healthz`` and ``/readyz``; None serves none (tests read the registry directly),
     0 picks a free one."""
     lease: LeaseSettings = field(default_factory=LeaseSettings)
     controller: ControllerSettings = field(default_factory=ControllerSettings)
+    max_replicas: int = scaledobject.DEFAULT_MAX_REPLICAS
+    """The most replicas the autoscaler acts on for one model: a ScaledObject over it is cut down to it (logged),
+    and ``scale``/``pause`` over it are refused. The wire allows 100000; see `scaledobject.DEFAULT_MAX_REPLICAS`."""
     housekeeping_every_s: float = 0.25
     """Time-driven checks (override expiry, stale gateways, dead agents). Decisions themselves run on samples."""
     forget_gateway_after_s: float = 300.0
@@ -112,6 +116,7 @@ class Autoscaler:
         self._takeover: asyncio.Task[None] | None = None  # held so the task is not garbage-collected mid-run
         self._handled = 0
         self.commands: commands.CommandService | None = None
+        self._cut: dict[str, float] = {}  # ScaledObjects cut to max_replicas, by key: the version logged
 
     @contextlib.contextmanager
     def _contained(self, what: str) -> Iterator[None]:
@@ -188,6 +193,10 @@ class Autoscaler:
                 task = asyncio.ensure_future(c.stop(release_in_flight=True))
                 task.add_done_callback(lambda t: t.exception())
             return
+        record, cut = scaledobject.capped(record, self.settings.max_replicas)
+        if cut is not None and self._cut.get(key) != record.updated_at:
+            self._cut[key] = record.updated_at  # said once per version of the record
+            log.warning("ScaledObject %s: %s", key, cut)
         model = record.spec.model
         owner = self.by_model.get(model)
         if owner is not None and owner.record.key != key:
@@ -354,11 +363,28 @@ class Autoscaler:
                 record = protocol.decode(entry.value or b"", OverrideRecord)
                 if protocol.override_key(record.model) != key:
                     raise BadMessage("subject_mismatch", f"an override of {record.model} stored under {key}")
+                self._check_stored(record.override)
             except BadMessage as err:
                 self.store.rejected(err, source=source)
                 continue
             out[record.model] = record.override
         return out
+
+    def _check_stored(self, override: Override) -> None:
+        """A stored override must be one the command service could have accepted: none of ours expires more than
+        `commands.MAX_OVERRIDE_S` from now (a clock skew's worth more is tolerated) or holds more replicas than
+        `max_replicas`. Anything else was written around the command service, and is not obeyed."""
+        now = self.clock()
+        limit = now + commands.MAX_OVERRIDE_S + protocol.MAX_CLOCK_SKEW_S
+        if override.expires_at is not None and override.expires_at > limit:
+            raise BadMessage(
+                "too_late",
+                f"override expires {override.expires_at - now:.0f} s from now; at most "
+                f"{commands.MAX_OVERRIDE_S:.0f} s is accepted",
+            )
+        if override.replicas is not None and override.replicas > self.settings.max_replicas:
+            cap = self.settings.max_replicas
+            raise BadMessage("bad_value", f"override holds {override.replicas} replicas, over the limit of {cap}")
 
     def on_deposed(self) -> None:
         # Stop acting at once; claims in flight are left for the next leader to adopt or expire.
@@ -446,7 +472,13 @@ async def run(
         runner, scaler.metrics_port = await _serve_http(scaler, settings.metrics_host, settings.metrics_port)
         log.info("metrics on http://%s:%d/metrics", settings.metrics_host, scaler.metrics_port)
     sub = await nc.subscribe(protocol.QUEUE_WILDCARD, cb=scaler.on_queue_msg, pending_msgs_limit=1_000_000)
-    service = scaler.commands = commands.CommandService(nc, scaler, store, is_leader=scaler.is_leader)
+    service = scaler.commands = commands.CommandService(
+        nc,
+        scaler,
+        store,
+        is_leader=scaler.is_leader,
+        settings=commands.CommandSettings(max_replicas=settings.max_replicas),
+    )
     campaign = asyncio.create_task(scaler.leader.campaign(stop), name="leader")
     tasks = [
         asyncio.create_task(scaler.scalers.run(), name="scalers-view"),

@@ -35,6 +35,7 @@ import nats.js.errors
 from nats.aio.client import Client
 
 from autoscaler import scaledobject
+from autoscaler.commands import MAX_OVERRIDE_S
 from warmpool import connect as nats_connect
 from warmpool import protocol
 from warmpool.errors import BadMessage
@@ -115,9 +116,25 @@ def _duration_arg(text: str) -> float:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _override_duration_arg(text: str) -> float:
+    seconds = _duration_arg(text)
+    if seconds > MAX_OVERRIDE_S:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is longer than an override may last ({format_duration(MAX_OVERRIDE_S)}); scale again when it "
+            "lapses, or use `pause`, which holds until `resume`"
+        )
+    return seconds
+
+
 def _replicas_arg(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"{text!r} is not a replica count (a whole number >= 0)")
+    return int(text)
+
+
+def _positive_int_arg(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
     return int(text)
 
 
@@ -244,10 +261,11 @@ def scale(argv: list[str], prog: str) -> int:
     p.add_argument(
         "--for",
         dest="for_s",
-        type=_duration_arg,
+        type=_override_duration_arg,
         default=parse_duration(DEFAULT_FOR),
         metavar="DURATION",
-        help=f"how long the override lasts: 90s, 10m, 2h, 1h30m [{DEFAULT_FOR}]",
+        help=f"how long the override lasts: 90s, 10m, 2h, 1h30m; at most {format_duration(MAX_OVERRIDE_S)} "
+        f"[{DEFAULT_FOR}]",
     )
     args = p.parse_args(argv)
 
@@ -421,7 +439,7 @@ def _read(path: str, stdin: TextIO) -> tuple[str, str]:
 
 
 async def _write(nc: Client, manifests: list[scaledobject.Manifest]) -> list[str]:
-    kv = (await ensure_buckets(nc.jetstream(timeout=5.0)))[protocol.SCALERS_BUCKET]
+    kv = (await ensure_buckets(nc.jetstream(timeout=5.0), names=[protocol.SCALERS_BUCKET]))[protocol.SCALERS_BUCKET]
     out = []
     for m in manifests:
         rec = m.record
@@ -464,14 +482,21 @@ def apply(argv: list[str], prog: str, *, stdin: TextIO | None = None) -> int:
         "-f", "--filename", action="append", required=True, metavar="FILE", help="YAML file ('-' for stdin); repeatable"
     )
     p.add_argument("--dry-run", action="store_true", help="check the files and print what would be written")
+    p.add_argument(
+        "--max-replicas",
+        type=_positive_int_arg,
+        metavar="N",
+        help=f"refuse replica counts over N [$PULSESCALE_MAX_REPLICAS or {scaledobject.DEFAULT_MAX_REPLICAS}]",
+    )
     nats_connect.add_nats_arguments(p)
     args = p.parse_args(argv)
     now = time.time()
     manifests: list[scaledobject.Manifest] = []
     try:
+        limit = args.max_replicas or scaledobject.max_replicas_from_env(os.environ)
         for path in args.filename:
             source, text = _read(path, stdin or sys.stdin)
-            manifests += scaledobject.load_documents(text, source, updated_at=now)
+            manifests += scaledobject.load_documents(text, source, updated_at=now, max_replicas=limit)
         keys = Counter(m.record.key for m in manifests)
         twice = [k for k, n in keys.items() if n > 1]
         if twice:

@@ -17,6 +17,11 @@ What is checked, and why it is stricter than the wire decoder:
   as Kubernetes requires; N must lie within ``[minReplicaCount, maxReplicaCount]``, the same rule as the
   ``pause --replicas`` command.
 
+- Replica counts (``minReplicaCount``, ``maxReplicaCount``, ``idleReplicaCount``, paused-replicas) are at most
+  `max_replicas` (`DEFAULT_MAX_REPLICAS`, or ``$PULSESCALE_MAX_REPLICAS``): the wire allows 100000, but one
+  ScaledObject asking for that much is a typo or an attack, and the autoscaler caps what it acts on at its own
+  ``--max-replicas`` (`capped`).
+
 Every error is a `ScaledObjectError` naming the field (``spec.maxReplicaCount``); `load_documents` prefixes
 the source and the 1-based document index (``qwen.yaml doc 1: spec.maxReplicaCount: Expected `int` >= 1``).
 """
@@ -38,14 +43,18 @@ from warmpool.protocol import ScaledObjectSpec, ScalerRecord
 
 __all__ = [
     "API_VERSION",
+    "DEFAULT_MAX_REPLICAS",
     "DEFAULT_NAMESPACE",
     "KIND",
+    "MAX_REPLICAS_ENV",
     "PAUSED_ANNOTATION",
     "PAUSED_REPLICAS_ANNOTATION",
     "Manifest",
     "ScaledObjectError",
+    "capped",
     "from_manifest",
     "load_documents",
+    "max_replicas_from_env",
     "same_content",
 ]
 
@@ -54,6 +63,11 @@ KIND: Final = "ScaledObject"
 DEFAULT_NAMESPACE: Final = "default"
 PAUSED_ANNOTATION: Final = "pulsescale.io/paused"
 PAUSED_REPLICAS_ANNOTATION: Final = "pulsescale.io/paused-replicas"
+DEFAULT_MAX_REPLICAS: Final = 1000
+"""The most replicas of one model that `apply`, the on-call commands and the autoscaler accept unless configured
+otherwise: well above any single model's fleet today, and small enough that a typo (``100000``) is refused."""
+MAX_REPLICAS_ENV: Final = "PULSESCALE_MAX_REPLICAS"
+"""Environment variable that raises (or lowers) `DEFAULT_MAX_REPLICAS` for `apply` and the autoscaler."""
 
 
 class ScaledObjectError(PulsescaleError):
@@ -165,10 +179,32 @@ def _name(value: Any, field: str) -> str:
     return value
 
 
-def from_manifest(doc: Any, *, updated_at: float = 0.0, generation: int | None = None) -> ScalerRecord:
+def max_replicas_from_env(env: Mapping[str, str]) -> int:
+    """`MAX_REPLICAS_ENV` from `env`, else `DEFAULT_MAX_REPLICAS`; a value that is not a whole number >= 1 is a
+    `ScaledObjectError` saying so."""
+    text = env.get(MAX_REPLICAS_ENV, "").strip()
+    if not text:
+        return DEFAULT_MAX_REPLICAS
+    if not text.isdigit() or int(text) < 1:
+        raise ScaledObjectError("", f"${MAX_REPLICAS_ENV} is {text!r}; it must be a whole number of replicas >= 1")
+    return int(text)
+
+
+def _over(field: str, value: int, max_replicas: int) -> ScaledObjectError:
+    return ScaledObjectError(
+        field,
+        f"{value} is over the limit of {max_replicas} replicas per model; raise it with --max-replicas N or "
+        f"${MAX_REPLICAS_ENV} (and the autoscaler's --max-replicas) if you mean it",
+    )
+
+
+def from_manifest(
+    doc: Any, *, updated_at: float = 0.0, generation: int | None = None, max_replicas: int = DEFAULT_MAX_REPLICAS
+) -> ScalerRecord:
     """Convert one ScaledObject manifest (a YAML document, or a CR body from the API server).
 
-    `generation` defaults to ``metadata.generation`` when present (the operator's case), else 0.
+    `generation` defaults to ``metadata.generation`` when present (the operator's case), else 0. Replica counts
+    over `max_replicas` are refused.
     """
     if not isinstance(doc, Mapping):
         raise ScaledObjectError(
@@ -199,6 +235,13 @@ def from_manifest(doc: Any, *, updated_at: float = 0.0, generation: int | None =
         spec = msgspec.convert(raw_spec, ScaledObjectSpec)
     except msgspec.ValidationError as err:
         raise _spec_error(err) from None
+    for field, value in (
+        ("spec.maxReplicaCount", spec.max_replica_count),
+        ("spec.minReplicaCount", spec.min_replica_count),
+        ("spec.idleReplicaCount", spec.idle_replica_count or 0),
+    ):
+        if value > max_replicas:
+            raise _over(field, value, max_replicas)
 
     annotations = _mapping(meta.get("annotations"), "metadata.annotations", required=False)
     paused_text = _annotation(annotations, PAUSED_ANNOTATION)
@@ -237,7 +280,32 @@ def from_manifest(doc: Any, *, updated_at: float = 0.0, generation: int | None =
     )
 
 
-def load_documents(text: str, source: str, *, updated_at: float = 0.0) -> list[Manifest]:
+def capped(record: ScalerRecord, max_replicas: int) -> tuple[ScalerRecord, str | None]:
+    """`record` with its replica counts cut to `max_replicas`, and what was cut (None: nothing). The autoscaler
+    acts on this, whoever wrote the record: a ScaledObject written to `pulse_scalers` without `apply` (the
+    operator, or anyone with the operator's permission) cannot make it chase 100000 replicas."""
+    spec = record.spec
+    if spec.max_replica_count <= max_replicas and (record.paused_replicas or 0) <= max_replicas:
+        return record, None
+    lo = min(spec.min_replica_count, max_replicas)
+    idle = spec.idle_replica_count
+    if idle is not None and idle >= lo > 0:
+        idle = lo - 1
+    spec = msgspec.structs.replace(
+        spec, max_replica_count=min(spec.max_replica_count, max_replicas), min_replica_count=lo, idle_replica_count=idle
+    )
+    paused = None if record.paused_replicas is None else min(record.paused_replicas, max_replicas)
+    what = (
+        f"replicas {record.spec.min_replica_count}..{record.spec.max_replica_count} over the limit of {max_replicas} "
+        f"per model; acting on {lo}..{spec.max_replica_count} (raise the limit with --max-replicas or "
+        f"${MAX_REPLICAS_ENV})"
+    )
+    return msgspec.structs.replace(record, spec=spec, paused_replicas=paused), what
+
+
+def load_documents(
+    text: str, source: str, *, updated_at: float = 0.0, max_replicas: int = DEFAULT_MAX_REPLICAS
+) -> list[Manifest]:
     """Every ScaledObject in a (multi-document) YAML text; empty documents are skipped but counted.
 
     Raises `ScaledObjectError` for the first bad document, located as ``<source> doc <n>``, or for YAML that
@@ -252,7 +320,7 @@ def load_documents(text: str, source: str, *, updated_at: float = 0.0) -> list[M
                 continue
             where = f"{source} doc {index}"
             try:
-                record = from_manifest(doc, updated_at=updated_at)
+                record = from_manifest(doc, updated_at=updated_at, max_replicas=max_replicas)
             except ScaledObjectError as err:
                 raise err.located(where) from None
             if record.key in seen:

@@ -58,6 +58,10 @@ class ScalerSettings:
     """Claim -> ready budget for one slot (DESIGN: 2.5 s for a 100 GB model); past it the claim is released."""
     deactivate_timeout_s: float = 2.0
     """How long a scale-down waits for the agent before releasing the claim itself."""
+    max_claims_in_flight: int = 32
+    """Bring-ups (claiming or activating) one model may have at once. Work per model stays bounded whatever its
+    target says (a ScaledObject asking for 100000 replicas costs 32 tasks, not 100000); a bigger step waits for
+    activations to finish, each within `activation_deadline_s`, so 100 replicas still take only ~4 deadlines."""
 
 
 class ColdPath(Protocol):
@@ -190,6 +194,7 @@ class ModelScaler:
         self._releasing_here: set[str] = set()  # releases in flight
         self._stopping = False
         self._trigger: _Trigger | None = None  # the scale-up decision the next reconcile serves
+        self._capped = False  # the last reconcile held bring-ups back at max_claims_in_flight (logged once)
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop_task: asyncio.Task[None] | None = None
@@ -240,7 +245,7 @@ class ModelScaler:
         m.ready.labels(self.model).set(self.ready)
         m.activating.labels(self.model).set(self.activating)
         if desired > current and not self.exhausted and not self._stopping:
-            for _ in range(desired - current):
+            for _ in range(self._bring_ups_to_start(desired - current)):
                 self.claiming += 1
                 self._spawn(self._bring_up(trigger), f"bring-up-{self.model}")
         elif desired < current:
@@ -250,6 +255,24 @@ class ModelScaler:
                 self._spawn(self._take_down(h), f"take-down-{self.model}")
         if desired <= current:
             self.cold_requested = 0  # met from the pool again: a later shortfall is news worth an event
+
+    def _bring_ups_to_start(self, missing: int) -> int:
+        """How many of `missing` replicas to start bringing up now: no more than the pool has claimable slots for
+        (less those our bring-ups not yet booked are about to take) and than `max_claims_in_flight` allows. What
+        the pool cannot cover is the cold path's, asked once (`exhausted`) until a slot turns warm or housekeeping
+        looks again — never one failing claim per missing replica, every tick."""
+        free = len(self.store.claimable(self.model)) - self.claiming
+        cap = self.settings.max_claims_in_flight
+        n = max(0, min(missing, free, cap - self.activating))
+        if free < missing:
+            self.exhausted = True
+            self._spawn(self._cold_start(missing - max(0, free)), f"cold-start-{self.model}")
+        capped = n < missing and self.activating + n >= cap
+        if capped and not self._capped:
+            log.info("%s: %d replica(s) missing; bringing up at most %d at once (max_claims_in_flight), the rest as "
+                     "those finish", self.model, missing, cap)  # fmt: skip
+        self._capped = capped
+        return n
 
     def _pick_victims(self, n: int) -> list[Held]:
         ready = [h for h in self.held.values() if h.phase == "ready"]
@@ -340,9 +363,15 @@ class ModelScaler:
         finally:
             self._activating_here.discard(key)
         if isinstance(reply, ActivateReply) and reply.ok:
-            await self._serving(held, reply, measured=measured)
-            return True
-        code, why = _failure(reply)
+            # Serving only on the holder's fenced `ready` write: a reply alone is a claim anyone on the subject
+            # can make (DESIGN, "Trust boundaries"), and its endpoint is never used.
+            record = await self._fenced_ready(claim)
+            if record is not None:
+                self._serving(held, reply, record, measured=measured)
+                return True
+            code, why = "not_ready", f"replied ready, but the registry holds no ready write of claim {claim.claim_id}"
+        else:
+            code, why = _failure(reply)
         self.metrics.activations.labels(self.model, "failed").inc()
         self.events.publish("slot.failed", node=claim.node, slot=claim.slot, reason=why)
         if code in CLAIM_GONE:
@@ -355,7 +384,7 @@ class ModelScaler:
         await self._release(held, reason=why, wait_for_agent=False)
         return False
 
-    async def _serving(self, held: Held, reply: ActivateReply, *, measured: bool) -> None:
+    def _serving(self, held: Held, reply: ActivateReply, record: SlotRecord, *, measured: bool) -> None:
         claim = held.claim
         held.phase = "ready"
         m = self.metrics
@@ -367,27 +396,26 @@ class ModelScaler:
         if reply.timings is not None:
             for stage in _STAGES:
                 m.activation_seconds.labels(stage).observe(getattr(reply.timings, f"{stage}_ms") / 1e3)
-        endpoint = await self._fenced_endpoint(claim)
-        self.events.publish("slot.ready", node=claim.node, slot=claim.slot, endpoint=endpoint)
+        self.events.publish("slot.ready", node=claim.node, slot=claim.slot, endpoint=record.endpoint)
 
-    async def _fenced_endpoint(self, claim: Claim) -> str | None:
-        """The serving endpoint from the holder's fenced `ready` write (never from a reply: DESIGN, "Trust
-        boundaries"). The agent writes it before it replies, so the view has it but for a watch echo still on
-        its way; then the broker is asked."""
+    async def _fenced_ready(self, claim: Claim) -> SlotRecord | None:
+        """The holder's fenced `ready` write of `claim`, whose endpoint is the one traffic goes to; None when the
+        registry has none. The agent writes it before it replies, so the view has it but for a watch echo still
+        on its way; then the broker is asked."""
         rec = self.store.record(claim.key)
         if not _ready_under(rec, claim):
             with contextlib.suppress(PulsescaleError, nats.errors.Error, TimeoutError):
                 rec, _ = await self.store.get(claim.key)
         if rec is not None and _ready_under(rec, claim):
-            return rec.endpoint
-        log.warning("%s: the agent reported %s ready, but the registry shows no ready write of claim %s",
-                    self.model, claim.key, claim.claim_id)  # fmt: skip
+            return rec
         return None
 
-    async def _cold_start(self) -> None:
-        # Capacity not already serving or activating in a held slot; in-flight claims are failing like this one.
-        in_held = sum(1 for h in self.held.values() if h.phase == "activating")
-        needed = max(0, self.desired - self.ready - in_held)
+    async def _cold_start(self, needed: int | None = None) -> None:
+        """Ask the cold path for `needed` replicas; by default the capacity not already serving or activating in
+        a held slot (from a failed claim: the bring-ups still claiming are failing like it)."""
+        if needed is None:
+            in_held = sum(1 for h in self.held.values() if h.phase == "activating")
+            needed = max(0, self.desired - self.ready - in_held)
         if needed and needed != self.cold_requested:
             reason = f"no warm slot of {self.model} is claimable; asking the cold path for {needed} more"
             log.warning("%s: %s", self.model, reason)
@@ -523,7 +551,7 @@ class ModelScaler:
                 self.held.pop(key, None)
                 self._wake.set()
         elif rec.state in ("activating", "ready"):
-            if rec.state == "ready" and held.phase == "activating" and key not in self._activating_here:
+            if held.phase == "activating" and key not in self._activating_here and _ready_under(rec, held.claim):
                 held.phase = "ready"  # an adopted activation that its agent finished
                 self.events.publish("slot.ready", node=held.claim.node, slot=held.claim.slot, endpoint=rec.endpoint)
                 self._wake.set()

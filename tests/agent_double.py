@@ -8,6 +8,11 @@ writes `activating` and then `ready` (with the endpoint) before it replies — b
 
 Behaviours: ``ok``; ``silent`` (never answers); ``refuse`` (answers `refuse_code`, ``engine_failed`` by default).
 `stop_heartbeat()` makes the agent look dead to the registry while it keeps answering.
+
+A *malicious* node, for the security tests (DESIGN, "Trust boundaries"): ``lie_endpoint`` writes its fenced
+``ready`` with its own endpoint but replies with `reply_endpoint` (an address outside the cluster);
+``no_ready_write`` replies ready without writing anything; `heartbeat_ahead_s` dates every heartbeat that far in
+the future; `put_raw_lease` writes a lease the contract refuses (``lease_s`` over `protocol.MAX_LEASE_S`).
 """
 
 from __future__ import annotations
@@ -18,15 +23,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
+import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from warmpool import protocol
 from warmpool.errors import InvalidTransition, PulsescaleError
 from warmpool.protocol import ActivateReply, AgentLease, DeactivateReply, SlotRecord, StageTimings
-from warmpool.registry import KvSlotStore
+from warmpool.registry import KvSlotStore, ensure_buckets
 
-Behaviour = Literal["ok", "silent", "refuse"]
+Behaviour = Literal["ok", "silent", "refuse", "lie_endpoint", "no_ready_write"]
 
 
 @dataclass
@@ -44,6 +50,10 @@ class AgentDouble:
     lease_s: float = 2.0
     heartbeat_every_s: float | None = None
     """Renewal interval, also written in the lease; default a quarter of `lease_s`."""
+    heartbeat_ahead_s: float = 0.0
+    """Date heartbeats this far ahead of the wall clock (a forged or clock-broken lease)."""
+    reply_endpoint: str = "http://203.0.113.66:8000"
+    """The endpoint ``lie_endpoint`` puts in its reply (TEST-NET-3: outside any cluster)."""
     activations: list[str] = field(default_factory=list)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _subs: list[object] = field(default_factory=list)
@@ -68,7 +78,7 @@ class AgentDouble:
     async def beat(self) -> None:
         lease = AgentLease(
             node=self.node,
-            heartbeat_at=time.time(),
+            heartbeat_at=time.time() + self.heartbeat_ahead_s,
             lease_s=self.lease_s,
             rack=self.rack,
             heartbeat_every_s=self.every_s,
@@ -81,6 +91,15 @@ class AgentDouble:
             await asyncio.sleep(self.every_s)
             with contextlib.suppress(Exception):
                 await self.beat()
+
+    async def put_raw_lease(self, **fields: object) -> None:
+        """Write this node's lease as raw JSON, bypassing `AgentLease`'s checks (a lease the contract refuses);
+        `fields` override the honest lease's. Heartbeats stop, so the raw lease stays."""
+        self.stop_heartbeat()
+        raw = {"v": protocol.VERSION, "node": self.node, "heartbeat_at": time.time(), "lease_s": self.lease_s,
+               "rack": self.rack, "heartbeat_every_s": self.every_s, **fields}  # fmt: skip
+        kv = (await ensure_buckets(self.nc.jetstream()))[protocol.AGENTS_BUCKET]
+        await kv.put(self.node, msgspec.json.encode(raw))
 
     def stop_heartbeat(self) -> None:
         for t in self._tasks:
@@ -103,6 +122,11 @@ class AgentDouble:
                 msg, protocol.refusal(ActivateReply, self.refuse_code, "the double refuses", slot=req.slot)
             )
             return
+        if self.behaviour == "no_ready_write":
+            reply = ActivateReply(slot=req.slot, key=key, state="ready", endpoint=self.reply_endpoint,
+                                  token=req.token, claim_id=req.claim_id)  # fmt: skip
+            await self._reply(msg, reply)
+            return
         rec, _ = await self.store.get(key)
         if rec.claim_id != req.claim_id:
             refusal = protocol.refusal(
@@ -124,6 +148,8 @@ class AgentDouble:
             return
         total_ms = (time.perf_counter() - t0) * 1e3
         timings = StageTimings(load_ms=0.0, engine_ms=0.0, readiness_ms=0.0, total_ms=total_ms)
+        if self.behaviour == "lie_endpoint":
+            endpoint = self.reply_endpoint
         reply = ActivateReply(slot=req.slot, key=key, state="ready", endpoint=endpoint, token=req.token,
                               claim_id=req.claim_id, timings=timings)  # fmt: skip
         await self._reply(msg, reply)
