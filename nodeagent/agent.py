@@ -40,7 +40,7 @@ from nodeagent.settings import AgentSettings
 from nodeagent.slot import REGISTRY_ERRORS, Slot, SlotKeeper
 from warmpool import connect as nats_connect
 from warmpool import protocol
-from warmpool.errors import InvalidTransition, PulsescaleError, SlotNotFound
+from warmpool.errors import InvalidTransition, PulsescaleError, SlotNotFound, StaleToken
 from warmpool.protocol import AgentLease, AgentStatusReply, SlotRecord, WeightsStatus
 from warmpool.registry import Changed, KvSlotStore, Removed, Snapshot
 
@@ -79,7 +79,14 @@ class Agent:
             },
             on_reject=lambda reason: metrics.rejected.labels(reason).inc(),
             spawn=self.keeper.spawn,
+            max_in_flight=settings.max_requests_in_flight,
+            max_status_in_flight=settings.max_status_in_flight,
+            on_busy=lambda verb: metrics.busy.labels(verb).inc(),
         )
+        self._correcting: set[str] = set()
+        """Slots whose rewritten record is being written back (one task per slot)."""
+        self._tamper_logged: dict[str, str] = {}
+        """Slot -> the claim under which a rewrite was last logged (logged once per claim)."""
         self.metrics_port: int | None = None
         """Where ``/metrics`` and ``/status`` are served, once they are (None: not served)."""
         self.started_at = time.time()
@@ -152,9 +159,50 @@ class Agent:
         k = self.keeper
         if slot.active is not None and rec.claim_id != slot.active.claim_id:
             k.spawn(self.activator.fence(slot), name=f"fence-{slot.name}")
+        elif _tampered(slot, rec) is not None:
+            if slot.name not in self._correcting:
+                self._correcting.add(slot.name)
+                k.spawn(self._correct(slot), name=f"correct-{slot.name}")
         elif rec.state == "failed" and rec.claim_id is None and slot.idle and not k.stopping:
             # Released while our lease had lapsed (the registry fails such a slot): we are back, it is warm.
             k.spawn(self.prewarmer.revive(slot), name=f"revive-{slot.name}")
+
+    async def _correct(self, slot: Slot) -> None:
+        """Someone else rewrote our ready record's serving fields under our claim (a KV writer steering traffic):
+        write the true endpoint back, fenced by the claim (compare-and-set as its holder), until the view agrees.
+        A rewritten token cannot be written back (the fencing check itself reads it): stop serving and fail the
+        slot instead. Logged once per claim, counted every time."""
+        k = self.keeper
+        try:
+            while True:
+                active, hit = slot.active, k.record(slot)
+                if active is None or hit is None or (what := _tampered(slot, hit[0])) is None:
+                    return
+                if self._tamper_logged.get(slot.name) != active.claim_id:
+                    self._tamper_logged[slot.name] = active.claim_id
+                    log.warning(
+                        "slot %s: its ready record was rewritten under our claim (%s); %s",
+                        slot.key,
+                        what,
+                        "fencing it" if hit[0].token != active.token else f"writing {active.started.endpoint} back",
+                    )
+                if hit[0].token != active.token:
+                    k.metrics.record_corrections.labels("fenced").inc()
+                    async with slot.held("fencing a rewritten record"):
+                        if slot.active is active:
+                            await k.stop_engine(slot, "its record's token was rewritten by another writer")
+                            await k.fail(slot, f"slot record rewritten under its claim ({what}); send prewarm")
+                    return
+                try:
+                    active.claim = await k.store.advance(active.claim, "ready", endpoint=active.started.endpoint)
+                except (StaleToken, InvalidTransition):
+                    return  # released or moved on meanwhile: the watch fences as usual
+                except REGISTRY_ERRORS as err:
+                    log.warning("slot %s: cannot write the true endpoint back: %s", slot.key, err)
+                    return  # the next watch event of the record tries again
+                k.metrics.record_corrections.labels("corrected").inc()
+        finally:
+            self._correcting.discard(slot.name)
 
     # --- status ---------------------------------------------------------------------------------------------------
 
@@ -208,6 +256,18 @@ class Agent:
                     slot.key, "failed", reason=reason, claim_id=None, endpoint=None, weights_resident=False
                 )
         self.prewarmer.release()
+
+
+def _tampered(slot: Slot, rec: SlotRecord) -> str | None:
+    """What another writer changed in the ready record of the claim this slot serves under, or None."""
+    active = slot.active
+    if active is None or rec.state != "ready" or rec.claim_id != active.claim_id:
+        return None
+    if rec.token != active.token:
+        return f"token {rec.token}, ours is {active.token}"
+    if rec.endpoint != active.started.endpoint:
+        return f"endpoint {rec.endpoint!r}, ours is {active.started.endpoint}"
+    return None
 
 
 async def _http_server(agent: Agent, host: str, port: int) -> tuple[web.AppRunner, int]:

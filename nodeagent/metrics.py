@@ -57,6 +57,19 @@ class AgentMetrics:
             ["reason"],
             registry=registry,
         )
+        self.busy = Counter(
+            "pulsescale_agent_busy_requests_total",
+            "Agent requests answered busy at once, by verb: too many in flight (max_requests_in_flight)",
+            ["verb"],
+            registry=registry,
+        )
+        self.record_corrections = Counter(
+            "pulsescale_agent_record_corrections_total",
+            "Ready slot records another writer changed under this agent's claim (endpoint or token), by action: "
+            "corrected (the true endpoint written back) or fenced (the engine stopped, the slot failed)",
+            ["action"],
+            registry=registry,
+        )
         self.registry_rejected = Counter(
             "pulsescale_registry_rejected_records_total",
             "Registry records (pulse_slots, pulse_agents) that break wire contract v1, skipped, by reason",

@@ -6,6 +6,11 @@ not an id already applied), handed to the verb's handler, and answered with the 
 returns, encoded by `protocol.encode`. What breaks the contract is counted by reason, logged at a bounded rate
 and answered ``bad_message``; a handler that raises is answered ``internal``: the daemon never dies of a message.
 
+The tasks are bounded (contract revision 3): at most `max_in_flight` requests are handled at once, and `status`
+has an allowance of its own (`max_status_in_flight`) so on-call can still see the agent under a flood. A message
+beyond its allowance is answered ``busy`` at once, undecoded and unrecorded (nothing was applied: a retry is
+handled normally), and counted (`on_busy`).
+
 Idempotency has two halves: an id already applied is answered from the `protocol.RequestLedger` with its first
 reply, and a repeat of a request still being applied waits for that request's reply (`_pending`) rather than
 applying it twice. The handlers (activation, prewarm, status) know nothing of NATS.
@@ -56,11 +61,18 @@ class Requests:
         *,
         on_reject: Callable[[str], None],
         spawn: Callable[[Coroutine[Any, Any, Any], str], object],
+        max_in_flight: int = 64,
+        max_status_in_flight: int = 8,
+        on_busy: Callable[[str], None] = lambda verb: None,
     ) -> None:
         self.nc = nc
         self.node = node
         self.handlers = dict(handlers)
         self.spawn = spawn
+        self.on_busy = on_busy
+        self._limits = {"status": max_status_in_flight, "": max_in_flight}
+        self.in_flight = {"status": 0, "": 0}
+        """Requests being handled now, by pool: ``status`` and ``""`` (every other verb)."""
         self.ledger = protocol.RequestLedger()
         self.rejected = Rejections(log, on_reject=on_reject)
         self._pending: dict[str, asyncio.Future[bytes]] = {}
@@ -71,7 +83,13 @@ class Requests:
             handler = self.handlers[verb]
 
             async def cb(msg: Msg, verb: str = verb, handler: Handler = handler) -> None:
-                self.spawn(self._handle(msg, verb, handler, time.perf_counter()), f"{verb}-request")
+                t_recv = time.perf_counter()
+                pool = "status" if verb == "status" else ""
+                if self.in_flight[pool] >= self._limits[pool]:
+                    await self._busy(msg, verb, pool)
+                    return
+                self.in_flight[pool] += 1
+                self.spawn(self._handle_counted(msg, verb, handler, t_recv, pool), f"{verb}-request")
 
             self._subs.append(await self.nc.subscribe(protocol.agent_subject(self.node, verb), cb=cb))
 
@@ -80,6 +98,27 @@ class Requests:
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
         self._subs = []
+
+    async def _busy(self, msg: Msg, verb: str, pool: str) -> None:
+        self.on_busy(verb)
+        limit = self._limits[pool]
+        what = "status requests" if pool else "requests"
+        await self._respond(
+            msg,
+            protocol.encode(
+                protocol.refusal(
+                    REPLY_TYPES[verb],
+                    "busy",
+                    f"agent on {self.node} has {limit} {what} in flight (its limit); nothing was done, retry later",
+                )
+            ),
+        )
+
+    async def _handle_counted(self, msg: Msg, verb: str, handler: Handler, t_recv: float, pool: str) -> None:
+        try:
+            await self._handle(msg, verb, handler, t_recv)
+        finally:
+            self.in_flight[pool] -= 1
 
     async def _handle(self, msg: Msg, verb: str, handler: Handler, t_recv: float) -> None:
         try:

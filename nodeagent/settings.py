@@ -42,7 +42,10 @@ class AgentSettings:
     """A lease this old is stale: its slots stop being claimable. Three missed heartbeats, not one hiccup."""
     heartbeat_interval_s: float = 2.0
     """A third of the lease."""
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str = "127.0.0.1"
+    """Address ``/metrics``, ``/healthz`` and ``/status`` bind. Loopback by default: they are unauthenticated and
+    describe the node. In Kubernetes give the pod IP (downward API ``status.podIP``) so Prometheus can scrape it;
+    ``0.0.0.0`` only on purpose."""
     metrics_port: int | None = 9464
     """Prometheus ``/metrics`` (and ``/healthz``, ``/status``); None disables it, 0 picks a free port."""
     lock_weights: bool = True
@@ -55,6 +58,14 @@ class AgentSettings:
     engine_user: str = "nobody"
     """Who engines run as when the agent is root (a name or a uid): the zygote drops to it, with no_new_privs,
     before it serves, so an engine compromised through a request is not root on a GPU node. ``root`` opts out."""
+    # --- requests in flight (issue 8): work started per message is bounded ---
+    max_requests_in_flight: int = 64
+    """`prewarm`, `activate` and `deactivate` requests handled at once; beyond it a request is answered ``busy``
+    at once. A node has a handful of slots, each serialised by its lock, so 64 covers every honest burst (a
+    scale-up claims each slot once, retries included) while a flood cannot grow tasks and memory without bound."""
+    max_status_in_flight: int = 8
+    """`status` requests handled at once, a pool of their own: on-call can still see the agent under a flood of
+    the other verbs, and a flood of status calls cannot starve activations."""
     faults: Mapping[str, str] = field(default_factory=dict)
     """Test-only failpoints, slot name -> ``crash`` | ``hang`` | ``unhealthy`` | ``fail`` (see `zygote.FAULTS`)."""
 

@@ -130,14 +130,21 @@ class Slot:
         return self.phase == "warm" and self.active is None and self.engine is not None and self.engine.armed
 
     def status(self, record: SlotRecord | None) -> AgentSlotStatus:
+        """The slot as `status` (NATS and HTTP) shows it. Never a claim id: with the token it is what deactivates
+        the slot (contract revision 2), and status is read by people and tools that hold no claim; one that
+        turns up in a reason (an error naming the holder) is masked too."""
+        reason = self.reason or (record.reason if record else None)
+        for claim_id in (self.active.claim_id if self.active else None, record.claim_id if record else None):
+            if reason and claim_id:
+                reason = reason.replace(claim_id, "<claim>")
         return AgentSlotStatus(
             slot=self.name,
             key=self.key,
             phase=self.phase,
             state=record.state if record else None,
-            reason=self.reason or (record.reason if record else None),
+            reason=reason,
             highest_token=self.highest_token,
-            claim_id=self.active.claim_id if self.active else None,
+            claim_id=None,
             endpoint=self.active.started.endpoint if self.active else None,
             activations=self.activations,
             consecutive_failures=self.failures,
@@ -200,6 +207,11 @@ class SlotKeeper:
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
         return task
+
+    @property
+    def task_count(self) -> int:
+        """Background tasks running now (requests among them): bounded, see `Requests`."""
+        return len(self._tasks)
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)

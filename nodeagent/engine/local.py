@@ -17,8 +17,12 @@ from __future__ import annotations
 
 import json
 import secrets
+import socket
+import socketserver
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -31,6 +35,17 @@ from nodeagent import modelformat
 __all__ = ["EngineServer", "LocalBoot", "TinyMoE", "check_model", "prepare", "read_config"]
 
 MAX_BODY_BYTES: Final = 1 * 2**20
+MAX_CONNECTIONS: Final = 32
+"""Connections an engine serves at once, one thread each. Forward passes run one at a time (the model lock), so
+more threads would only queue; beyond it the oldest connection still waiting for its request is closed to make
+room, and with none waiting the new one is answered 503 and closed."""
+READ_TIMEOUT_S: Final = 10.0
+"""A connection silent this long (reading a request, between keep-alive requests, or not reading our reply) is
+closed: a client that connects and sends nothing cannot hold a thread. The readiness check and the gateway send
+their requests at once."""
+DROP_LOG_EVERY_S: Final = 10.0
+"""Clients that go away (reset, broken pipe, timeout) are summed into at most one short line per interval: the
+engine writes into the agent's log, which a client must not be able to flood."""
 MAX_TOKENS_LIMIT: Final = 4096
 CONTEXT_BYTES: Final = 512  # decay**512 underflows any float32 contribution: older bytes cannot matter
 _PRINTABLE: Final = np.arange(256)
@@ -127,6 +142,21 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive: the readiness check sends two requests on one connection
     server: EngineServer
 
+    def setup(self) -> None:
+        super().setup()
+        self.connection.settimeout(self.server.read_timeout_s)  # reads and writes alike
+
+    def handle_one_request(self) -> None:
+        self.server.waiting(self.request)  # reading a request: the connection may be closed to make room
+        super().handle_one_request()
+
+    def _serving(self) -> bool:
+        """The request is read: from now on the connection is not closed to make room. False if it already was."""
+        if self.server.serving(self.request):
+            return True
+        self.close_connection = True
+        return False
+
     def log_message(self, format: str, *args: Any) -> None:
         pass  # per-request lines would drown the agent's log; the gateway logs requests
 
@@ -142,6 +172,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(status, {"error": {"message": message, "type": kind, "param": None, "code": None}})
 
     def do_GET(self) -> None:
+        if not self._serving():
+            return
         if self.path == "/health":
             if self.server.unhealthy:
                 self._error(503, "engine is not healthy (fault injected)", "server_error")
@@ -165,11 +197,16 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             self._error(400 if length <= 0 else 413, f"send a JSON body of 1..{MAX_BODY_BYTES} bytes")
             return
+        body = self.rfile.read(length)
+        if not self._serving():
+            return
         try:
-            req = json.loads(self.rfile.read(length))
-            prompt, max_tokens, stop = _parse(req)
+            prompt, max_tokens, stop = _parse(json.loads(body))
         except ValueError as err:
             self._error(400, str(err))
+            return
+        except RecursionError:  # a deeply nested body: refused like any other bad body, not a crash
+            self._error(400, "the body nests too deeply")
             return
         if self.server.bad_reply:
             data = b"[]"  # fault injected: valid JSON, wrong shape
@@ -223,20 +260,124 @@ class EngineServer(ThreadingHTTPServer):
 
     daemon_threads = True
     allow_reuse_address = True  # a re-activation binds the port its predecessor left in TIME_WAIT
+    request_queue_size = 64  # the accept loop only hands sockets to threads (or refuses them): a burst waits here
 
     def __init__(
-        self, model: TinyMoE, model_name: str, host: str, port: int, *, unhealthy: bool = False, bad_reply: bool = False
+        self,
+        model: TinyMoE,
+        model_name: str,
+        host: str,
+        port: int,
+        *,
+        unhealthy: bool = False,
+        bad_reply: bool = False,
+        max_connections: int = MAX_CONNECTIONS,
+        read_timeout_s: float = READ_TIMEOUT_S,
     ) -> None:
         self.model = model
         self.model_name = model_name
         self.unhealthy = unhealthy
         self.bad_reply = bad_reply
         self.lock = threading.Lock()
+        self.max_connections = max_connections
+        self.read_timeout_s = read_timeout_s
+        self._conns: dict[socket.socket, bool] = {}
+        """Open connections, oldest first -> True while waiting for a request (may be closed to make room)."""
+        self._conns_lock = threading.Lock()
+        self.refused = 0
+        self.dropped = 0
+        self._drop_note: tuple[float, int] = (0.0, 0)  # (when the last line was written, drops since)
         super().__init__((host, port), _Handler)
 
     @property
     def port(self) -> int:
         return int(self.server_address[1])
+
+    def server_bind(self) -> None:
+        # `HTTPServer.server_bind` also asks `socket.getfqdn` for a name nothing here uses: a reverse DNS lookup on
+        # the activation path (and a lazy codec import an engine that dropped privileges may not be able to read).
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = str(self.server_address[0]), int(self.server_address[1])
+
+    # --- connections: bounded, the waiting ones closed first ----------------------------------------------------
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._conns_lock:
+            if len(self._conns) >= self.max_connections:
+                oldest = next((c for c, waiting in self._conns.items() if waiting), None)
+                if oldest is not None:
+                    del self._conns[oldest]
+                    _hang_up(oldest)  # its thread sees end of input and closes it
+            admitted = len(self._conns) < self.max_connections
+            if admitted:
+                self._conns[request] = True
+        if not admitted:
+            self.refused += 1
+            _refuse(request)
+            return
+        super().process_request(request, client_address)  # one thread for the connection
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._conns_lock:
+            self._conns.pop(request, None)
+        super().shutdown_request(request)
+
+    def waiting(self, conn: socket.socket) -> None:
+        with self._conns_lock:
+            if conn in self._conns:
+                self._conns[conn] = True
+
+    def serving(self, conn: socket.socket) -> bool:
+        with self._conns_lock:
+            if conn not in self._conns:
+                return False  # closed to make room while its request was read
+            self._conns[conn] = False
+            return True
+
+    @property
+    def connections(self) -> int:
+        with self._conns_lock:
+            return len(self._conns)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that went away is summed into one short line per `DROP_LOG_EVERY_S`, never a traceback."""
+        err = sys.exc_info()[1]
+        if not isinstance(err, OSError):  # a bug in the engine, not a client: a short traceback, rate-limited
+            if self._note_drop() is not None:
+                traceback.print_exc(limit=3, file=sys.stderr)
+            return
+        self.dropped += 1
+        if (n := self._note_drop()) is not None:
+            print(f"engine :{self.port}: {n} client(s) dropped, last {err!r:.120}", file=sys.stderr)
+
+    def _note_drop(self) -> int | None:
+        """Count one drop; the drops since the last line when one may be written now, else None."""
+        last, count = self._drop_note
+        now = time.monotonic()
+        if now - last >= DROP_LOG_EVERY_S:
+            self._drop_note = (now, 0)
+            return count + 1
+        self._drop_note = (last, count + 1)
+        return None
+
+
+def _hang_up(conn: socket.socket) -> None:
+    """End a connection's input and output so its thread, blocked reading, finishes and closes it."""
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already gone
+
+
+def _refuse(conn: socket.socket) -> None:
+    """Answer 503 without waiting (the accept loop must not block on a client) and close."""
+    try:
+        conn.setblocking(False)
+        conn.send(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+    except OSError:
+        pass
+    finally:
+        conn.close()
 
 
 class LocalBoot:
