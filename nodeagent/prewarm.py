@@ -173,6 +173,8 @@ class Prewarmer:
         if self.locked is not None:
             self.locked.release()
             self.locked = None
+        if self.keeper.staged is not None:
+            self.keeper.staged.close()  # the engines are gone; the files stay, the descriptors need not
 
     # --- keeping slots warm --------------------------------------------------------------------------------------
 

@@ -520,6 +520,8 @@ def check_staged(staged: Staged) -> None:
             st = os.fstat(f.fd)
         except OSError:
             raise BadWeights(f.name, f"the staged copy {f.path} is no longer open") from None
+        if (st.st_dev, st.st_ino) != f.ident[:2]:
+            raise BadWeights(f.name, f"descriptor {f.fd} is no longer the staged copy {f.path}")
         if st.st_nlink == 0:
             raise BadWeights(f.name, f"the staged copy {f.path} was removed")
         if st.st_size != f.nbytes:

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import shutil
 import stat
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -286,6 +288,47 @@ async def test_the_zygote_and_its_engines_run_as_nobody_with_no_new_privs(
     async with aiohttp.ClientSession() as s:
         await readiness.check(s, started.endpoint, MODEL, timeout_s=5)
     assert all(stat.S_IMODE(os.stat(f.path).st_mode) == 0o600 for f in staged.files)
+
+
+_AGENT = """
+import asyncio, json, sys
+from nodeagent.forked import ForkedEngine
+
+async def main():
+    engine = ForkedEngine(json.loads(sys.argv[1]), name="s0", advertise_host="127.0.0.1")
+    await engine.arm()
+    started = await engine.start(timeout_s=10)
+    print(engine.zygote_pid, started.pid, flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+@needs_root
+async def test_a_killed_agent_takes_its_unprivileged_zygote_and_engine_with_it(staged: staging.Staged) -> None:
+    """Dropped to nobody, the zygote still goes with the agent: stdin EOF, and the parent-death signal that it sets
+    again after the change of user clears it."""
+    spec = _spec(staged)
+    agent = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _AGENT,
+        json.dumps(spec),
+        stdout=asyncio.subprocess.PIPE,
+        pass_fds=[w["fd"] for w in spec["weights"]],
+    )
+    try:
+        assert agent.stdout is not None
+        zygote, engine = (int(x) for x in (await agent.stdout.readline()).split())
+        _unprivileged(zygote)
+        agent.kill()
+        await agent.wait()
+        await wait_for(lambda: not alive(zygote) and not alive(engine), 10, "the zygote and engine to die")
+    finally:
+        if agent.returncode is None:
+            agent.kill()
+            await agent.wait()
 
 
 @needs_root
