@@ -43,12 +43,21 @@ def run_nats(argv: list[str], prog: str) -> int:
         help="with --secure: the nodes that get an agent user (agent-<node>) [node-0]",
     )
     p.add_argument("--no-tls", action="store_true", help="with --secure: users and permissions, but no TLS")
+    p.add_argument(
+        "--print-authorization",
+        action="store_true",
+        help="print the server's authorization block for --nodes, passwords as $PULSE_NATS_PASSWORD_<USER> "
+        "variables (deploy/nats/configmap.yaml auth.conf), and exit",
+    )
     args = p.parse_args(argv)
     nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
-    if args.secure:
+    if args.secure or args.print_authorization:
         bad = [n for n in nodes if not protocol.is_name(n)]
         if bad or not nodes:
             p.error(f"--nodes: {', '.join(bad) or 'none given'}: names match {protocol.NAME_PATTERN}")
+    if args.print_authorization:
+        print(natsauth.render_authorization(natsauth.role_users(nodes)), end="")
+        return 0
     server = NatsServer(args.store_dir, port=args.port, sync_always=args.sync_always)
     layout: natsauth.SecureLayout | None = None
     if args.secure:

@@ -26,6 +26,7 @@ import re
 import ssl
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Final, Literal, TypeVar
 
 import nats
@@ -102,6 +103,7 @@ _TEXT_OPTIONS: Final = (  # NatsOptions field, argparse dest, environment variab
     ("servers", "nats_url", "PULSESCALE_NATS_URL"),
     ("user", "nats_user", "PULSESCALE_NATS_USER"),
     ("password", "nats_password", "PULSESCALE_NATS_PASSWORD"),
+    ("password_file", "nats_password_file", "PULSESCALE_NATS_PASSWORD_FILE"),
     ("token", "nats_token", "PULSESCALE_NATS_TOKEN"),
     ("creds_file", "nats_creds", "PULSESCALE_NATS_CREDS"),
     ("tls_ca_file", "nats_tls_ca", "PULSESCALE_NATS_TLS_CA"),
@@ -122,7 +124,8 @@ def add_nats_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("NATS connection (flags override PULSESCALE_NATS_* environment variables)")
     g.add_argument("--nats", dest="nats_url", metavar="URL", help=f"server URL(s), comma-separated [{DEFAULT_URL}]")
     g.add_argument("--nats-user", metavar="USER")
-    g.add_argument("--nats-password", metavar="PASSWORD")
+    g.add_argument("--nats-password", metavar="PASSWORD", help="visible in the process list: prefer the next two")
+    g.add_argument("--nats-password-file", metavar="FILE", help="read the password from FILE (a mounted Secret)")
     g.add_argument("--nats-token", metavar="TOKEN")
     g.add_argument("--nats-creds", metavar="FILE", help="credentials file (JWT + nkey seed)")
     g.add_argument("--nats-tls-ca", metavar="FILE", help="CA bundle; enables TLS")
@@ -147,6 +150,11 @@ def options_from_args(args: argparse.Namespace, *, name: str, env: Mapping[str, 
         except argparse.ArgumentTypeError as err:
             raise NatsUnavailable(f"{_CONNECT_TIMEOUT_ENV}: {err}") from None
     url = text["servers"] or DEFAULT_URL
+    if text["password_file"] and not text["password"]:
+        try:
+            text["password"] = Path(text["password_file"]).read_text().strip() or None
+        except OSError as err:
+            raise NatsUnavailable(f"cannot read the NATS password file {text['password_file']}: {err}") from None
     return NatsOptions(
         servers=tuple(u.strip() for u in url.split(",") if u.strip()),
         user=text["user"],

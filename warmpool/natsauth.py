@@ -191,19 +191,19 @@ def _quote(text: str) -> str:
     return f'"{text}"'
 
 
-def _subjects(subjects: Iterable[str]) -> str:
-    return "[" + ", ".join(f'"{s}"' for s in subjects) + "]"
+def _subjects(subjects: Iterable[str], indent: str) -> str:
+    return "[\n" + "".join(f'{indent}  "{s}"\n' for s in subjects) + f"{indent}]"
 
 
 def render_authorization(users: Sequence[User]) -> str:
-    """The ``authorization { users = [...] }`` block of a nats-server config."""
+    """The ``authorization { users = [...] }`` block of a nats-server config, a subject per line for review."""
     lines = ["authorization {", "  users = ["]
     for u in users:
         p = u.permissions
         lines.append(f"    # {u.role}")
         lines.append(f"    {{user: {_quote(u.name)}, password: {_quote(u.password)}, permissions: {{")
-        lines.append(f"      publish: {{allow: {_subjects(p.publish)}}}")
-        lines.append(f"      subscribe: {{allow: {_subjects(p.subscribe)}}}")
+        lines.append(f"      publish: {{allow: {_subjects(p.publish, '      ')}}}")
+        lines.append(f"      subscribe: {{allow: {_subjects(p.subscribe, '      ')}}}")
         if p.allow_responses:
             lines.append("      allow_responses: true")
         lines.append("    }}")
