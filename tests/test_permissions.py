@@ -8,6 +8,7 @@ the server's log: every role has what it needs, and nothing is waited out."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
@@ -27,8 +28,8 @@ from nats.aio.client import Client
 from tests.helpers import wait_for
 from tests.nodeagent_helpers import MODEL, tiny_source_fixture  # noqa: F401 - fixture
 from warmpool import connect, natsauth, protocol
-from warmpool.embedded import NatsServer
-from warmpool.errors import PermissionDenied
+from warmpool.embedded import NatsServer, free_port
+from warmpool.errors import NatsUnavailable, PermissionDenied, PulsescaleError
 from warmpool.registry import BucketView
 from warmpool.rejects import Rejections
 
@@ -63,8 +64,6 @@ class Secure:
         return {**os.environ, **natsauth.read_env_file(self.layout.credentials[user])}
 
     def options(self, user: str) -> connect.NatsOptions:
-        import argparse
-
         return connect.options_from_args(argparse.Namespace(), name=f"test-{user}", env=self.env(user))
 
     def run(self, user: str, *argv: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
@@ -276,8 +275,6 @@ def test_a_refused_command_is_one_line_and_exit_1(secure: Secure, user: str, arg
 
 
 async def test_a_client_without_tls_or_with_a_wrong_password_is_refused(secure: Secure) -> None:
-    from warmpool.errors import NatsUnavailable
-
     opts = secure.options("gateway")
     with pytest.raises(NatsUnavailable, match="refused our credentials"):
         await connect.connect(connect.NatsOptions(**{**opts.__dict__, "password": "wrong"}))
@@ -286,3 +283,69 @@ async def test_a_client_without_tls_or_with_a_wrong_password_is_refused(secure: 
     plain = secure.server.url.replace("tls://", "nats://")
     with pytest.raises(NatsUnavailable):
         await connect.connect(connect.NatsOptions(**{**opts.__dict__, "servers": (plain,), "tls_ca_file": None}))
+
+
+# --- `pulsescale nats --secure` --------------------------------------------------------------------------------
+
+
+def test_pulsescale_nats_secure_prints_the_credentials_and_any_start_order_works(tmp_path: Path) -> None:
+    """The command as a person runs it: it prints a credentials file per user (0600) and how to use it, and has
+    made the buckets, so `apply` (which may not create them) works before any autoscaler ran."""
+    store = tmp_path / "nats"
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pulsescale", "nats", "--secure", "--port", str(port), "--store-dir", str(store),
+         "--nodes", "gpu-0,gpu-1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        lines: list[str] = []
+        for line in proc.stdout:  # blocks on the child's output; the process ends on error (EOF)
+            lines.append(line.rstrip("\n"))
+            if line.startswith("or as flags:"):
+                break
+        out = "\n".join(lines)
+        creds = store / "secure" / "credentials"
+        for user in ("gateway", "agent-gpu-0", "agent-gpu-1", "autoscaler", "operator", "oncall"):
+            path = creds / f"{user}.env"
+            assert str(path) in out, out
+            assert path.stat().st_mode & 0o777 == 0o600
+        assert f"(set -a; . {creds / 'agent-gpu-0.env'}; pulsescale agent --model DIR)" in out
+        assert natsauth.read_env_file(creds / "agent-gpu-0.env")["PULSESCALE_NODE"] == "gpu-0"
+        env = {**os.environ, **natsauth.read_env_file(creds / "operator.env")}
+        if shutil.which("openssl"):
+            assert env["PULSESCALE_NATS_URL"] == f"tls://127.0.0.1:{port}" and "PULSESCALE_NATS_TLS_CA" in env
+        applied = subprocess.run([sys.executable, "-m", "pulsescale", "apply", "-f", "-"], input=SCALED_OBJECT,
+                                 env=env, capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+        assert applied.returncode == 0, applied.stderr
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def test_each_agent_user_writes_only_its_own_nodes_keys() -> None:
+    perms = natsauth.permissions("agent", "gpu-0")
+    kv_writes = [s for s in perms.publish if s.startswith("$KV.")]
+    assert kv_writes == ["$KV.pulse_slots.*.gpu-0.*", "$KV.pulse_agents.gpu-0"]
+    assert perms.subscribe == ("pulse.agent.gpu-0.>", "_INBOX.agent-gpu-0.>")
+    assert not any(s.startswith("$JS.API.STREAM.CREATE") for s in perms.publish)
+    assert not any(s.startswith("_INBOX") for s in perms.publish)  # answers go by allow_responses only
+
+
+def test_node_names_that_would_share_a_password_variable_are_refused() -> None:
+    with pytest.raises(PulsescaleError, match="same password variable"):
+        natsauth.role_users(["gpu-0", "gpu_0"])
+
+
+def test_the_password_can_come_from_a_file(tmp_path: Path) -> None:
+    secret = tmp_path / "password"
+    secret.write_text("s3cret\n")
+    opts = connect.options_from_args(argparse.Namespace(), name="t", env={"PULSESCALE_NATS_PASSWORD_FILE": str(secret)})
+    assert opts.password == "s3cret"
