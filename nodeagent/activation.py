@@ -66,12 +66,26 @@ class Activator:
                     slot.lock.release()
         except ActivationRefused as err:
             self.keeper.metrics.activations.labels("refused").inc()
-            log.info("activate %s refused: %s: %s", req.slot, err.code, err)
-            return protocol.refusal(ActivateReply, err.code, str(err), slot=req.slot)
+            message = self._masked(str(err), req.slot, req.claim_id)
+            log.info("activate %s refused: %s: %s", req.slot, err.code, message)
+            return protocol.refusal(ActivateReply, err.code, message, slot=req.slot)
         return reply
 
+    def _masked(self, message: str, slot_name: str, own: str) -> str:
+        """`message` without the claim id of whoever else holds the slot: with the token (public in `pulse_slots`)
+        it would deactivate the slot (contract revision 2), and a refusal goes to whoever asked. The holder is
+        named by its token instead. Refusals only: the success path does not pay for it."""
+        slot = self.keeper.slots.get(slot_name)
+        if slot is None:
+            return message
+        hit = self.keeper.record(slot)
+        for claim_id in (slot.active.claim_id if slot.active else None, hit[0].claim_id if hit else None):
+            if claim_id and claim_id != own:
+                message = message.replace(claim_id, "<another claim>")
+        return message
+
     def _check_claim(self, slot: Slot, rec: SlotRecord, rev: int, token: int, claim_id: str) -> None:
-        """Refuse a request whose claim does not hold the slot, naming who does."""
+        """Refuse a request whose claim does not hold the slot, naming the holder by its token (never its id)."""
         if rec.claim_id is None:
             raise ActivationRefused(
                 "stale_token",
@@ -82,7 +96,7 @@ class Activator:
             newer = (rec.token or rev) > token
             raise ActivationRefused(
                 "stale_token" if newer else "foreign_claim",
-                f"slot {slot.key} is held by claim {rec.claim_id} (token {rec.token or '?'}, revision {rev}), "
+                f"slot {slot.key} is held by another claim (token {rec.token or '?'}, revision {rev}), "
                 f"not by claim {claim_id} with token {token}",
             )
         if rec.token is not None and rec.token != token:
@@ -286,7 +300,9 @@ class Activator:
                 reply = await self._deactivate(slot, req)
         except ActivationRefused as err:
             m.deactivations.labels("refused").inc()
-            return protocol.refusal(DeactivateReply, err.code, str(err), slot=req.slot)
+            return protocol.refusal(
+                DeactivateReply, err.code, self._masked(str(err), req.slot, req.claim_id), slot=req.slot
+            )
         m.deactivations.labels("ok").inc()
         return reply
 
@@ -301,7 +317,7 @@ class Activator:
         active = slot.active
         if active is not None and req.token == active.token and req.claim_id != active.claim_id:
             raise ActivationRefused(
-                "foreign_claim", f"slot {slot.key} serves claim {active.claim_id}, not {req.claim_id}"
+                "foreign_claim", f"slot {slot.key} serves another claim (token {active.token}), not {req.claim_id}"
             )
         try:
             rec, rev = await k.store.get(slot.key)
@@ -328,7 +344,7 @@ class Activator:
             newer = (rec.token or rev) > req.token
             raise ActivationRefused(
                 "stale_token" if newer else "foreign_claim",
-                f"slot {slot.key} is held by claim {rec.claim_id} (token {rec.token or '?'}), not by claim "
+                f"slot {slot.key} is held by another claim (token {rec.token or '?'}), not by claim "
                 f"{req.claim_id} with token {req.token}",
             )
         else:

@@ -53,7 +53,8 @@ async def test_a_deactivate_needs_the_holders_claim_id_and_the_slot_keeps_servin
         # The right token with another claim id: not the holder.
         reply = await request(nc, "deactivate", slot="s0", token=claim.token, claim_id="not-the-claimer")
         assert not reply.ok and reply.error is not None and reply.error.code == "foreign_claim", reply
-        assert claim.claim_id in reply.error.message  # names the holder
+        assert f"token {claim.token}" in reply.error.message  # names the holder by its public token ...
+        assert claim.claim_id not in reply.error.message  # ... never by the id that would deactivate it
         await completion(endpoint)
 
         rec = state(store, key("s0"))

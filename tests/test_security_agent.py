@@ -95,6 +95,30 @@ async def test_http_status_listens_on_loopback_and_no_status_shows_a_claim_id(
         assert (await deactivate(nc, claim)).ok  # the claimer, who holds the id, still can
 
 
+async def test_no_refusal_tells_the_asker_the_holders_claim_id(
+    nats_server: NatsServer, nc: Client, store: KvSlotStore, model_dir: Path, shm_dir: Path
+) -> None:
+    async with running_agent(settings(model_dir, shm_dir, nats_server.url)) as (_agent, _):
+        await wait_state(store, key("s0"), "warm")
+        claim = await store.claim_slot(key("s0"))
+        before = [  # claimed, not yet active: the refusals come from the registry's view
+            await request(nc, "activate", slot="s0", token=claim.token, claim_id="guess"),
+            await request(nc, "deactivate", slot="s0", token=claim.token, claim_id="guess"),
+        ]
+        assert (await activate(nc, claim)).ok
+        after = [  # serving: the refusals come from the running engine's claim too
+            await request(nc, "activate", slot="s0", token=claim.token, claim_id="guess"),
+            await request(nc, "activate", slot="s0", token=claim.token + 7, claim_id="guess"),
+            await request(nc, "deactivate", slot="s0", token=claim.token, claim_id="guess"),
+            await request(nc, "deactivate", slot="s0", token=claim.token + 7, claim_id="guess"),
+        ]
+        for reply in before + after:
+            assert not reply.ok and reply.error is not None
+            assert claim.claim_id not in reply.error.message, reply.error
+            assert claim.claim_id not in json.dumps(reply.fields), reply.fields
+        assert (await deactivate(nc, claim)).ok  # the holder, who knows its id, still can
+
+
 # --- 2. the local engine: bounded connections, timeouts, quiet drops -------------------------------------------
 
 ENGINE = """
