@@ -154,6 +154,20 @@ def alive(pid: int) -> bool:
     return True
 
 
+def listening_addresses(port: int) -> set[str]:
+    """Local addresses with a TCP socket listening on `port`, from /proc/net/tcp{,6} (hex, as the kernel
+    shows them: ``0100007F`` is 127.0.0.1, ``00000000`` is 0.0.0.0)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError), open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                addr, hex_port = fields[1].split(":")
+                if int(hex_port, 16) == port and fields[3] == "0A":  # 0A: LISTEN
+                    found.add(addr)
+    return found
+
+
 __all__ = [
     "MODEL",
     "NODE",
@@ -163,6 +177,7 @@ __all__ = [
     "completion",
     "deactivate",
     "key",
+    "listening_addresses",
     "model_dir_fixture",
     "request",
     "running_agent",

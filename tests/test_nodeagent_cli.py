@@ -18,6 +18,7 @@ from tests.nodeagent_helpers import (  # noqa: F401
     activate,
     alive,
     key,
+    listening_addresses,
     model_dir_fixture,
     shm_dir_fixture,
     state,
@@ -56,7 +57,7 @@ def start_agent(url: str, model_dir: Path, shm_dir: Path) -> subprocess.Popen[st
         [
             sys.executable, "-m", "pulsescale", "agent", "--nats", url, "--node", NODE,
             "--model", str(model_dir), "--slots", "2", "--shm-dir", str(shm_dir), "--metrics-port", "0",
-            "--metrics-host", "127.0.0.1", "--lease-s", "3",
+            "--lease-s", "3",
         ],
         stderr=subprocess.PIPE,
         text=True,
@@ -76,6 +77,7 @@ async def test_agent_process_serves_then_stops_cleanly_on_sigterm(
         m = re.search(r"metrics on :(\d+)", line)
         assert m, line
         port = int(m.group(1))
+        assert listening_addresses(port) == {"0100007F"}  # the default: loopback only (--metrics-host to widen)
         for slot in ("s0", "s1"):
             await wait_state(store, key(slot), "warm")  # the model's name is its directory's name
         claim = await store.claim_slot(key("s0"))

@@ -16,7 +16,6 @@ process.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import secrets
 import socket
@@ -40,6 +39,7 @@ from tests.nodeagent_helpers import (  # noqa: F401
     completion,
     deactivate,
     key,
+    listening_addresses,
     model_dir_fixture,
     request,
     running_agent,
@@ -55,20 +55,6 @@ from warmpool.embedded import NatsServer
 from warmpool.registry import KvSlotStore
 
 # --- 1. HTTP on loopback, no claim ids in status -------------------------------------------------------------
-
-
-def listening_addresses(port: int) -> set[str]:
-    """Local addresses with a TCP socket listening on `port`, from /proc/net/tcp{,6} (hex, as the kernel
-    shows them: ``0100007F`` is 127.0.0.1, ``00000000`` is 0.0.0.0)."""
-    found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(FileNotFoundError), open(table) as f:
-            for line in f.readlines()[1:]:
-                fields = line.split()
-                addr, hex_port = fields[1].split(":")
-                if int(hex_port, 16) == port and fields[3] == "0A":  # 0A: LISTEN
-                    found.add(addr)
-    return found
 
 
 async def test_http_status_listens_on_loopback_and_no_status_shows_a_claim_id(
