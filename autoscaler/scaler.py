@@ -356,16 +356,20 @@ class ModelScaler:
         key = claim.key
         self._activating_here.add(key)
         reply: ActivateReply | AgentUnavailable
+        record: SlotRecord | None = None
         try:
-            reply = await self.agents.activate(claim, deadline_s=self.settings.activation_deadline_s)
-        except AgentUnavailable as err:
-            reply = err
+            try:
+                reply = await self.agents.activate(claim, deadline_s=self.settings.activation_deadline_s)
+            except AgentUnavailable as err:
+                reply = err
+            if isinstance(reply, ActivateReply) and reply.ok:
+                # Serving only on the holder's fenced `ready` write: a reply alone is a claim anyone on the
+                # subject can make (DESIGN, "Trust boundaries"), and its endpoint is never used. Still ours to
+                # finish meanwhile (`_activating_here`): the watch echo of that write is not an adoption's.
+                record = await self._fenced_ready(claim)
         finally:
             self._activating_here.discard(key)
         if isinstance(reply, ActivateReply) and reply.ok:
-            # Serving only on the holder's fenced `ready` write: a reply alone is a claim anyone on the subject
-            # can make (DESIGN, "Trust boundaries"), and its endpoint is never used.
-            record = await self._fenced_ready(claim)
             if record is not None:
                 self._serving(held, reply, record, measured=measured)
                 return True

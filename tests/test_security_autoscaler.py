@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import msgspec
+import nats.errors
 import pytest
 from nats.aio.client import Client
 
@@ -43,9 +44,17 @@ def request(verb: str, **fields: Any) -> dict[str, Any]:
     return {"v": 1, "id": uuid.uuid4().hex, "expires_at": time.time() + 30, "by": "mallory@test", **fields}
 
 
-async def answering(scaler: Any) -> None:
-    """Wait until the leader answers on-call commands (it subscribes shortly after it is elected)."""
-    await wait_for(lambda: scaler.commands is not None and scaler.commands.subscribed, 5, "commands answered")
+async def answering(nc: Client) -> None:
+    """Wait until the leader answers on-call commands: it subscribes shortly after it is elected, and the broker
+    has the subscription only once its SUB arrived."""
+
+    async def answers() -> bool:
+        try:
+            return bool((await send(nc, "status", request("status")))["ok"])
+        except nats.errors.NoRespondersError:
+            return False
+
+    await wait_for(answers, 5, "commands answered")
 
 
 async def send(nc: Client, verb: str, body: dict[str, Any], timeout_s: float = 5.0) -> dict[str, Any]:
@@ -85,7 +94,7 @@ async def test_a_future_dated_or_overlong_lease_never_wins_placement_and_shows_s
             assert {r.node for r in store.records("m") if r.state == "ready"} == {"honest"}
             assert not {k for k in claimed if not k.startswith("m.honest.")}, "a fake node's slot was claimed"
 
-            await answering(scaler)
+            await answering(nc)
             [row] = (await send(nc, "status", request("status", model="m")))["models"]
             assert (row["warm"], row["stale"]) == (0, 4), row
             pool = (await send(nc, "pool", request("pool", model="m")))["slots"]
@@ -155,7 +164,7 @@ async def test_scale_over_the_replica_limit_is_refused_with_the_limit_and_how_to
     await put_scaler(nc, "big", maxReplicaCount=100_000)  # the wire allows it; the autoscaler's limit does not
     async with running_autoscaler(nats_server.url) as scaler:
         await wait_for(lambda: "big" in scaler.by_model, 5, "big followed")
-        await answering(scaler)
+        await answering(nc)
         assert scaler.by_model["big"].spec.max_replica_count == scaledobject.DEFAULT_MAX_REPLICAS
         for verb, extra in (("scale", {"for_s": 60}), ("pause", {})):
             reply = await send(nc, verb, request(verb, model="big", replicas=100_000, **extra))
@@ -178,7 +187,7 @@ async def test_a_huge_target_with_two_slots_keeps_the_autoscaler_answering(
         async with running_autoscaler(
             nats_server.url, max_replicas=100_000, controller=ControllerSettings(max_claims_in_flight=bound)
         ) as scaler:
-            await answering(scaler)
+            await answering(nc)
             big = scaler.by_model["big"].scaler
             peak = 0
 
@@ -254,7 +263,7 @@ async def test_scale_for_longer_than_a_day_is_refused_and_a_stored_one_is_not_ob
     await leases.put(protocol.override_key("n"), protocol.encode(OverrideRecord(model="n", override=forged)))
     async with running_autoscaler(nats_server.url) as scaler:
         await wait_for(lambda: "n" in scaler.by_model and "m" in scaler.by_model, 5, "m and n followed")
-        await answering(scaler)
+        await answering(nc)
         count = scaler.metrics.registry.get_sample_value
         await wait_for(lambda: count("pulsescale_registry_rejected_records_total", {"reason": "too_late"}), 5)
         assert scaler.by_model["n"].override is None
