@@ -313,9 +313,7 @@ class ModelScaler:
                 if trigger is not None and not trigger.observed:
                     trigger.observed = True
                     self.metrics.decision_seconds.observe(max(0.0, held.since - trigger.sample_at))
-                self.events.publish(
-                    "slot.claimed", node=claim.node, slot=claim.slot, token=claim.token, claim_id=claim.claim_id
-                )
+                self.events.publish("slot.claimed", node=claim.node, slot=claim.slot, token=claim.token)
                 if await self._activate(held, measured=True):
                     return
                 tried.add(claim.key)

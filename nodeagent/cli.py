@@ -98,6 +98,9 @@ def _settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> AgentSett
         if slot not in slot_names:
             p.error(f"--fault {item!r}: no slot {slot!r} on this agent (it has {', '.join(slot_names)})")
         faults[slot] = kind
+    if not 0 < args.lease_s <= protocol.MAX_LEASE_S:
+        # Readers refuse a longer lease (contract revision 3): the node would never count as alive.
+        p.error(f"--lease-s {args.lease_s:g}: must be > 0 and at most {protocol.MAX_LEASE_S:g} s")
     return AgentSettings(
         node=args.node,
         model_dir=model_dir,

@@ -130,6 +130,9 @@ def test_agent_refuses_bad_arguments_with_reasons(model_dir: Path, tmp_path: Pat
     assert r.returncode == 2 and "--model-name" in r.stderr
     r = pulsescale("agent", "--node", "n1", "--model", str(model_dir), "--slots", "2", "--fault", "s9=crash")
     assert r.returncode == 2 and "no slot 's9'" in r.stderr and "s0, s1" in r.stderr
+    # Readers refuse a lease longer than the contract's maximum: the node would never count as alive.
+    r = pulsescale("agent", "--node", "n1", "--model", str(model_dir), "--lease-s", "3600")
+    assert r.returncode == 2 and "--lease-s 3600: must be > 0 and at most 300 s" in r.stderr
 
 
 def test_model_make_tiny_and_verify(tmp_path: Path) -> None:

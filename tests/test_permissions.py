@@ -349,3 +349,24 @@ def test_the_password_can_come_from_a_file(tmp_path: Path) -> None:
     secret.write_text("s3cret\n")
     opts = connect.options_from_args(argparse.Namespace(), name="t", env={"PULSESCALE_NATS_PASSWORD_FILE": str(secret)})
     assert opts.password == "s3cret"
+
+
+def test_an_agent_started_before_the_buckets_exist_says_who_creates_them(tiny_source: Path, tmp_path: Path) -> None:
+    """Only the autoscaler may create buckets: an agent that starts first is refused, and says what to do."""
+    server = NatsServer(tmp_path / "nats")
+    layout = natsauth.write_secure_layout(tmp_path / "auth", server.url, ["n1"], tls=False)
+    server.extra_config = layout.authorization
+    shm = Path("/dev/shm") / f"pulsescale-perm-{os.getpid()}-{secrets.token_hex(3)}"
+    try:
+        with server:
+            env = {**os.environ, **natsauth.read_env_file(layout.credentials["agent-n1"])}
+            argv = ["agent", "--slots", "1", "--model", str(tiny_source), "--shm-dir", str(shm), "--metrics-port", "-1"]
+            agent = subprocess.run(
+                [sys.executable, "-m", "pulsescale", *argv], env=env, capture_output=True, text=True, timeout=60
+            )
+        assert agent.returncode == 1, agent.stderr
+        last = agent.stderr.strip().splitlines()[-1]
+        assert "permission denied on $JS.API.STREAM.CREATE.KV_pulse_slots" in last
+        assert "the autoscaler creates the registry's buckets when it starts, so start it first" in last
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)

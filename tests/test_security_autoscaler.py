@@ -124,6 +124,9 @@ async def test_the_endpoint_comes_from_the_fenced_ready_write_never_from_the_rep
             [ready] = [e for e in events if e.type == "slot.ready"]
             assert ready.endpoint == "http://liar.test:8000"  # what the holder wrote, fenced
             assert not any(liar.reply_endpoint in json.dumps(msgspec.to_builtins(e)) for e in events)
+            # Events reach every gateway: none carries a claim id (with the public token, it stops a slot).
+            assert any(e.type == "slot.claimed" for e in events)
+            assert [e.type for e in events if e.claim_id is not None] == []
     finally:
         await liar.stop()
 

@@ -98,8 +98,16 @@ class PermissionDenied(NatsUnavailable):
     def __init__(self, operation: Literal["publish", "subscribe"], subject: str) -> None:
         self.operation = operation
         self.subject = subject
-        super().__init__(
-            f"refused: permission denied on {subject} (this NATS user may not {operation} "
-            f"{'to' if operation == 'publish' else 'on'} it: use the user of the right role, or grant it in the "
-            "server's authorization)"
-        )
+        if subject.startswith("$JS.API.STREAM.CREATE."):
+            # Only the autoscaler creates buckets; another role gets here when it starts first.
+            why = (
+                "the bucket or stream does not exist yet and this NATS user may not create it: the autoscaler "
+                "creates the registry's buckets when it starts, so start it first; `pulsescale nats --secure` "
+                "creates them locally"
+            )
+        else:
+            why = (
+                f"this NATS user may not {operation} {'to' if operation == 'publish' else 'on'} it: use the user "
+                "of the right role, or grant it in the server's authorization"
+            )
+        super().__init__(f"refused: permission denied on {subject} ({why})")

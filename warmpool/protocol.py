@@ -17,8 +17,8 @@ Revisions of v1 (each only adds fields or tightens a request only our own autosc
 - revision 3 (security): an `AgentLease` with `lease_s` over `MAX_LEASE_S` is refused ``bad_value``, and one whose
   `heartbeat_at` is more than `MAX_CLOCK_SKEW_S` ahead of the reader's clock is not fresh; a request whose
   `expires_at` is more than `MAX_REQUEST_TTL_S` ahead is refused ``too_late``; an agent with too many requests in
-  flight answers ``busy``. `ActivateReply.endpoint` is informational: a slot's serving endpoint is the one in its
-  record's fenced ``ready`` write, never a reply's.
+  flight answers ``busy``; `Event.claim_id` and `AgentSlotStatus.claim_id` are never set. `ActivateReply.endpoint`
+  is informational: a slot's serving endpoint is the one in its record's fenced ``ready`` write, never a reply's.
 
 Pure: no I/O, no NATS import; `now` is passed in where time matters.
 """
@@ -201,7 +201,9 @@ ErrorCode = Literal[
     # on-call commands (pulse.cmd.<verb>)
     "not_leader",  # this autoscaler replica does not lead; retry (another will answer)
     "unknown_model",  # no ScaledObject names the model
-    "out_of_bounds",  # a replica count outside [minReplicaCount, maxReplicaCount]
+    # a replica count outside [minReplicaCount, maxReplicaCount] or over the autoscaler's limit, or an override
+    # longer than allowed
+    "out_of_bounds",
     "unknown_node",  # no agent or slot on the node
     # node agent (pulse.agent.<node>.<verb>)
     "bad_message",  # the request broke the contract; `reason` says how
@@ -634,6 +636,7 @@ class Event(Message, kw_only=True):
     slot: Name | None = None
     token: int | None = None
     claim_id: str | None = None
+    """Never set since revision 3: events reach every gateway, and a claim id with the public token stops a slot."""
     desired: Count | None = None
     ready: Count | None = None
     activating: Count | None = None
@@ -842,6 +845,7 @@ class AgentSlotStatus(msgspec.Struct, kw_only=True):
     reason: str | None = None
     highest_token: Count = 0
     claim_id: str | None = None
+    """Always null since revision 3 (status reaches on-call and HTTP; the claim id is the holder's secret)."""
     endpoint: str | None = None
     activations: Count = 0
     consecutive_failures: Count = 0
