@@ -124,7 +124,11 @@ def add_nats_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("NATS connection (flags override PULSESCALE_NATS_* environment variables)")
     g.add_argument("--nats", dest="nats_url", metavar="URL", help=f"server URL(s), comma-separated [{DEFAULT_URL}]")
     g.add_argument("--nats-user", metavar="USER")
-    g.add_argument("--nats-password", metavar="PASSWORD", help="visible in the process list: prefer the next two")
+    g.add_argument(
+        "--nats-password",
+        metavar="PASSWORD",
+        help="visible in the process list: prefer --nats-password-file or $PULSESCALE_NATS_PASSWORD",
+    )
     g.add_argument("--nats-password-file", metavar="FILE", help="read the password from FILE (a mounted Secret)")
     g.add_argument("--nats-token", metavar="TOKEN")
     g.add_argument("--nats-creds", metavar="FILE", help="credentials file (JWT + nkey seed)")
