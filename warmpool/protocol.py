@@ -19,6 +19,10 @@ Revisions of v1 (each only adds fields or tightens a request only our own autosc
   `expires_at` is more than `MAX_REQUEST_TTL_S` ahead is refused ``too_late``; an agent with too many requests in
   flight answers ``busy``; `Event.claim_id` and `AgentSlotStatus.claim_id` are never set. `ActivateReply.endpoint`
   is informational: a slot's serving endpoint is the one in its record's fenced ``ready`` write, never a reply's.
+- revision 4 (real engines, rootfs): `SlotRecord` adds `engine`, `engine_mode` (``fork``, ``wake``, ``resident``)
+  and `image_digest`; `ActivateReply` and `AgentSlotStatus` add `engine_mode`, the status adds the engine's
+  `log_path`/`log_tail`, `WeightsStatus` adds `hashed_bytes`, `budget_bytes` and `progress`, `AgentStatusReply`
+  adds `rootfs` (`RootfsStatus`), and `PoolSlot` adds the slot's engine, mode, rootfs and image digest.
 
 Pure: no I/O, no NATS import; `now` is passed in where time matters.
 """
@@ -66,6 +70,7 @@ __all__ = [
     "DeactivateReply",
     "DecisionRow",
     "DrainReply",
+    "EngineMode",
     "ErrorCode",
     "EventType",
     "LeaderLease",
@@ -76,6 +81,7 @@ __all__ = [
     "PoolSlot",
     "PrewarmReply",
     "ReplyError",
+    "RootfsStatus",
     "SlotState",
     "StatusReply",
     "StatusRow",
@@ -124,7 +130,7 @@ __all__ = [
 ]
 
 VERSION: Final = 1
-CONTRACT_REVISION: Final = 3
+CONTRACT_REVISION: Final = 4
 """Revision of wire contract v1 this code speaks (see the module doc for what each revision changed)."""
 MAX_MESSAGE_BYTES: Final = 64 * 1024
 MAX_LEASE_S: Final = 300.0
@@ -158,6 +164,7 @@ LEASES_BUCKET: Final = "pulse_leases"
 
 CMD_VERBS: Final = ("scale", "pause", "resume", "status", "pool", "drain", "undrain")
 AGENT_VERBS: Final = ("prewarm", "activate", "deactivate", "status")
+EngineMode = Literal["fork", "wake", "resident"]
 SlotState = Literal["prewarming", "warm", "claimed", "activating", "ready", "releasing", "failed", "draining"]
 SLOT_STATES: Final[tuple[SlotState, ...]] = get_args(SlotState)
 
@@ -480,6 +487,13 @@ class SlotRecord(Message, kw_only=True):
     updated_at: float = 0.0
     reason: Text | None = None
     drain: bool = False
+    engine: str | None = None
+    """Revision 4: the slot's engine adapter (``local``, ``command``, ``vllm``)."""
+    engine_mode: EngineMode | None = None
+    """Revision 4: how the last activation took the engine into service: ``fork`` (a zygote forked the engine),
+    ``wake`` (a sleeping standby server was woken), ``resident`` (a standby server already held its weights)."""
+    image_digest: str | None = None
+    """Revision 4: content digest (``sha256:...``) of the EROFS rootfs image the slot's engine runs from, if any."""
 
     @property
     def key(self) -> str:
@@ -780,6 +794,11 @@ class PoolSlot(msgspec.Struct, kw_only=True):
     resident: bool = False
     endpoint: str | None = None
     reason: str | None = None
+    engine: str | None = None
+    """Revision 4: as `SlotRecord.engine`, `engine_mode`, `rootfs_mounted` and `image_digest`."""
+    engine_mode: EngineMode | None = None
+    rootfs_mounted: bool = False
+    image_digest: str | None = None
 
 
 class PoolReply(CommandReply, kw_only=True):
@@ -803,6 +822,8 @@ class ActivateReply(TypedReply, kw_only=True):
     token: int | None = None
     claim_id: str | None = None
     timings: StageTimings | None = None
+    engine_mode: EngineMode | None = None
+    """Revision 4: as `SlotRecord.engine_mode`."""
     loaded_bytes: Count = 0
     load_mode: str | None = None
     loader: str | None = None
@@ -835,6 +856,26 @@ class WeightsStatus(msgspec.Struct, kw_only=True):
     locked_bytes: Count = 0
     lock_error: str | None = None
     error: str | None = None
+    hashed_bytes: Count = 0
+    """Revision 4: bytes read and hashed by the last stage (0 when every file was reused unchanged)."""
+    budget_bytes: Count | None = None
+    """Revision 4: the agent's shm budget (``--shm-budget``), None when unbounded."""
+    progress: float | None = None
+    """Revision 4: fraction of the bytes to copy done, while a stage runs (None otherwise)."""
+
+
+class RootfsStatus(msgspec.Struct, kw_only=True):
+    """Revision 4: the EROFS rootfs image of an agent."""
+
+    source: str
+    digest: str | None = None
+    image: str | None = None
+    mountpoint: str | None = None
+    mounted: bool = False
+    resident_pct: float | None = None
+    """Share of the image's file pages in the page cache (``mincore``), 0-100, at the last check."""
+    reason: str | None = None
+    """Why the rootfs stage was skipped or failed (no root, no erofs-utils, no kernel EROFS support, ...)."""
 
 
 class AgentSlotStatus(msgspec.Struct, kw_only=True):
@@ -851,6 +892,12 @@ class AgentSlotStatus(msgspec.Struct, kw_only=True):
     consecutive_failures: Count = 0
     last_timings: StageTimings | None = None
     engine: dict[str, Any] | None = None
+    engine_mode: EngineMode | None = None
+    """Revision 4: as `SlotRecord.engine_mode`."""
+    log_path: str | None = None
+    """Revision 4: the engine's log file on the node (``command`` and ``vllm`` engines)."""
+    log_tail: list[str] = []
+    """Revision 4: the last lines of that log."""
 
 
 class AgentStatusReply(TypedReply, kw_only=True):
@@ -861,6 +908,7 @@ class AgentStatusReply(TypedReply, kw_only=True):
     loader: str | None = None
     loader_reason: str | None = None
     weights: WeightsStatus | None = None
+    rootfs: RootfsStatus | None = None
     unlocked: bool = False
     slots: list[AgentSlotStatus] = []
     uptime_s: float = 0.0
