@@ -26,7 +26,16 @@ from typing import Final
 
 from nodeagent.errors import BadModel
 
-__all__ = ["CONFIG_FILE", "FORMAT", "MANIFEST_FILE", "VOCAB", "TinyConfig", "read_manifest", "write_manifest"]
+__all__ = [
+    "CONFIG_FILE",
+    "FORMAT",
+    "MANIFEST_FILE",
+    "VOCAB",
+    "TinyConfig",
+    "parse_manifest",
+    "read_manifest",
+    "write_manifest",
+]
 
 FORMAT: Final = "pulsescale-tiny-moe"
 CONFIG_FILE: Final = "config.json"
@@ -92,6 +101,13 @@ def read_manifest(model_dir: str | os.PathLike[str], *, dir_fd: int | None = Non
         raise BadModel(f"cannot read {path}: {err}") from None
     except UnicodeDecodeError as err:
         raise BadModel(f"cannot read {path}: {err}") from None
+    return parse_manifest(text, str(path))
+
+
+def parse_manifest(text: str, where: str) -> dict[str, str]:
+    """File name -> sha256 hex from the text of a manifest (`where` names it in errors: a path or a URL). Names
+    must be plain file names in the model directory: no ``/``, no ``..``, no leading dot, no control character."""
+    path = where
     sums: dict[str, str] = {}
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -100,7 +116,7 @@ def read_manifest(model_dir: str | os.PathLike[str], *, dir_fd: int | None = Non
         if not m:
             raise BadModel(f"{path}:{n}: not a `<sha256 hex>  <file>` line: {line[:80]!r}")
         digest, name = m.groups()
-        if "/" in name or name in (".", "..") or name.startswith("."):
+        if "/" in name or "\\" in name or name.startswith(".") or not name.isprintable():
             raise BadModel(f"{path}:{n}: file name {name!r} must be a plain name inside the model directory")
         sums[name] = digest
     if not any(name.endswith(".safetensors") for name in sums):

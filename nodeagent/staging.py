@@ -43,13 +43,25 @@ from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
-from nodeagent import modelformat
+from nodeagent import fetch, modelformat
 from nodeagent.engine import safetensors_check
 from nodeagent.errors import BadModel, BadWeights, StagingFailed, UnsafeStagingDir
+from nodeagent.progress import Progress
 
-__all__ = ["COPY_BLOCK_BYTES", "LockedWeights", "Staged", "StagedFile", "check_staged", "lock", "stage"]
+__all__ = [
+    "COPY_BLOCK_BYTES",
+    "LockedWeights",
+    "ShmBudgetExceeded",
+    "Staged",
+    "StagedFile",
+    "check_budget",
+    "check_staged",
+    "lock",
+    "shm_use",
+    "stage",
+]
 
 COPY_BLOCK_BYTES: Final = 8 * 2**20
 """Read-hash-write block: large enough for full disk and memory bandwidth, small enough to stay in cache."""
@@ -75,12 +87,17 @@ class StagedFile:
     """A read-only descriptor of the verified file, held by the agent for as long as this file is staged."""
     ident: tuple[int, int, int, int] = (0, 0, 0, 0)
     """(device, inode, size, mtime ns) when it verified: unchanged since means not read again."""
+    written: int = 0
+    """Bytes this stage wrote into shm for it (copied or downloaded; less than `nbytes` for a resumed download)."""
+    hashed: int = 0
+    """Bytes this stage read and hashed for it (0 when carried over unchanged)."""
 
 
 @dataclass
 class Staged:
     model: str
-    source: Path
+    source: str
+    """The model directory, or the URL base (shown without credentials or query)."""
     dir: Path
     files: list[StagedFile]
     stage_s: float
@@ -89,6 +106,8 @@ class Staged:
     """A digest of the manifest: engines armed for another version must be re-armed before they serve."""
     hashed_bytes: int = 0
     """Bytes read and hashed by this stage (0 when every file was kept unchanged from the previous one)."""
+    fetched: bool = False
+    """The source is a URL: `written_bytes` were downloaded rather than copied."""
 
     @property
     def weights(self) -> list[StagedFile]:
@@ -105,6 +124,16 @@ class Staged:
     @property
     def copied_bytes(self) -> int:
         return sum(f.nbytes for f in self.files if f.copied)
+
+    @property
+    def written_bytes(self) -> int:
+        """Bytes this stage wrote into shm (copied from the directory or downloaded from the URL)."""
+        return sum(f.written for f in self.files)
+
+    @property
+    def reused_bytes(self) -> int:
+        """Bytes of files already staged and kept (carried over, or re-verified after a restart)."""
+        return sum(f.nbytes for f in self.files if not f.copied)
 
     def path_of(self, name: str) -> Path:
         """Where the bytes of manifest entry `name` are (the staged file, or a ``.partial`` being vetted)."""
@@ -136,6 +165,11 @@ def _close(fd: int) -> None:
 
 def _ident(st: os.stat_result) -> tuple[int, int, int, int]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+class ShmBudgetExceeded(StagingFailed):
+    """Staging would take the staging directory's shm use beyond ``--shm-budget``; the message says what is
+    staged, what is needed, the budget and the fix. Nothing is evicted to make room."""
 
 
 # --- the staging directory -----------------------------------------------------------------------------------
@@ -191,33 +225,99 @@ def _own_subdir(dir_fd: int, name: str, shown: Path) -> int:
     return fd
 
 
+# --- sources ---------------------------------------------------------------------------------------------------
+
+
+class _Source(Protocol):
+    """Where a model's bytes come from: a local directory or a URL base (`fetch.UrlSource`)."""
+
+    shown: str
+    resumable: bool
+    """A cut-off ``.partial`` file is continued rather than started again."""
+
+    def manifest(self) -> dict[str, str]: ...
+
+    def size(self, name: str) -> int: ...
+
+    def fetch(
+        self, name: str, wfd: int, have: int, h: Any, on_bytes: Callable[[int], None]
+    ) -> tuple[Any, int, int]: ...
+
+    def close(self) -> None: ...
+
+
+class _DirSource:
+    """A model directory on this node, read through a directory handle (links inside are refused)."""
+
+    resumable = False  # a local copy runs at memory speed: a killed one starts again
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.shown = str(path)
+        try:
+            self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            raise BadModel(f"model directory {path} does not exist or is not a directory") from None
+
+    def manifest(self) -> dict[str, str]:
+        return modelformat.read_manifest(self.path, dir_fd=self.fd)
+
+    def size(self, name: str) -> int:
+        return _source_size(self.fd, name)
+
+    def fetch(self, name: str, wfd: int, have: int, h: Any, on_bytes: Callable[[int], None]) -> tuple[Any, int, int]:
+        sfd = _open_source(self.fd, self.path, name)
+        try:
+            n = _copy_hashing(sfd, wfd, h, on_bytes)
+        finally:
+            os.close(sfd)
+        return h, n, n
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _source(source: str | os.PathLike[str], options: fetch.FetchOptions | None) -> _Source:
+    if fetch.is_url(source):
+        return fetch.UrlSource(str(source), options)
+    return _DirSource(Path(source))
+
+
 # --- hashing and copying ---------------------------------------------------------------------------------------
 
 
-def _hash_fd(fd: int) -> str:
-    """The sha256 of the file behind `fd`, read with positional reads (the descriptor's offset is shared with
-    the zygotes that inherit it)."""
-    h = hashlib.sha256()
+def _hash_into(fd: int, h: Any) -> int:
+    """Feed the file behind `fd` to `h` with positional reads (the descriptor's offset is shared with the
+    zygotes that inherit it); returns the bytes read."""
     buf = bytearray(COPY_BLOCK_BYTES)
     view = memoryview(buf)
     at = 0
     while n := os.preadv(fd, [buf], at):
         h.update(view[:n])  # hashlib releases the GIL for large blocks: files hash in parallel
         at += n
+    return at
+
+
+def _hash_fd(fd: int) -> str:
+    """The sha256 of the file behind `fd`."""
+    h = hashlib.sha256()
+    _hash_into(fd, h)
     return h.hexdigest()
 
 
-def _copy_hashing(src_fd: int, dst_fd: int) -> str:
-    """Copy `src_fd` to `dst_fd` and return the sha256 of the bytes written: one read of the source."""
-    h = hashlib.sha256()
+def _copy_hashing(src_fd: int, dst_fd: int, h: Any, on_bytes: Callable[[int], None]) -> int:
+    """Copy `src_fd` to `dst_fd`, feeding `h` on the way (one read of the source); returns the bytes copied."""
     buf = bytearray(COPY_BLOCK_BYTES)
     view = memoryview(buf)
+    total = 0
     while n := os.readv(src_fd, [buf]):
         h.update(view[:n])
         done = 0
         while done < n:
             done += os.write(dst_fd, view[done:n])
-    return h.hexdigest()
+        total += n
+        on_bytes(n)
+    return total
 
 
 def _header(fd: int, name: str) -> safetensors_check.Header | None:
@@ -236,6 +336,12 @@ def _unchanged(prev: StagedFile, dest_fd: int, want: str) -> bool:
     return _ident(now) == prev.ident and (there.st_dev, there.st_ino) == prev.ident[:2]
 
 
+def _ours(st: os.stat_result) -> bool:
+    """A regular file this agent made, with no other name: a file someone else made (or linked in) could change
+    after we hash it."""
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1
+
+
 def _reuse(dest_fd: int, dest: Path, name: str, want: str) -> tuple[StagedFile | None, int]:
     """The staged copy of `name` if it is there, ours, and matches the manifest (the agent restarted, shm
     survived); and the bytes read to find out."""
@@ -245,8 +351,7 @@ def _reuse(dest_fd: int, dest: Path, name: str, want: str) -> tuple[StagedFile |
         return None, 0  # absent, a link, unreadable: copied again (the rename replaces whatever the name was)
     try:
         st = os.fstat(fd)
-        # A file someone else made (or linked in) could change after we hash it.
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+        if not _ours(st):
             os.close(fd)
             return None, 0
         if _hash_fd(fd) != want:
@@ -258,7 +363,7 @@ def _reuse(dest_fd: int, dest: Path, name: str, want: str) -> tuple[StagedFile |
         raise
     if stat.S_IMODE(st.st_mode) != FILE_MODE:
         os.fchmod(fd, FILE_MODE)
-    return StagedFile(name, dest / name, st.st_size, want, False, header, fd, _ident(st)), st.st_size
+    return StagedFile(name, dest / name, st.st_size, want, False, header, fd, _ident(st), hashed=st.st_size), st.st_size
 
 
 def _partial(name: str) -> str:
@@ -293,50 +398,91 @@ def _open_source(src_fd: int, source: Path, name: str) -> int:
     return fd
 
 
-def _copy_file(src_fd: int, source: Path, dest_fd: int, dest: Path, name: str, want: str) -> StagedFile:
-    """Copy `name` to its ``.partial`` file, hash it on the way and validate its header; the staged name is
-    untouched. Returns the partial file verified, open read-only. On any failure the partial file is removed."""
-    sfd = _open_source(src_fd, source, name)
-    partial = _partial(name)
-    rfd = -1
-    ok = False
-    try:
-        src_bytes = os.fstat(sfd).st_size
-        _unlink(dest_fd, partial)
-        wfd = os.open(
-            partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE, dir_fd=dest_fd
-        )
+_O_PARTIAL: Final = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _open_partial(dest_fd: int, partial: str, *, resume: bool) -> tuple[int, int, Any]:
+    """The ``.partial`` file to write: the one a cut-off download left (its bytes hashed, to be continued) when
+    `resume` and it is ours; else a new empty one. Returns (descriptor, bytes there, hash of those bytes)."""
+    h = hashlib.sha256()
+    if resume:
         try:
+            fd = os.open(partial, _O_PARTIAL | os.O_NONBLOCK, dir_fd=dest_fd)  # NONBLOCK: a planted FIFO
+        except OSError:
+            fd = -1
+        if fd >= 0:
             try:
-                got = _copy_hashing(sfd, wfd)
-            except OSError as err:
-                if err.errno == errno.ENOSPC:
-                    raise StagingFailed(f"{dest} is full while staging {name} ({src_bytes} bytes)") from None
-                raise BadWeights(name, f"copy failed: {err.strerror or err}") from None
-            # The observed digest is not reported: reasons land in the registry, readable by every gateway.
-            if got != want:
-                raise BadWeights(
-                    name, f"sha256 mismatch with {modelformat.MANIFEST_FILE} (corrupt copy or stale manifest)"
-                )
-            # Read-only for the agent and the engines; the same inode as the one written (our 0700 directory).
-            rfd = os.open(partial, _O_READ, dir_fd=dest_fd)
-            written, st = os.fstat(wfd), os.fstat(rfd)
-            if (written.st_dev, written.st_ino) != (st.st_dev, st.st_ino):
-                raise StagingFailed(f"{dest / partial} was replaced while it was being written")
-        finally:
-            os.close(wfd)
+                st = os.fstat(fd)
+                if _ours(st):
+                    os.fchmod(fd, FILE_MODE)
+                    return fd, _hash_into(fd, h), h
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)
+    _unlink(dest_fd, partial)
+    fd = os.open(partial, _O_PARTIAL | os.O_CREAT | os.O_EXCL, FILE_MODE, dir_fd=dest_fd)
+    return fd, 0, h
+
+
+def _fill_file(
+    source: _Source, dest_fd: int, dest: Path, name: str, want: str, progress: Progress | None
+) -> StagedFile:
+    """Write `name` to its ``.partial`` file (from the start, or on from a cut-off download), hash it on the way
+    and validate its header; the staged name is untouched. Returns the partial file verified, open read-only. On
+    failure the partial file is removed, except after a failed download (`fetch.FetchFailed`): resumed next time."""
+    partial = _partial(name)
+    wfd, have, h = _open_partial(dest_fd, partial, resume=source.resumable)
+    on_bytes = progress.add if progress is not None else _ignore
+    rfd = -1
+    ok = keep = False
+    try:
+        on_bytes(have)
+        hashed = have
+        try:
+            h, size, written = source.fetch(name, wfd, have, h, on_bytes)
+            hashed += written
+            if have and h.hexdigest() != want:
+                # The partial bytes were of another version of the file: once more, from the start.
+                os.ftruncate(wfd, 0)
+                on_bytes(-size)
+                h, size, again = source.fetch(name, wfd, 0, hashlib.sha256(), on_bytes)
+                written += again
+                hashed += again
+        except fetch.FetchFailed:
+            keep = True
+            raise
+        except OSError as err:
+            if err.errno == errno.ENOSPC:
+                raise StagingFailed(f"{dest} is full while staging {name} ({source.size(name)} bytes)") from None
+            raise BadWeights(name, f"copy failed: {err.strerror or err}") from None
+        # The observed digest is not reported: reasons land in the registry, readable by every gateway.
+        if h.hexdigest() != want:
+            raise BadWeights(name, f"sha256 mismatch with {modelformat.MANIFEST_FILE} (corrupt copy or stale manifest)")
+        # Read-only for the agent and the engines; the same inode as the one written (our 0700 directory).
+        rfd = os.open(partial, _O_READ, dir_fd=dest_fd)
+        wst, st = os.fstat(wfd), os.fstat(rfd)
+        if (wst.st_dev, wst.st_ino) != (st.st_dev, st.st_ino):
+            raise StagingFailed(f"{dest / partial} was replaced while it was being written")
         try:
             header = _header(rfd, name)
         except BadWeights as bad:
             raise BadWeights(name, bad.reason) from None
         ok = True
     finally:
-        os.close(sfd)
+        os.close(wfd)
         if not ok:
             if rfd >= 0:
                 os.close(rfd)
-            _unlink(dest_fd, partial)
-    return StagedFile(name, dest / name, st.st_size, want, True, header, rfd, _ident(st))
+            if not keep:
+                _unlink(dest_fd, partial)
+    return StagedFile(
+        name, dest / name, st.st_size, want, True, header, rfd, _ident(st), written=written, hashed=hashed
+    )
+
+
+def _ignore(_: int) -> None:
+    pass
 
 
 def _sweep(dest_fd: int, keep: Collection[str]) -> list[str]:
@@ -384,6 +530,72 @@ def _source_size(src_fd: int, name: str) -> int:
         return 0  # reported by name when that file is copied
 
 
+def _size_in(dir_fd: int, name: str) -> int:
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return 0
+    return st.st_size if stat.S_ISREG(st.st_mode) else 0
+
+
+# --- the shm budget ----------------------------------------------------------------------------------------------
+
+
+def shm_use(shm_fd: int) -> dict[str, int]:
+    """Bytes of shm each model directory under the agent's staging directory holds (allocated blocks: what
+    counts against /dev/shm), ``.partial`` files and old versions included."""
+    use: dict[str, int] = {}
+    for model in os.listdir(shm_fd):
+        try:
+            fd = os.open(model, _O_DIR, dir_fd=shm_fd)
+        except OSError:
+            continue  # a file or a link at the top: not a staged model
+        try:
+            total = 0
+            for name in os.listdir(fd):
+                try:
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    total += st.st_blocks * 512
+            use[model] = total
+        finally:
+            os.close(fd)
+    return use
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def check_budget(use: dict[str, int], model: str, need: int, budget_bytes: int | None, where: Path) -> None:
+    """Refuse a stage that would take the staging directory's shm use beyond the budget. Nothing is evicted to
+    make room: what is staged now may be serving (and stays until its replacement verifies)."""
+    if budget_bytes is None:
+        return
+    now = sum(use.values())
+    if now + need <= budget_bytes:
+        return
+    held = ", ".join(
+        f"{m} {_gib(b)}" + (" (the version staged now: kept until the new one verifies)" if m == model else "")
+        for m, b in sorted(use.items(), key=lambda kv: -kv[1])
+        if b
+    )
+    others = [m for m, b in use.items() if m != model and b]
+    fix = f"raise --shm-budget to at least {_gib(now + need)}"
+    if others:
+        fix += f", or remove staged models no agent on this node serves (`rm -rf {where / others[0]}`)"
+    raise ShmBudgetExceeded(
+        f"staging {model} needs {_gib(need)} more shm; {where} holds {_gib(now)} ({held or 'nothing'}); "
+        f"that is {_gib(now + need)} against --shm-budget {_gib(budget_bytes)}. Nothing was evicted: staged "
+        f"weights may be serving. Fix: {fix}"
+    )
+
+
+# --- staging -----------------------------------------------------------------------------------------------------
+
+
 def stage(
     source: str | os.PathLike[str],
     shm_dir: str | os.PathLike[str],
@@ -393,9 +605,13 @@ def stage(
     clock: Callable[[], float] = time.time,
     check: Callable[[Staged], None] | None = None,
     previous: Staged | None = None,
+    budget_bytes: int | None = None,
+    progress: Progress | None = None,
+    fetch_options: fetch.FetchOptions | None = None,
 ) -> Staged:
-    """Stage `source` as `model` under `shm_dir`; raises `BadModel`, `BadWeights`, `StagingFailed` (or its
-    `UnsafeStagingDir`).
+    """Stage `source` (a model directory, or an http(s) URL serving one: `fetch`) as `model` under `shm_dir`;
+    raises `BadModel`, `BadWeights`, `StagingFailed` (or its `UnsafeStagingDir`, `ShmBudgetExceeded`,
+    `fetch.FetchFailed`).
 
     All or nothing: every file that needs copying is copied to its ``.partial`` file and verified first; only
     when the whole set verifies are they renamed into place. On failure the staged files are the complete
@@ -404,43 +620,53 @@ def stage(
     tensors); in `pending` a copied file's `path` is its ``.partial`` file. What it raises is raised, nothing
     replaced. `previous` is the set staged now by this agent: its files unchanged since they verified are carried
     over (same descriptor) without being read. The caller closes `previous` (`Staged.close(keep=new)`) once
-    nothing uses it. One stager per directory (the agent serialises its prewarms). Blocking (disk and hashing):
-    the agent runs it in a thread.
+    nothing uses it. `budget_bytes` bounds the staging directory's shm use at the peak of the stage (old and new
+    versions together); `progress` gets the bytes to write as its total and each block as it lands. One stager
+    per directory (the agent serialises its prewarms). Blocking (disk, network and hashing): the agent runs it in
+    a thread.
     """
     t0 = time.perf_counter()
-    src = Path(source)
-    try:
-        src_fd = os.open(src, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        raise BadModel(f"model directory {src} does not exist or is not a directory") from None
+    src = _source(source, fetch_options)
     opened: list[StagedFile] = []  # what this call opened: closed unless it is returned
     ok = False
     try:
-        sums = modelformat.read_manifest(src, dir_fd=src_fd)
+        sums = src.manifest()
         shm_fd = _own_dir(Path(shm_dir))
         try:
             dest_fd = _own_subdir(shm_fd, model, Path(shm_dir) / model)
+            try:
+                staged = _stage_in(
+                    src,
+                    shm_fd,
+                    dest_fd,
+                    Path(shm_dir) / model,
+                    model,
+                    sums,
+                    threads,
+                    check,
+                    previous,
+                    opened,
+                    clock,
+                    budget_bytes,
+                    progress,
+                )
+            finally:
+                os.close(dest_fd)
         finally:
             os.close(shm_fd)
-        try:
-            staged = _stage_in(
-                src_fd, src, dest_fd, Path(shm_dir) / model, model, sums, threads, check, previous, opened, clock
-            )
-        finally:
-            os.close(dest_fd)
         staged.stage_s = time.perf_counter() - t0
         ok = True
         return staged
     finally:
-        os.close(src_fd)
+        src.close()
         if not ok:
             for f in opened:
                 _close(f.fd)
 
 
 def _stage_in(
-    src_fd: int,
-    src: Path,
+    src: _Source,
+    shm_fd: int,
     dest_fd: int,
     dest: Path,
     model: str,
@@ -450,22 +676,28 @@ def _stage_in(
     previous: Staged | None,
     opened: list[StagedFile],
     clock: Callable[[], float],
+    budget_bytes: int | None,
+    progress: Progress | None,
 ) -> Staged:
+    # A copy killed mid-way (SIGKILL, node crash) left a .partial file: removed, unless it is a download of a
+    # file of this manifest, which is continued.
+    resumable = {_partial(n) for n in sums} if src.resumable else set()
     try:
-        for name in os.listdir(dest_fd):  # a copy killed mid-way (SIGKILL, node crash)
-            if name.startswith(".") and name.endswith(PARTIAL_SUFFIX):
+        for name in os.listdir(dest_fd):
+            if name.startswith(".") and name.endswith(PARTIAL_SUFFIX) and name not in resumable:
                 _unlink(dest_fd, name)
     except OSError as err:
         raise StagingFailed(f"cannot prepare the staging directory {dest}: {err.strerror}") from None
-    # Largest first, so the two halves of a multi-shard model finish together.
-    names = sorted(sums, key=lambda n: -_source_size(src_fd, n))
     before = {f.name: f for f in previous.files} if previous is not None else {}
     carried = {
-        n: replace(before[n], copied=False) for n in names if n in before and _unchanged(before[n], dest_fd, sums[n])
+        n: replace(before[n], copied=False, written=0, hashed=0)
+        for n in sums
+        if n in before and _unchanged(before[n], dest_fd, sums[n])
     }
     hashed = 0
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="stage") as pool:
-        again = [n for n in names if n not in carried]
+        # Staged sizes, largest first, so the halves of a multi-shard model finish together.
+        again = sorted((n for n in sums if n not in carried), key=lambda n: -_size_in(dest_fd, n))
         found, errors = _run_all(pool, _reuse, [(dest_fd, dest, n, sums[n]) for n in again])
         opened.extend(x[0] for x in found if x is not None and x[0] is not None)
         if errors:
@@ -475,28 +707,37 @@ def _stage_in(
             hashed += nbytes
             if f is not None:
                 kept[n] = f
-        todo = [n for n in names if n not in kept]
-        need = sum(_source_size(src_fd, n) for n in todo)
-        free = os.statvfs(dest_fd).f_bavail * os.statvfs(dest_fd).f_frsize
+        # Sizes of the files to write only (a URL source asks the server: none when everything is staged).
+        sizes = {n: src.size(n) for n in sums if n not in kept}
+        todo = sorted(sizes, key=lambda n: -sizes[n])
+        there = {n: _size_in(dest_fd, _partial(n)) for n in todo} if src.resumable else {}
+        need = sum(max(0, sizes[n] - there.get(n, 0)) for n in todo)
+        vfs = os.statvfs(dest_fd)
+        free = vfs.f_bavail * vfs.f_frsize
         if need > free:
             raise StagingFailed(
                 f"{dest.parent} has {free / 2**20:.0f} MiB free, staging {model} needs {need / 2**20:.0f} MiB more "
                 "(the previous version stays staged until the new one verifies); free shm or give the node a "
                 "larger /dev/shm"
             )
-        copied, errors = _run_all(pool, _copy_file, [(src_fd, src, dest_fd, dest, n, sums[n]) for n in todo])
+        check_budget(shm_use(shm_fd), model, need, budget_bytes, dest.parent)
+        if progress is not None:
+            progress.total_bytes = sum(sizes.values())
+            progress.started_at = progress.clock()
+        copied, errors = _run_all(pool, _fill_file, [(src, dest_fd, dest, n, sums[n], progress) for n in todo])
     done: list[StagedFile] = [f for f in copied if f is not None]
     opened.extend(done)
     if errors:
-        for name in todo:
-            _unlink(dest_fd, _partial(name))
+        if not src.resumable:  # a download keeps its verified and cut-off partial files for the next try
+            for name in todo:
+                _unlink(dest_fd, _partial(name))
         raise errors[0]
-    hashed += sum(f.nbytes for f in done)
+    hashed += sum(f.hashed for f in done)
     version = _version(sums)
     if check is not None:
         pending = list(kept.values()) + [replace(f, path=dest / _partial(f.name)) for f in done]
         try:
-            check(Staged(model, src, dest, sorted(pending, key=lambda f: f.name), 0.0, clock(), version=version))
+            check(Staged(model, src.shown, dest, sorted(pending, key=lambda f: f.name), 0.0, clock(), version=version))
         except BaseException:
             for name in todo:
                 _unlink(dest_fd, _partial(name))
@@ -510,7 +751,17 @@ def _stage_in(
         raise StagingFailed(f"cannot rename the verified copies into {dest}: {err.strerror or err}") from None
     _sweep(dest_fd, set(sums))
     files = sorted(list(kept.values()) + done, key=lambda f: f.name)
-    return Staged(model, src, dest, files, 0.0, clock(), version=version, hashed_bytes=hashed)
+    return Staged(
+        model,
+        src.shown,
+        dest,
+        files,
+        0.0,
+        clock(),
+        version=version,
+        hashed_bytes=hashed,
+        fetched=src.resumable,
+    )
 
 
 def check_staged(staged: Staged) -> None:
