@@ -176,7 +176,14 @@ class Activator:
                 ) from None
             stage = "ready"
             try:
-                claim = await k.store.advance(claim, "ready", endpoint=started.endpoint, reason=None)
+                claim = await k.store.advance(
+                    claim,
+                    "ready",
+                    endpoint=started.endpoint,
+                    reason=None,
+                    engine=k.settings.engine,
+                    engine_mode=started.engine_mode,
+                )
             except (StaleToken, InvalidTransition) as err:
                 # The claim was released while we started (the claimer gave up): stop, the slot is someone else's.
                 await engine.stop()
@@ -201,6 +208,7 @@ class Activator:
             code: ErrorCode = "registry_unavailable" if isinstance(err, REGISTRY_ERRORS) else "internal"
             return self._activation_failed(slot, claim, EngineFailed(stage, describe(err), code=code), t_recv)
         slot.last_timings = timings
+        slot.last_mode = started.engine_mode
         slot.activations += 1
         slot.failures = 0
         slot.reason = None
@@ -232,6 +240,7 @@ class Activator:
             timings=active.timings,
             loaded_bytes=active.started.loaded_bytes,
             load_mode=active.started.mode,
+            engine_mode=active.started.engine_mode,  # type: ignore[arg-type]
             loader=self.keeper.loader,
             repeated=repeated,
         )

@@ -14,7 +14,7 @@ from collections.abc import Awaitable
 from dataclasses import replace
 from pathlib import Path
 
-from nodeagent import modelformat, tinymodel
+from nodeagent import modelformat, served, tinymodel
 from nodeagent.engine import ENGINES, loaders, safetensors_check
 from nodeagent.engine.zygote import FAULTS
 from nodeagent.errors import BadModel, BadWeights, LoaderUnavailable
@@ -65,6 +65,22 @@ def _agent_parser(prog: str) -> argparse.ArgumentParser:
         default=d.engine_user,
         help=f"user engines run as when the agent is root (name or uid; root opts out) [{d.engine_user}]",
     )
+    p.add_argument(
+        "--engine-cmd",
+        metavar="CMDLINE",
+        help="command engine: the server's command line (no shell), with {port} {host} {model_dir} {staged_dir} "
+        "{model_name} {slot} placeholders; one standby server per slot",
+    )
+    p.add_argument(
+        "--ready-path", default=d.ready_path, help=f"standby server's readiness path (200 = healthy) [{d.ready_path}]"
+    )
+    p.add_argument(
+        "--engine-start-timeout-s",
+        type=float,
+        default=d.engine_start_timeout_s,
+        help=f"standby server start to healthy, else the slot fails [{d.engine_start_timeout_s:g}]",
+    )
+    p.add_argument("--log-dir", help="where standby servers' logs go (0700, agent-owned) [<shm-dir>/.logs]")
     p.add_argument("--fault", action="append", default=[], metavar="SLOT=KIND", help=argparse.SUPPRESS)
     p.add_argument("--log-level", default=os.environ.get("PULSESCALE_LOG_LEVEL", "INFO"), help="[INFO]")
     nats_connect.add_nats_arguments(p)
@@ -83,8 +99,21 @@ def _settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> AgentSett
             p.error(f"{kind} name {value!r} must match {protocol.NAME_PATTERN} (set {flag})")
     if args.slots < 1:
         p.error("--slots must be >= 1")
-    if args.engine != "local":
-        p.error(f"engine {args.engine!r} is not built yet in this version; use --engine local")
+    if args.engine == "vllm":
+        p.error(f"engine {args.engine!r} is not built yet in this version; use --engine local or command")
+    if args.engine == "command":
+        if not args.engine_cmd:
+            p.error("--engine command needs --engine-cmd 'SERVER COMMAND LINE' (e.g. 'my-server --port {port}')")
+        try:
+            served.render(args.engine_cmd, dict.fromkeys(served.PLACEHOLDERS, "x"))
+        except served.BadCommand as err:
+            p.error(f"--engine-cmd: {err}")
+    elif args.engine_cmd:
+        p.error(f"--engine-cmd is for --engine command, not {args.engine}")
+    if not args.ready_path.startswith("/"):
+        p.error(f"--ready-path {args.ready_path!r} must start with /")
+    if args.engine_start_timeout_s <= 0:
+        p.error("--engine-start-timeout-s must be > 0")
     try:
         loaders.choose(args.loader)
     except LoaderUnavailable as err:
@@ -121,6 +150,10 @@ def _settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> AgentSett
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         lock_weights=not args.no_mlock,
         engine_user=args.engine_user,
+        engine_cmd=args.engine_cmd,
+        ready_path=args.ready_path,
+        engine_start_timeout_s=args.engine_start_timeout_s,
+        log_dir=Path(args.log_dir) if args.log_dir else None,
         faults=faults,
     )
 

@@ -51,7 +51,13 @@ class Prewarmer:
         now = time.time()
         for slot in k.slots.values():
             rec = SlotRecord(
-                model=s.model_name, node=s.node, slot=slot.name, state="prewarming", rack=s.rack, updated_at=now
+                model=s.model_name,
+                node=s.node,
+                slot=slot.name,
+                state="prewarming",
+                rack=s.rack,
+                updated_at=now,
+                engine=s.engine,
             )
             await k.store.register(rec)
         k.refresh_gauges()
@@ -101,7 +107,7 @@ class Prewarmer:
                 s.shm_dir,
                 s.model_name,
                 threads=s.stage_threads,
-                check=_check_model,
+                check=_check_model if s.engine == "local" else None,  # a server reads its own format
                 previous=previous,
             )
         except Exception as err:  # noqa: BLE001 - whatever it is, the slots must not stay `prewarming`
@@ -157,7 +163,7 @@ class Prewarmer:
         async with slot.held("arming its engine"):
             if slot.active is not None:
                 return
-            same = slot.engine is not None and slot.engine.armed and slot.engine.spec == k.engine_spec(slot, staged)
+            same = not k.needs_arming(slot, staged)
             if not same and slot.phase == "warm":
                 slot.phase = "prewarming"  # not claimable while its zygote is re-armed for the new set
                 await k.set_state(slot, "prewarming", reason=None)
@@ -166,7 +172,9 @@ class Prewarmer:
                 await k.fail(slot, f"cannot arm the engine: {err}")
                 return
             slot.phase, slot.reason, slot.failures = "warm", None, 0
-            await k.set_state(slot, "warm", reason=None, weights_resident=True, claim_id=None, token=None)
+            await k.set_state(
+                slot, "warm", reason=None, weights_resident=True, claim_id=None, token=None, engine=k.settings.engine
+            )
 
     def release(self) -> None:
         """Unlock and unmap the staged weights (shutdown); the staged files stay for the next start."""

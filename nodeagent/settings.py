@@ -66,12 +66,28 @@ class AgentSettings:
     max_status_in_flight: int = 8
     """`status` requests handled at once, a pool of their own: on-call can still see the agent under a flood of
     the other verbs, and a flood of status calls cannot starve activations."""
+    # --- standby server engines (issue 9): ``command`` (and ``vllm``), `nodeagent.served` ---
+    engine_cmd: str | None = None
+    """The ``command`` engine's server command line (shlex-split, no shell) with ``{port}``, ``{host}``,
+    ``{model_dir}``, ``{staged_dir}``, ``{model_name}``, ``{slot}`` placeholders (`served.PLACEHOLDERS`)."""
+    ready_path: str = "/health"
+    """Path of the standby server's readiness URL: a slot is `warm` only once it answers 200."""
+    engine_start_timeout_s: float = 600.0
+    """Server start to its first healthy answer, at prewarm: vLLM on CPU takes ~60 s for a tiny model, a large
+    model on a GPU node minutes; beyond this the slot is `failed` with the server's last output."""
+    log_dir: Path | None = None
+    """Where standby servers' output is written (``<slot>.log``, 0600, in a 0700 directory the agent owns);
+    None: ``<shm_dir>/.logs`` (tmpfs: the logs never wait on a disk; each is capped, `served.LOG_MAX_BYTES`)."""
     faults: Mapping[str, str] = field(default_factory=dict)
     """Test-only failpoints, slot name -> ``crash`` | ``hang`` | ``unhealthy`` | ``fail`` (see `zygote.FAULTS`)."""
 
     @property
     def slot_names(self) -> list[str]:
         return [f"s{i}" for i in range(self.slots)]
+
+    @property
+    def engine_log_dir(self) -> Path:
+        return self.log_dir if self.log_dir is not None else self.shm_dir / ".logs"
 
     @property
     def endpoint_host(self) -> str:

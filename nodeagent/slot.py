@@ -1,7 +1,8 @@
 """A slot as the agent keeps it, and what every part of the agent does to one.
 
 `Slot` is one engine slot of this node: its local phase (`SlotPhase`), the lock that serialises its requests, the
-zygote that keeps its engine armed (`forked.ForkedEngine`), and, while it serves, the claim it serves under
+engine that keeps it armed (`SlotEngine`: a zygote, `forked.ForkedEngine`, for ``local``; a standby server,
+`served.ServedEngine`, for ``command``), and, while it serves, the claim it serves under
 (`Active`). The local phase is the agent's own readiness; the slot's state in the registry is the shared truth,
 moved by compare-and-set.
 
@@ -17,10 +18,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shlex
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, Literal
+from pathlib import Path
+from typing import Any, Literal, Protocol
 
 import msgspec
 import nats.errors
@@ -30,13 +33,14 @@ from nodeagent.engine import Started
 from nodeagent.errors import ActivationRefused, EngineFailed
 from nodeagent.forked import ForkedEngine
 from nodeagent.metrics import AgentMetrics
+from nodeagent.served import ServedEngine, ServerSpec
 from nodeagent.settings import AgentSettings
 from warmpool import protocol, slots
 from warmpool.errors import ClaimConflict, InvalidTransition, SlotNotFound, StaleToken
 from warmpool.protocol import AgentSlotStatus, SlotRecord, SlotState, StageTimings
 from warmpool.registry import Claim, KvSlotStore
 
-__all__ = ["REGISTRY_ERRORS", "Active", "Slot", "SlotKeeper", "SlotPhase"]
+__all__ = ["REGISTRY_ERRORS", "Active", "Slot", "SlotEngine", "SlotKeeper", "SlotPhase"]
 
 log = logging.getLogger("pulsescale.agent")
 
@@ -46,6 +50,31 @@ REGISTRY_ERRORS = (nats.errors.Error, TimeoutError, OSError, ClaimConflict)
 SlotPhase = Literal["prewarming", "warm", "active", "failed"]
 """A slot's local readiness: ``prewarming`` (staging or arming), ``warm`` (weights staged, zygote armed),
 ``active`` (an engine serves or is starting under a claim), ``failed`` (`Slot.reason` says why)."""
+
+
+class SlotEngine(Protocol):
+    """What a slot's engine is to the agent, whichever adapter: armed off the activation path (`arm`), taken into
+    service (`start`, then the agent checks readiness) and out of it (`stop`), gone for good (`close`).
+    `on_exit(reason)` is called when it dies on its own; `spec` equal to a new one means no re-arm is needed."""
+
+    spec: Any
+    on_exit: Callable[[str], None] | None
+
+    @property
+    def armed(self) -> bool: ...
+
+    @property
+    def serving(self) -> Started | None: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+    async def arm(self) -> None: ...
+
+    async def start(self, *, timeout_s: float) -> Started: ...
+
+    async def stop(self) -> None: ...
+
+    async def close(self) -> None: ...
 
 
 @dataclass
@@ -83,7 +112,9 @@ class Slot:
         """Failures in a row (activations, engine deaths): at `max_consecutive_failures` the slot is quarantined."""
         self.activations = 0
         self.last_timings: StageTimings | None = None
-        self.engine: ForkedEngine | None = None
+        self.last_mode: str | None = None
+        """The engine mode of the last activation (`Started.engine_mode`)."""
+        self.engine: SlotEngine | None = None
         self.busy: str | None = None
         """What holds the lock now (re-arming, deactivating...): named when an activation cannot wait for it."""
 
@@ -150,6 +181,9 @@ class Slot:
             consecutive_failures=self.failures,
             last_timings=self.last_timings,
             engine=self.engine.status() if self.engine else None,
+            engine_mode=self.active.started.engine_mode if self.active else self.last_mode,  # type: ignore[arg-type]
+            log_path=self.engine.log_path if isinstance(self.engine, ServedEngine) else None,
+            log_tail=self.engine.log_tail() if isinstance(self.engine, ServedEngine) else [],
         )
 
 
@@ -288,20 +322,84 @@ class SlotKeeper:
             "version": staged.version,  # a zygote armed for another version is re-armed before it serves
         }
 
-    async def ensure_armed(self, slot: Slot, staged: staging.Staged) -> str | None:
-        """With the slot's lock held: a zygote armed for `staged` (re-made if its spec changed); the reason if
-        it cannot arm."""
-        spec = self.engine_spec(slot, staged)
-        if slot.engine is None or slot.engine.spec != {**spec}:
-            if slot.engine is not None:
-                await slot.engine.close()
-            slot.engine = ForkedEngine(
-                spec,
-                name=slot.name,
-                advertise_host=self.settings.endpoint_host,
-                port=slot.port,
-                on_exit=lambda reason: self._engine_exited(slot, reason),
+    def server_spec(self, staged: staging.Staged) -> ServerSpec | None:
+        """The standby server a slot of this node runs (`served`), or None for the forked ``local`` engine."""
+        s = self.settings
+        if s.engine == "command":
+            if not s.engine_cmd:
+                raise EngineFailed("arm", "the command engine needs its server command line (--engine-cmd)")
+            return ServerSpec(
+                engine="command",
+                argv=tuple(shlex.split(s.engine_cmd)),
+                ready_path=s.ready_path,
+                health_timeout_s=s.engine_start_timeout_s,
+                engine_user=s.engine_user,
+                version=staged.version,
             )
+        return None
+
+    def _new_engine(self, slot: Slot, staged: staging.Staged) -> SlotEngine:
+        s = self.settings
+
+        def on_exit(reason: str) -> None:
+            self._engine_exited(slot, reason)
+
+        server = self.server_spec(staged)
+        if server is None:
+            return ForkedEngine(
+                self.engine_spec(slot, staged),
+                name=slot.name,
+                advertise_host=s.endpoint_host,
+                port=slot.port,
+                on_exit=on_exit,
+            )
+        values = {
+            "model_dir": str(Path(s.model_dir).resolve()),
+            "staged_dir": str(staged.dir),
+            "model_name": s.model_name,
+            "slot": slot.name,
+        }
+        return ServedEngine(
+            server,
+            name=slot.name,
+            bind_host=s.engine_host,
+            advertise_host=s.endpoint_host,
+            port=slot.port,
+            values=values,
+            log_dir=s.engine_log_dir,
+            on_exit=on_exit,
+        )
+
+    def _wanted_spec(self, slot: Slot, staged: staging.Staged) -> Any:
+        server = self.server_spec(staged)
+        return server if server is not None else self.engine_spec(slot, staged)
+
+    def needs_arming(self, slot: Slot, staged: staging.Staged) -> bool:
+        """The slot's engine is not armed for `staged` (absent, dead, or armed for another spec)."""
+        try:
+            wanted = self._wanted_spec(slot, staged)
+        except EngineFailed:
+            return True
+        return slot.engine is None or not slot.engine.armed or slot.engine.spec != wanted
+
+    async def ensure_armed(self, slot: Slot, staged: staging.Staged) -> str | None:
+        """With the slot's lock held: its engine armed for `staged` (re-made if its spec changed); the reason if
+        it cannot arm. A standby server is started here and waited for (its readiness URL), which is why this
+        runs at prewarm and in clean-ups, never on the activation path."""
+        try:
+            wanted = self._wanted_spec(slot, staged)
+        except EngineFailed as err:
+            return err.reason
+        if slot.engine is not None and slot.engine.spec != wanted:
+            await slot.engine.close()
+            slot.engine = None
+        if isinstance(slot.engine, ServedEngine) and slot.phase == "failed":
+            await slot.engine.reset()  # a quarantined server may be wedged: a prewarm starts it afresh
+        if slot.engine is None:
+            try:
+                slot.engine = self._new_engine(slot, staged)
+            except OSError as err:  # the log directory refused
+                return f"cannot prepare the engine: {err.strerror or err}"
         try:
             was_armed = slot.engine.armed
             await slot.engine.arm()
@@ -309,8 +407,9 @@ class SlotKeeper:
                 self.metrics.zygote_arms.inc()
         except EngineFailed as err:
             return err.reason
-        except OSError as err:  # the interpreter could not even be started
-            return f"cannot start the zygote: {err.strerror or err}"
+        except OSError as err:  # the interpreter (or the server's program) could not even be started
+            what = "server" if isinstance(slot.engine, ServedEngine) else "zygote"
+            return f"cannot start the {what}: {err.strerror or err}" + (f" ({err.filename})" if err.filename else "")
         return None
 
     def _engine_exited(self, slot: Slot, reason: str) -> None:
@@ -330,7 +429,19 @@ class SlotKeeper:
 
     async def rearm(self, slot: Slot) -> None:
         """After an engine stops the zygote must be ready for the next activation (it normally still is), and
-        armed for the weights staged now (a re-stage while it served skipped it)."""
+        armed for the weights staged now (a re-stage while it served skipped it). A standby server that must be
+        (re)started is not waited for here (deactivation replies first): a server that died has already called
+        `on_engine_exit`, whose recovery restarts it; one armed for older weights is handed to it the same way."""
+        if isinstance(slot.engine, ServedEngine) and self.staged is not None:
+            if slot.engine.armed and self.needs_arming(slot, self.staged) and self.on_engine_exit is not None:
+                if slot.phase == "active":
+                    slot.phase = "warm"
+                self.on_engine_exit(slot, "restarting its server for the weights staged since it started")
+                return
+            if not slot.engine.armed:
+                if slot.phase == "active":
+                    slot.phase = "warm"  # its recovery (already spawned by the exit) takes it from here
+                return
         if slot.engine is not None and self.staged is not None:
             err = await self.ensure_armed(slot, self.staged)
             if err is not None:

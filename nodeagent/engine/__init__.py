@@ -16,7 +16,8 @@ from typing import Final
 __all__ = ["ENGINES", "Started"]
 
 ENGINES: Final = ("local", "command", "vllm")
-"""Engine adapters a node can be asked for; only `local` is built in this version (the CLI says so)."""
+"""Engine adapters a node can be asked for: ``local`` (a zygote forks this package's numpy engine on activation,
+`nodeagent.forked`), ``command`` and ``vllm`` (a standby server per slot, `nodeagent.served`)."""
 
 
 @dataclass(frozen=True)
@@ -31,3 +32,7 @@ class Started:
     """Everything else from the start command to listening: fork, model build, bind."""
     loaded_bytes: int
     mode: str
+    """How the weights reached the engine (the loader's mode: ``mmap``, ``copy``...; a standby server's mode)."""
+    engine_mode: str = "fork"
+    """How the engine was taken into service (`warmpool.protocol.EngineMode`): ``fork`` (a zygote forked it),
+    ``wake`` (a sleeping standby server was woken), ``resident`` (a standby server already held its weights)."""

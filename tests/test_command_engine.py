@@ -1,0 +1,267 @@
+"""The ``command`` engine: a standby OpenAI-compatible server per slot, driven through a real agent, a real
+nats-server and real server processes (`tests/openai_server_double.py`, stdlib only)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import shlex
+import signal
+import stat
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from nats.aio.client import Client
+
+from nodeagent import served
+from tests.nodeagent_helpers import (  # noqa: F401
+    NODE,
+    activate,
+    alive,
+    completion,
+    deactivate,
+    key,
+    model_dir_fixture,
+    running_agent,
+    settings,
+    shm_dir_fixture,
+    state,
+    tiny_source_fixture,
+    wait_for,
+    wait_state,
+)
+from warmpool.embedded import NatsServer
+from warmpool.registry import KvSlotStore
+
+DOUBLE = Path(__file__).with_name("openai_server_double.py")
+
+
+def _python() -> str:
+    """An interpreter the engine user can run: as root the server drops to `nobody`, who cannot enter a
+    pyenv under /root; the system Python runs the stdlib-only double."""
+    if os.geteuid() != 0:
+        return sys.executable
+    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
+        if os.access(candidate, os.X_OK):
+            return candidate
+    pytest.skip("running as root and no system python3 that the engine user (nobody) can execute")
+
+
+def command(*extra: str) -> str:
+    return shlex.join([_python(), str(DOUBLE), "--host", "{host}", "--port", "{port}", "--slot", "{slot}", *extra])
+
+
+def server_pids(marker: str) -> set[int]:
+    """Live processes whose command line carries `marker` (from /proc, not from the agent's word)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            if marker.encode() in cmdline and alive(int(entry)):
+                found.add(int(entry))
+    return found
+
+
+def read(path: str) -> str:
+    return Path(path).read_text()
+
+
+def uid_of(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Uid:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no Uid line for {pid}")
+
+
+@contextlib.asynccontextmanager
+async def no_leftovers(marker: str) -> AsyncIterator[None]:
+    """Fails the test if a server with `marker` outlives it; kills any such leftover either way."""
+    try:
+        yield
+    finally:
+        left = server_pids(marker)
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert not left, f"server processes left behind: {left}"
+
+
+async def test_a_standby_server_is_warm_only_once_healthy_and_serves_resident_across_activations(
+    nats_server: NatsServer, nc: Client, store: KvSlotStore, model_dir: Path, shm_dir: Path
+) -> None:
+    marker = f"m{secrets.token_hex(4)}"
+    cfg = settings(
+        model_dir, shm_dir, nats_server.url, engine="command", engine_cmd=command("--behave", "slow", "--model", marker)
+    )
+    async with no_leftovers(marker), running_agent(cfg) as (agent, _):
+        rec = await wait_state(store, key("s0"), "warm")
+        assert rec.engine == "command"
+        slot = agent.slots["s0"]
+        assert isinstance(slot.engine, served.ServedEngine)
+        pid = slot.engine.pid
+        assert pid is not None and server_pids(marker) == {pid}
+        # The slot was announced only after the server's health check said 200, after the 503s of its loading.
+        tail = agent.status().slots[0].log_tail
+        answers = [line for line in tail if '"GET /health HTTP/1.0"' in line]
+        assert [a.split()[-2] for a in answers[:4]] == ["503", "503", "503", "200"], tail
+        if os.geteuid() == 0:
+            assert uid_of(pid) == 65534  # nobody
+            assert os.getsid(pid) == pid  # its own session and process group
+
+        endpoints = []
+        for _ in range(2):
+            claim = await store.claim_slot(key("s0"))
+            reply = await activate(nc, claim)
+            assert reply.ok, reply.error
+            assert reply.fields["engine_mode"] == "resident"
+            endpoint = reply.fields["endpoint"]
+            endpoints.append(endpoint)
+            rec = await wait_state(store, key("s0"), "ready")
+            assert rec.endpoint == endpoint and rec.engine == "command" and rec.engine_mode == "resident"
+            out = await completion(endpoint)
+            assert out["choices"][0]["text"] == f" pid{pid}"  # type: ignore[index]  # the standby answered
+            st = agent.status().slots[0]
+            assert st.engine_mode == "resident" and st.endpoint == endpoint
+            reply = await deactivate(nc, claim)
+            assert reply.ok, reply.error
+            await wait_state(store, key("s0"), "warm")
+            assert slot.engine.pid == pid and alive(pid)  # resident: the same process, still standing
+        assert endpoints[0] == endpoints[1]
+        assert (await wait_state(store, key("s0"), "warm")).engine_mode == "resident"  # the last activation's
+
+        st = agent.status().slots[0]
+        assert st.log_path is not None
+        log_file, log_dir = os.stat(st.log_path), os.stat(os.path.dirname(st.log_path))
+        assert stat.S_IMODE(log_file.st_mode) == 0o600 and log_file.st_uid == os.geteuid()
+        assert stat.S_IMODE(log_dir.st_mode) == 0o700 and log_dir.st_uid == os.geteuid()
+        assert "POST /v1/completions" in read(st.log_path)
+    assert not alive(pid)  # the agent's stop took its server down
+
+
+async def test_a_server_that_exits_or_never_gets_healthy_fails_its_slot_with_the_log_tail_others_stay_warm(
+    nats_server: NatsServer, nc: Client, store: KvSlotStore, model_dir: Path, shm_dir: Path
+) -> None:
+    marker = f"m{secrets.token_hex(4)}"
+    cfg = settings(
+        model_dir,
+        shm_dir,
+        nats_server.url,
+        slots=3,
+        engine="command",
+        engine_cmd=command("--model", marker, "--behave-for", "s1=exit", "--behave-for", "s2=never-healthy"),
+        engine_start_timeout_s=2.0,
+    )
+    async with no_leftovers(marker), running_agent(cfg) as (agent, _):
+        exited = await wait_state(store, key("s1"), "failed")
+        assert exited.reason is not None
+        assert "exited with code 3 before /health answered 200" in exited.reason
+        assert "refusing to start (as asked)" in exited.reason  # the server's last words, from its log
+        never = await wait_state(store, key("s2"), "failed")
+        assert never.reason is not None
+        assert "not healthy after 2 s (/health: answered 503)" in never.reason
+        assert '"GET /health HTTP/1.0" 503' in never.reason
+        warm = await wait_state(store, key("s0"), "warm")
+        assert warm.engine == "command"
+        claim = await store.claim_slot(key("s0"))
+        reply = await activate(nc, claim)
+        assert reply.ok, reply.error
+        by_slot = {s.slot: s for s in agent.status().slots}
+        assert any("refusing to start" in line for line in by_slot["s1"].log_tail)
+        s2 = agent.slots["s2"].engine
+        assert isinstance(s2, served.ServedEngine) and s2.pid is None  # the unhealthy one was stopped
+        assert len(server_pids(marker)) == 1
+
+
+async def test_a_standby_server_that_dies_while_idle_is_restarted_and_the_slot_comes_back_warm(
+    nats_server: NatsServer, nc: Client, store: KvSlotStore, model_dir: Path, shm_dir: Path
+) -> None:
+    marker = f"m{secrets.token_hex(4)}"
+    cfg = settings(model_dir, shm_dir, nats_server.url, engine="command", engine_cmd=command("--model", marker))
+    async with no_leftovers(marker), running_agent(cfg) as (agent, _):
+        await wait_state(store, key("s0"), "warm")
+        engine = agent.slots["s0"].engine
+        assert isinstance(engine, served.ServedEngine)
+        first = engine.pid
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        await wait_for(lambda: engine.pid not in (None, first) and agent.slots["s0"].idle, 20, "a new server")
+        await wait_state(store, key("s0"), "warm")
+        assert engine.restarts == 1 and "was killed by SIGKILL" in "\n".join(engine.log_tail())
+        claim = await store.claim_slot(key("s0"))
+        reply = await activate(nc, claim)
+        assert reply.ok, reply.error
+        out = await completion(reply.fields["endpoint"])
+        assert out["choices"][0]["text"] == f" pid{engine.pid}"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+async def test_a_stopped_or_killed_agent_leaves_no_server_process(
+    nats_server: NatsServer, store: KvSlotStore, model_dir: Path, shm_dir: Path, sig: signal.Signals
+) -> None:
+    marker = f"m{secrets.token_hex(4)}"
+    agent = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "pulsescale",
+        "agent",
+        "--node",
+        NODE,
+        "--model",
+        str(model_dir),
+        "--shm-dir",
+        str(shm_dir),
+        "--slots",
+        "2",
+        "--metrics-port",
+        "-1",
+        "--nats",
+        nats_server.url,
+        "--engine",
+        "command",
+        "--engine-cmd",
+        command("--model", marker),
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    async with no_leftovers(marker):
+        try:
+            for slot in ("s0", "s1"):
+                await wait_state(store, key(slot), "warm", timeout_s=30)
+            servers = server_pids(marker) - {agent.pid}  # the agent's own command line names the marker too
+            assert len(servers) == 2
+            agent.send_signal(sig)
+            await asyncio.wait_for(agent.wait(), 30)
+            await wait_for(
+                lambda: not server_pids(marker) & servers, 10, f"the servers to go with the agent ({sig.name})"
+            )
+        finally:
+            if agent.returncode is None:
+                agent.kill()
+                await agent.wait()
+
+
+async def test_the_local_engine_records_fork_mode(
+    nats_server: NatsServer, nc: Client, store: KvSlotStore, model_dir: Path, shm_dir: Path
+) -> None:
+    async with running_agent(settings(model_dir, shm_dir, nats_server.url)) as (agent, _):
+        assert (await wait_state(store, key("s0"), "warm")).engine == "local"
+        claim = await store.claim_slot(key("s0"))
+        reply = await activate(nc, claim)
+        assert reply.ok and reply.fields["engine_mode"] == "fork"
+        rec = await wait_state(store, key("s0"), "ready")
+        assert rec.engine == "local" and rec.engine_mode == "fork"
+        assert agent.status().slots[0].engine_mode == "fork"
+
+
+def test_the_command_line_is_split_without_a_shell_and_placeholders_are_checked() -> None:
+    argv = served.render("srv --port {port} --name '{model_name} x' ; rm", {"port": 8, "model_name": "m"})
+    assert argv == ("srv", "--port", "8", "--name", "m x", ";", "rm")
+    with pytest.raises(served.BadCommand, match=r"unknown placeholder \{prot\}.*\{port\}"):
+        served.render("srv --port {prot}", {"port": 8})
+    with pytest.raises(served.BadCommand, match="cannot split"):
+        served.render("srv 'unclosed", {})
