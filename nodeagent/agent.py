@@ -30,7 +30,7 @@ from aiohttp import web
 from nats.aio.client import Client
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from nodeagent import staging
+from nodeagent import fetch, staging
 from nodeagent.activation import Activator
 from nodeagent.engine import loaders
 from nodeagent.metrics import AgentMetrics
@@ -64,7 +64,8 @@ class Agent:
         self.nc = nc
         self.store = store
         self.metrics = metrics
-        loader, self.loader_reason = loaders.choose(settings.loader)
+        loader, self.loader_reason = loaders.choose(settings.loader, staging_dir=str(settings.shm_dir))
+        log.info("weights loader %s (--loader %s): %s", loader.name, settings.loader, self.loader_reason)
         self.keeper = SlotKeeper(settings, store, metrics, loader.name)
         self.prewarmer = Prewarmer(self.keeper)
         self.activator = Activator(self.keeper, session)
@@ -214,7 +215,7 @@ class Agent:
         staged, locked = k.staged, self.prewarmer.locked
         weights = WeightsStatus(
             model=s.model_name,
-            source=str(s.model_dir),
+            source=fetch.shown(s.model_url) if s.model_url else str(s.model_dir),
             staged_dir=str(staged.dir) if staged else None,
             files=len(staged.files) if staged else 0,
             staged_bytes=staged.weights_bytes if staged else 0,
@@ -223,6 +224,9 @@ class Agent:
             locked_bytes=locked.locked_bytes if locked else 0,
             lock_error=locked.error if locked else None,
             error=k.staging_error,
+            hashed_bytes=staged.hashed_bytes if staged else 0,
+            budget_bytes=s.shm_budget_bytes,
+            progress=round(self.prewarmer.progress.fraction, 4) if self.prewarmer.progress else None,
         )
         chosen = [x for x in self.slots.values() if only is None or x.name == only]
         return AgentStatusReply(

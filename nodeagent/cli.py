@@ -10,14 +10,15 @@ import os
 import signal
 import sys
 import time
+import urllib.parse
 from collections.abc import Awaitable
 from dataclasses import replace
 from pathlib import Path
 
-from nodeagent import modelformat, served, tinymodel
+from nodeagent import fetch, modelformat, progress, served, tinymodel
 from nodeagent.engine import ENGINES, loaders, safetensors_check
 from nodeagent.engine.zygote import FAULTS
-from nodeagent.errors import BadModel, BadWeights, LoaderUnavailable
+from nodeagent.errors import BadModel, BadWeights, LoaderUnavailable, StagingFailed
 from nodeagent.settings import AgentSettings
 from warmpool import connect as nats_connect
 from warmpool import protocol
@@ -37,10 +38,42 @@ def _agent_parser(prog: str) -> argparse.ArgumentParser:
         "--rack", default=os.environ.get("PULSESCALE_RACK", ""), help="rack, for placement [$PULSESCALE_RACK]"
     )
     p.add_argument("--slots", type=int, default=d.slots, help=f"slots (engines) for the model [{d.slots}]")
-    p.add_argument("--model", required=True, metavar="DIR", help="model directory (safetensors + sha256sums.txt)")
+    p.add_argument(
+        "--model",
+        required=True,
+        metavar="DIR|URL",
+        help="model directory (safetensors + sha256sums.txt), or an http(s) URL serving one (URL/sha256sums.txt, "
+        "URL/<file>: a P2P proxy such as Dragonfly, an object store); downloads resume where they stopped",
+    )
+    p.add_argument(
+        "--shm-budget",
+        metavar="SIZE",
+        help="most shm the staging directory may hold (e.g. 200GiB); a stage beyond it is refused, nothing in "
+        "use evicted [no budget: /dev/shm's free space]",
+    )
+    p.add_argument(
+        "--fetch-timeout-s",
+        type=float,
+        default=d.fetch_timeout_s,
+        help=f"download connect/read timeout [{d.fetch_timeout_s:g}]",
+    )
+    p.add_argument(
+        "--fetch-retries",
+        type=int,
+        default=d.fetch_retries,
+        help=f"download retries per file, each resuming where the last stopped [{d.fetch_retries}]",
+    )
     p.add_argument("--model-name", help="the model's name in the registry [the directory's name]")
     p.add_argument("--engine", default=d.engine, choices=ENGINES, help=f"engine adapter [{d.engine}]")
-    p.add_argument("--loader", default=d.loader, choices=loaders.LOADERS, help=f"weight loader [{d.loader}]")
+    p.add_argument(
+        "--loader",
+        default=d.loader,
+        choices=loaders.LOADERS,
+        help="how an engine gets the staged weights: host (shm mapping in place or a CPU copy), cuda-pinned "
+        "(pinned shm -> GPU over streams), kvikio (CuFile reads, GDS where it runs); auto picks host for an engine "
+        "that computes on the CPU or a node without a usable GPU, and says why (agent log, status loader_reason) "
+        f"[{d.loader}]",
+    )
     p.add_argument("--shm-dir", default=str(d.shm_dir), help=f"where weights are staged [{d.shm_dir}]")
     p.add_argument("--engine-host", default=d.engine_host, help=f"address engines bind [{d.engine_host}]")
     p.add_argument("--advertise-host", help="host put in endpoints (pod/node IP) [the engine host]")
@@ -81,6 +114,14 @@ def _agent_parser(prog: str) -> argparse.ArgumentParser:
         help=f"standby server start to healthy, else the slot fails [{d.engine_start_timeout_s:g}]",
     )
     p.add_argument("--log-dir", help="where standby servers' logs go (0700, agent-owned) [<shm-dir>/.logs]")
+    p.add_argument(
+        "--image",
+        metavar="SRC",
+        help="rootfs for the engines: a directory or an image tarball (docker save / OCI layout), built into a "
+        "read-only EROFS image (root + erofs-utils; without them the agent says so and runs without it)",
+    )
+    p.add_argument("--rootfs-dir", default=str(d.rootfs_dir), help=f"built images and their mounts [{d.rootfs_dir}]")
+    p.add_argument("--cleanup", action="store_true", help="unmount this node's rootfs images (--rootfs-dir) and exit")
     p.add_argument("--fault", action="append", default=[], metavar="SLOT=KIND", help=argparse.SUPPRESS)
     p.add_argument("--log-level", default=os.environ.get("PULSESCALE_LOG_LEVEL", "INFO"), help="[INFO]")
     nats_connect.add_nats_arguments(p)
@@ -90,10 +131,15 @@ def _agent_parser(prog: str) -> argparse.ArgumentParser:
 def _settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> AgentSettings:
     if not args.node:
         p.error("--node is required (or set PULSESCALE_NODE)")
-    model_dir = Path(args.model)
-    if not model_dir.is_dir():
-        p.error(f"--model {model_dir}: not a directory")
-    name = args.model_name or model_dir.resolve().name
+    model_url, model_dir, name = _model_source(args, p)
+    budget = None
+    if args.shm_budget:
+        try:
+            budget = tinymodel.parse_size(args.shm_budget)
+        except ValueError as err:
+            p.error(f"--shm-budget: {err}")
+    if args.fetch_timeout_s <= 0 or args.fetch_retries < 0:
+        p.error("--fetch-timeout-s must be > 0 and --fetch-retries >= 0")
     for kind, value, flag in (("node", args.node, "--node"), ("model", name, "--model-name")):
         if not protocol.is_name(value):
             p.error(f"{kind} name {value!r} must match {protocol.NAME_PATTERN} (set {flag})")
@@ -115,9 +161,14 @@ def _settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> AgentSett
     if args.engine_start_timeout_s <= 0:
         p.error("--engine-start-timeout-s must be > 0")
     try:
-        loaders.choose(args.loader)
+        loaders.choose(args.loader, staging_dir=args.shm_dir)
     except LoaderUnavailable as err:
         p.error(str(err))
+    if args.loader in loaders.GPU_LOADERS and args.engine == "local":
+        p.error(
+            f"--loader {args.loader}: the local engine computes on the CPU (numpy) and cannot use weights in GPU "
+            "memory; use --loader host or auto (the GPU loaders are measured by `pulsescale bench activate --loader`)"
+        )
     faults = {}
     slot_names = AgentSettings(node=args.node, model_dir=model_dir, model_name=name, slots=args.slots).slot_names
     for item in args.fault:
@@ -154,11 +205,49 @@ def _settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> AgentSett
         ready_path=args.ready_path,
         engine_start_timeout_s=args.engine_start_timeout_s,
         log_dir=Path(args.log_dir) if args.log_dir else None,
+        image_source=Path(args.image) if args.image else None,
+        rootfs_dir=Path(args.rootfs_dir),
         faults=faults,
+        model_url=model_url,
+        shm_budget_bytes=budget,
+        fetch_timeout_s=args.fetch_timeout_s,
+        fetch_retries=args.fetch_retries,
     )
 
 
+def _model_source(args: argparse.Namespace, p: argparse.ArgumentParser) -> tuple[str | None, Path, str]:
+    """(URL or None, the model directory, the model's name): a URL's files land in the staged directory."""
+    if fetch.is_url(args.model):
+        name = args.model_name or urllib.parse.urlsplit(args.model).path.rstrip("/").rsplit("/", 1)[-1]
+        if not name:
+            p.error(f"--model {fetch.shown(args.model)}: give the model's name with --model-name")
+        return args.model, Path(args.shm_dir) / name, name
+    if "://" in args.model:
+        p.error(f"--model {args.model.split('://')[0]}://...: only http:// and https:// URLs are fetched")
+    model_dir = Path(args.model)
+    if not model_dir.is_dir():
+        p.error(f"--model {model_dir}: not a directory")
+    return None, model_dir, args.model_name or model_dir.resolve().name
+
+
+def _cleanup(argv: list[str], prog: str) -> int:
+    """`pulsescale agent --cleanup`: unmount our rootfs images, detach their loop devices, and exit."""
+    from nodeagent import rootfs
+
+    p = argparse.ArgumentParser(prog=f"{prog} --cleanup", description="Unmount this node's rootfs images and exit.")
+    p.add_argument("--cleanup", action="store_true")
+    p.add_argument("--rootfs-dir", default=str(AgentSettings(node="x", model_dir=Path("."), model_name="x").rootfs_dir))
+    args, _ = p.parse_known_args(argv)  # the rest of an agent command line may follow: it is not needed here
+    done = rootfs.cleanup(Path(args.rootfs_dir))
+    for line in done:
+        print(line)
+    print(f"cleanup: {len(done)} mount(s)/loop device(s) of {args.rootfs_dir} released")
+    return 0
+
+
 def run_agent(argv: list[str], prog: str) -> int:
+    if "--cleanup" in argv:
+        return _cleanup(argv, prog)
     p = _agent_parser(prog)
     args = p.parse_args(argv)
     settings = _settings(args, p)
@@ -209,6 +298,39 @@ def _make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Shown:
+    """A `progress.Progress` shown on stderr: a bar redrawn in place on a terminal (at most 10 times a second),
+    plain lines every 5 s or 10 % otherwise (a log, CI)."""
+
+    def __init__(self, what: str, total_bytes: int) -> None:
+        self.tty = sys.stderr.isatty()
+        self.last_fraction = 0.0
+        gate = progress.Gate(interval_s=0.1, step=1.0) if self.tty else progress.Gate()
+        self.p = progress.Progress(
+            total_bytes=total_bytes, started_at=time.monotonic(), what=what, on_due=self._show, gate=gate
+        )
+
+    def _show(self, p: progress.Progress, now: float) -> None:
+        self.last_fraction = p.fraction
+        if self.tty:
+            sys.stderr.write("\r\033[K" + progress.bar(p, now))
+        else:
+            sys.stderr.write(progress.describe(p, now) + "\n")
+        sys.stderr.flush()
+
+    def clear(self) -> None:
+        """Before a line of output, so it does not land on the bar."""
+        if self.tty:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+    def done(self) -> None:
+        self.clear()
+        if not self.tty and self.last_fraction >= 1.0:
+            return  # the last line said it all
+        print(progress.describe(self.p, time.monotonic()), file=sys.stderr, flush=True)
+
+
 def _verify(args: argparse.Namespace) -> int:
     """Check a model directory the way staging will, without staging it."""
     bad = 0
@@ -217,6 +339,8 @@ def _verify(args: argparse.Namespace) -> int:
     except BadModel as err:
         print(f"verify: {err}", file=sys.stderr)
         return 1
+    sizes = {name: Path(args.dir, name).stat().st_size if Path(args.dir, name).is_file() else 0 for name in sums}
+    shown = _Shown(f"verifying {args.dir}", sum(sizes.values()))
     for name, want in sorted(sums.items()):
         path = Path(args.dir, name)
         try:
@@ -224,17 +348,59 @@ def _verify(args: argparse.Namespace) -> int:
             with open(path, "rb") as f:
                 while chunk := f.read(8 * 2**20):
                     h.update(chunk)
+                    shown.p.add(len(chunk))
+            shown.clear()
             if h.hexdigest() != want:
                 raise BadWeights(name, "sha256 mismatch with the manifest")
             if name.endswith(".safetensors"):
                 hdr = safetensors_check.read_header(path)
-                print(f"ok    {name}: {len(hdr.tensors)} tensors, {hdr.data_bytes} bytes")
+                print(f"ok    {name}: {len(hdr.tensors)} tensors, {hdr.data_bytes} bytes", flush=True)
             else:
-                print(f"ok    {name}")
+                print(f"ok    {name}", flush=True)
         except (BadWeights, OSError) as err:
             bad += 1
-            print(f"BAD   {name}: {err}")
+            shown.clear()
+            print(f"BAD   {name}: {err}", flush=True)
+    shown.done()
     return 1 if bad else 0
+
+
+def _stage(args: argparse.Namespace) -> int:
+    """Stage a model (directory or URL) into shm as the agent does, with a progress bar: pre-stage a node before
+    its agent starts (the agent re-verifies and reuses it), or measure staging GB/s."""
+    from nodeagent import staging  # the staging imports only when staging
+
+    budget = None
+    try:
+        budget = tinymodel.parse_size(args.shm_budget) if args.shm_budget else None
+    except ValueError as err:
+        print(f"stage: --shm-budget: {err}", file=sys.stderr)
+        return 2
+    src = args.source
+    name = (
+        args.model_name or (urllib.parse.urlsplit(src).path if fetch.is_url(src) else src).rstrip("/").rsplit("/")[-1]
+    )
+    if not protocol.is_name(name):
+        print(f"stage: model name {name!r} must match {protocol.NAME_PATTERN} (set --model-name)", file=sys.stderr)
+        return 2
+    where = fetch.shown(src) if fetch.is_url(src) else src
+    shown = _Shown(f"staging {name} from {where}", 0)
+    try:
+        staged = staging.stage(src, args.shm_dir, name, threads=args.threads, budget_bytes=budget, progress=shown.p)
+    except (BadModel, BadWeights, StagingFailed) as err:
+        shown.clear()
+        print(f"stage: {err}", file=sys.stderr)
+        return 1
+    shown.clear()
+    staged.close()
+    how = "fetched" if staged.fetched else "copied"
+    rate = staged.written_bytes / staged.stage_s / 1e9 if staged.stage_s > 0 else 0.0
+    print(
+        f"staged {name} in {staged.dir}: {len(staged.files)} file(s), {staged.nbytes / 1e9:.3f} GB "
+        f"({staged.written_bytes / 1e9:.3f} GB {how} at {rate:.2f} GB/s, {staged.reused_bytes / 1e9:.3f} GB reused, "
+        f"{staged.hashed_bytes / 1e9:.3f} GB hashed) in {staged.stage_s:.2f} s"
+    )
+    return 0
 
 
 def model(argv: list[str], prog: str) -> int:
@@ -252,7 +418,20 @@ def model(argv: list[str], prog: str) -> int:
     mk.add_argument("--seed", type=int, default=0)
     ver = sub.add_parser("verify", help="check every file against sha256sums.txt and every safetensors header")
     ver.add_argument("dir")
+    st = sub.add_parser(
+        "stage",
+        help="stage a model (directory or http(s) URL) into shm as the agent does, with a progress bar",
+        description="Copy or download, verify and stage a model into shm, all or nothing, as the agent's prewarm "
+        "does; the agent then re-verifies and reuses it. Prints the GB/s.",
+    )
+    st.add_argument("source", metavar="DIR|URL")
+    st.add_argument("--shm-dir", default=str(AgentSettings(node="x", model_dir=Path("."), model_name="x").shm_dir))
+    st.add_argument("--model-name", help="the model's name (its directory under --shm-dir) [the source's name]")
+    st.add_argument("--shm-budget", metavar="SIZE", help="refuse beyond this much shm in --shm-dir [no budget]")
+    st.add_argument("--threads", type=int, default=2, help="files copied at once [2]")
     args = p.parse_args(argv)
     if args.cmd == "make-tiny":
         return _make_tiny(args)
+    if args.cmd == "stage":
+        return _stage(args)
     return _verify(args)

@@ -95,6 +95,24 @@ class AgentMetrics:
         self.staging_seconds = Gauge(
             "pulsescale_agent_staging_seconds", "Duration of the last staging (copy, verify, lock)", registry=registry
         )
+        self.staged_bytes_total = Counter(
+            "pulsescale_agent_staged_bytes_total",
+            "Bytes of weights files staged, by how: copied (from the model directory), fetched (downloaded from the "
+            "model URL), reused (already staged and verified: kept across a prewarm or an agent restart)",
+            ["how"],
+            registry=registry,
+        )
+        self.hashed_bytes_total = Counter(
+            "pulsescale_agent_hashed_bytes_total",
+            "Bytes read and hashed to verify staged weights (an agent restart re-verifies: hashed, not copied)",
+            registry=registry,
+        )
+        self.staging_refused = Counter(
+            "pulsescale_agent_staging_refused_total",
+            "Stages refused before writing anything, by reason: shm_budget (beyond --shm-budget)",
+            ["reason"],
+            registry=registry,
+        )
         self.loaded_bytes = Counter(
             "pulsescale_agent_loaded_bytes_total", "Bytes the loader moved into engine memory", registry=registry
         )

@@ -21,9 +21,10 @@ import contextlib
 import logging
 import time
 
-from nodeagent import modelformat, staging
+from nodeagent import fetch, modelformat, progress, staging
 from nodeagent.engine import local as local_engine
 from nodeagent.errors import ActivationRefused, describe
+from nodeagent.metrics import AgentMetrics
 from nodeagent.slot import REGISTRY_ERRORS, Slot, SlotKeeper
 from warmpool import protocol
 from warmpool.errors import InvalidTransition, StaleToken
@@ -43,6 +44,8 @@ class Prewarmer:
         self.locked: staging.LockedWeights | None = None
         """The staged weights' mappings, locked in memory where the limit allows."""
         self._running: asyncio.Task[None] | None = None
+        self.progress: progress.Progress | None = None
+        """The stage running now (bytes written of those to write), for the status; None between stages."""
         keeper.on_engine_exit = self._engine_exited
 
     async def register_all(self) -> None:
@@ -103,22 +106,46 @@ class Prewarmer:
             # previous set.
             staged = await asyncio.to_thread(
                 staging.stage,
-                s.model_dir,
+                s.model_source,
                 s.shm_dir,
                 s.model_name,
                 threads=s.stage_threads,
+                budget_bytes=s.shm_budget_bytes,
+                progress=self._progress(),
+                fetch_options=fetch.FetchOptions(timeout_s=s.fetch_timeout_s, retries=s.fetch_retries),
                 check=_check_model if s.engine == "local" else None,  # a server reads its own format
                 previous=previous,
             )
         except Exception as err:  # noqa: BLE001 - whatever it is, the slots must not stay `prewarming`
+            if isinstance(err, staging.ShmBudgetExceeded):
+                k.metrics.staging_refused.labels("shm_budget").inc()
             await self._staging_failed(targets, f"staging failed: {describe(err)}")
             return
+        finally:
+            self.progress = None
         k.staged = staged  # what the staged files on disk now are
+        _count_staged(k.metrics, staged)
         try:
             await self._lock_and_arm(staged, targets, t0)
         finally:
             if previous is not None:
                 previous.close(keep=staged)  # running zygotes hold their own copies of what they were given
+
+    def _progress(self) -> progress.Progress:
+        """A line in the log every `progress_interval_s` or 10 % of a stage's bytes; the fraction in the status."""
+        s = self.keeper.settings
+
+        def say(p: progress.Progress, now: float) -> None:
+            log.info("%s", progress.describe(p, now))  # from a staging thread: logging is thread-safe
+
+        self.progress = progress.Progress(
+            total_bytes=0,
+            started_at=time.monotonic(),
+            what=f"staging {s.model_name} from {fetch.shown(s.model_source) if s.model_url else s.model_source}",
+            on_due=say,
+            gate=progress.Gate(interval_s=s.progress_interval_s),
+        )
+        return self.progress
 
     async def _lock_and_arm(self, staged: staging.Staged, targets: list[Slot], t0: float) -> None:
         k, s = self.keeper, self.keeper.settings
@@ -141,11 +168,12 @@ class Prewarmer:
         m.locked_bytes.set(locked.locked_bytes)
         m.lock_refused.set(1 if locked.error else 0)
         log.info(
-            "staged %s: %d file(s), %.1f MiB (%.1f MiB copied, %.1f MiB read to verify) in %.2f s; %s",
+            "staged %s: %d file(s), %.1f MiB (%.1f MiB %s, %.1f MiB read to verify) in %.2f s; %s",
             s.model_name,
             len(staged.files),
             staged.nbytes / 2**20,
-            staged.copied_bytes / 2**20,
+            staged.written_bytes / 2**20,
+            "fetched" if staged.fetched else "copied",
             staged.hashed_bytes / 2**20,
             took,
             f"locked {locked.locked_bytes / 2**20:.1f} MiB" if locked.error is None else locked.error,
@@ -240,6 +268,14 @@ class Prewarmer:
                 return
             log.info("slot %s: failed while this agent was away (%s); warm again", slot.key, rec.reason)
             await k.set_state(slot, "warm", reason=None, weights_resident=True, claim_id=None, token=None)
+
+
+def _count_staged(m: AgentMetrics, staged: staging.Staged) -> None:
+    """Copied, fetched and reused bytes, and bytes hashed: an agent restart that finds its weights staged counts
+    them reused (and hashed, to re-verify), never copied or fetched."""
+    m.staged_bytes_total.labels("fetched" if staged.fetched else "copied").inc(staged.written_bytes)
+    m.staged_bytes_total.labels("reused").inc(staged.reused_bytes)
+    m.hashed_bytes_total.inc(staged.hashed_bytes)
 
 
 def _check_model(pending: staging.Staged) -> None:

@@ -78,6 +78,31 @@ class AgentSettings:
     log_dir: Path | None = None
     """Where standby servers' output is written (``<slot>.log``, 0600, in a 0700 directory the agent owns);
     None: ``<shm_dir>/.logs`` (tmpfs: the logs never wait on a disk; each is capped, `served.LOG_MAX_BYTES`)."""
+    # --- the EROFS rootfs (issue 9), `nodeagent.rootfs` ---
+    image_source: Path | None = None
+    """``--image``: a directory or an image tarball (docker save / OCI layout) the engines' Python and
+    site-packages come from, built into a read-only EROFS image; None: engines run from the node's own files."""
+    rootfs_dir: Path = Path("/var/lib/pulsescale/rootfs")
+    """Built images (``images/<sha256>.erofs``) and their mounts (``mnt/<sha256>``): on disk, not tmpfs, so a
+    built image outlives a reboot and costs no RAM beyond the page cache that serves it."""
+    rootfs_min_resident_pct: float = 99.0
+    """Below this share of the image's pages in the page cache a slot is warmed again before it is offered: at
+    99 % an activation's imports read (almost) nothing from disk."""
+    # --- staging at scale (issue 9): a URL source, the shm budget, progress ---
+    model_url: str | None = None
+    """Stage from this http(s) URL base (``<url>/sha256sums.txt``, ``<url>/<file>``: a P2P proxy such as Dragonfly,
+    an object store) instead of `model_dir`; downloads resume with Range requests (`nodeagent.fetch`). When set,
+    `model_dir` is the staged directory (the files land there)."""
+    shm_budget_bytes: int | None = None
+    """Most shm the staging directory may hold at the peak of a stage (the old version stays until the new one
+    verifies, so a changed model counts twice); a stage beyond it is refused, nothing evicted. None: bounded only
+    by /dev/shm's free space."""
+    fetch_timeout_s: float = 30.0
+    """Connect and per-read timeout of a download: a stalled proxy counts as a dropped connection (resumed)."""
+    fetch_retries: int = 5
+    """Attempts after the first per file, each resuming where the last stopped (backoff from 0.5 s to 8 s)."""
+    progress_interval_s: float = 5.0
+    """A staging progress line (bytes, MB/s, ETA) at most this often, or every 10 % of the bytes, in the log."""
     faults: Mapping[str, str] = field(default_factory=dict)
     """Test-only failpoints, slot name -> ``crash`` | ``hang`` | ``unhealthy`` | ``fail`` (see `zygote.FAULTS`)."""
 
@@ -88,6 +113,11 @@ class AgentSettings:
     @property
     def engine_log_dir(self) -> Path:
         return self.log_dir if self.log_dir is not None else self.shm_dir / ".logs"
+
+    @property
+    def model_source(self) -> str:
+        """What staging reads: the URL base when given, else the model directory."""
+        return self.model_url or str(self.model_dir)
 
     @property
     def endpoint_host(self) -> str:

@@ -566,7 +566,7 @@ def shm_use(shm_fd: int) -> dict[str, int]:
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def check_budget(use: dict[str, int], model: str, need: int, budget_bytes: int | None, where: Path) -> None:
@@ -575,8 +575,8 @@ def check_budget(use: dict[str, int], model: str, need: int, budget_bytes: int |
     if budget_bytes is None:
         return
     now = sum(use.values())
-    if now + need <= budget_bytes:
-        return
+    if need == 0 or now + need <= budget_bytes:
+        return  # nothing to add (a restart re-verifying what is staged): never refused
     held = ", ".join(
         f"{m} {_gib(b)}" + (" (the version staged now: kept until the new one verifies)" if m == model else "")
         for m, b in sorted(use.items(), key=lambda kv: -kv[1])
