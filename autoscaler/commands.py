@@ -415,6 +415,8 @@ class CommandService:
                     resident=r.weights_resident,
                     endpoint=r.endpoint,
                     reason=r.reason,
+                    engine=r.engine,
+                    engine_mode=r.engine_mode,
                 )
             )
             counts.setdefault(r.model, Counter())[r.state] += 1

@@ -353,9 +353,13 @@ def status(argv: list[str], prog: str) -> int:
 
 
 def format_pool(reply: PoolReply) -> str:
-    """Slots grouped by model, each group headed by its counts by state."""
+    """Slots grouped by model, each group headed by its counts by state. An ENGINE column (adapter/mode of the
+    last activation, revision 4) appears once any slot's agent reports one."""
     lines: list[str] = []
+    engines = any(s.engine for s in reply.slots)
     header: tuple[str, ...] = ("SLOT", "STATE", "NODE", "RACK", "AGENT", "RESIDENT", "ENDPOINT", "REASON")
+    if engines:
+        header = (*header[:6], "ENGINE", *header[6:])
     for model, by_state in reply.counts.items():
         total = sum(by_state.values())
         summary = ", ".join(f"{state} {n}" for state, n in by_state.items())
@@ -366,7 +370,10 @@ def format_pool(reply: PoolReply) -> str:
                 continue
             state = s.state + (" (drain)" if s.drain and s.state != "draining" else "")
             resident = "yes" if s.resident else "no"
-            table.append((s.key, state, s.node, s.rack or "-", s.agent, resident, s.endpoint or "-", s.reason or ""))
+            row: tuple[str, ...] = (s.key, state, s.node, s.rack or "-", s.agent, resident)
+            if engines:
+                row += ("/".join(x for x in (s.engine, s.engine_mode) if x) or "-",)
+            table.append((*row, s.endpoint or "-", s.reason or ""))
         widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
         lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1] for r in table]
         lines.append("")

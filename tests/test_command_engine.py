@@ -14,11 +14,16 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import pytest
 from nats.aio.client import Client
 
+from autoscaler import oncall
+from autoscaler.commands import CommandService
 from nodeagent import served
+from tests.helpers import ShiftedClock
 from tests.nodeagent_helpers import (  # noqa: F401
+    MODEL,
     NODE,
     activate,
     alive,
@@ -34,7 +39,10 @@ from tests.nodeagent_helpers import (  # noqa: F401
     wait_for,
     wait_state,
 )
+from tests.test_commands import ControlPlaneDouble, make_spec, send
+from tests.test_commands import request as cmd_request
 from warmpool.embedded import NatsServer
+from warmpool.protocol import PoolReply
 from warmpool.registry import KvSlotStore
 
 DOUBLE = Path(__file__).with_name("openai_server_double.py")
@@ -134,6 +142,17 @@ async def test_a_standby_server_is_warm_only_once_healthy_and_serves_resident_ac
             assert slot.engine.pid == pid and alive(pid)  # resident: the same process, still standing
         assert endpoints[0] == endpoints[1]
         assert (await wait_state(store, key("s0"), "warm")).engine_mode == "resident"  # the last activation's
+        # `pulsescale pool` (the autoscaler's command service, reading the registry) shows engine and mode.
+        svc = CommandService(nc, ControlPlaneDouble({MODEL: make_spec(MODEL)}), store, clock=ShiftedClock())
+        await svc.start()
+        try:
+            pool = msgspec.convert(await send(nc, "pool", cmd_request("pool")), PoolReply)
+        finally:
+            await svc.stop()
+        (row,) = pool.slots
+        assert (row.engine, row.engine_mode) == ("command", "resident")
+        table = oncall.format_pool(pool).splitlines()
+        assert table[1].split()[6] == "ENGINE" and table[2].split()[6] == "command/resident"
 
         st = agent.status().slots[0]
         assert st.log_path is not None

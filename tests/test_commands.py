@@ -278,6 +278,10 @@ async def test_pool_lists_slots_with_agent_freshness(nc: Client, service: Comman
         "resident": True,
         "endpoint": None,
         "reason": None,
+        "engine": None,
+        "engine_mode": None,
+        "rootfs_mounted": False,
+        "image_digest": None,
     }
     assert by_key["llama.old-0.s0"]["agent"] == "stale"
     only = await send(nc, "pool", request("pool", model="llama"))
