@@ -240,6 +240,7 @@ class Agent:
             unlocked=bool(locked and locked.error),
             slots=[x.status(k.store.record(x.key)) for x in chosen],
             uptime_s=round(time.time() - self.started_at, 1),
+            rootfs=self.prewarmer.rootfs.status(),
         )
 
     # --- shutdown --------------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import contextlib
 import logging
 import time
 
-from nodeagent import fetch, modelformat, progress, staging
+from nodeagent import fetch, modelformat, progress, rootfs, staging
 from nodeagent.engine import local as local_engine
 from nodeagent.errors import ActivationRefused, describe
 from nodeagent.metrics import AgentMetrics
@@ -33,6 +33,9 @@ from warmpool.protocol import PrewarmReply, SlotRecord, SlotState
 __all__ = ["Prewarmer"]
 
 log = logging.getLogger("pulsescale.agent")
+
+ROOTFS_RECHECK_S = 2.0
+"""A rootfs residency check this recent stands for the slots armed with it (one ``mincore`` walk, not one each)."""
 
 
 class Prewarmer:
@@ -47,6 +50,10 @@ class Prewarmer:
         self.progress: progress.Progress | None = None
         """The stage running now (bytes written of those to write), for the status; None between stages."""
         keeper.on_engine_exit = self._engine_exited
+        s = keeper.settings
+        self.rootfs = rootfs.RootfsStage(s.image_source, s.rootfs_dir, min_resident_pct=s.rootfs_min_resident_pct)
+        """The engines' EROFS rootfs (``--image``): built or found, mounted or reused, and warmed by the prewarm."""
+        self._rootfs_lock = asyncio.Lock()
 
     async def register_all(self) -> None:
         """Write every slot `prewarming` (start-up): visible at once, claimable only once `warm`."""
@@ -101,6 +108,7 @@ class Prewarmer:
                 slot.phase = "prewarming"
                 await k.set_state(slot, "prewarming", reason=None, weights_resident=False)
         t0 = time.perf_counter()
+        mounting = k.spawn(self.prepare_rootfs(), name="rootfs")  # alongside staging: both wait on disks
         try:
             # All or nothing: on failure the staged files, `staged` and the zygotes' specs stay on the complete
             # previous set.
@@ -124,6 +132,7 @@ class Prewarmer:
         finally:
             self.progress = None
         k.staged = staged  # what the staged files on disk now are
+        await mounting  # engines start from the rootfs: mounted (or said why not) before any is armed
         _count_staged(k.metrics, staged)
         try:
             await self._lock_and_arm(staged, targets, t0)
@@ -200,9 +209,46 @@ class Prewarmer:
                 await k.fail(slot, f"cannot arm the engine: {err}")
                 return
             slot.phase, slot.reason, slot.failures = "warm", None, 0
+            await self.rootfs_resident()  # offered only with its rootfs back in the page cache
             await k.set_state(
-                slot, "warm", reason=None, weights_resident=True, claim_id=None, token=None, engine=k.settings.engine
+                slot,
+                "warm",
+                reason=None,
+                weights_resident=True,
+                claim_id=None,
+                token=None,
+                engine=k.settings.engine,
+                **self.rootfs.record_fields(),
             )
+
+    # --- the rootfs --------------------------------------------------------------------------------------------------
+
+    async def prepare_rootfs(self) -> None:
+        """Build or find the image, mount or reuse it, warm it (`rootfs.RootfsStage.prepare`); a failure is the
+        stage's reason, said once, and the slots run without it."""
+        if self.rootfs.source is None:
+            return
+        async with self._rootfs_lock:
+            try:
+                await asyncio.to_thread(self.rootfs.prepare)
+            except Exception as err:  # noqa: BLE001 - a rootfs problem never keeps a slot from serving
+                self.rootfs.rootfs = None
+                self.rootfs.reason = f"rootfs stage failed: {describe(err)}"
+                log.error("%s", self.rootfs.reason)
+
+    async def rootfs_resident(self) -> None:
+        """Re-check the rootfs's residency before a slot is offered and re-warm it below the target; slots armed
+        together share one check (`ROOTFS_RECHECK_S`)."""
+        if not self.rootfs.mounted:
+            return
+        async with self._rootfs_lock:
+            checked = self.rootfs.checked_at
+            if checked is not None and time.time() - checked < ROOTFS_RECHECK_S:
+                return
+            try:
+                await asyncio.to_thread(self.rootfs.ensure_resident)
+            except OSError as err:
+                log.warning("rootfs: cannot check its page-cache residency: %s", err)
 
     def release(self) -> None:
         """Unlock and unmap the staged weights (shutdown); the staged files stay for the next start."""
@@ -254,7 +300,13 @@ class Prewarmer:
                 state = "warm" if slot.phase == "warm" else state
             with contextlib.suppress(*REGISTRY_ERRORS):
                 await k.store.register(
-                    k.fresh_record(slot, state, weights_resident=k.staged is not None, reason=slot.reason)
+                    k.fresh_record(
+                        slot,
+                        state,
+                        weights_resident=k.staged is not None,
+                        reason=slot.reason,
+                        **self.rootfs.record_fields(),
+                    )
                 )
 
     async def revive(self, slot: Slot) -> None:
@@ -267,7 +319,9 @@ class Prewarmer:
             if k.stopping or not slot.idle or rec is None or rec.state != "failed" or rec.claim_id is not None:
                 return
             log.info("slot %s: failed while this agent was away (%s); warm again", slot.key, rec.reason)
-            await k.set_state(slot, "warm", reason=None, weights_resident=True, claim_id=None, token=None)
+            await self.rootfs_resident()
+            fields = self.rootfs.record_fields()
+            await k.set_state(slot, "warm", reason=None, weights_resident=True, claim_id=None, token=None, **fields)
 
 
 def _count_staged(m: AgentMetrics, staged: staging.Staged) -> None:
