@@ -151,9 +151,10 @@ class _Zygote:
         if run_as is not None:
             drop_privileges(int(run_as[0]), int(run_as[1]))
             _die_with_parent(int(self.spec["parent_pid"]))  # a change of user clears the parent-death signal
+        note = self.loader.prepare(self.files)  # as the engine's user: limits and capabilities as it will have them
         gc.collect()
         gc.freeze()  # objects made so far are never touched by the collector: children share them untouched
-        emit({"ev": "armed", "pid": os.getpid(), "prepare_ms": (time.perf_counter() - t0) * 1e3})
+        emit({"ev": "armed", "pid": os.getpid(), "prepare_ms": (time.perf_counter() - t0) * 1e3, "loader_note": note})
 
     def start(self, cmd: dict[str, Any]) -> None:
         if self.child is not None:
