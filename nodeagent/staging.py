@@ -11,6 +11,15 @@ is verified and kept instead of copied again; one this agent verified itself and
 stage, files that are not in the manifest and ``.partial`` files of a killed copy are removed, so shm holds one
 version.
 
+Sources: a model directory on this node, or an http(s) URL base serving one (`fetch.UrlSource`: a P2P proxy such
+as Dragonfly, an object store). A download cut off keeps its ``.partial`` file, which the next stage (the same
+agent retrying, or a restarted one) continues with a Range request; the manifest's sha256 is checked end to end.
+
+Budget and progress: ``--shm-budget`` bounds what the staging directory holds at the peak of a stage (the old
+version stays until the new one verifies, so both count); a stage beyond it is refused before anything is
+written (`ShmBudgetExceeded`, which names what is staged, what is needed and the fix); nothing is evicted, so
+weights a slot serves from are never taken away. `progress.Progress` gets the bytes to write and each block.
+
 Ownership (the agent runs as root; ``/dev/shm`` is writable by every local user): ``<shm_dir>`` and
 ``<shm_dir>/<model>`` must be real directories owned by the agent, mode 0700 (made so when absent, tightened
 when the agent's own are looser, refused with `UnsafeStagingDir` when they are links or someone else's). All work

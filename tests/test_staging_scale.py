@@ -61,6 +61,8 @@ class Served:
     drop_after: dict[str, int] = field(default_factory=dict)
     no_range: bool = False
     status: dict[str, int] = field(default_factory=dict)
+    hold: dict[str, tuple[int, threading.Event]] = field(default_factory=dict)
+    """`name` -> (bytes, event): send that many bytes of the next GET, then wait for the event to send the rest."""
     requests: list[tuple[str, str, str | None]] = field(default_factory=list)
     sent: dict[str, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -120,6 +122,14 @@ def _handler(served: Served) -> type[http.server.BaseHTTPRequestHandler]:
                 return
             with served.lock:
                 cut = served.drop_after.pop(name, None) if self.command == "GET" else None
+                held = served.hold.pop(name, None) if self.command == "GET" else None
+            if held is not None:
+                self.wfile.write(part[: held[0]])
+                self.wfile.flush()
+                held[1].wait(30)
+                self.wfile.write(part[held[0] :])
+                served.sent[name] = served.sent.get(name, 0) + len(part)
+                return
             if cut is not None:
                 self.wfile.write(part[:cut])
                 self.wfile.flush()
@@ -446,6 +456,32 @@ async def test_the_agent_stages_from_a_url_and_reports_budget_and_bytes(
         assert status["progress"] is None  # not staging now
         fetched = registry.get_sample_value("pulsescale_agent_staged_bytes_total", {"how": "fetched"})
         assert fetched == agent.staged.nbytes  # type: ignore[union-attr]
+
+
+async def test_the_status_shows_the_progress_of_a_stage_while_it_runs(
+    nats_server: NatsServer, nc: Client, store: KvSlotStore, http_model: Served, model_dir: Path, shm_dir: Path
+) -> None:
+    shard = _shards(model_dir)[0]
+    release = threading.Event()
+    http_model.hold[shard] = (100_000, release)  # the proxy stalls a while after 100 kB of the first shard
+    cfg = settings(shm_dir / MODEL, shm_dir, nats_server.url, model_url=http_model.url)
+    try:
+        async with running_agent(cfg):
+            seen: list[float] = []
+
+            async def midway() -> bool:
+                fraction = (await request(nc, "status")).fields["weights"]["progress"]
+                if fraction is not None:
+                    seen.append(fraction)
+                return fraction is not None and fraction > 0
+
+            await wait_for(midway, 20, "a stage in progress in the status")
+            assert 0 < seen[-1] < 1
+            release.set()
+            await wait_state(store, key("s0"), "warm")
+            assert (await request(nc, "status")).fields["weights"]["progress"] is None
+    finally:
+        release.set()
 
 
 async def test_a_prewarm_over_budget_is_refused_and_the_serving_slot_keeps_serving(
