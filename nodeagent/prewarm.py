@@ -235,6 +235,7 @@ class Prewarmer:
                 self.rootfs.rootfs = None
                 self.rootfs.reason = f"rootfs stage failed: {describe(err)}"
                 log.error("%s", self.rootfs.reason)
+            self.keeper.rootfs = self.rootfs.rootfs  # standby servers run from it (`SlotKeeper.served_spec`)
 
     async def rootfs_resident(self) -> None:
         """Re-check the rootfs's residency before a slot is offered and re-warm it below the target; slots armed

@@ -492,6 +492,12 @@ class Rootfs:
         env["PYTHONDONTWRITEBYTECODE"] = "1"
         return env
 
+    def engine_env_extra(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """What `engine_env` changes in `base` (the agent's environment by default): the ``env`` of a standby
+        server's spec (`served.ServerSpec.env`), added to what it inherits."""
+        base = os.environ if base is None else base
+        return {k: v for k, v in self.engine_env(base).items() if base.get(k) != v}
+
     def expand(self, argv: list[str]) -> list[str]:
         """``{rootfs}`` in a command's arguments becomes the mountpoint."""
         return [a.replace("{rootfs}", str(self.mountpoint)) for a in argv]

@@ -25,7 +25,9 @@ equal); it raises `EngineFailed` (or anything: described as the reason) when the
 is the small HTTP client hooks can use. The slot's engine mode is ``wake`` when a wake hook ran and ``resident``
 otherwise. Placeholders of the command line (`PLACEHOLDERS`): ``{port}``, ``{host}``, ``{model_dir}`` (the
 ``--model`` directory as given: the server, running as the engine user, opens it by path), ``{staged_dir}`` (the
-agent's verified copy in shm, readable by the server only when the agent is not root), ``{model_name}``, ``{slot}``.
+agent's verified copy in shm, readable by the server only when the agent is not root), ``{model_name}``, ``{slot}``,
+``{rootfs}`` (the mounted ``--image``, `nodeagent.rootfs`; empty without one: its bin and site-packages are also put
+first on ``PATH``/``PYTHONPATH`` through the spec's env).
 
 Process hygiene: the server runs in its own session and process group (stopped as a group: SIGTERM, SIGKILL after
 `STOP_GRACE_S`), as the engine user with ``PR_SET_NO_NEW_PRIVS`` when the agent is root (`zygote.drop_privileges`,
@@ -76,7 +78,7 @@ log = logging.getLogger("pulsescale.agent.engine")
 Hook = Callable[[str, float], Awaitable[None]]
 """``async hook(endpoint, timeout_s)``: wake or sleep a standby server; raises when it refused."""
 
-PLACEHOLDERS: Final = ("port", "host", "model_dir", "staged_dir", "model_name", "slot")
+PLACEHOLDERS: Final = ("port", "host", "model_dir", "staged_dir", "model_name", "slot", "rootfs")
 STOP_GRACE_S: Final = 5.0
 """SIGTERM to the group, then SIGKILL after this long: a server flushing its logs or freeing a GPU needs a few
 seconds; one that ignores SIGTERM must not hold up a shutdown."""

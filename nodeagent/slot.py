@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import os
 import shlex
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -33,6 +35,7 @@ from nodeagent.engine import Started
 from nodeagent.errors import ActivationRefused, EngineFailed
 from nodeagent.forked import ForkedEngine
 from nodeagent.metrics import AgentMetrics
+from nodeagent.rootfs import Rootfs
 from nodeagent.served import ServedEngine, ServerSpec
 from nodeagent.settings import AgentSettings
 from warmpool import protocol, slots
@@ -202,6 +205,8 @@ class SlotKeeper:
         }
         self.staged: staging.Staged | None = None
         """The verified weights on disk now; zygotes are armed for them (`engine_spec`)."""
+        self.rootfs: Rootfs | None = None
+        """The mounted ``--image`` the standby servers run from (set by the prewarm's rootfs stage)."""
         self.staging_error: str | None = None
         self.stopping = False
         self.on_engine_exit: Callable[[Slot, str], None] | None = None
@@ -338,13 +343,22 @@ class SlotKeeper:
             )
         return None
 
+    def served_spec(self, staged: staging.Staged) -> ServerSpec | None:
+        """`server_spec`, run from the rootfs when one is mounted: its ``bin`` and site-packages first on
+        ``PATH``/``PYTHONPATH`` (`rootfs.Rootfs.engine_env`); a new image is a new spec, so the server restarts."""
+        spec = self.server_spec(staged)
+        if spec is None or self.rootfs is None:
+            return spec
+        extra = self.rootfs.engine_env_extra({**os.environ, **spec.env})
+        return dataclasses.replace(spec, env={**spec.env, **extra})
+
     def _new_engine(self, slot: Slot, staged: staging.Staged) -> SlotEngine:
         s = self.settings
 
         def on_exit(reason: str) -> None:
             self._engine_exited(slot, reason)
 
-        server = self.server_spec(staged)
+        server = self.served_spec(staged)
         if server is None:
             return ForkedEngine(
                 self.engine_spec(slot, staged),
@@ -358,6 +372,7 @@ class SlotKeeper:
             "staged_dir": str(staged.dir),
             "model_name": s.model_name,
             "slot": slot.name,
+            "rootfs": str(self.rootfs.mountpoint) if self.rootfs is not None else "",
         }
         return ServedEngine(
             server,
@@ -371,7 +386,7 @@ class SlotKeeper:
         )
 
     def _wanted_spec(self, slot: Slot, staged: staging.Staged) -> Any:
-        server = self.server_spec(staged)
+        server = self.served_spec(staged)
         return server if server is not None else self.engine_spec(slot, staged)
 
     def needs_arming(self, slot: Slot, staged: staging.Staged) -> bool:

@@ -12,9 +12,13 @@ import hashlib
 import io
 import json
 import os
+import secrets
+import shlex
+import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,6 +28,9 @@ from nats.aio.client import Client
 
 from nodeagent import pagecache, rootfs
 from tests.nodeagent_helpers import (  # noqa: F401
+    activate,
+    completion,
+    deactivate,
     key,
     model_dir_fixture,
     request,
@@ -436,6 +443,83 @@ async def test_the_agent_mounts_the_image_records_it_on_its_slots_and_reuses_it_
         assert stage.rootfs is not None and stage.rootfs.reused
         assert (stage.mounts_reused, stage.images_built) == (1, 0)  # counted, not timed
     assert len(rootfs.ours(rootfs_dir)) == 1
+
+
+SERVE = """\
+import os, runpy, sys
+import mymod  # from the image's site-packages (PYTHONPATH), not from the node
+print("mymod", mymod.answer(), mymod.__file__, flush=True)
+here = os.path.dirname(os.path.abspath(__file__))
+sys.argv[0] = os.path.join(here, "openai_server_double.py")
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def _proc(pid: int, what: str) -> list[bytes]:
+    """A NUL-separated /proc/<pid> file (cmdline, environ), as the kernel has it."""
+    return Path(f"/proc/{pid}/{what}").read_bytes().split(b"\0")
+
+
+@pytest.fixture(name="open_rootfs_dir")
+def open_rootfs_dir_fixture() -> Iterator[Path]:
+    """A rootfs dir the engine user (nobody) can reach: tmp_path is under root's 0700 pytest directory."""
+    d = Path(tempfile.mkdtemp(prefix="pulsescale-rootfs-test-", dir="/var/tmp"))
+    os.chmod(d, 0o755)
+    try:
+        yield d
+    finally:
+        _force_clean(d)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@needs_erofs
+async def test_a_command_engine_runs_its_script_and_packages_from_the_image(
+    nats_server: NatsServer,
+    nc: Client,
+    store: KvSlotStore,
+    model_dir: Path,
+    shm_dir: Path,
+    app_dir: Path,
+    open_rootfs_dir: Path,
+) -> None:
+    from tests import test_command_engine as cmd_tests
+
+    shutil.copy(cmd_tests.DOUBLE, app_dir / "app" / "openai_server_double.py")
+    (app_dir / "app" / "serve.py").write_text(SERVE)
+    marker = f"m{secrets.token_hex(4)}"
+    argv = [cmd_tests._python(), "{rootfs}/app/serve.py", "--host", "{host}", "--port", "{port}", "--model", marker]
+    cfg = settings(
+        model_dir,
+        shm_dir,
+        nats_server.url,
+        engine="command",
+        engine_cmd=shlex.join(argv),
+        image_source=app_dir,
+        rootfs_dir=open_rootfs_dir,
+    )
+    async with cmd_tests.no_leftovers(marker), running_agent(cfg) as (agent, _):
+        rec = await wait_state(store, key("s0"), "warm")
+        stage = agent.prewarmer.rootfs
+        assert stage.rootfs is not None
+        mnt = stage.rootfs.mountpoint
+        assert rec.rootfs_mounted and rec.image_digest == stage.digest and rec.engine == "command"
+        engine = agent.slots["s0"].engine
+        pid = getattr(engine, "pid", None)
+        assert pid is not None
+        cmdline = _proc(pid, "cmdline")
+        assert cmdline[1] == str(mnt / "app/serve.py").encode()  # {rootfs} filled in
+        environ = dict(kv.split(b"=", 1) for kv in _proc(pid, "environ") if b"=" in kv)
+        assert environ[b"PYTHONPATH"].split(b":")[0] == str(mnt / "site-packages").encode()
+        assert environ[b"PATH"].split(b":")[0] == str(mnt / "bin").encode()
+        tail = agent.status().slots[0].log_tail
+        assert f"mymod 42 {mnt}/site-packages/mymod/__init__.py" in tail, tail
+
+        claim = await store.claim_slot(key("s0"))
+        reply = await activate(nc, claim)
+        assert reply.ok, reply.error
+        out = await completion(reply.fields["endpoint"])
+        assert out["choices"][0]["text"] == f" pid{pid}"  # type: ignore[index]
+        assert (await deactivate(nc, claim)).ok
 
 
 async def test_an_agent_that_cannot_mount_says_why_and_its_slots_still_serve(
