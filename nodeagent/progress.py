@@ -62,7 +62,7 @@ class Progress:
     @property
     def fraction(self) -> float:
         if self.total_bytes <= 0:
-            return 1.0
+            return 0.0  # not known yet (the sizes are being asked for), or nothing to write
         return max(0.0, min(1.0, self.done_bytes / self.total_bytes))
 
     def rate(self, now: float) -> float:

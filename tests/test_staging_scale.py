@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 from nats.aio.client import Client
+from nats.errors import NoRespondersError
 from prometheus_client.parser import text_string_to_metric_families
 
 from nodeagent import fetch, modelformat, progress, staging
@@ -470,7 +471,11 @@ async def test_the_status_shows_the_progress_of_a_stage_while_it_runs(
             seen: list[float] = []
 
             async def midway() -> bool:
-                fraction = (await request(nc, "status")).fields["weights"]["progress"]
+                try:
+                    reply = await request(nc, "status", timeout_s=2)
+                except NoRespondersError:
+                    return False  # not subscribed yet
+                fraction = reply.fields["weights"]["progress"]
                 if fraction is not None:
                     seen.append(fraction)
                 return fraction is not None and fraction > 0
