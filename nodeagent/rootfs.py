@@ -636,6 +636,9 @@ class RootfsStage:
             mounted=r is not None,
             resident_pct=None if self.resident_pct is None else round(self.resident_pct, 2),
             reason=self.reason,
+            images_built=self.images_built,
+            mounts_reused=self.mounts_reused,
+            rewarms=self.rewarms,
         )
 
     def _say(self, reason: str) -> None:

@@ -442,6 +442,8 @@ async def test_the_agent_mounts_the_image_records_it_on_its_slots_and_reuses_it_
         assert rec.rootfs_mounted and rec.image_digest == digest
         assert stage.rootfs is not None and stage.rootfs.reused
         assert (stage.mounts_reused, stage.images_built) == (1, 0)  # counted, not timed
+        st = agent.status().rootfs  # and said on the wire, where an SRE reads it
+        assert st is not None and (st.mounts_reused, st.images_built, st.rewarms) == (1, 0, 0)
     assert len(rootfs.ours(rootfs_dir)) == 1
 
 

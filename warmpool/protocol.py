@@ -876,6 +876,12 @@ class RootfsStatus(msgspec.Struct, kw_only=True):
     """Share of the image's file pages in the page cache (``mincore``), 0-100, at the last check."""
     reason: str | None = None
     """Why the rootfs stage was skipped or failed (no root, no erofs-utils, no kernel EROFS support, ...)."""
+    images_built: Count = 0
+    """Images this agent process built (0 after a restart that found its image: restart reuse, by counter)."""
+    mounts_reused: Count = 0
+    """Mounts found in place and reused rather than mounted again."""
+    rewarms: Count = 0
+    """Times the residency re-check found pages dropped and read the image back in."""
 
 
 class AgentSlotStatus(msgspec.Struct, kw_only=True):
