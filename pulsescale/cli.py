@@ -44,7 +44,7 @@ COMMANDS: dict[str, Command] = {
     "undrain": Command("autoscaler.oncall:undrain", "offer a drained node's slots again", "on-call"),
     "apply": Command("autoscaler.oncall:apply", "write a ScaledObject YAML to the registry (no Kubernetes)", "config"),
     "slots": Command("warmpool.cli:slots", "list slots straight from the registry", "config"),
-    "model": Command("nodeagent.cli:model", "model tools: make-tiny (test weights), verify", "config"),
+    "model": Command("nodeagent.cli:model", "model tools: make-tiny (test weights), verify, stage", "config"),
     "bench": Command("pulsescale.cli:bench", "benchmarks: claims, decide, activate", "benchmarks"),
 }
 
