@@ -18,7 +18,7 @@ from pathlib import Path
 from nodeagent import fetch, modelformat, progress, served, tinymodel
 from nodeagent.engine import ENGINES, loaders, safetensors_check
 from nodeagent.engine.zygote import FAULTS
-from nodeagent.errors import BadModel, BadWeights, LoaderUnavailable, StagingFailed
+from nodeagent.errors import BadModel, BadWeights, EngineFailed, LoaderUnavailable, StagingFailed
 from nodeagent.settings import AgentSettings
 from warmpool import connect as nats_connect
 from warmpool import protocol
@@ -113,6 +113,14 @@ def _agent_parser(prog: str) -> argparse.ArgumentParser:
         default=d.engine_start_timeout_s,
         help=f"standby server start to healthy, else the slot fails [{d.engine_start_timeout_s:g}]",
     )
+    p.add_argument("--vllm-args", default="", metavar="ARGS", help="vllm engine: extra server arguments ['']")
+    p.add_argument(
+        "--vllm-sleep-mode",
+        default=d.vllm_sleep_mode,
+        choices=("auto", "on", "off"),
+        help="vllm engine: sleep standbys and wake them on activation (auto: where vLLM has sleep mode, a CUDA "
+        f"build on an NVIDIA node; resident on CPU) [{d.vllm_sleep_mode}]",
+    )
     p.add_argument("--log-dir", help="where standby servers' logs go (0700, agent-owned) [<shm-dir>/.logs]")
     p.add_argument(
         "--image",
@@ -146,7 +154,18 @@ def _settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> AgentSett
     if args.slots < 1:
         p.error("--slots must be >= 1")
     if args.engine == "vllm":
-        p.error(f"engine {args.engine!r} is not built yet in this version; use --engine local or command")
+        from nodeagent import vllm  # no vLLM import: its distribution and the node's GPU, looked up
+
+        try:
+            vllm.server_spec(
+                engine_user=args.engine_user,
+                extra_args=args.vllm_args,
+                sleep_mode=args.vllm_sleep_mode,
+                health_timeout_s=args.engine_start_timeout_s,
+                version="",
+            )
+        except EngineFailed as err:
+            p.error(f"--engine vllm: {err.reason}")
     if args.engine == "command":
         if not args.engine_cmd:
             p.error("--engine command needs --engine-cmd 'SERVER COMMAND LINE' (e.g. 'my-server --port {port}')")
@@ -204,6 +223,8 @@ def _settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> AgentSett
         engine_cmd=args.engine_cmd,
         ready_path=args.ready_path,
         engine_start_timeout_s=args.engine_start_timeout_s,
+        vllm_args=args.vllm_args,
+        vllm_sleep_mode=args.vllm_sleep_mode,
         log_dir=Path(args.log_dir) if args.log_dir else None,
         image_source=Path(args.image) if args.image else None,
         rootfs_dir=Path(args.rootfs_dir),
@@ -280,7 +301,23 @@ def run_agent(argv: list[str], prog: str) -> int:
 # --- pulsescale model ------------------------------------------------------------------------------------------------
 
 
+def _make_tiny_hf(args: argparse.Namespace) -> int:
+    from nodeagent import hfmodel
+
+    t0 = time.perf_counter()
+    cfg = hfmodel.make_tiny_hf(args.dir, seed=args.seed)
+    nbytes = Path(args.dir, hfmodel.WEIGHTS_FILE).stat().st_size
+    print(
+        f"wrote {args.dir}: a {cfg['num_hidden_layers']}-layer Llama (hidden {cfg['hidden_size']}, head_dim "
+        f"{cfg['head_dim']}, vocab {cfg['vocab_size']}), {nbytes / 1e6:.1f} MB of F32 weights in "
+        f"{hfmodel.WEIGHTS_FILE} + tokenizer + {modelformat.MANIFEST_FILE} in {time.perf_counter() - t0:.1f} s"
+    )
+    return 0
+
+
 def _make_tiny(args: argparse.Namespace) -> int:
+    if args.format == "hf":
+        return _make_tiny_hf(args)
     try:
         size = tinymodel.parse_size(args.size)
         shard = tinymodel.parse_size(args.shard_size)
@@ -416,6 +453,13 @@ def model(argv: list[str], prog: str) -> int:
     mk.add_argument("--size", default="64MB", help="about this many bytes of weights [64MB]")
     mk.add_argument("--shard-size", default="512MiB", help="largest weights file [512MiB]")
     mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument(
+        "--format",
+        choices=("tiny", "hf"),
+        default="tiny",
+        help="tiny: the local engine's model (--size applies); hf: a tiny Llama in the Hugging Face layout with a "
+        "locally trained BPE tokenizer, for the vllm and command engines (nothing downloaded) [tiny]",
+    )
     ver = sub.add_parser("verify", help="check every file against sha256sums.txt and every safetensors header")
     ver.add_argument("dir")
     st = sub.add_parser(

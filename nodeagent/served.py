@@ -91,6 +91,8 @@ LOG_TAIL_LINES: Final = 20
 _LOG_LINE_CHARS: Final = 400
 _POLL_S: Final = (0.05, 0.1, 0.2, 0.5)
 """Health retry pauses while a server starts: servers take seconds to minutes, so polling faster buys nothing."""
+_EXIT_POLL_S: Final = 0.1
+"""How often a server's return code is looked at while its children still hold its output pipe."""
 _ENV_DROPPED: Final = ("NATS_", "PULSESCALE_")
 """Agent environment not passed to servers: NATS credentials and the agent's own settings are not theirs."""
 _PR_SET_PDEATHSIG: Final = 1
@@ -479,7 +481,15 @@ class ServedEngine:
                 await asyncio.wait_for(asyncio.shield(self._pump), 1.0)
 
     async def _wait(self, proc: asyncio.subprocess.Process) -> None:
-        rc = await proc.wait()
+        # `proc.wait()` (Python 3.11) returns only once the output pipe is closed too, and children left in the
+        # server's group hold it open (vLLM's engine core outlives a killed API server): watch the return code,
+        # which is set when the server itself is reaped, and take its group down with it.
+        waiter = asyncio.ensure_future(proc.wait())
+        while not waiter.done() and proc.returncode is None:
+            await asyncio.wait({waiter}, timeout=_EXIT_POLL_S)
+        if not waiter.done():
+            _killpg(proc.pid, signal.SIGKILL)
+        rc = await waiter
         if self.log is not None:
             self.log.note(f"server {proc.pid} {_describe_rc(rc)}")
         if self._closing or proc is not self._proc or not self._healthy:

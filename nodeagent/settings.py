@@ -78,6 +78,11 @@ class AgentSettings:
     log_dir: Path | None = None
     """Where standby servers' output is written (``<slot>.log``, 0600, in a 0700 directory the agent owns);
     None: ``<shm_dir>/.logs`` (tmpfs: the logs never wait on a disk; each is capped, `served.LOG_MAX_BYTES`)."""
+    vllm_args: str = ""
+    """Extra arguments for each vLLM standby server (shlex-split), e.g. ``--max-model-len 4096``."""
+    vllm_sleep_mode: str = "auto"
+    """``auto``: sleep/wake standbys where vLLM has sleep mode (a CUDA build on an NVIDIA node), resident
+    elsewhere (vLLM's CPU platform refuses it); ``on``/``off`` force it (`nodeagent.vllm`)."""
     # --- the EROFS rootfs (issue 9), `nodeagent.rootfs` ---
     image_source: Path | None = None
     """``--image``: a directory or an image tarball (docker save / OCI layout) the engines' Python and

@@ -30,7 +30,7 @@ from typing import Any, Literal, Protocol
 import msgspec
 import nats.errors
 
-from nodeagent import staging
+from nodeagent import staging, vllm
 from nodeagent.engine import Started
 from nodeagent.errors import ActivationRefused, EngineFailed
 from nodeagent.forked import ForkedEngine
@@ -339,6 +339,14 @@ class SlotKeeper:
                 ready_path=s.ready_path,
                 health_timeout_s=s.engine_start_timeout_s,
                 engine_user=s.engine_user,
+                version=staged.version,
+            )
+        if s.engine == "vllm":
+            return vllm.server_spec(
+                engine_user=s.engine_user,
+                extra_args=s.vllm_args,
+                sleep_mode=s.vllm_sleep_mode,
+                health_timeout_s=s.engine_start_timeout_s,
                 version=staged.version,
             )
         return None
