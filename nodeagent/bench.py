@@ -362,6 +362,10 @@ def _bench_loader(args: argparse.Namespace, sizes: list[int]) -> int:
 
 
 def activate(argv: list[str], prog: str) -> int:
+    if "--engine" in argv or any(a.startswith("--engine=") for a in argv):  # --engine vllm: its own bench
+        from nodeagent import bench_vllm
+
+        return bench_vllm.activate(argv, prog)
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="1GB", help="model size for make-tiny [1GB]")
     p.add_argument("--model", help="use this model directory instead of writing one")
