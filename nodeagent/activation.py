@@ -67,7 +67,8 @@ class Activator:
         except ActivationRefused as err:
             self.keeper.metrics.activations.labels("refused").inc()
             message = self._masked(str(err), req.slot, req.claim_id)
-            log.info("activate %s refused: %s: %s", req.slot, err.code, message)
+            # The log never holds a claim id, not even the asker's own (the asker may be its holder).
+            log.info("activate %s refused: %s: %s", req.slot, err.code, message.replace(req.claim_id, "<claim>"))
             return protocol.refusal(ActivateReply, err.code, message, slot=req.slot)
         return reply
 
@@ -154,7 +155,7 @@ class Activator:
         # Verified by the registry: only now may this token raise the bar or displace an engine.
         slot.highest_token = max(slot.highest_token, req.token)
         if active is not None:  # an engine serving an older claim that lost the slot: a fenced zombie
-            await k.stop_engine(slot, f"superseded by claim {req.claim_id} (token {req.token})")
+            await k.stop_engine(slot, f"superseded by the claim with token {req.token}")
         t_token = time.perf_counter()
         slot.phase = "active"
         stage = "engine"
@@ -219,10 +220,9 @@ class Activator:
         m.loaded_bytes.inc(started.loaded_bytes)
         k.refresh_gauges()
         log.info(
-            "slot %s ready at %s under claim %s (token %d) in %.1f ms (load %.1f ms)",
+            "slot %s ready at %s under token %d in %.1f ms (load %.1f ms)",
             slot.key,
             started.endpoint,
-            req.claim_id,
             req.token,
             timings.total_ms,
             timings.load_ms,
@@ -345,11 +345,11 @@ class Activator:
                 raise ActivationRefused("stale_token", str(err)) from None
             slot.highest_token = max(slot.highest_token, req.token)
             if slot.active is not None:
-                await k.stop_engine(slot, f"its slot was released by claim {claim.claim_id}")
+                await k.stop_engine(slot, f"its slot was released by the claim with token {claim.token}")
             note = "released"
         elif held:
             if active is not None and active.token == req.token:  # ours, but the registry moved on: a zombie
-                await k.stop_engine(slot, f"its claim {active.claim_id} no longer holds the slot")
+                await k.stop_engine(slot, f"its claim (token {active.token}) no longer holds the slot")
             newer = (rec.token or rev) > req.token
             raise ActivationRefused(
                 "stale_token" if newer else "foreign_claim",
@@ -372,5 +372,7 @@ class Activator:
             active, hit = slot.active, self.keeper.record(slot)
             if active is None or hit is None or hit[0].claim_id == active.claim_id:
                 return
-            await self.keeper.stop_engine(slot, f"claim {active.claim_id} was released or superseded in the registry")
+            await self.keeper.stop_engine(
+                slot, f"its claim (token {active.token}) was released or superseded in the registry"
+            )
             await self.keeper.rearm(slot)

@@ -13,8 +13,9 @@ stopped and the slots marked `failed` with the reason.
 - `prewarm.Prewarmer`: stage, lock and arm, and keep slots warm (recover, restore, revive);
 - `slot.SlotKeeper`: the slots themselves and the agent-side moves both of those make;
 - and here what is left: the heartbeat, the watch (fencing from the registry side: an engine whose claim moved
-  on is stopped; a deleted record is written again; an idle slot failed while the lease had lapsed is revived),
-  the status, shutdown, and the HTTP server (``/metrics``, ``/healthz``, ``/status``).
+  on is stopped; a deleted record is written again; an idle slot failed while the lease had lapsed is revived;
+  a record under this node's keys for its model that is not one of its slots is deleted), the liveness probe of
+  serving engines, the status, shutdown, and the HTTP server (``/metrics``, ``/healthz``, ``/status``).
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ from nodeagent.engine import loaders
 from nodeagent.metrics import AgentMetrics
 from nodeagent.prewarm import Prewarmer
 from nodeagent.requests import Requests
+from nodeagent.served import ServedEngine
 from nodeagent.settings import AgentSettings
-from nodeagent.slot import REGISTRY_ERRORS, Slot, SlotKeeper
+from nodeagent.slot import REGISTRY_ERRORS, Active, Slot, SlotKeeper
 from warmpool import connect as nats_connect
 from warmpool import protocol
 from warmpool.errors import InvalidTransition, PulsescaleError, SlotNotFound, StaleToken
@@ -47,6 +49,9 @@ from warmpool.registry import Changed, KvSlotStore, Removed, Snapshot
 __all__ = ["Agent", "run"]
 
 log = logging.getLogger("pulsescale.agent")
+
+SWEEP_TIMEOUT_S = 10.0
+"""Listing this node's keys at start (one filtered watch): a few records normally, read in milliseconds."""
 
 
 class Agent:
@@ -88,6 +93,9 @@ class Agent:
         """Slots whose rewritten record is being written back (one task per slot)."""
         self._tamper_logged: dict[str, str] = {}
         """Slot -> the claim under which a rewrite was last logged (logged once per claim)."""
+        self._foreign: set[str] = set()
+        """Keys under this node (for its model) that are not its slots, being deleted."""
+        self._foreign_logged = False
         self.metrics_port: int | None = None
         """Where ``/metrics`` and ``/status`` are served, once they are (None: not served)."""
         self.started_at = time.time()
@@ -140,11 +148,13 @@ class Agent:
         async for event in self.store.watch():
             if isinstance(event, Snapshot):
                 changed = list(event.records.items())
+                self.remove_foreign(list(event.records))
                 for slot in self.slots.values():
                     if slot.key not in event.records:
                         k.spawn(self.prewarmer.restore(slot), name=f"restore-{slot.name}")
             elif isinstance(event, Changed):
                 changed = [(event.key, event.record)]
+                self.remove_foreign([event.key])
             elif isinstance(event, Removed):
                 if (gone := k.by_key(event.key)) is not None:
                     k.spawn(self.prewarmer.restore(gone), name=f"restore-{gone.name}")
@@ -155,6 +165,128 @@ class Agent:
                 mine = k.by_key(key)
                 if mine is not None:
                     self._reconcile(mine, rec)
+
+    # --- records that are not ours ----------------------------------------------------------------------------------
+
+    def _is_foreign(self, key: str) -> bool:
+        """`key` is under this node for this agent's model (``<model>.<node>.*``) and is none of its slots."""
+        s = self.settings
+        return key.split(".")[:2] == [s.model_name, s.node] and self.keeper.by_key(key) is None
+
+    def remove_foreign(self, keys: list[str]) -> None:
+        """Delete the records among `keys` that are `_is_foreign`: whoever wrote them holds this node's permissions
+        (a compromised or confused agent user), and the autoscaler would try each in vain at every scale-up."""
+        for key in keys:
+            if self._is_foreign(key) and key not in self._foreign:
+                self._foreign.add(key)
+                self.keeper.spawn(self._remove_foreign(key), name=f"remove-foreign-{key}")
+
+    async def _remove_foreign(self, key: str) -> None:
+        try:
+            await self.store.unregister(key)
+        except REGISTRY_ERRORS as err:
+            log.warning("cannot delete %s (not a slot of this agent): %s", key, err)
+            return
+        finally:
+            self._foreign.discard(key)
+        self.metrics.foreign_records.inc()
+        if not self._foreign_logged:  # once: a flood of them is the metric's to show, not the log's
+            self._foreign_logged = True
+            log.warning(
+                "deleted %s: a record under node %s for model %s that is not one of its slots (%s); "
+                "further ones are deleted and counted (pulsescale_agent_foreign_records_removed_total), not logged",
+                key,
+                self.settings.node,
+                self.settings.model_name,
+                ", ".join(self.slots),
+            )
+
+    async def sweep_foreign(self) -> None:
+        """At start: every key under this node for its model, read from the bucket itself (a record the registry
+        view refuses to decode is still a key the autoscaler lists), and those not ours deleted."""
+        s = self.settings
+        keys = []
+        try:
+            kv = await self.nc.jetstream().key_value(protocol.SLOTS_BUCKET)
+            # A watch filtered by the server (nats-py's `keys(filters=)` lists every key and matches substrings).
+            watcher = await kv.watch(f"{s.model_name}.{s.node}.>", ignore_deletes=True, meta_only=True)
+            try:
+                async with asyncio.timeout(SWEEP_TIMEOUT_S):
+                    while (entry := await watcher.updates(timeout=SWEEP_TIMEOUT_S)) is not None:
+                        keys.append(entry.key)
+            finally:
+                with contextlib.suppress(*REGISTRY_ERRORS):
+                    await watcher.stop()
+        except REGISTRY_ERRORS as err:
+            log.warning("cannot list this node's keys to remove those not its own: %s", err)
+        foreign = [k for k in keys if self._is_foreign(k)]
+        if foreign:
+            log.warning("%d record(s) under node %s are not its slots; deleting them", len(foreign), s.node)
+        self.remove_foreign(foreign)
+
+    # --- liveness of serving engines ------------------------------------------------------------------------------
+
+    async def liveness_loop(self) -> None:
+        """``GET /health`` of every serving engine every `engine_probe_interval_s`; after `engine_probe_failures`
+        failures in a row under the same claim the engine is stopped and its claim failed (`_unresponsive`). A
+        process exit is noticed at once by its adapter; this is for one that is alive and does not answer (stopped
+        with SIGSTOP by another process of the engine user, or wedged). Off the activation path: only slots that
+        are `ready` under a claim are probed, and a slot whose lock is held (deactivating) is skipped."""
+        s = self.settings
+        misses: dict[str, tuple[Active, int]] = {}
+        while True:
+            await asyncio.sleep(s.engine_probe_interval_s)
+            serving = [(x, x.active) for x in self.slots.values() if x.active is not None and not x.lock.locked()]
+            results = await asyncio.gather(*(self._probe(a.started.endpoint) for _, a in serving))
+            for (slot, active), why in zip(serving, results, strict=True):
+                if why is None or slot.active is not active:
+                    misses.pop(slot.name, None)
+                    continue
+                prev = misses.get(slot.name)
+                n = prev[1] + 1 if prev is not None and prev[0] is active else 1
+                misses[slot.name] = (active, n)
+                if n >= s.engine_probe_failures:
+                    misses.pop(slot.name, None)
+                    reason = f"engine unresponsive: {n} liveness probes in a row failed, last: {why}"
+                    self.keeper.spawn(self._unresponsive(slot, active, reason), name=f"unresponsive-{slot.name}")
+
+    async def _probe(self, endpoint: str) -> str | None:
+        """Why `endpoint` is not alive (None: it answered 200 in time)."""
+        timeout_s = self.settings.engine_probe_timeout_s
+        try:
+            async with self.activator.session.get(
+                f"{endpoint}/health", timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as r:
+                return None if r.status == 200 else f"/health answered {r.status}"
+        except TimeoutError:
+            return f"/health did not answer within {timeout_s * 1e3:.0f} ms"
+        except aiohttp.ClientError as err:
+            return f"/health: {type(err).__name__}: {err}"
+
+    async def _unresponsive(self, slot: Slot, active: Active, reason: str) -> None:
+        """Stop an engine that stopped answering, fail its claim (released: the autoscaler replaces the replica),
+        then re-arm the slot, bounded by its failures in a row as after an engine death."""
+        k = self.keeper
+        async with slot.held("stopping an unresponsive engine"):
+            if slot.active is not active:
+                return  # deactivated or fenced meanwhile
+            log.warning("slot %s: %s; stopping it (token %d)", slot.key, reason, active.token)
+            k.metrics.engines_unresponsive.inc()
+            slot.active = None
+            engine = slot.engine
+            if isinstance(engine, ServedEngine):
+                await engine.reset()  # killed without its sleep hook (it would wait on the wedged server)
+            elif engine is not None:
+                await engine.stop()  # SIGTERM, then SIGKILL: a stopped process cannot ignore that
+            slot.failures += 1
+            slot.phase, slot.reason = "failed", reason
+            with contextlib.suppress(StaleToken, InvalidTransition, *REGISTRY_ERRORS):
+                await k.store.advance(active.claim, "failed", reason=reason, claim_id=None, endpoint=None)
+            k.refresh_gauges()
+        if slot.failures >= k.settings.max_consecutive_failures:
+            await k.fail(slot, f"{slot.failures} failures in a row, last: {reason}; send prewarm to retry")
+        elif k.staged is not None:
+            await self.prewarmer.arm(slot, k.staged)
 
     def _reconcile(self, slot: Slot, rec: SlotRecord) -> None:
         k = self.keeper
@@ -320,11 +452,14 @@ async def run(
         await store.start()
         agent = Agent(settings, nc, store, metrics, session)
         await agent.prewarmer.register_all()
+        await agent.sweep_foreign()
         await agent.requests.subscribe()
         roots = [
             asyncio.create_task(agent.heartbeat_loop(), name="agent-heartbeat"),
             asyncio.create_task(agent.watch_loop(), name="agent-watch"),
         ]
+        if settings.engine_probe_interval_s > 0:
+            roots.append(asyncio.create_task(agent.liveness_loop(), name="agent-liveness"))
         agent.prewarmer.start(list(agent.slots))
         if settings.metrics_port is not None:
             try:

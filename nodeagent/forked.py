@@ -3,6 +3,12 @@
 The zygote gets the verified weights as descriptors (``pass_fds``: the spec's ``weights``, see
 `staging.Staged.engine_weights`) and, when the agent is root, the user to become (``engine_user``, default
 ``nobody``): engines never run as root, and they read the 0600 staged files only through what they were given.
+
+What an engine is handed is no more than it needs: its environment is the agent's without NATS credentials or the
+agent's settings (`engine_env`, shared with `served`), and its output (the zygote's and the engine's stdout and
+stderr) goes through a pipe to the slot's log file (`OutputLog`, the standby servers' `served.EngineLog`: 0600 in
+a 0700 directory the agent owns), never to the agent's own stderr, where an engine could forge agent log lines. The
+zygote's events travel on its original stdout, which it keeps to itself (`zygote.main`).
 """
 
 from __future__ import annotations
@@ -16,12 +22,13 @@ import pwd
 import sys
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from pathlib import Path
+from typing import Any, Final, Protocol
 
 from nodeagent.engine import Started
 from nodeagent.errors import EngineFailed
 
-__all__ = ["ForkedEngine"]
+__all__ = ["ENV_DROPPED", "ForkedEngine", "OutputLog", "engine_env", "engine_identity"]
 
 log = logging.getLogger("pulsescale.agent.engine")
 
@@ -31,6 +38,34 @@ DEFAULT_ENGINE_USER = "nobody"
 """Who engines run as when the agent is root and the spec names no one: exists on every Linux, owns nothing."""
 STOP_GRACE_S = 2.0
 """SIGTERM, then SIGKILL after this long: the local engine exits at once; a stuck one must not block release."""
+ENV_DROPPED: Final = ("NATS_", "PULSESCALE_")
+"""Prefixes of the agent's environment no engine gets: NATS credentials (``PULSESCALE_NATS_PASSWORD``...) and the
+agent's own settings are not theirs, and an engine runs code that came with the model or over HTTP."""
+_DRAIN_S: Final = 1.0
+"""How long the output pipe is read to its end after the zygote exits (its last words); a leftover holder of the
+pipe's write end must not hold up a re-arm."""
+
+
+def engine_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment an engine process (zygote or standby server) starts with: the agent's, less `ENV_DROPPED`,
+    plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_DROPPED)}
+    env.update(extra or {})
+    return env
+
+
+class OutputLog(Protocol):
+    """Where a slot's engine output goes (`served.EngineLog`): appended, capped, last lines kept."""
+
+    path: Path
+
+    def write(self, data: bytes) -> None: ...
+
+    def note(self, text: str) -> None: ...
+
+    def tail(self) -> list[str]: ...
+
+    def close(self) -> None: ...
 
 
 class ForkedEngine:
@@ -38,7 +73,8 @@ class ForkedEngine:
 
     `spec` is the zygote's spec (engine, loader, model_dir, files, model_name, host, private, fault); `host`
     is the address put in the endpoint (the engine may bind 0.0.0.0). `on_exit(reason)` is called when the
-    serving engine or the zygote dies on its own.
+    serving engine or the zygote dies on its own. `log` receives the zygote's and its engines' output (None: they
+    share the agent's stderr, for benchmarks and tools that run an engine in the foreground).
     """
 
     def __init__(
@@ -49,14 +85,17 @@ class ForkedEngine:
         advertise_host: str,
         port: int = 0,
         on_exit: Callable[[str], None] | None = None,
+        log: OutputLog | None = None,
     ) -> None:
         self.spec = dict(spec)
+        self.log = log
         self.name = name
         self.advertise_host = advertise_host
         self.port = port
         self.on_exit = on_exit
         self._proc: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task[None] | None = None
+        self._pump: asyncio.Task[None] | None = None
         self._armed = asyncio.Event()
         self._arm_error: str | None = None
         self._events: asyncio.Queue[dict[str, Any]] | None = None
@@ -74,6 +113,13 @@ class ForkedEngine:
     @property
     def serving(self) -> Started | None:
         return self._serving
+
+    @property
+    def log_path(self) -> str | None:
+        return str(self.log.path) if self.log is not None else None
+
+    def log_tail(self) -> list[str]:
+        return self.log.tail() if self.log is not None else []
 
     def status(self) -> dict[str, Any]:
         return {
@@ -103,10 +149,15 @@ class ForkedEngine:
                 "nodeagent.engine.zygote",
                 json.dumps(spec),
                 stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,  # its events; the zygote moves its own prints to stderr
+                stderr=asyncio.subprocess.PIPE if self.log is not None else None,
+                env=engine_env(),
                 pass_fds=[int(w["fd"]) for w in self.spec.get("weights", ())],
             )
             self.zygote_pid = self._proc.pid
+            if self.log is not None:
+                self.log.note(f"zygote {self._proc.pid} started" + (f" as uid {run_as[0]}" if run_as else ""))
+                self._pump = asyncio.create_task(self._copy_output(self._proc), name=f"zygote-log-{self.name}")
             self._reader = asyncio.create_task(self._read(self._proc), name=f"zygote-{self.name}")
             try:
                 await asyncio.wait_for(self._armed.wait(), ARM_TIMEOUT_S)
@@ -117,6 +168,11 @@ class ForkedEngine:
                 await self._kill_zygote()
                 raise EngineFailed("arm", self._arm_error)
             self.arms += 1
+
+    async def _copy_output(self, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stderr is not None and self.log is not None
+        while chunk := await proc.stderr.read(65536):
+            self.log.write(chunk)
 
     async def _read(self, proc: asyncio.subprocess.Process) -> None:
         assert proc.stdout is not None
@@ -132,6 +188,8 @@ class ForkedEngine:
             self._on_event(ev)
         rc = await proc.wait()
         reason = f"zygote {proc.pid} exited ({_describe_rc(rc)})"
+        if self.log is not None:
+            self.log.note(reason)
         if not self._armed.is_set():
             self._arm_error = self._arm_error or reason
             self._armed.set()  # wakes `arm`, which reports the error
@@ -240,6 +298,7 @@ class ForkedEngine:
     async def _kill_zygote(self) -> None:
         proc, self._proc = self._proc, None
         reader, self._reader = self._reader, None
+        pump, self._pump = self._pump, None
         self._armed.clear()
         if proc is not None:
             if proc.returncode is None:
@@ -248,6 +307,12 @@ class ForkedEngine:
             await proc.wait()
             if proc.stdin is not None:
                 proc.stdin.close()
+        if pump is not None:  # the zygote's last words into the log, then the pipe is let go
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(pump), _DRAIN_S)
+            pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pump
         if reader is not None:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -264,6 +329,8 @@ class ForkedEngine:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(proc.wait(), STOP_GRACE_S + 1.0)
             await self._kill_zygote()
+            if self.log is not None:
+                self.log.close()
 
 
 def engine_identity(user: str) -> tuple[int, int] | None:

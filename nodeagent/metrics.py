@@ -126,3 +126,15 @@ class AgentMetrics:
             "Engine processes or zygotes that died on their own",
             registry=registry,
         )
+        self.engines_unresponsive = Counter(
+            "pulsescale_agent_engines_unresponsive_total",
+            "Serving engines stopped after failing the liveness probe (GET /health) engine_probe_failures times in "
+            "a row: their claims failed so the autoscaler replaces them",
+            registry=registry,
+        )
+        self.foreign_records = Counter(
+            "pulsescale_agent_foreign_records_removed_total",
+            "Records under this node's keys for its model that are not its slots, deleted (another writer with "
+            "this node's permissions made them: the autoscaler would try them in vain)",
+            registry=registry,
+        )

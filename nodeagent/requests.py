@@ -14,6 +14,12 @@ handled normally), and counted (`on_busy`).
 Idempotency has two halves: an id already applied is answered from the `protocol.RequestLedger` with its first
 reply, and a repeat of a request still being applied waits for that request's reply (`_pending`) rather than
 applying it twice. The handlers (activation, prewarm, status) know nothing of NATS.
+
+Where a message came from is checked before anything else (issue 8 review): only a message published to the exact
+``pulse.agent.<node>.<verb>`` subject with a reply subject in ``_INBOX.`` is handled. A JetStream consumer whose
+deliver subject is ours relays KV values to us with their stream subject (``$KV...``) and a ``$JS.ACK...`` reply,
+and a request whose reply names a KV subject would make our answer a write there with our permissions: both are
+dropped unanswered, never applied, and counted (``subject_mismatch``, ``bad_value``).
 """
 
 from __future__ import annotations
@@ -34,12 +40,15 @@ from warmpool import protocol
 from warmpool.errors import BadMessage, DuplicateRequest
 from warmpool.rejects import Rejections
 
-__all__ = ["REPLY_TYPES", "Handler", "Requests"]
+__all__ = ["REPLY_PREFIX", "REPLY_TYPES", "Handler", "Requests"]
 
 log = logging.getLogger("pulsescale.agent")
 
 Handler = Callable[[Any, float], Awaitable[protocol.TypedReply]]
 """``handler(request, t_recv)``: the verb's typed reply; `t_recv` is `time.perf_counter()` at arrival."""
+
+REPLY_PREFIX: Final = "_INBOX."
+"""Replies go only to inboxes: any other reply subject (a KV key, a JetStream API or ack subject) is refused."""
 
 REPLY_TYPES: Final[dict[str, type[protocol.TypedReply]]] = {
     "prewarm": protocol.PrewarmReply,
@@ -82,8 +91,13 @@ class Requests:
         for verb in protocol.AGENT_VERBS:
             handler = self.handlers[verb]
 
-            async def cb(msg: Msg, verb: str = verb, handler: Handler = handler) -> None:
+            subject = protocol.agent_subject(self.node, verb)
+
+            async def cb(msg: Msg, verb: str = verb, handler: Handler = handler, subject: str = subject) -> None:
                 t_recv = time.perf_counter()
+                if (refused := _foreign(msg, subject)) is not None:
+                    self.rejected(refused, source=msg.subject)  # dropped: never answered, never applied
+                    return
                 pool = "status" if verb == "status" else ""
                 if self.in_flight[pool] >= self._limits[pool]:
                     await self._busy(msg, verb, pool)
@@ -91,7 +105,7 @@ class Requests:
                 self.in_flight[pool] += 1
                 self.spawn(self._handle_counted(msg, verb, handler, t_recv, pool), f"{verb}-request")
 
-            self._subs.append(await self.nc.subscribe(protocol.agent_subject(self.node, verb), cb=cb))
+            self._subs.append(await self.nc.subscribe(subject, cb=cb))
 
     async def unsubscribe(self) -> None:
         for sub in self._subs:
@@ -154,6 +168,18 @@ class Requests:
         if msg.reply:
             with contextlib.suppress(nats.errors.Error):
                 await msg.respond(reply)
+
+
+def _foreign(msg: Msg, subject: str) -> BadMessage | None:
+    """Why `msg` is not a request to handle: not published to `subject` itself (a relay through a JetStream
+    consumer keeps its stream subject), or a reply subject outside `REPLY_PREFIX` (no reply, a KV key, an ack)."""
+    if msg.subject != subject:
+        return BadMessage("subject_mismatch", f"delivered to {subject} from subject {msg.subject!r}; dropped")
+    if not msg.reply.startswith(REPLY_PREFIX):
+        return BadMessage(
+            "bad_value", f"reply subject {msg.reply[:120]!r} is not an inbox ({REPLY_PREFIX}...); dropped unanswered"
+        )
+    return None
 
 
 def _bad_message(verb: str, err: BadMessage) -> bytes:

@@ -59,7 +59,7 @@ from typing import Any, Final
 from nodeagent.engine import Started
 from nodeagent.engine.zygote import drop_privileges
 from nodeagent.errors import EngineFailed
-from nodeagent.forked import DEFAULT_ENGINE_USER, engine_identity
+from nodeagent.forked import DEFAULT_ENGINE_USER, engine_env, engine_identity
 
 __all__ = [
     "PLACEHOLDERS",
@@ -93,8 +93,6 @@ _POLL_S: Final = (0.05, 0.1, 0.2, 0.5)
 """Health retry pauses while a server starts: servers take seconds to minutes, so polling faster buys nothing."""
 _EXIT_POLL_S: Final = 0.1
 """How often a server's return code is looked at while its children still hold its output pipe."""
-_ENV_DROPPED: Final = ("NATS_", "PULSESCALE_")
-"""Agent environment not passed to servers: NATS credentials and the agent's own settings are not theirs."""
 _PR_SET_PDEATHSIG: Final = 1
 _PR_SET_NO_NEW_PRIVS: Final = 38
 
@@ -266,12 +264,6 @@ class EngineLog:
 # --- the server process --------------------------------------------------------------------------------------------
 
 
-def _server_env(extra: Mapping[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_ENV_DROPPED)}
-    env.update(extra)
-    return env
-
-
 def _preexec(run_as: tuple[int, int] | None, parent: int) -> Callable[[], None]:
     """Runs in the forked child before exec (after the new session): drop to the engine user, no new privileges,
     die with the agent. Errors are written to the log (fd 2) and end the child: the agent reports the exit."""
@@ -412,7 +404,7 @@ class ServedEngine:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
-                env=_server_env(self.spec.env),
+                env=engine_env(self.spec.env),  # no NATS credentials, none of the agent's settings
                 start_new_session=True,  # its own process group: stopped as a group, Ctrl-C is the agent's
                 preexec_fn=_preexec(run_as, os.getpid()),
             )

@@ -66,6 +66,15 @@ class AgentSettings:
     max_status_in_flight: int = 8
     """`status` requests handled at once, a pool of their own: on-call can still see the agent under a flood of
     the other verbs, and a flood of status calls cannot starve activations."""
+    # --- liveness of serving engines (issue 8 review), `agent.Agent.liveness_loop` ---
+    engine_probe_interval_s: float = 2.0
+    """Every serving engine is asked ``GET /health`` this often: a stopped (SIGSTOP) or wedged engine stays `ready`
+    in the registry otherwise, since only a process exit is noticed. 0 turns the probe off."""
+    engine_probe_timeout_s: float = 1.0
+    """One probe's bound: /health answers in milliseconds on a loaded engine (no model work); a second is a hang."""
+    engine_probe_failures: int = 3
+    """Failed probes in a row after which the engine is stopped, its claim failed and released (the autoscaler
+    replaces it): one slow answer under a burst is not a dead engine; three, about 9 s at the defaults, is."""
     # --- standby server engines (issue 9): ``command`` (and ``vllm``), `nodeagent.served` ---
     engine_cmd: str | None = None
     """The ``command`` engine's server command line (shlex-split, no shell) with ``{port}``, ``{host}``,

@@ -36,7 +36,7 @@ from nodeagent.errors import ActivationRefused, EngineFailed
 from nodeagent.forked import ForkedEngine
 from nodeagent.metrics import AgentMetrics
 from nodeagent.rootfs import Rootfs
-from nodeagent.served import ServedEngine, ServerSpec
+from nodeagent.served import EngineLog, ServedEngine, ServerSpec
 from nodeagent.settings import AgentSettings
 from warmpool import protocol, slots
 from warmpool.errors import ClaimConflict, InvalidTransition, SlotNotFound, StaleToken
@@ -68,6 +68,11 @@ class SlotEngine(Protocol):
 
     @property
     def serving(self) -> Started | None: ...
+
+    @property
+    def log_path(self) -> str | None: ...
+
+    def log_tail(self) -> list[str]: ...
 
     def status(self) -> dict[str, Any]: ...
 
@@ -185,8 +190,8 @@ class Slot:
             last_timings=self.last_timings,
             engine=self.engine.status() if self.engine else None,
             engine_mode=self.active.started.engine_mode if self.active else self.last_mode,  # type: ignore[arg-type]
-            log_path=self.engine.log_path if isinstance(self.engine, ServedEngine) else None,
-            log_tail=self.engine.log_tail() if isinstance(self.engine, ServedEngine) else [],
+            log_path=self.engine.log_path if self.engine else None,
+            log_tail=self.engine.log_tail() if self.engine else [],
         )
 
 
@@ -303,9 +308,13 @@ class SlotKeeper:
         try:
             await self.store.release(claim, reason=reason)
         except (StaleToken, InvalidTransition) as err:
-            log.info("slot %s: claim %s already released: %s", slot.key, claim.claim_id, err)
+            # Named by its token: a claim id with the token deactivates the slot, and logs are read widely.
+            shown, hit = str(err), self.record(slot)
+            for claim_id in (claim.claim_id, hit[0].claim_id if hit else None):
+                shown = shown.replace(claim_id, "<claim>") if claim_id else shown
+            log.info("slot %s: the claim with token %d was already released: %s", slot.key, claim.token, shown)
         except REGISTRY_ERRORS as err:
-            log.warning("slot %s: cannot release claim %s: %s", slot.key, claim.claim_id, err)
+            log.warning("slot %s: cannot release the claim with token %d: %s", slot.key, claim.token, err)
         self.refresh_gauges()
 
     # --- the slot's engine ----------------------------------------------------------------------------------------
@@ -374,6 +383,7 @@ class SlotKeeper:
                 advertise_host=s.endpoint_host,
                 port=slot.port,
                 on_exit=on_exit,
+                log=EngineLog(s.engine_log_dir, slot.name),  # its output, never the agent's own stderr
             )
         values = {
             "model_dir": str(Path(s.model_dir).resolve()),

@@ -185,23 +185,44 @@ class ShmBudgetExceeded(StagingFailed):
 
 
 def _own_dir(path: Path) -> int:
-    """A handle of `path`, the agent's own directory: made 0700 if absent, refused unless ours and not a link."""
-    parent = Path(os.path.abspath(path)).parent
+    """A handle of `path`, the agent's own directory: made 0700 if absent, refused unless ours and not a link.
+    Its ancestors are opened one by one from ``/`` without following links (``O_NOFOLLOW``), each owned by root or
+    the agent and not writable by others unless sticky: a link or another user's directory anywhere above it could
+    point the whole path elsewhere."""
+    pfd, shown = os.open("/", _O_DIR), Path("/")
     try:
-        pfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as err:
-        raise StagingFailed(f"cannot open {parent}, the parent of the staging directory: {err.strerror}") from None
-    try:
-        st = os.fstat(pfd)
-        if st.st_uid not in (0, os.geteuid()) or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
-            raise UnsafeStagingDir(
-                f"{parent} (the parent of the staging directory {path}) is writable by other users without the "
-                f"sticky bit (mode {stat.S_IMODE(st.st_mode):o}, owner uid {st.st_uid}): anyone could replace "
-                f"{path.name} with a link; use a --shm-dir inside a directory owned by root (e.g. /dev/shm/pulsescale)"
-            )
+        for part in Path(os.path.abspath(path)).parent.parts[1:]:
+            _check_above(pfd, shown, path)
+            try:
+                nfd = os.open(part, _O_DIR, dir_fd=pfd)
+            except OSError as err:
+                if err.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise UnsafeStagingDir(
+                        f"{shown / part} (above the staging directory {path}) is a symbolic link or not a "
+                        f"directory: the agent (root) never stages through a link; give the real path "
+                        f"(`realpath {path}`) as --shm-dir"
+                    ) from None
+                raise StagingFailed(
+                    f"cannot open {shown / part}, above the staging directory: {err.strerror}"
+                ) from None
+            os.close(pfd)
+            pfd, shown = nfd, shown / part
+        _check_above(pfd, shown, path)
         return _own_subdir(pfd, path.name, path)
     finally:
         os.close(pfd)
+
+
+def _check_above(fd: int, shown: Path, path: Path) -> None:
+    """`fd` (`shown`, a directory above the staging directory `path`) is root's or ours, and others cannot
+    rename or replace what is in it (not writable by them, or sticky)."""
+    st = os.fstat(fd)
+    if st.st_uid not in (0, os.geteuid()) or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
+        raise UnsafeStagingDir(
+            f"{shown} (above the staging directory {path}) is owned by uid {st.st_uid} or writable by other "
+            f"users without the sticky bit (mode {stat.S_IMODE(st.st_mode):o}): its owner could point {path} "
+            "anywhere; use a --shm-dir whose every parent is root's (e.g. /dev/shm/pulsescale)"
+        )
 
 
 def _own_subdir(dir_fd: int, name: str, shown: Path) -> int:

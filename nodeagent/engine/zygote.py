@@ -18,9 +18,12 @@ weights by name. ``run_as`` ([uid, gid], set when the agent is root) is the unpr
 once it has imported everything and read the config: ``PR_SET_NO_NEW_PRIVS``, no supplementary groups, then the
 group and user (real, effective and saved), so no engine process ever runs as root or can regain it.
 
-Events go to stdout, one JSON line each (< PIPE_BUF, so the zygote's and the child's lines never interleave):
-``armed``, ``forked``, ``serving``, ``failed``, ``exited``, ``error``. Both processes ask the kernel to kill them
-when their parent dies (``PR_SET_PDEATHSIG``), so a SIGKILLed agent leaves no engine behind.
+Events go to the stdout the zygote was started with, one JSON line each (< PIPE_BUF, so the zygote's and the
+child's lines never interleave): ``armed``, ``forked``, ``serving``, ``failed``, ``exited``, ``error``. That
+descriptor is the zygote's own: first thing, it is moved aside and fd 1 joins fd 2 (the slot's log, through the
+agent), so nothing an engine or a library prints can pass for an event, and the child closes it once it serves.
+Both processes ask the kernel to kill them when their parent dies (``PR_SET_PDEATHSIG``), so a SIGKILLed agent
+leaves no engine behind.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ an engine error and exits, ``badreply`` answers completions with a JSON list ins
 
 _PR_SET_PDEATHSIG: Final = 1
 _PR_SET_NO_NEW_PRIVS: Final = 38
+_events_fd = 1
+"""Where `emit` writes: the stdout the agent reads events from (moved off fd 1 by `main`)."""
 
 
 def _die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
@@ -76,7 +81,14 @@ def drop_privileges(uid: int, gid: int) -> None:
 
 def emit(event: dict[str, Any]) -> None:
     data = (json.dumps(event, separators=(",", ":")) + "\n").encode()
-    os.write(1, data)
+    os.write(_events_fd, data)
+
+
+def _keep_events_apart() -> None:
+    """The event channel on a descriptor of its own; fd 1 (prints) goes where fd 2 goes, the slot's log."""
+    global _events_fd
+    _events_fd = os.dup(1)
+    os.dup2(2, 1)
 
 
 def _child(spec: dict[str, Any], engine: Any, loader: Any, files: Any, port: int, zygote_pid: int) -> None:
@@ -122,6 +134,7 @@ def _child(spec: dict[str, Any], engine: Any, loader: Any, files: Any, port: int
                 "mode": weights.mode,
             }
         )
+        os.close(_events_fd)  # nothing more to say: what it serves cannot write to the agent's event channel
         server.serve_forever(poll_interval=3600)
     except BaseException:  # noqa: BLE001 - a child must never fall back into the zygote's loop
         traceback.print_exc()
@@ -233,6 +246,7 @@ class _Zygote:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    _keep_events_apart()
     spec = json.loads(argv[0])
     _die_with_parent(int(spec["parent_pid"]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the agent, which stops its zygotes in order
