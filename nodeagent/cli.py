@@ -113,6 +113,13 @@ def _agent_parser(prog: str) -> argparse.ArgumentParser:
         default=d.engine_start_timeout_s,
         help=f"standby server start to healthy, else the slot fails [{d.engine_start_timeout_s:g}]",
     )
+    p.add_argument(
+        "--engine-probe-s",
+        type=float,
+        default=d.engine_probe_interval_s,
+        help=f"GET /health of each serving engine this often; {d.engine_probe_failures} failures in a row stop it "
+        f"and fail its claim (0 = off) [{d.engine_probe_interval_s:g}]",
+    )
     p.add_argument("--vllm-args", default="", metavar="ARGS", help="vllm engine: extra server arguments ['']")
     p.add_argument(
         "--vllm-sleep-mode",
@@ -179,6 +186,8 @@ def _settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> AgentSett
         p.error(f"--ready-path {args.ready_path!r} must start with /")
     if args.engine_start_timeout_s <= 0:
         p.error("--engine-start-timeout-s must be > 0")
+    if args.engine_probe_s < 0:
+        p.error("--engine-probe-s must be >= 0 (0 turns the liveness probe off)")
     try:
         loaders.choose(args.loader, staging_dir=args.shm_dir)
     except LoaderUnavailable as err:
@@ -223,6 +232,7 @@ def _settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> AgentSett
         engine_cmd=args.engine_cmd,
         ready_path=args.ready_path,
         engine_start_timeout_s=args.engine_start_timeout_s,
+        engine_probe_interval_s=args.engine_probe_s,
         vllm_args=args.vllm_args,
         vllm_sleep_mode=args.vllm_sleep_mode,
         log_dir=Path(args.log_dir) if args.log_dir else None,
