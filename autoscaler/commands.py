@@ -2,6 +2,8 @@
 
 Every request goes through the same steps, in this order:
 
+0. a message that did not arrive on ``pulse.cmd.<verb>`` itself (a bucket's consumer relaying onto our subject),
+   or that asks for its reply anywhere but an ``_INBOX.`` inbox, is dropped: counted, never applied nor answered;
 1. decode with `protocol.decode` into ``COMMAND_TYPES[verb]``; a malformed request is answered with its reason as
    the error code (``missing_field``, ``bad_name``, ...), counted by `Rejections`, and the service keeps going;
 2. `protocol.admit`: past ``expires_at`` → ``expired``; an ``id`` already answered → the first reply is sent
@@ -77,7 +79,7 @@ from warmpool.protocol import (
 from warmpool.registry import KvSlotStore
 from warmpool.rejects import Rejections
 
-__all__ = ["MAX_OVERRIDE_S", "CommandService", "CommandSettings", "ControlPlane", "ensure_audit_stream"]
+__all__ = ["MAX_OVERRIDE_S", "REPLY_PREFIX", "CommandService", "CommandSettings", "ControlPlane", "ensure_audit_stream"]
 
 log = logging.getLogger("pulsescale.commands")
 
@@ -268,6 +270,13 @@ class CommandService:
     async def _on_msg(self, msg: Msg) -> None:
         # nats-py runs a subscription's callback for one message at a time: commands are applied in arrival
         # order and the ledger's check-then-record cannot interleave.
+        refused = _misrouted(msg)
+        if refused is not None:
+            # Dropped, never answered nor applied: a reply would be a publish with our grants to a subject the
+            # sender chose (a KV key), and a message a consumer relayed was not sent by on-call.
+            self.rejections(refused, source=msg.subject)
+            self.outcomes[f"dropped_{refused.reason}"] += 1
+            return
         try:
             await self.handle(msg.subject, msg.data, reply_to=msg.reply)
         except Exception:
@@ -457,6 +466,28 @@ class CommandService:
         except (nats.errors.Error, BadMessage, TimeoutError) as err:
             # The command's outcome stands; the record goes to the log so it is not lost entirely.
             log.error("audit record not written (%s): %s", err, protocol.encode(record).decode(errors="replace"))
+
+
+REPLY_PREFIX: Final = "_INBOX."
+"""Replies go only to inboxes. Every client (nats-py's request, `pulsescale` commands) asks from
+``_INBOX.<user>.…`` (`warmpool.natsauth.inbox_prefix`); any other reply subject would make our answer a publish,
+under the autoscaler's grants, to a subject the sender picked: ``$KV.pulse_slots.<key>`` overwrote a slot."""
+
+
+def _misrouted(msg: Msg) -> BadMessage | None:
+    """Why a message on the command subscription must be dropped unanswered, or None.
+
+    It must have arrived on ``pulse.cmd.<verb>`` itself: a consumer of a bucket the sender may read, created with
+    ``pulse.cmd.<verb>`` as its deliver subject, relays the bucket's messages here under their own subjects
+    (``$KV.…``) with a ``$JS.ACK.…`` reply. And a reply subject, if any, must be an inbox (`REPLY_PREFIX`); a
+    command without one is applied and audited, unanswered (only on-call may publish on ``pulse.cmd.>``)."""
+    if not msg.subject.startswith(protocol.CMD_PREFIX):
+        return BadMessage("subject_mismatch", f"a message on {msg.subject} reached the {protocol.CMD_WILDCARD} service")
+    if msg.reply and not msg.reply.startswith(REPLY_PREFIX):
+        return BadMessage(
+            "bad_value", f"{msg.subject} asks for its reply on {msg.reply}, not on an {REPLY_PREFIX}* inbox"
+        )
+    return None
 
 
 def _refusal(code: str, message: str) -> bytes:

@@ -455,7 +455,8 @@ async def run(
     `on_started(autoscaler)` lets a caller (tests) see the live daemon."""
     metrics = metrics or AutoscalerMetrics()
     nc = await connect.connect(settings.nats)
-    buckets = await ensure_buckets(nc.jetstream(timeout=2.0))
+    # The autoscaler creates the buckets, and turns rollups off on those an older version made.
+    buckets = await ensure_buckets(nc.jetstream(timeout=2.0), harden=True)
     store = KvSlotStore(nc, buckets, on_reject=lambda reason: metrics.registry_rejected.labels(reason).inc())
     await store.start()
     scaler = Autoscaler(settings, nc, store, buckets, metrics=metrics, cold_path=cold_path)
@@ -477,6 +478,7 @@ async def run(
         scaler,
         store,
         is_leader=scaler.is_leader,
+        rejections=scaler.rejections,  # counted in pulsescale_rejected_messages_total{reason}
         settings=commands.CommandSettings(max_replicas=settings.max_replicas),
     )
     campaign = asyncio.create_task(scaler.leader.campaign(stop), name="leader")

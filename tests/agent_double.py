@@ -78,6 +78,7 @@ class AgentDouble:
     async def beat(self) -> None:
         lease = AgentLease(
             node=self.node,
+            slots=[f"s{i}" for i in range(self.slots)],
             heartbeat_at=time.time() + self.heartbeat_ahead_s,
             lease_s=self.lease_s,
             rack=self.rack,
@@ -96,7 +97,8 @@ class AgentDouble:
         """Write this node's lease as raw JSON, bypassing `AgentLease`'s checks (a lease the contract refuses);
         `fields` override the honest lease's. Heartbeats stop, so the raw lease stays."""
         self.stop_heartbeat()
-        raw = {"v": protocol.VERSION, "node": self.node, "heartbeat_at": time.time(), "lease_s": self.lease_s,
+        raw = {"v": protocol.VERSION, "node": self.node, "slots": [f"s{i}" for i in range(self.slots)],
+               "heartbeat_at": time.time(), "lease_s": self.lease_s,
                "rack": self.rack, "heartbeat_every_s": self.every_s, **fields}  # fmt: skip
         kv = (await ensure_buckets(self.nc.jetstream()))[protocol.AGENTS_BUCKET]
         await kv.put(self.node, msgspec.json.encode(raw))

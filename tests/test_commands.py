@@ -13,6 +13,7 @@ import msgspec
 import nats.errors
 import pytest
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from autoscaler.commands import CommandService, CommandSettings
 from tests.helpers import ShiftedClock
@@ -438,3 +439,40 @@ async def test_two_replicas_answer_each_request_once(
             await s.stop()
     assert len(control.calls) == 6
     assert len(await audit_records(nc)) == 6
+
+
+# --- where a request came from and where its answer goes (issue 8 review) ----------------------------------------
+
+
+async def test_a_reply_subject_outside_the_inboxes_is_never_written(
+    nc: Client, service: CommandService, store: KvSlotStore, control: ControlPlaneDouble
+) -> None:
+    """On-call's ``pulse.cmd.status`` with reply ``$KV.pulse_slots.<key>`` made the autoscaler overwrite that slot
+    (its grants cover the bucket): the request is dropped, counted, neither applied nor answered."""
+    key = next(r.key for r in store.records("qwen"))
+    _, rev = await store.get(key)
+    pause = json.dumps(request("pause", model="qwen")).encode()
+    await nc.publish("pulse.cmd.pause", pause, reply=f"$KV.{protocol.SLOTS_BUCKET}.{key}")
+    await send(nc, "status", request("status"))  # answered after the first one was handled
+    assert (await store.get(key))[1] == rev
+    assert control.calls == []
+    assert service.rejections.counts["bad_value"] == 1 and service.outcomes["dropped_bad_value"] == 1
+    assert [r.verb for r in await audit_records(nc)] == ["status"]
+
+
+async def test_a_message_relayed_from_another_subject_is_dropped_unanswered(
+    nc: Client, service: CommandService, control: ControlPlaneDouble
+) -> None:
+    """A push consumer of a bucket delivers onto our subject with the stored message's own subject (``$KV...``)
+    and a ``$JS.ACK...`` reply. Built here as the server delivers it (nats-server 2.15 delivers a push consumer
+    only to literal interest, which the service's wildcard subscription is not; older servers did)."""
+    inbox = nc.new_inbox()
+    replies = await nc.subscribe(inbox)
+    relayed = Msg(nc, subject=f"$KV.{protocol.SLOTS_BUCKET}.qwen.n2.relay", reply=inbox,
+                  data=json.dumps(request("pause", model="qwen")).encode())  # fmt: skip
+    await service._on_msg(relayed)
+    await nc.publish(inbox, b"marker")  # same connection: an answer to the relay would arrive first
+    assert (await replies.next_msg(timeout=2)).data == b"marker"
+    assert control.calls == []
+    assert service.rejections.counts["subject_mismatch"] == 1
+    assert (await nc.jetstream().stream_info(protocol.AUDIT_STREAM)).state.messages == 0  # not even audited

@@ -111,7 +111,7 @@ def _pick(
         rack_of=rack_of or {},
         node_load=node_load or {},
         rack_load=rack_load or {},
-        eligible=lambda node: node not in stale,
+        usable=lambda node, keys: () if node in stale else keys,
         skip=skip,
         rng=random.Random(seed),
     )

@@ -75,7 +75,9 @@ async def test_hundred_claimers_race_for_ten_slots(nats_server: NatsServer, stor
 async def test_claim_prefers_resident_slots_and_spreads_nodes(store: KvSlotStore) -> None:
     now = time.time()
     for node in ("a", "b", "c"):
-        await store.heartbeat(AgentLease(node=node, heartbeat_at=now, lease_s=60, rack=f"r-{node}"))
+        await store.heartbeat(
+            AgentLease(node=node, slots=["s0", "s1", "s2"], heartbeat_at=now, lease_s=60, rack=f"r-{node}")
+        )
         for i in range(3):
             await store.register(
                 SlotRecord(
@@ -141,7 +143,7 @@ async def test_advance_survives_a_concurrent_writer(store: KvSlotStore) -> None:
 
 async def test_stale_lease_stops_claims_within_lease_plus_one_second(store: KvSlotStore) -> None:
     lease_s = 1.0
-    await store.heartbeat(AgentLease(node="n1", heartbeat_at=time.time(), lease_s=lease_s))
+    await store.heartbeat(AgentLease(node="n1", slots=["s0"], heartbeat_at=time.time(), lease_s=lease_s))
     await store.register(SlotRecord(model="m", node="n1", slot="s0", state="warm"))
     assert store.claimable("m")
     stopped = time.time()  # the agent's last heartbeat; it dies here
@@ -150,7 +152,7 @@ async def test_stale_lease_stops_claims_within_lease_plus_one_second(store: KvSl
         assert time.time() - stopped <= lease_s + 1.0, "slot still claimable past lease + 1 s"
     with pytest.raises(NoSlotAvailable):
         await store.claim("m")
-    await store.heartbeat(AgentLease(node="n1", heartbeat_at=time.time(), lease_s=lease_s))
+    await store.heartbeat(AgentLease(node="n1", slots=["s0"], heartbeat_at=time.time(), lease_s=lease_s))
     assert (await store.claim("m")).node == "n1"
 
 
@@ -256,10 +258,7 @@ async def test_broker_sigkill_mid_claims(nats_server: NatsServer, store: KvSlotS
         # Watches re-listed and every view converged to the broker's truth.
         for s in [store, *stores]:
             for _ in range(100):
-                if all(
-                    (r := s.record(w.key)) is not None and r.claim_id == w.claim_id
-                    for w in wins
-                ):
+                if all((r := s.record(w.key)) is not None and r.claim_id == w.claim_id for w in wins):
                     break
                 await asyncio.sleep(0.05)
             assert s.slots.relists >= 1
@@ -314,7 +313,7 @@ def test_placement_pick_matches_rank() -> None:
             rack_of={r.node: r.rack for r in recs},
             node_load=node_load,
             rack_load=rack_load,
-            eligible=lambda n: True,
+            usable=lambda n, keys: keys,
             skip=(),
             rng=random.Random(seed),
         )

@@ -23,6 +23,7 @@ from warmpool.registry import Claim, KvSlotStore
 
 NODES = 3
 SLOTS_PER_NODE = 2
+SLOT_NAMES = [f"s{i}" for i in range(SLOTS_PER_NODE)]
 CLIENTS = 3
 
 claim_op = st.tuples(st.just("claim"), st.integers(0, CLIENTS - 1))
@@ -53,7 +54,7 @@ async def scenario(url: str, model: str, plan: list[list[tuple]]) -> None:  # ty
     try:
         now = time.time()
         for n in range(NODES):
-            await stores[0].heartbeat(AgentLease(node=f"{model}-n{n}", heartbeat_at=now, lease_s=60))
+            await stores[0].heartbeat(AgentLease(node=f"{model}-n{n}", slots=SLOT_NAMES, heartbeat_at=now, lease_s=60))
             for i in range(SLOTS_PER_NODE):
                 await stores[0].register(SlotRecord(model=model, node=f"{model}-n{n}", slot=f"s{i}", state="warm"))
         held: dict[str, Claim] = {}
@@ -82,7 +83,7 @@ async def scenario(url: str, model: str, plan: list[list[tuple]]) -> None:  # ty
                 alive = op[2]
                 beat = time.time() if alive else time.time() - 120  # a lapsed lease
                 await stores[op[1] % CLIENTS].heartbeat(
-                    AgentLease(node=f"{model}-n{op[1]}", heartbeat_at=beat, lease_s=60)
+                    AgentLease(node=f"{model}-n{op[1]}", slots=SLOT_NAMES, heartbeat_at=beat, lease_s=60)
                 )
 
         for batch in plan:

@@ -117,8 +117,9 @@ def test_every_state_can_fail_and_only_warm_is_claimed() -> None:
 
 def test_claimable_needs_warm_fresh_lease_and_no_drain() -> None:
     rec = SlotRecord(model="m", node="n", slot="s", state="warm")
-    lease = AgentLease(node="n", heartbeat_at=100.0, lease_s=2.0)
+    lease = AgentLease(node="n", slots=["s"], heartbeat_at=100.0, lease_s=2.0)
     assert slots.claimable(rec, lease, 101.0)
+    assert not slots.claimable(rec, AgentLease(node="n", slots=["t"], heartbeat_at=100.0, lease_s=2.0), 101.0)
     assert slots.claimable(rec, lease, 102.0)
     assert not slots.claimable(rec, lease, 102.01)  # lease lapsed
     assert not slots.claimable(rec, None, 101.0)  # no agent

@@ -44,6 +44,14 @@ def run_nats(argv: list[str], prog: str) -> int:
     )
     p.add_argument("--no-tls", action="store_true", help="with --secure: users and permissions, but no TLS")
     p.add_argument(
+        "--monitor-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve nats-server's HTTP monitoring on 127.0.0.1:PORT (0: a free port). It has no authentication "
+        "(/connz lists every client), so with --secure there is none unless asked [without --secure: a free port]",
+    )
+    p.add_argument(
         "--print-authorization",
         action="store_true",
         help="print the server's authorization block for --nodes, passwords as $PULSE_NATS_PASSWORD_<USER> "
@@ -58,7 +66,8 @@ def run_nats(argv: list[str], prog: str) -> int:
     if args.print_authorization:
         print(natsauth.render_authorization(natsauth.role_users(nodes)), end="")
         return 0
-    server = NatsServer(args.store_dir, port=args.port, sync_always=args.sync_always)
+    monitor = args.monitor_port if args.monitor_port is not None else (None if args.secure else 0)
+    server = NatsServer(args.store_dir, port=args.port, sync_always=args.sync_always, monitor_port=monitor)
     layout: natsauth.SecureLayout | None = None
     if args.secure:
         tls = not args.no_tls
@@ -72,6 +81,8 @@ def run_nats(argv: list[str], prog: str) -> int:
         signal.signal(sig, lambda *_: stop.set())
     server.start()
     print(f"nats-server with JetStream on {server.url} (store {server.store_dir}, log {server.log_path})", flush=True)
+    if server.monitor_port is not None:
+        print(f"monitoring (no authentication) on http://127.0.0.1:{server.monitor_port}", flush=True)
     if layout is not None:
         # Any start order works locally: the buckets exist before the first agent or `apply` looks them up.
         creator = natsauth.read_env_file(layout.credentials["autoscaler"])
@@ -89,7 +100,7 @@ def run_nats(argv: list[str], prog: str) -> int:
 
 async def _create_buckets(env: dict[str, str]) -> None:
     opts = nats_connect.options_from_args(argparse.Namespace(), name="pulsescale-nats-init", env=env)
-    await nats_connect.run_client(opts, lambda nc: ensure_buckets(nc.jetstream(timeout=5.0)))
+    await nats_connect.run_client(opts, lambda nc: ensure_buckets(nc.jetstream(timeout=5.0), harden=True))
 
 
 _ROLE_COMMANDS: dict[natsauth.Role, str] = {

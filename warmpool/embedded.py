@@ -61,11 +61,15 @@ class NatsServer:
         sync_always: bool = False,
         extra_config: str = "",
         tls: TlsFiles | None = None,
+        monitor_port: int | None = 0,
     ) -> None:
         self._own_dir = store_dir is None
         self.store_dir = Path(store_dir) if store_dir else Path(tempfile.mkdtemp(prefix="pulsescale-nats-"))
         self.port = port or free_port()
-        self.monitor_port = free_port()
+        self.monitor_port = free_port() if monitor_port == 0 else monitor_port
+        """The HTTP monitoring port on 127.0.0.1 (0 asks for a free one), or None for none: it answers anyone who
+        can connect, without authentication (``/connz`` lists every client and subscription), so the secure local
+        layout serves none unless asked."""
         self.sync_always = sync_always
         self.extra_config = extra_config
         self.tls = tls
@@ -83,8 +87,9 @@ class NatsServer:
         if self.sync_always:
             js["sync_interval"] = "always"
         conf = self.store_dir / "nats-server.conf"
+        http = f"http: 127.0.0.1:{self.monitor_port}\n" if self.monitor_port is not None else ""
         text = (
-            f"host: 127.0.0.1\nport: {self.port}\nhttp: 127.0.0.1:{self.monitor_port}\n"
+            f"host: 127.0.0.1\nport: {self.port}\n{http}"
             f"max_payload: 1048576\njetstream: {json.dumps(js)}\n{self.extra_config}\n"
         )
         if self.tls is not None:
@@ -112,19 +117,27 @@ class NatsServer:
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        url = f"http://127.0.0.1:{self.monitor_port}/healthz?js-enabled-only=true"
         while time.monotonic() < deadline:
             assert self.proc is not None
             if self.proc.poll() is not None:
                 raise RuntimeError(f"nats-server exited with {self.proc.returncode}; log: {self.tail_log()}")
-            try:
-                with urllib.request.urlopen(url, timeout=0.5) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
+            if self._ready():
+                return
             time.sleep(0.02)
         raise TimeoutError(f"nats-server not ready after {timeout_s} s; log: {self.tail_log()}")
+
+    def _ready(self) -> bool:
+        """JetStream up: the monitoring health check when there is a monitoring port, else the server's greeting
+        on the client port (the server enables JetStream before it accepts clients)."""
+        try:
+            if self.monitor_port is not None:
+                url = f"http://127.0.0.1:{self.monitor_port}/healthz?js-enabled-only=true"
+                with urllib.request.urlopen(url, timeout=0.5) as r:
+                    return bool(r.status == 200)
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                return s.recv(5) == b"INFO "
+        except (urllib.error.URLError, OSError):
+            return False
 
     def tail_log(self, n: int = 2000) -> str:
         try:

@@ -15,7 +15,14 @@ How JetStream maps onto subjects, which is what the permissions grant:
   an ordered consumer for a watch (``$JS.API.CONSUMER.CREATE.KV_<bucket>.>``, ``CONSUMER.DELETE``, flow control
   answers on ``$JS.FC.KV_<bucket>.>``);
 - creating a bucket or stream is ``$JS.API.STREAM.CREATE.<stream>``: only the autoscaler may (it creates them all
-  at start), every other role opens what exists.
+  at start, with rollup headers refused, and turns them off by ``$JS.API.STREAM.UPDATE.<stream>`` on a bucket an
+  older version made), every other role opens what exists.
+
+A key pattern confines where a writer publishes, not what the stream does with it: a rollup header
+(``Nats-Rollup: all``) on a writer's own key would purge every key of the bucket, so the buckets refuse rollups.
+And a consumer's deliver subject is not checked against its creator's publish grants: a reader of a bucket can
+have its messages delivered onto any subject, so every handler checks the subject a message arrived on and where
+it replies (`autoscaler.commands`, the agent's requests).
 
 Replies: each user receives on its own inbox, ``_INBOX.<user>.>`` (`connect` sets nats-py's inbox prefix from the
 user name), so no role can read another's replies; a role that answers requests (agents, the autoscaler's
@@ -105,6 +112,11 @@ def _stream_create(*streams: str) -> list[str]:
     return [f"$JS.API.STREAM.CREATE.{s}" for s in streams]
 
 
+def _stream_update(*streams: str) -> list[str]:
+    """The autoscaler turns rollups off on buckets an older version created (`registry.ensure_buckets`)."""
+    return [f"$JS.API.STREAM.UPDATE.{s}" for s in streams]
+
+
 def permissions(role: Role, node: str | None = None) -> Permissions:
     """What `role` may publish and subscribe (the agent's: of `node`)."""
     user = user_name(role, node)
@@ -117,9 +129,9 @@ def permissions(role: Role, node: str | None = None) -> Permissions:
         )
     if role == "agent":
         assert node is not None
+        # No `pulse.events.>`: agents never publish events, and gateways route on `slot.ready` events.
         return Permissions(
             publish=(
-                events,
                 *_kv_read(protocol.SLOTS_BUCKET),
                 *_kv_read(protocol.AGENTS_BUCKET),
                 *_kv_write(protocol.SLOTS_BUCKET, f"*.{node}.*"),
@@ -138,6 +150,7 @@ def permissions(role: Role, node: str | None = None) -> Permissions:
                 *_kv_write(protocol.SLOTS_BUCKET),
                 *_kv_write(protocol.LEASES_BUCKET),
                 *_stream_create(*(f"KV_{b}" for b in _BUCKETS), protocol.AUDIT_STREAM),
+                *_stream_update(*(f"KV_{b}" for b in _BUCKETS)),
                 f"$JS.API.STREAM.INFO.{protocol.AUDIT_STREAM}",
             ),
             subscribe=(f"{protocol.QUEUE_PREFIX}>", f"{protocol.CMD_PREFIX}>", replies),

@@ -9,7 +9,8 @@ Order of preference:
    first one (each lost compare-and-set costs a round trip).
 
 `rank` states the order over a list of records; `pick` gives the same first choice from the registry's
-indexes in time proportional to the number of nodes, not slots, since it runs on every claim.
+indexes in time proportional to the number of nodes times the slots each may offer (at most
+`registry.MAX_SLOTS_PER_NODE`, whatever a node writes), since it runs on every claim.
 """
 
 from __future__ import annotations
@@ -51,23 +52,25 @@ def pick(
     rack_of: Mapping[str, str],
     node_load: Mapping[str, int],
     rack_load: Mapping[str, int],
-    eligible: Callable[[str], bool],
+    usable: Callable[[str, Collection[str]], Collection[str]],
     skip: Collection[str],
     rng: random.Random,
 ) -> str | None:
-    """The key `rank` would put first. `warm` is tier -> node -> warm slot keys; `eligible(node)` says
-    whether the node's agent lease is fresh; keys in `skip` were already tried."""
+    """The key `rank` would put first. `warm` is tier -> node -> warm slot keys; `usable(node, keys)` gives the
+    keys among them that may be claimed (none when the node's agent lease is not fresh; only the slots its lease
+    lists otherwise); keys in `skip` were already tried."""
     for t in sorted(warm):
         best: tuple[int, int, float] | None = None
-        best_node = ""
+        best_keys: list[str] = []
         for node, keys in warm[t].items():
-            if not keys or not eligible(node):
+            if not keys:
                 continue
-            if skip and all(k in skip for k in keys):
+            candidates = [k for k in usable(node, keys) if k not in skip]
+            if not candidates:
                 continue
             score = (node_load.get(node, 0), rack_load.get(rack_of.get(node, ""), 0), rng.random())
             if best is None or score < best:
-                best, best_node = score, node
+                best, best_keys = score, candidates
         if best is not None:
-            return rng.choice([k for k in warm[t][best_node] if k not in skip])
+            return rng.choice(sorted(best_keys))
     return None

@@ -19,21 +19,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import random
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Final, Generic, TypeVar
 
 import msgspec
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, StorageType
+from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 from nats.js.kv import KeyValue
 
 from warmpool import placement, protocol, slots
@@ -58,6 +59,8 @@ __all__ = [
     "Snapshot",
     "SlotEvent",
     "ALL_BUCKETS",
+    "MAX_SLOTS_PER_NODE",
+    "check_record",
     "ensure_buckets",
 ]
 
@@ -138,27 +141,88 @@ ALL_BUCKETS = tuple(_HISTORY)
 
 
 async def ensure_buckets(
-    js: JetStreamContext, settings: BucketSettings = BucketSettings(), names: Iterable[str] = ALL_BUCKETS
+    js: JetStreamContext,
+    settings: BucketSettings = BucketSettings(),
+    names: Iterable[str] = ALL_BUCKETS,
+    *,
+    harden: bool = False,
 ) -> dict[str, KeyValue]:
     """Open the registry's buckets `names` (all by default), creating those that do not exist yet.
 
     Each is looked up first, so a role that may read a bucket but not create it (DESIGN.md, "Trust boundaries";
     only the autoscaler creates) opens an existing one; ask only for the buckets the role reads, since looking up
-    another is refused too."""
+    another is refused too.
+
+    Buckets are created refusing rollup headers: a writer confined to its own keys could otherwise publish
+    ``Nats-Rollup: all`` on one of them and purge every other key of the bucket (watches do not see it). With
+    `harden` (the autoscaler, which may update the streams) a bucket that an older version created with rollups
+    allowed is updated to refuse them."""
     out: dict[str, KeyValue] = {}
     for bucket in names:
         try:
             out[bucket] = await js.key_value(bucket)
         except nats.js.errors.BucketNotFoundError:
-            history = _HISTORY[bucket] or settings.slot_history
-            cfg = KeyValueConfig(bucket=bucket, history=history, storage=settings.storage, replicas=settings.replicas)
             try:
-                out[bucket] = await js.create_key_value(config=cfg)
+                await js.add_stream(_bucket_stream(bucket, settings))
             except nats.js.errors.BadRequestError as err:
                 if err.err_code != 10058:  # created meanwhile by another process ("stream name already in use")
                     raise
-                out[bucket] = await js.key_value(bucket)
+            out[bucket] = await js.key_value(bucket)
+        if harden:
+            await _refuse_rollups(js, bucket)
     return out
+
+
+def _bucket_stream(bucket: str, settings: BucketSettings) -> StreamConfig:
+    """The stream of a KV bucket as nats-py's `create_key_value` makes it, except that rollup headers are refused
+    (it always allows them). `KeyValue` needs no rollup for what the registry does: put, create, update, delete,
+    get, watch and history (a purge would: the registry never purges, it deletes)."""
+    return StreamConfig(
+        name=f"KV_{bucket}",
+        subjects=[f"$KV.{bucket}.>"],
+        allow_rollup_hdrs=False,
+        deny_delete=True,
+        discard=DiscardPolicy.NEW,
+        duplicate_window=120.0,  # nats-py's default for a bucket without a TTL
+        max_consumers=-1,
+        max_msgs=-1,
+        max_msgs_per_subject=_HISTORY[bucket] or settings.slot_history,
+        num_replicas=settings.replicas,
+        storage=settings.storage,
+        allow_direct=False,  # reads go to the stream leader (`natsauth`: MSG.GET), so a read follows the writes
+    )
+
+
+async def _refuse_rollups(js: JetStreamContext, bucket: str) -> None:
+    info = await js.stream_info(f"KV_{bucket}")
+    if info.config.allow_rollup_hdrs:
+        await js.update_stream(dataclasses.replace(info.config, allow_rollup_hdrs=False))
+        log.warning("bucket %s allowed rollup headers (made by an older version): now refused", bucket)
+
+
+MAX_SLOTS_PER_NODE: Final = 256
+"""The most slots one agent lease may list. A node holds a few slots per GPU and model (8 GPUs x a handful of
+models is well under 100); the bound is what one node's agent user can make the autoscaler try in vain: every
+slot a scale-up may claim must be listed in its node's lease, so a node that writes thousands of fake records
+costs at most this many failed activations. A lease over it is refused (``bad_value``), not truncated: no
+honest agent sends one, and a truncated list would offer an arbitrary subset."""
+
+
+def check_record(key: str, value: msgspec.Struct) -> None:
+    """Refuse a record whose own fields name another key than the one it is stored under (``subject_mismatch``:
+    an agent may write only its node's keys, and the permissions check the key, never the value), and a lease
+    that lists more than `MAX_SLOTS_PER_NODE` slots (``bad_value``)."""
+    if isinstance(value, AgentLease):
+        named = value.node
+        if len(value.slots) > MAX_SLOTS_PER_NODE:
+            raise BadMessage(
+                "bad_value",
+                f"the lease of {value.node} lists {len(value.slots)} slots; at most {MAX_SLOTS_PER_NODE} are honoured",
+            )
+    else:
+        named = getattr(value, "key", key)
+    if named != key:
+        raise BadMessage("subject_mismatch", f"a record for {named} is stored under key {key}")
 
 
 # --- a bucket view --------------------------------------------------------------------------------------------
@@ -245,7 +309,9 @@ class BucketView(Generic[V]):
 
     def decode(self, key: str, data: bytes) -> V | None:
         try:
-            return protocol.decode(data, self._type)
+            value = protocol.decode(data, self._type)
+            check_record(key, value)
+            return value
         except BadMessage as err:
             self._rejected(err, source=f"{self._kv._name}/{key}")
             return None
@@ -410,7 +476,9 @@ class KvSlotStore:
         self._node_load: dict[str, Counter[str]] = {}  # model -> node -> slots held
         self._rack_load: dict[str, Counter[str]] = {}  # model -> rack -> slots held
         self._rack_of: dict[str, str] = {}
+        self._offered: dict[str, frozenset[str]] = {}  # node -> slot names its lease lists
         self.slots._on_change = self._index
+        self.agents._on_change = self._index_lease
         self._tasks: list[asyncio.Task[None]] = []
 
     @classmethod
@@ -443,6 +511,24 @@ class KvSlotStore:
             elif rec.state in slots.HELD_STATES:
                 self._node_load.setdefault(m, Counter())[rec.node] += delta
                 self._rack_load.setdefault(m, Counter())[rec.rack] += delta
+
+    def _index_lease(self, node: str, _old: AgentLease | None, new: AgentLease | None) -> None:
+        if new is None:
+            self._offered.pop(node, None)
+        else:
+            self._offered[node] = frozenset(new.slots)
+
+    def _usable(self, model: str, node: str, keys: Collection[str], now: float) -> list[str]:
+        """The keys among `keys` (warm slots of `model` on `node`) that a claim may take at `now`: none unless the
+        node's lease is fresh, and only the slots that lease lists (a record alone offers nothing: any key under
+        the node can be written by its agent user). Costs at most `MAX_SLOTS_PER_NODE` lookups."""
+        lease = self.lease(node)
+        if lease is None or not lease.fresh(now):
+            return []
+        names = self._offered.get(node, frozenset())
+        if len(keys) <= len(names):
+            return [k for k in keys if (rec := self.record(k)) is not None and rec.slot in names]
+        return [key for name in names if (key := f"{model}.{node}.{name}") in keys]
 
     async def start(self, timeout_s: float = 10.0) -> None:
         """Start the watches and wait for their first snapshot."""
@@ -501,10 +587,7 @@ class KvSlotStore:
         out = []
         for by_node in self._warm.get(model, {}).values():
             for node, keys in by_node.items():
-                lease = self.lease(node)
-                if lease is None or not lease.fresh(now):
-                    continue
-                out += [rec for k in keys if (rec := self.record(k)) is not None]
+                out += [rec for k in self._usable(model, node, keys, now) if (rec := self.record(k)) is not None]
         return out
 
     def lease_lapsed(self, node: str, now: float) -> bool:
@@ -532,7 +615,9 @@ class KvSlotStore:
         except nats.js.errors.KeyNotFoundError:
             raise SlotNotFound(f"no slot {key} in {protocol.SLOTS_BUCKET}") from None
         assert entry.value is not None and entry.revision is not None
-        return protocol.decode(entry.value, SlotRecord), entry.revision
+        rec = protocol.decode(entry.value, SlotRecord)
+        check_record(key, rec)
+        return rec, entry.revision
 
     async def _refresh(self, key: str) -> tuple[SlotRecord, int] | None:
         try:
@@ -552,16 +637,15 @@ class KvSlotStore:
         while True:
             now = self.clock()
 
-            def eligible(node: str, now: float = now) -> bool:
-                lease = self.lease(node)
-                return lease is not None and lease.fresh(now)
+            def usable(node: str, keys: Collection[str], now: float = now) -> list[str]:
+                return self._usable(model, node, keys, now)
 
             key = placement.pick(
                 self._warm.get(model, {}),
                 rack_of=self._rack_of,
                 node_load=self._node_load.get(model, {}),
                 rack_load=self._rack_load.get(model, {}),
-                eligible=eligible,
+                usable=usable,
                 skip=skip,
                 rng=self.rng,
             )

@@ -42,8 +42,15 @@ def release_target(record: SlotRecord) -> SlotState:
 
 
 def claimable(record: SlotRecord, lease: AgentLease | None, now: float) -> bool:
-    """A slot may be claimed only while warm, not drained, and its agent's lease is fresh at `now`."""
-    return record.state == "warm" and not record.drain and lease is not None and lease.fresh(now)
+    """A slot may be claimed only while warm, not drained, and its agent's lease is fresh at `now` and lists it:
+    the node's agent user can write any key under its node, so a record alone is no proof that a slot exists."""
+    return (
+        record.state == "warm"
+        and not record.drain
+        and lease is not None
+        and lease.fresh(now)
+        and record.slot in lease.slots
+    )
 
 
 def agent_target(current: SlotState, wanted: SlotState, *, drain: bool) -> SlotState | None:
