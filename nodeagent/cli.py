@@ -158,8 +158,9 @@ def _settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> AgentSett
     for kind, value, flag in (("node", args.node, "--node"), ("model", name, "--model-name")):
         if not protocol.is_name(value):
             p.error(f"{kind} name {value!r} must match {protocol.NAME_PATTERN} (set {flag})")
-    if args.slots < 1:
-        p.error("--slots must be >= 1")
+    if not 1 <= args.slots <= protocol.MAX_SLOTS_PER_NODE:
+        # Readers refuse a lease that lists more (contract revision 4): none of the node's slots would be offered.
+        p.error(f"--slots must be between 1 and {protocol.MAX_SLOTS_PER_NODE}")
     if args.engine == "vllm":
         from nodeagent import vllm  # no vLLM import: its distribution and the node's GPU, looked up
 

@@ -133,6 +133,8 @@ def test_agent_refuses_bad_arguments_with_reasons(model_dir: Path, tmp_path: Pat
     # Readers refuse a lease longer than the contract's maximum: the node would never count as alive.
     r = pulsescale("agent", "--node", "n1", "--model", str(model_dir), "--lease-s", "3600")
     assert r.returncode == 2 and "--lease-s 3600: must be > 0 and at most 300 s" in r.stderr
+    r = pulsescale("agent", "--node", "n1", "--model", str(model_dir), "--slots", "257")
+    assert r.returncode == 2 and "--slots must be between 1 and 256" in r.stderr
 
 
 def test_model_make_tiny_and_verify(tmp_path: Path) -> None:

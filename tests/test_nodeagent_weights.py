@@ -368,7 +368,7 @@ def test_auto_picks_host_and_gpu_loaders_are_refused_without_a_gpu() -> None:
         pytest.skip("needs a machine without a GPU")
     loader, why = loaders.choose("auto")
     assert loader.name == "host" and why
-    with pytest.raises(Exception, match="cannot run on this node|not built yet"):
+    with pytest.raises(Exception, match=r"cannot run on this node|not built yet"):
         loaders.choose("cuda-pinned")
 
 

@@ -22,7 +22,9 @@ Revisions of v1 (each only adds fields or tightens a request only our own autosc
 - revision 4 (real engines, rootfs): `SlotRecord` adds `engine`, `engine_mode` (``fork``, ``wake``, ``resident``)
   and `image_digest`; `ActivateReply` and `AgentSlotStatus` add `engine_mode`, the status adds the engine's
   `log_path`/`log_tail`, `WeightsStatus` adds `hashed_bytes`, `budget_bytes` and `progress`, `AgentStatusReply`
-  adds `rootfs` (`RootfsStatus`), and `PoolSlot` adds the slot's engine, mode, rootfs and image digest.
+  adds `rootfs` (`RootfsStatus`), and `PoolSlot` adds the slot's engine, mode, rootfs and image digest. A slot is
+  claimable only when its node's fresh lease lists it in `slots`, and a lease listing more than `MAX_SLOTS_PER_NODE`
+  is refused ``bad_value``; a record whose fields name another key than its own is refused ``subject_mismatch``.
 
 Pure: no I/O, no NATS import; `now` is passed in where time matters.
 """
@@ -54,6 +56,7 @@ __all__ = [
     "MAX_LEASE_S",
     "MAX_MESSAGE_BYTES",
     "MAX_REQUEST_TTL_S",
+    "MAX_SLOTS_PER_NODE",
     "NAME_PATTERN",
     "QUEUE_WILDCARD",
     "REASONS",
@@ -136,6 +139,12 @@ MAX_MESSAGE_BYTES: Final = 64 * 1024
 MAX_LEASE_S: Final = 300.0
 """The longest agent lease any reader honours: a lease that says it lasts longer is refused (``bad_value``), so a
 writer cannot keep a dead or fake node claimable for hours. Real leases are a few heartbeats (6 s by default)."""
+MAX_SLOTS_PER_NODE: Final = 256
+"""The most slots one agent lease may list (revision 4). A node holds a few slots per GPU and model (8 GPUs x a
+handful of models is well under 100); the bound is what one node's agent user can make the autoscaler try in vain:
+a slot is claimable only when its node's fresh lease lists it, so a node that writes thousands of fake records costs
+at most this many failed activations. A lease over it is refused (``bad_value``), not truncated: no honest agent
+sends one, and a truncated list would offer an arbitrary subset."""
 MAX_CLOCK_SKEW_S: Final = 5.0
 """A heartbeat dated more than this ahead of the reader's clock is not fresh: a future-dated lease is a clock fault
 or a forgery, never a reason to trust a node for longer."""

@@ -200,12 +200,8 @@ async def _refuse_rollups(js: JetStreamContext, bucket: str) -> None:
         log.warning("bucket %s allowed rollup headers (made by an older version): now refused", bucket)
 
 
-MAX_SLOTS_PER_NODE: Final = 256
-"""The most slots one agent lease may list. A node holds a few slots per GPU and model (8 GPUs x a handful of
-models is well under 100); the bound is what one node's agent user can make the autoscaler try in vain: every
-slot a scale-up may claim must be listed in its node's lease, so a node that writes thousands of fake records
-costs at most this many failed activations. A lease over it is refused (``bad_value``), not truncated: no
-honest agent sends one, and a truncated list would offer an arbitrary subset."""
+MAX_SLOTS_PER_NODE: Final = protocol.MAX_SLOTS_PER_NODE
+"""Re-exported from the contract (revision 4): the most slots one agent lease may list."""
 
 
 def check_record(key: str, value: msgspec.Struct) -> None:
