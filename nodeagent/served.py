@@ -336,6 +336,10 @@ class ServedEngine:
         self._closing = False
         self._serving: Started | None = None
         self._lock = asyncio.Lock()
+        self._owner: int | None = None
+        self._started_at = 0.0
+        self.shm_swept = 0
+        """Shared-memory segments left by killed servers and removed (`sweep_shared_memory`)."""
 
     # --- what the slot sees --------------------------------------------------------------------------------------
 
@@ -397,6 +401,7 @@ class ServedEngine:
             port = self.port or free_port(self.bind_host)
             argv = render(self.spec.argv, {**self.values, "port": port, "host": self.bind_host})
             run_as = engine_identity(self.spec.engine_user)
+            self._owner, self._started_at = (run_as[0] if run_as else os.geteuid()), time.time()
             self.log.note(f"starting {shlex.join(argv)}" + (f" as uid {run_as[0]}" if run_as else ""))
             t0 = time.perf_counter()
             self._proc = await asyncio.create_subprocess_exec(
@@ -493,6 +498,7 @@ class ServedEngine:
         reason = f"server {proc.pid} {_describe_rc(rc)}{' while serving' if was else ''}" + self._tail_note()
         log.warning("slot %s: %s", self.name, reason)
         _killpg(proc.pid, signal.SIGKILL)  # whatever it left behind in its group
+        await self._sweep(proc.pid)
         self.restarts += 1
         if self.on_exit is not None:
             self.on_exit(reason)
@@ -575,12 +581,78 @@ class ServedEngine:
                     log.warning("slot %s: server %d ignored SIGTERM; killing its group", self.name, proc.pid)
             _killpg(proc.pid, signal.SIGKILL)  # also what it left behind in its group
             await proc.wait()
+            await self._sweep(proc.pid)
         for task in (self._pump, self._watch):
             if task is not None and not task.done():
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self._pump = self._watch = None
+
+    async def _sweep(self, pgid: int) -> None:
+        """Once the server's group is gone, remove the shared memory it left in /dev/shm (off the activation path)."""
+        if self._owner is None:
+            return
+        for _ in range(int(GROUP_GONE_WAIT_S / _EXIT_POLL_S)):
+            try:
+                os.killpg(pgid, 0)
+            except (ProcessLookupError, PermissionError):
+                break
+            await asyncio.sleep(_EXIT_POLL_S)
+        removed = await asyncio.to_thread(sweep_shared_memory, self._owner, self._started_at)
+        if removed:
+            self.shm_swept += len(removed)
+            log.info("slot %s: removed %d shared-memory segment(s) its server left: %s", self.name, len(removed),
+                     ", ".join(removed[:5]))  # fmt: skip
+
+
+GROUP_GONE_WAIT_S: Final = 2.0
+"""How long a killed group may take to be reaped before its shared memory is swept (what is still mapped stays)."""
+SHM_LEFTOVER_PREFIXES: Final = ("psm_", "sem.mp-")
+"""Python's multiprocessing segments and semaphores (vLLM and torch use them): unlinked only on a clean exit."""
+
+
+def sweep_shared_memory(owner: int, since: float, shm: Path = Path("/dev/shm")) -> list[str]:
+    """Remove multiprocessing segments in `shm` that a killed server left: owned by `owner`, changed since `since`
+    (the server's start), and mapped or open by no live process. A killed vLLM leaves 150-250 MB per server."""
+    try:
+        candidates = [
+            e for e in os.scandir(shm)
+            if e.name.startswith(SHM_LEFTOVER_PREFIXES) and e.is_file(follow_symlinks=False)
+            and e.stat(follow_symlinks=False).st_uid == owner and e.stat(follow_symlinks=False).st_ctime >= since - 1
+        ]  # fmt: skip
+    except OSError:
+        return []
+    if not candidates:
+        return []
+    in_use = _shm_in_use(shm)
+    removed = []
+    for e in candidates:
+        if e.name in in_use:
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(e.path)
+            removed.append(e.name)
+    return removed
+
+
+def _shm_in_use(shm: Path) -> set[str]:
+    """Names under `shm` that a live process maps or holds open (from /proc: what the agent, as root, can read)."""
+    prefix = f"{shm}/"
+    used: set[str] = set()
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
+            for line in maps:
+                at = line.find(prefix)
+                if at >= 0:
+                    used.add(line[at + len(prefix) :].split()[0])
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith(prefix):
+                        used.add(target[len(prefix) :].split()[0])
+    return used
 
 
 def _killpg(pgid: int, sig: int) -> None:

@@ -10,7 +10,9 @@ import secrets
 import shlex
 import signal
 import stat
+import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -284,3 +286,45 @@ def test_the_command_line_is_split_without_a_shell_and_placeholders_are_checked(
         served.render("srv --port {prot}", {"port": 8})
     with pytest.raises(served.BadCommand, match="cannot split"):
         served.render("srv 'unclosed", {})
+
+
+LEAKER = """\
+import sys, time
+from multiprocessing import shared_memory
+seg = shared_memory.SharedMemory(name=sys.argv[1], create=True, size=1 << 16)
+print("made", flush=True)
+time.sleep(60)
+"""
+
+
+def test_shared_memory_a_killed_server_group_left_is_swept_and_what_is_in_use_stays(tmp_path: Path) -> None:
+    """vLLM and torch use multiprocessing segments (/dev/shm/psm_*), unlinked only on a clean exit: a group killed
+    with SIGKILL (its resource tracker too) leaves them, 150-250 MB per vLLM server. The sweep removes those, never
+    one a live process still maps."""
+    from multiprocessing import shared_memory
+
+    t0 = time.time()
+    leaked, held = f"psm_pstest_{secrets.token_hex(4)}", f"psm_pstest_{secrets.token_hex(4)}"
+    script = tmp_path / "leak.py"
+    script.write_text(LEAKER)
+    proc = subprocess.Popen([sys.executable, str(script), leaked], stdout=subprocess.PIPE, start_new_session=True)
+    keep = shared_memory.SharedMemory(name=held, create=True, size=1 << 12)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"made\n"
+        os.killpg(proc.pid, signal.SIGKILL)  # the whole group, its resource tracker with it
+        proc.wait()
+        assert (Path("/dev/shm") / leaked).exists()  # what the kill leaves behind
+        removed = served.sweep_shared_memory(os.geteuid(), t0)
+        assert leaked in removed and held not in removed
+        assert not (Path("/dev/shm") / leaked).exists() and (Path("/dev/shm") / held).exists()
+        assert served.sweep_shared_memory(os.geteuid() + 1, t0) == []  # another user's segments are not ours to judge
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        assert proc.stdout is not None
+        proc.stdout.close()
+        keep.close()
+        keep.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            (Path("/dev/shm") / leaked).unlink()
