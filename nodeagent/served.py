@@ -341,6 +341,11 @@ class ServedEngine:
         self.shm_swept = 0
         """Shared-memory segments left by killed servers and removed (`sweep_shared_memory`)."""
 
+    @property
+    def marker(self) -> str:
+        """This slot's value of `SERVER_MARKER`: unique per agent (its log directory) and slot."""
+        return str(self.log_dir / self.name)
+
     # --- what the slot sees --------------------------------------------------------------------------------------
 
     @property
@@ -396,6 +401,7 @@ class ServedEngine:
             if self.armed:
                 return
             await self._kill()
+            await asyncio.to_thread(kill_strays, self.marker)  # what a SIGKILLed agent's server left running
             if self.log is None:
                 self.log = EngineLog(self.log_dir, self.name)
             port = self.port or free_port(self.bind_host)
@@ -409,7 +415,8 @@ class ServedEngine:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
-                env=engine_env(self.spec.env),  # no NATS credentials, none of the agent's settings
+                # No NATS credentials, none of the agent's settings; the marker finds what the server leaves behind.
+                env=engine_env({**self.spec.env, SERVER_MARKER: self.marker}),
                 start_new_session=True,  # its own process group: stopped as a group, Ctrl-C is the agent's
                 preexec_fn=_preexec(run_as, os.getpid()),
             )
@@ -581,6 +588,9 @@ class ServedEngine:
                     log.warning("slot %s: server %d ignored SIGTERM; killing its group", self.name, proc.pid)
             _killpg(proc.pid, signal.SIGKILL)  # also what it left behind in its group
             await proc.wait()
+            strays = await asyncio.to_thread(kill_strays, self.marker)  # children that left the group
+            if strays:
+                log.warning("slot %s: killed %d process(es) its server left outside its group", self.name, len(strays))
             await self._sweep(proc.pid)
         for task in (self._pump, self._watch):
             if task is not None and not task.done():
@@ -604,6 +614,32 @@ class ServedEngine:
             self.shm_swept += len(removed)
             log.info("slot %s: removed %d shared-memory segment(s) its server left: %s", self.name, len(removed),
                      ", ".join(removed[:5]))  # fmt: skip
+
+
+SERVER_MARKER: Final = "PULSESCALE_SERVER_OF"
+"""Set in every standby server's environment, so in its children's: a process that left the server's group (its own
+session) or outlived a SIGKILLed agent (the parent-death signal reaches the server, not its children) is found by
+it, from /proc, when the slot's server is stopped or started again."""
+
+
+def kill_strays(marker: str) -> list[int]:
+    """SIGKILL every process whose environment carries ``SERVER_MARKER=marker``; their pids."""
+    needle = f"{SERVER_MARKER}={marker}".encode()
+    killed = []
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read()
+        except OSError:
+            continue  # gone, or not ours to read
+        if needle in env.split(b"\0"):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(int(entry), signal.SIGKILL)
+                killed.append(int(entry))
+    return killed
 
 
 GROUP_GONE_WAIT_S: Final = 2.0

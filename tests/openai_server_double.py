@@ -27,7 +27,12 @@ def main() -> int:
     p.add_argument("--model", default="tiny")
     p.add_argument("--slot", default="")
     p.add_argument("--behave-for", action="append", default=[], metavar="SLOT=KIND", help="another behaviour for SLOT")
+    p.add_argument("--escape-child", action="store_true", help="fork a child into its own session (as vLLM's workers)")
     args = p.parse_args()
+    if args.escape_child and os.fork() == 0:
+        os.setsid()  # out of the server's process group: a group kill misses it
+        while True:
+            time.sleep(60)
     for item in args.behave_for:
         slot, _, kind = item.partition("=")
         if slot == args.slot:

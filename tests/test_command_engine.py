@@ -266,6 +266,40 @@ async def test_a_stopped_or_killed_agent_leaves_no_server_process(
                 await agent.wait()
 
 
+async def test_processes_a_server_moved_out_of_its_group_are_killed_when_its_slot_restarts(
+    nats_server: NatsServer, store: KvSlotStore, model_dir: Path, shm_dir: Path
+) -> None:
+    """vLLM's workers outlive a killed API server, and a child in its own session escapes the group kill and the
+    parent-death signal: after the agent is SIGKILLed, its next start finds them by the marker in their
+    environment and kills them before it starts the slot's server again."""
+    marker = f"m{secrets.token_hex(4)}"
+    argv = [sys.executable, "-m", "pulsescale", "agent", "--node", NODE, "--model", str(model_dir), "--shm-dir",
+            str(shm_dir), "--metrics-port", "-1", "--nats", nats_server.url, "--engine", "command",
+            "--engine-cmd", command("--model", marker, "--escape-child")]  # fmt: skip
+    async with no_leftovers(marker):
+        first = await asyncio.create_subprocess_exec(*argv, stderr=asyncio.subprocess.DEVNULL)
+        second: asyncio.subprocess.Process | None = None
+        try:
+            await wait_state(store, key("s0"), "warm", timeout_s=30)
+            before = server_pids(marker) - {first.pid}
+            assert len(before) == 2  # the server and the child it moved into a session of its own
+            first.kill()
+            await first.wait()
+            await wait_for(lambda: len(server_pids(marker) & before) == 1, 10, "the server to go with the agent")
+            [escaped] = server_pids(marker) & before  # what the parent-death signal did not reach
+            second = await asyncio.create_subprocess_exec(*argv, stderr=asyncio.subprocess.DEVNULL)
+            await wait_for(lambda: not alive(escaped), 30, "the restarted agent to kill the escaped child")
+            await wait_state(store, key("s0"), "warm", timeout_s=30)
+            second.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(second.wait(), 30)
+            await wait_for(lambda: not server_pids(marker) - {first.pid, second.pid}, 10, "nothing left after a stop")
+        finally:
+            for agent in (first, second):
+                if agent is not None and agent.returncode is None:
+                    agent.kill()
+                    await agent.wait()
+
+
 async def test_the_local_engine_records_fork_mode(
     nats_server: NatsServer, nc: Client, store: KvSlotStore, model_dir: Path, shm_dir: Path
 ) -> None:
