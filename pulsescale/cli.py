@@ -33,6 +33,7 @@ COMMANDS: dict[str, Command] = {
         "autoscaler.cli:run_operator", "run the Kubernetes operator for ScaledObjects (not built yet)", "daemons"
     ),
     "nats": Command("warmpool.cli:run_nats", "run a local nats-server with JetStream (from the wheel)", "daemons"),
+    "gateway": Command("gateway.cli:run_gateway", "run the reference gateway (queue, route, samples)", "daemons"),
     # on-call
     "status": Command("autoscaler.oncall:status", "show models, replicas and the last decisions", "on-call"),
     "pool": Command("autoscaler.oncall:pool", "show the warm pool: slots by state, node and rack", "on-call"),
@@ -42,10 +43,12 @@ COMMANDS: dict[str, Command] = {
     "sample": Command("warmpool.cli:sample", "publish gateway queue samples by hand (drills, demos)", "on-call"),
     "drain": Command("autoscaler.oncall:drain", "stop offering a node's slots; serving ones finish", "on-call"),
     "undrain": Command("autoscaler.oncall:undrain", "offer a drained node's slots again", "on-call"),
+    "demo": Command("demo.cli:main", "the article's surge end to end on this machine, live, with a report", "daemons"),
     "apply": Command("autoscaler.oncall:apply", "write a ScaledObject YAML to the registry (no Kubernetes)", "config"),
     "slots": Command("warmpool.cli:slots", "list slots straight from the registry", "config"),
     "model": Command("nodeagent.cli:model", "model tools: make-tiny (test weights), verify, stage", "config"),
     "bench": Command("pulsescale.cli:bench", "benchmarks: claims, decide, activate", "benchmarks"),
+    "simulate": Command("simulate.cli:main", "HPA, KEDA, Knative and ours on the same pulse (simulated)", "benchmarks"),
 }
 
 BENCHES: dict[str, Command] = {

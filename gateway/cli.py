@@ -1,0 +1,113 @@
+"""`pulsescale gateway` (the reference gateway daemon) and `pulsescale load` (the pulse load generator).
+
+A NATS failure at start-up (unreachable, credentials or a permission refused) and a port taken leave as a
+`PulsescaleError`; the dispatcher prints it as one line and exits 1."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable
+from dataclasses import replace
+
+from warmpool import connect, protocol
+
+
+def _listen(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise argparse.ArgumentTypeError(f"{text!r}: give HOST:PORT, e.g. 127.0.0.1:8080")
+    return host.strip("[]"), int(port)
+
+
+def _models(text: str) -> frozenset[str]:
+    names = frozenset(m.strip() for m in text.split(",") if m.strip())
+    bad = sorted(m for m in names if not protocol.is_name(m))
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"{', '.join(bad) or 'none given'}: names match {protocol.NAME_PATTERN}")
+    return names
+
+
+def run_gateway(argv: list[str], prog: str) -> int:
+    from gateway import proxy
+
+    d = proxy.GatewaySettings
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Run the reference gateway: an OpenAI-style reverse proxy in front of each model's ready slots "
+        "(from pulse_slots) with a bounded FIFO queue per model, least-loaded routing, 429 when the queue is full, "
+        "504 after --timeout-s; publishes pulse.queue.<model> samples every 100 ms and on change. "
+        "/healthz and /metrics on the same port.",
+    )
+    connect.add_nats_arguments(p)
+    p.add_argument("--listen", type=_listen, default=(d.host, d.port), metavar="HOST:PORT", help=f"[{d.host}:{d.port}]")
+    p.add_argument(
+        "--queue-limit",
+        type=int,
+        default=d.queue_limit,
+        metavar="N",
+        help=f"waiting requests per model [{d.queue_limit}]",
+    )
+    p.add_argument(
+        "--timeout-s", type=float, default=d.timeout_s, metavar="S", help=f"longest wait for a slot [{d.timeout_s}]"
+    )
+    p.add_argument(
+        "--upstream-timeout-s",
+        type=float,
+        default=d.upstream_timeout_s,
+        metavar="S",
+        help=f"longest an upstream may take to answer [{d.upstream_timeout_s}]",
+    )
+    p.add_argument(
+        "--endpoint-concurrency",
+        type=int,
+        default=d.endpoint_concurrency,
+        metavar="N",
+        help=f"requests one ready slot gets at once [{d.endpoint_concurrency}]",
+    )
+    p.add_argument(
+        "--max-attempts",
+        type=int,
+        default=d.max_attempts,
+        metavar="N",
+        help=f"upstreams tried when they break before answering [{d.max_attempts}]",
+    )
+    p.add_argument("--models", type=_models, metavar="M1,M2", help="serve only these models [any, up to 64]")
+    p.add_argument("--gateway-id", help="name in the queue samples [gw-<host>-<pid>-<random>]")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    args = p.parse_args(argv)
+    if args.gateway_id is not None and not 0 < len(args.gateway_id) <= 128:
+        p.error("--gateway-id: 1 to 128 characters")
+    settings = d(
+        nats=connect.options_from_args(args, name="pulsescale-gateway"),
+        host=args.listen[0],
+        port=args.listen[1],
+        queue_limit=args.queue_limit,
+        timeout_s=args.timeout_s,
+        upstream_timeout_s=args.upstream_timeout_s,
+        endpoint_concurrency=args.endpoint_concurrency,
+        max_attempts=args.max_attempts,
+        models=args.models,
+        **({"gateway_id": args.gateway_id} if args.gateway_id else {}),
+    )
+    try:
+        settings.check()
+    except ValueError as err:
+        p.error(str(err))
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    async def main() -> None:
+        stop, ready = asyncio.Event(), asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+
+        def run(nats: connect.NatsOptions) -> Awaitable[None]:
+            return proxy.run(replace(settings, nats=nats), stop=stop, ready=ready)
+
+        await connect.run_daemon(settings.nats, run, ready)
+
+    asyncio.run(main())
+    return 0
