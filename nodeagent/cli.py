@@ -137,6 +137,12 @@ def _agent_parser(prog: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--rootfs-dir", default=str(d.rootfs_dir), help=f"built images and their mounts [{d.rootfs_dir}]")
     p.add_argument("--cleanup", action="store_true", help="unmount this node's rootfs images (--rootfs-dir) and exit")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="check this node for the configuration given (the same flags as a real run) and exit: one line per "
+        "check (OK / WARN / FAIL, what was measured, the fix), exit 1 on any FAIL; starts nothing, writes nothing",
+    )
     p.add_argument("--fault", action="append", default=[], metavar="SLOT=KIND", help=argparse.SUPPRESS)
     p.add_argument("--log-level", default=os.environ.get("PULSESCALE_LOG_LEVEL", "INFO"), help="[INFO]")
     nats_connect.add_nats_arguments(p)
@@ -282,6 +288,10 @@ def run_agent(argv: list[str], prog: str) -> int:
         return _cleanup(argv, prog)
     p = _agent_parser(prog)
     args = p.parse_args(argv)
+    if args.check:
+        from nodeagent import preflight  # the check's imports only when checking
+
+        return preflight.main(args, lambda: _settings(args, preflight.RefusingParser(prog=prog)))
     settings = _settings(args, p)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr

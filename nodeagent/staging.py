@@ -184,11 +184,12 @@ class ShmBudgetExceeded(StagingFailed):
 # --- the staging directory -----------------------------------------------------------------------------------
 
 
-def _own_dir(path: Path) -> int:
+def _own_dir(path: Path, *, create: bool = True) -> int:
     """A handle of `path`, the agent's own directory: made 0700 if absent, refused unless ours and not a link.
     Its ancestors are opened one by one from ``/`` without following links (``O_NOFOLLOW``), each owned by root or
     the agent and not writable by others unless sticky: a link or another user's directory anywhere above it could
-    point the whole path elsewhere."""
+    point the whole path elsewhere. With `create` False (`nodeagent.preflight`) nothing is made or changed: an
+    absent directory raises `FileNotFoundError`, a looser mode is left as it is."""
     pfd, shown = os.open("/", _O_DIR), Path("/")
     try:
         for part in Path(os.path.abspath(path)).parent.parts[1:]:
@@ -208,7 +209,7 @@ def _own_dir(path: Path) -> int:
             os.close(pfd)
             pfd, shown = nfd, shown / part
         _check_above(pfd, shown, path)
-        return _own_subdir(pfd, path.name, path)
+        return _own_subdir(pfd, path.name, path, create=create)
     finally:
         os.close(pfd)
 
@@ -225,9 +226,10 @@ def _check_above(fd: int, shown: Path, path: Path) -> None:
         )
 
 
-def _own_subdir(dir_fd: int, name: str, shown: Path) -> int:
+def _own_subdir(dir_fd: int, name: str, shown: Path, *, create: bool = True) -> int:
     try:
-        os.mkdir(name, DIR_MODE, dir_fd=dir_fd)
+        if create:
+            os.mkdir(name, DIR_MODE, dir_fd=dir_fd)
     except FileExistsError:
         pass  # checked below, whoever made it
     except OSError as err:
@@ -235,6 +237,8 @@ def _own_subdir(dir_fd: int, name: str, shown: Path) -> int:
     try:
         fd = os.open(name, _O_DIR, dir_fd=dir_fd)
     except OSError as err:
+        if err.errno == errno.ENOENT and not create:
+            raise  # a check that makes nothing: absent is the caller's answer
         if err.errno in (errno.ELOOP, errno.ENOTDIR):
             raise UnsafeStagingDir(
                 f"{shown} is a symbolic link or not a directory: the agent (root) stages only into a directory "
@@ -250,7 +254,7 @@ def _own_subdir(dir_fd: int, name: str, shown: Path) -> int:
             f"and could plant links or replace files in it; remove it (`rm -rf {shown}`) and prewarm again: the "
             "agent creates it, mode 0700"
         )
-    if stat.S_IMODE(st.st_mode) != DIR_MODE:
+    if create and stat.S_IMODE(st.st_mode) != DIR_MODE:
         os.fchmod(fd, DIR_MODE)  # ours, made looser by an older version or by hand: only we could write in it
     return fd
 
