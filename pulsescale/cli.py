@@ -49,6 +49,7 @@ COMMANDS: dict[str, Command] = {
     "model": Command("nodeagent.cli:model", "model tools: make-tiny (test weights), verify, stage", "config"),
     "bench": Command("pulsescale.cli:bench", "benchmarks: claims, decide, activate", "benchmarks"),
     "simulate": Command("simulate.cli:main", "HPA, KEDA, Knative and ours on the same pulse (simulated)", "benchmarks"),
+    "simulate": Command("simulate.cli:main", "HPA, KEDA, Knative and ours on the same pulse (simulated)", "benchmarks"),
 }
 
 BENCHES: dict[str, Command] = {

@@ -1,0 +1,165 @@
+"""Scenarios: the load, the service, the fleet and the start-up paths, and the policies that run on them.
+
+`seed` is the article's load test (../shared/SEED.md): a fleet provisioned for normal load takes a pulse to 300 %
+of its capacity within one step, held; the pulse needs `instances` more replicas (the article's "100-instance
+burst": 50 provisioned, 150 needed). Every baseline pays the article's cold start for each new pod (scheduling 1.5
++ image 120 + Python 18 + weights 45.5 = 185 s); ours activates warm slots (claim -> ready measured by `pulsescale
+bench activate`, or a file of measured activations) while its pool lasts, then pays the same cold start.
+
+`zero` starts from 0 replicas (an idle model, minReplicaCount 0) and shows what KEDA's 30 s activation poll and
+Knative's panic mode do with a first burst.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Final
+
+from simulate import engine, policies
+from simulate.engine import Delay, Fixed, Load, Result, Service, Startup
+
+__all__ = [
+    "ARTICLE_COLD_STAGES_S",
+    "DEFAULT_WARM_S",
+    "POOL_HEADROOM",
+    "SCENARIOS",
+    "Scenario",
+    "make",
+    "policies_for",
+    "pool_size",
+    "run",
+]
+
+ARTICLE_COLD_STAGES_S: Final = {"scheduling": 1.5, "image": 120.0, "python": 18.0, "weights": 45.5}
+"""The article's classic cold start, HPA decision -> ready (SEED.md, 185 s in all)."""
+
+POOL_HEADROOM: Final = 0.2
+"""The default pool is the burst + 20 %: a queue-driven target at 100 % concurrency asks for a few more replicas
+than the exact need while arrivals fluctuate, and a pool of exactly the burst sends those few down the cold path."""
+
+DEFAULT_WARM_S: Final = 0.1
+"""Claim -> ready of a warm slot when no measurements are given: `pulsescale bench activate` here measured 22 ms
+p50 for a vLLM standby and well under 100 ms for the local engine; 0.1 s leaves room for the control plane."""
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    instances: int
+    """Replicas the pulse needs beyond the provisioned fleet (the article's burst: 100)."""
+    pulse: float = 3.0
+    """Pulse load as a multiple of the provisioned capacity (300 %)."""
+    base_utilisation: float = 0.7
+    """Normal load as a share of the provisioned capacity (an HPA's usual 70 % target)."""
+    warmup_s: float = 120.0
+    """Normal load before the pulse: our policy and Knative want a full 60 s window of data first."""
+    pulse_s: float = 600.0
+    """How long the pulse is held: long enough for a 185 s cold start and the slowest ramp to finish."""
+    after_s: float = 300.0
+    """Normal load after the pulse (scale-down and its GPU cost)."""
+    service: Service = field(default_factory=Service)
+    cold_s: float = sum(ARTICLE_COLD_STAGES_S.values())
+    pool_size: int | None = None
+    """Our warm standby slots; None: the burst plus `POOL_HEADROOM` (see `pool_size`)."""
+    min_replicas: int | None = None
+    """The floor of every policy; None: the provisioned fleet."""
+    max_factor: float = 2.0
+    """Every policy's ceiling, as a multiple of the replicas the pulse needs (queue-driven metrics overshoot while
+    pods are still starting; the ceiling bounds what that costs)."""
+    poisson: bool = True
+    seed: int = 1
+
+    @property
+    def provisioned(self) -> int:
+        """The fleet before the pulse: a pulse of `pulse` x its capacity needs `instances` more."""
+        return max(round(self.instances / (self.pulse - 1)), 0) if self.pulse > 1 else self.instances
+
+    @property
+    def pulse_rps(self) -> float:
+        return (self.provisioned + self.instances) * self.service.rps_per_replica
+
+    @property
+    def base_rps(self) -> float:
+        return self.base_utilisation * self.provisioned * self.service.rps_per_replica
+
+    @property
+    def needed(self) -> int:
+        """Ready replicas that carry the pulse (each at its full concurrency)."""
+        return math.ceil(self.pulse_rps / self.service.rps_per_replica - 1e-9)
+
+    @property
+    def floor(self) -> int:
+        return self.provisioned if self.min_replicas is None else self.min_replicas
+
+    @property
+    def ceiling(self) -> int:
+        return max(math.ceil(self.needed * self.max_factor), self.floor, 1)
+
+    @property
+    def duration_s(self) -> float:
+        return self.warmup_s + self.pulse_s + self.after_s
+
+    @property
+    def load(self) -> Load:
+        t1 = self.warmup_s
+        return Load(((0.0, self.base_rps), (t1, self.pulse_rps), (t1 + self.pulse_s, self.base_rps)), self.poisson)
+
+
+def pool_size(sc: Scenario) -> int:
+    return math.ceil(sc.instances * (1 + POOL_HEADROOM)) if sc.pool_size is None else sc.pool_size
+
+
+def make(name: str, *, instances: int | None = None) -> Scenario:
+    if name not in SCENARIOS:
+        raise KeyError(name)
+    sc = SCENARIOS[name]
+    return sc if instances is None else replace(sc, instances=instances)
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "seed": Scenario("seed", instances=100),
+    "zero": Scenario("zero", instances=20, base_utilisation=0.0, min_replicas=0, pulse=2.0, warmup_s=90.0),
+}
+
+
+def policies_for(sc: Scenario) -> list[engine.Policy]:
+    """Ours and the three baselines, each with the scenario's target, floor and ceiling."""
+    target = float(sc.service.concurrency)
+    floor, ceiling = sc.floor, sc.ceiling
+    start = sc.floor
+    return [
+        policies.Ours(policies.our_spec(target=target, min_replicas=floor, max_replicas=ceiling),
+                      initial_replicas=start),
+        policies.HPA(target=target, min_replicas=max(floor, 1), max_replicas=ceiling),
+        policies.KEDA(policies.HPA(target=target, min_replicas=max(floor, 1), max_replicas=ceiling),
+                      min_replicas=floor),
+        policies.KPA(target=target, min_replicas=floor, max_replicas=ceiling),
+    ]  # fmt: skip
+
+
+def run(sc: Scenario, *, warm: Delay | None = None, only: set[str] | None = None) -> list[Result]:
+    """Every policy over the same trace (same seed: the same arrivals); ours with the warm path."""
+    warm = warm if warm is not None else Fixed(DEFAULT_WARM_S)
+    pool = pool_size(sc)
+    cold = Fixed(sc.cold_s)
+    results = []
+    for pol in policies_for(sc):
+        if only is not None and pol.name not in only:
+            continue
+        is_ours = isinstance(pol, policies.Ours)
+        startup = Startup(cold=cold, warm=warm, pool_size=pool) if is_ours else Startup(cold=cold)
+        results.append(
+            engine.run(
+                pol,
+                load=sc.load,
+                service=sc.service,
+                startup=startup,
+                duration_s=sc.duration_s,
+                initial_replicas=sc.floor,
+                needed=sc.needed,
+                pulse_at_s=sc.warmup_s,
+                seed=sc.seed,
+            )
+        )
+    return results
