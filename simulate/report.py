@@ -41,8 +41,9 @@ def _ttc(v: float | None) -> str:
 
 
 def table(sc: Scenario, results: list[Result]) -> str:
+    pulse = f"{sc.pulse_rps:g} req/s" if sc.from_zero else f"{sc.pulse * 100:.0f} %"
     head = (
-        f"scenario {sc.name}: {sc.provisioned} replicas provisioned, a {sc.pulse * 100:.0f} % pulse at "
+        f"scenario {sc.name}: {sc.provisioned} replicas provisioned, a {pulse} pulse at "
         f"{sc.warmup_s:.0f} s for {sc.pulse_s:.0f} s needs {sc.needed} ({sc.instances} more); "
         f"{sc.service.concurrency} concurrent x {sc.service.service_s:g} s per replica, 504 after "
         f"{sc.service.timeout_s:g} s queued; cold start {sc.cold_s:g} s"

@@ -69,10 +69,14 @@ class Scenario:
     pods are still starting; the ceiling bounds what that costs)."""
     poisson: bool = True
     seed: int = 1
+    from_zero: bool = False
+    """An idle model: nothing provisioned, no load, then a pulse that needs `instances` replicas."""
 
     @property
     def provisioned(self) -> int:
         """The fleet before the pulse: a pulse of `pulse` x its capacity needs `instances` more."""
+        if self.from_zero:
+            return 0
         return max(round(self.instances / (self.pulse - 1)), 0) if self.pulse > 1 else self.instances
 
     @property
@@ -119,7 +123,7 @@ def make(name: str, *, instances: int | None = None) -> Scenario:
 
 SCENARIOS: dict[str, Scenario] = {
     "seed": Scenario("seed", instances=100),
-    "zero": Scenario("zero", instances=20, base_utilisation=0.0, min_replicas=0, pulse=2.0, warmup_s=90.0),
+    "zero": Scenario("zero", instances=40, base_utilisation=0.0, from_zero=True, warmup_s=90.0),
 }
 
 
@@ -156,7 +160,8 @@ def run(sc: Scenario, *, warm: Delay | None = None, only: set[str] | None = None
                 service=sc.service,
                 startup=startup,
                 duration_s=sc.duration_s,
-                initial_replicas=sc.floor,
+                # An HPA cannot run a target at 0 (minReplicas >= 1): it starts from its floor of 1.
+                initial_replicas=max(sc.floor, 1) if isinstance(pol, policies.HPA) else sc.floor,
                 needed=sc.needed,
                 pulse_at_s=sc.warmup_s,
                 seed=sc.seed,

@@ -180,3 +180,13 @@ def test_cli_reads_an_activations_file_and_names_it(tmp_path: Path) -> None:
     assert doc["policies"][0]["time_to_capacity_s"] >= 2.5
     bad = pulsescale("simulate", "--activations", str(tmp_path / "missing"), "--no-plot", "--out", str(tmp_path))
     assert bad.returncode == 1 and "cannot read --activations" in bad.stderr
+
+
+def test_zero_scenario_keda_activates_on_its_poll_and_ours_serves_from_the_pool() -> None:
+    sc = replace(scenarios.make("zero"), pulse_s=240.0, after_s=0.0)
+    rows = {r.policy: r for r in scenarios.run(sc)}
+    keda = rows["KEDA"]
+    first = next(t for t, d in zip(keda.series["t"], keda.series["desired"], strict=True) if d > 0)
+    assert first >= sc.warmup_s and first % 30 == 0  # KEDA's own 0 -> 1, on a 30 s poll
+    assert rows["pulsescale"].timeouts == 0 and rows["pulsescale"].warm_starts > 0
+    assert all(r.timeouts > 0 for name, r in rows.items() if name != "pulsescale")
