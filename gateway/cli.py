@@ -111,3 +111,9 @@ def run_gateway(argv: list[str], prog: str) -> int:
 
     asyncio.run(main())
     return 0
+
+
+def run_load_cli(argv: list[str], prog: str) -> int:
+    from gateway import loadgen
+
+    return loadgen.main(argv, prog)

@@ -48,7 +48,7 @@ COMMANDS: dict[str, Command] = {
     "slots": Command("warmpool.cli:slots", "list slots straight from the registry", "config"),
     "model": Command("nodeagent.cli:model", "model tools: make-tiny (test weights), verify, stage", "config"),
     "bench": Command("pulsescale.cli:bench", "benchmarks: claims, decide, activate", "benchmarks"),
-    "simulate": Command("simulate.cli:main", "HPA, KEDA, Knative and ours on the same pulse (simulated)", "benchmarks"),
+    "load": Command("gateway.cli:run_load_cli", "open-loop load: base, a 300 % pulse, back", "benchmarks"),
     "simulate": Command("simulate.cli:main", "HPA, KEDA, Knative and ours on the same pulse (simulated)", "benchmarks"),
 }
 
