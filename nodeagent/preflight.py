@@ -37,6 +37,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -130,8 +131,6 @@ class _Node:
         shm = Path(args.shm_dir)
         src = str(args.model)
         if fetch.is_url(src):
-            import urllib.parse
-
             name = args.model_name or urllib.parse.urlsplit(src).path.rstrip("/").rsplit("/", 1)[-1] or "model"
             model_dir = shm / name
         else:
@@ -281,6 +280,11 @@ def check_memlock(node: _Node) -> Check:
         pin = cudaplan.pin_decision(node.weights_bytes, memlock_bytes=limit, cap_ipc_lock=engine_cap)
         if not pin.register:
             status = "WARN"
+            if lock.register:  # only the engine's pinning falls short: a capability would not reach it
+                fix = (
+                    "raise RLIMIT_MEMLOCK itself (`ulimit -l unlimited`, systemd LimitMEMLOCK=infinity, the container "
+                    "runtime's memlock ulimit): engines drop CAP_IPC_LOCK with their user"
+                )
         lines.append(f"engine pinning: {pin.reason}")
     return Check("memlock", status, "; ".join(lines), fix)
 
@@ -458,6 +462,8 @@ def _server_argv(node: _Node) -> tuple[tuple[str, ...], dict[str, str], str]:
         template, env = str(a.engine_cmd or ""), {}
     argv = served.render(template, values)
     words = template if isinstance(template, tuple) else tuple(shlex.split(template))  # render split it already
+    if "{rootfs}" in words[0]:
+        argv = ("", *argv[1:])  # inside the image, mounted at start: not there to check yet
     reads = "staged_dir" if any("{staged_dir}" in w for w in words) else ""
     reads = "model_dir" if any("{model_dir}" in w for w in words) else reads
     return argv, env, reads
@@ -498,7 +504,12 @@ def check_engine_exec(node: _Node) -> Check:
         return Check("engine-exec", "FAIL", err.reason, "see vllm")
     argv0 = argv[0]
     if not argv0:
-        return Check("engine-exec", "WARN", "the command's first word is a placeholder ({rootfs}?): checked at start")
+        return Check(
+            "engine-exec",
+            "WARN",
+            "the server's command is inside the --image rootfs ({rootfs}), mounted at start: not checked here",
+            "make sure the image's server is executable by the engine user (its file modes in the image)",
+        )
     path = forked.engine_env(env).get("PATH", os.defpath)
     staged = node.shm_dir / node.model_name
     model = {"model_dir": node.model_dir, "staged_dir": staged}.get(reads)
@@ -521,6 +532,8 @@ def check_engine_exec(node: _Node) -> Check:
             f"install it where {who} can read and run it, or open its directories (chmod o+rx)",
         )
     line = f"{got['exe']} runs as {who}"
+    if a.image and "/" not in argv0:
+        line += " (with --image, the image's bin comes first on PATH)"
     if model is not None:
         shown = "{staged_dir}" if reads == "staged_dir" else str(model)
         if not got["model_dir"] or got["unreadable"]:

@@ -353,6 +353,26 @@ def test_root_locks_whatever_the_memlock_limit(model_dir: Path) -> None:
     assert "CAP_IPC_LOCK" in got.value
 
 
+@root_only
+def test_engine_pinning_needs_the_limit_itself_since_engines_drop_cap_ipc_lock(model_dir: Path) -> None:
+    """Root's CAP_IPC_LOCK lets the agent lock, but a GPU loader pins in the engine, which dropped it with its
+    user: with the default 8 MiB-style limit the engine would copy from pageable memory."""
+    node = node_for("--model", str(model_dir), "--loader", "cuda-pinned")
+    preflight.check_model(node)
+    preflight.check_engine_user(node)
+    assert node.drops
+
+    def probe() -> dict[str, Any]:
+        _, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 * 2**10, hard))
+        return asdict(preflight.check_memlock(node))
+
+    got = Check(**preflight._as_user(None, probe))
+    assert got.status == "WARN", got
+    assert "the agent can lock" in got.value and "engine pinning: RLIMIT_MEMLOCK is 64.0 KiB" in got.value
+    assert "engines drop CAP_IPC_LOCK" in got.fix
+
+
 # --- NATS, metrics, rootfs, vLLM --------------------------------------------------------------------------------------
 
 
