@@ -398,7 +398,9 @@ class ModelScaler:
         if reply.timings is not None:
             for stage in _STAGES:
                 m.activation_seconds.labels(stage).observe(getattr(reply.timings, f"{stage}_ms") / 1e3)
-        self.events.publish("slot.ready", node=claim.node, slot=claim.slot, endpoint=record.endpoint)
+        self.events.publish(
+            "slot.ready", node=claim.node, slot=claim.slot, endpoint=record.endpoint, timings=reply.timings
+        )
 
     async def _fenced_ready(self, claim: Claim) -> SlotRecord | None:
         """The holder's fenced `ready` write of `claim`, whose endpoint is the one traffic goes to; None when the

@@ -47,6 +47,8 @@ DROP_LOG_EVERY_S: Final = 10.0
 """Clients that go away (reset, broken pipe, timeout) are summed into at most one short line per interval: the
 engine writes into the agent's log, which a client must not be able to flood."""
 MAX_TOKENS_LIMIT: Final = 4096
+MAX_TOKEN_MS: Final = 1000
+"""Bound of `token_ms` in a model's config: a second per token is already no model anyone serves."""
 CONTEXT_BYTES: Final = 512  # decay**512 underflows any float32 contribution: older bytes cannot matter
 _PRINTABLE: Final = np.arange(256)
 _MASK: Final = np.where((_PRINTABLE >= 32) & (_PRINTABLE < 127), 0.0, -np.inf).astype(np.float32)
@@ -70,6 +72,9 @@ def read_config_file(path: Path) -> dict[str, Any]:
     for key in ("vocab", "dim", "layers", "experts"):
         if not isinstance(cfg.get(key), int) or cfg[key] <= 0:
             raise ValueError(f"{modelformat.CONFIG_FILE}: `{key}` must be a positive integer")
+    token_ms = cfg.get("token_ms", 0)
+    if isinstance(token_ms, bool) or not isinstance(token_ms, int | float) or not 0 <= token_ms <= MAX_TOKEN_MS:
+        raise ValueError(f"{modelformat.CONFIG_FILE}: `token_ms` must be a number of ms in [0, {MAX_TOKEN_MS}]")
     return cfg
 
 
@@ -104,6 +109,9 @@ class TinyMoE:
         self.final_norm = tensors["final_norm"]
         self.head = tensors["lm_head"]
         self._weights = np.power(self.decay, np.arange(CONTEXT_BYTES, dtype=np.float32)[::-1])
+        self.token_s = float(cfg.get("token_ms", 0)) / 1e3
+        """Accelerator time per generated token to emulate (config `token_ms`, 0 = none): slept, not computed, so
+        a CPU machine's engines have a GPU's service time (the demo's replica capacity) without burning a core."""
 
     @staticmethod
     def _rms(x: np.ndarray, gain: np.ndarray) -> np.ndarray:
@@ -145,6 +153,9 @@ class _Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         super().setup()
         self.connection.settimeout(self.server.read_timeout_s)  # reads and writes alike
+        # Headers and body leave in two writes: with Nagle, the body waits for the client's delayed ACK of the
+        # headers (40 ms on Linux), on every keep-alive request after the first.
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def handle_one_request(self) -> None:
         self.server.waiting(self.request)  # reading a request: the connection may be closed to make room
@@ -218,6 +229,8 @@ class _Handler(BaseHTTPRequestHandler):
             return
         with self.server.lock:  # one forward pass at a time: numpy already uses the cores for each
             text, finish = self.server.model.generate(prompt, max_tokens, stop)
+            if self.server.model.token_s:
+                time.sleep(len(text) * self.server.model.token_s)  # the emulated accelerator is busy meanwhile
         out = text.decode("ascii", errors="replace")
         self._send(
             200,

@@ -1,0 +1,10 @@
+"""`pulsescale demo`: the article's surge end to end on one machine, live, with a report of what it measured.
+
+`run_demo(settings, view)` runs it (`demo.run`); `DemoSettings` says what runs (`demo.settings`); `report` turns what a
+run recorded into report.json and the article's table; `plot` draws the PNG; `view` is the live terminal view.
+"""
+
+from demo.run import DemoError, DemoResult, run_demo
+from demo.settings import DemoSettings
+
+__all__ = ["DemoError", "DemoResult", "DemoSettings", "run_demo"]

