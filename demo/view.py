@@ -68,7 +68,9 @@ class HeadlessView:
         if snap.phase == self._phase and snap.t - self._last_line_at < 1.0:
             return
         self._phase, self._last_line_at = snap.phase, snap.t
-        if snap.phase in ("starting", "staging"):
+        if snap.phase == "starting":
+            line = "starting: nats-server, the ScaledObject, the model"
+        elif snap.phase == "staging":
             line = f"{snap.phase}: {snap.stage_done:.0f}/{snap.stage_total:.0f} slots warm {snap.stage_note}".rstrip()
         else:
             line = (
