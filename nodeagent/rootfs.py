@@ -39,6 +39,7 @@ the image's ``bin`` directories first on ``PATH`` and its site-packages (for the
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -51,7 +52,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Literal
@@ -69,6 +70,7 @@ __all__ = [
     "RootfsUnavailable",
     "build",
     "cleanup",
+    "host_lock",
     "mount",
     "mounts",
     "probe",
@@ -241,6 +243,20 @@ def build(source: Path, rootfs_dir: Path, *, python: str = sys.executable) -> Im
         return Image(source=str(source), digest=f"sha256:{hexd}", path=final, built=True, note=note)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def host_lock(rootfs_dir: Path) -> Iterator[None]:
+    """One process at a time builds and mounts in `rootfs_dir` (``flock`` on ``images/.lock``, root's, 0600).
+    Agents of one host share the directory; two that start together both missed the image, both built it (the
+    second file replaced the one the first mount's loop device reads) and the second then found "something else"
+    mounted at the digest's mountpoint. Under the lock the second finds the image built and the mount in place."""
+    fd = os.open(_private_dir(rootfs_dir / "images") / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released when fd closes, also when the process dies
+        yield
+    finally:
+        os.close(fd)
 
 
 def _sha256_file(path: Path) -> str:
@@ -657,14 +673,15 @@ class RootfsStage:
             self._say(why)
             return self.status()
         try:
-            t0 = time.perf_counter()
-            image = build(self.source, self.rootfs_dir)
-            if image.built:
-                self.images_built += 1
-                log.info("rootfs %s: built %s in %.1f s", self.source, image.digest, time.perf_counter() - t0)
-            if image.note:
-                log.info("rootfs %s: %s", self.source, image.note)
-            rootfs = mount(image, self.rootfs_dir)
+            with host_lock(self.rootfs_dir):  # agents of one host share rootfs_dir: one builds, the rest reuse
+                t0 = time.perf_counter()
+                image = build(self.source, self.rootfs_dir)
+                if image.built:
+                    self.images_built += 1
+                    log.info("rootfs %s: built %s in %.1f s", self.source, image.digest, time.perf_counter() - t0)
+                if image.note:
+                    log.info("rootfs %s: %s", self.source, image.note)
+                rootfs = mount(image, self.rootfs_dir)
         except (PulsescaleError, OSError, subprocess.SubprocessError) as err:
             self.rootfs = None
             self._say(str(err))

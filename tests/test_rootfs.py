@@ -571,3 +571,26 @@ print(a.mounted, b.mounted, stage.record_fields(), b.reason)
     assert "not root" in out.stdout
     assert out.stderr.count("not root") == 1, out.stderr
     assert not (tmp_path / "rfs").exists()  # nothing built, nothing made
+
+
+@needs_erofs
+def test_agents_that_start_together_on_one_rootfs_dir_build_once_and_share_one_mount(
+    app_dir: Path, rootfs_dir: Path
+) -> None:
+    """Agents of one host share --rootfs-dir. Three starting at once each missed the image, each built it (the
+    last build's file replaced the one the first mount's loop device reads) and two of three then found "something
+    else mounted" at the digest's mountpoint and ran without the image."""
+    import threading
+
+    stages = [rootfs.RootfsStage(app_dir, rootfs_dir) for _ in range(3)]
+    threads = [threading.Thread(target=s.prepare) for s in stages]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [s.reason for s in stages] == [None] * 3
+    assert all(s.rootfs is not None for s in stages)
+    assert sum(s.images_built for s in stages) == 1
+    assert sum(s.mounts_reused for s in stages) == 2
+    assert len({s.rootfs.device for s in stages if s.rootfs is not None}) == 1
+    assert len(rootfs.ours(rootfs_dir)) == 1 and len(rootfs.loops_backed_by(rootfs_dir / "images")) == 1
