@@ -83,9 +83,11 @@ def _settings(argv: list[str], prog: str) -> DemoSettings:
     p.add_argument("--engine", default=d.engine, choices=("local", "vllm"), help=f"engine of every slot [{d.engine}]")
     p.add_argument(
         "--image",
-        type=Path,
-        metavar="DIR|TARBALL",
-        help="root only: a rootfs source each agent builds into an EROFS image and mounts [none: the stage is skipped]",
+        default=d.image,
+        metavar="auto|none|DIR|TARBALL",
+        help="the engines' rootfs as a real EROFS image, built and loop-mounted once and shared by every agent (root, "
+        "erofs-utils and the kernel's EROFS; without them the stage is skipped, said once): auto builds a small one "
+        "of the engines' Python packages, DIR|TARBALL builds that source, none turns the stage off [auto]",
     )
     p.add_argument("--headless", action="store_true", help="no live view: a plain line per second (CI, logs)")
     p.add_argument(

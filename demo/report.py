@@ -38,6 +38,7 @@ ARTICLE: Final[dict[str, Any]] = {
     "timeouts": {"classic": 142_500, "optimised": 0},
     "disk_read_iops": {"classic": 89_000, "optimised": 0},
     "all_up_s": {"classic": 680.0, "optimised": 6.4},
+    "rootfs_s": {"classic": 120.0, "optimised": 0.8},
     "instances": 100,
 }
 """The article's load test (100 instances, Locust at 300 % of capacity): ../shared/SEED.md, last table."""
@@ -121,6 +122,10 @@ class RunRecord:
     """Said once during the run (the rootfs stage skipped, ...): copied into the report."""
     load_totals: dict[str, int] = field(default_factory=dict)
     """The load generator's own totals, when it keeps them (sent, ok, timeouts, errors)."""
+    rootfs: dict[str, Any] | None = None
+    """The rootfs stage (`demo.image`): ``mode``, ``mounted``, and when mounted its ``digest``, sizes, build, mount
+    and warm times and the page-cache residency and slots on the image at the pulse's start and end; when not, the
+    ``reason``."""
 
 
 # --- pure derivations ---------------------------------------------------------------------------------------------
@@ -297,6 +302,7 @@ def build_report(
             },
         },
         "host_disk_reads_during_pulse": rec.disk_reads,
+        "rootfs": rec.rootfs if rec.rootfs is not None else {"mounted": False, "reason": "not recorded"},
         "events": by_type,
         "phases": [{"phase": p, "at_s": round(t - rec.load_start, 3)} for p, t in rec.phases],
         "notes": list(rec.notes),
@@ -344,6 +350,20 @@ def _fmt_ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.0f} ms" if v >= 10 else f"{v:.1f} ms"
 
 
+def _rootfs_cell(r: dict[str, Any]) -> str:
+    if not r.get("mounted"):
+        return f"skipped ({r.get('reason') or 'not run'})"
+    resident = r.get("resident_pct_at_pulse_start", r.get("resident_pct_at_mount"))
+    on = r.get("slots_on_image_at_pulse_start")
+    of = r.get("slots_at_pulse_start")
+    return (
+        f"mounted {str(r['digest'])[:19]}... once per host ({r['image_bytes'] / 1e6:.1f} MB, built "
+        f"{r['build_s']:.2f} s, mount {r['mount_s'] * 1e3:.0f} ms)"
+        + ("" if resident is None else f", {resident:.0f} % resident at the pulse")
+        + ("" if on is None else f", {on}/{of} slots on it")
+    )
+
+
 def article_table(report: dict[str, Any]) -> str:
     """The article's load-test table with a column of this run's measured figures, and the stage breakdown of each
     activation (plain text: it ends headless runs and logs as well as the live view)."""
@@ -358,6 +378,7 @@ def article_table(report: dict[str, Any]) -> str:
         one_pod += f"; cold path {f'{delay:g} s delay + ' if delay else ''}{cold_s:.1f} s node start + claim"
     disk = report["host_disk_reads_during_pulse"]
     a = ARTICLE
+    rootfs = report.get("rootfs") or {}
     rows = [
         ("metric", "classic (article)", "pulsescale (article)", "this run"),
         (
@@ -371,6 +392,12 @@ def article_table(report: dict[str, Any]) -> str:
             f"{a['timeouts']['classic']:,}",
             str(a["timeouts"]["optimised"]),
             f"{report['timeouts_during_pulse']:,} (of {report['requests']:,} requests; {report['timeouts']:,} in all)",
+        ),
+        (
+            "engine rootfs (image pull and unpack -> EROFS mount)",
+            f"{a['rootfs_s']['classic']:g} s per pod",
+            f"{a['rootfs_s']['optimised']} s",
+            _rootfs_cell(rootfs),
         ),
         (
             "host disk reads during scale-out",

@@ -3,7 +3,9 @@
 One run, in phases (each shown live and recorded):
 
 1. **starting**: an embedded nats-server (its own store in a temporary directory), the buckets, the ScaledObject
-   (``minReplicaCount`` = the replicas the base load is provisioned with), a generated tiny model.
+   (``minReplicaCount`` = the replicas the base load is provisioned with), a generated tiny model, and the rootfs
+   stage (`demo.image`): as root, one real EROFS image built, loop-mounted and warmed once for every agent, kept in
+   the page cache while the run lasts; elsewhere skipped, said once.
 2. **staging**: the autoscaler (a ``pulsescale autoscaler`` process), the node agents of the warm pool (one
    ``pulsescale agent`` process per node: they stage the weights into /dev/shm, fork their engines' zygotes and
    offer their slots) and the reference gateway (``pulsescale gateway``). The autoscaler activates the base
@@ -20,8 +22,9 @@ its imports, the staging, the engine's zygote), which is this machine's cold sta
 cluster adds before that (scheduling, the image pull).
 
 Whatever ends the run (the end, an error, Ctrl-C, SIGTERM), `run` stops every process group it started, kills
-anything of the run that left its group (`demo.procs`), unmounts rootfs images and removes its /dev/shm and
-temporary directories before it returns or raises.
+anything of the run that left its group (`demo.procs`), unmounts the rootfs image and detaches its loop device
+(`demo.image.release`, then a lazy unmount of anything left), and removes its /dev/shm and temporary directories
+before it returns or raises.
 """
 
 from __future__ import annotations
@@ -48,12 +51,13 @@ import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from demo import image as image_mod
 from demo import load as load_mod
 from demo import report as report_mod
 from demo.procs import Child, Processes
 from demo.settings import MODEL, DemoSettings
 from demo.view import Snapshot, View
-from nodeagent import modelformat, tinymodel
+from nodeagent import modelformat, rootfs, tinymodel
 from warmpool import connect, protocol
 from warmpool.embedded import NatsServer, free_port
 from warmpool.errors import BadMessage, PulsescaleError
@@ -132,7 +136,13 @@ class Demo:
         self.store: KvSlotStore | None = None
         self.gateway_url = ""
         self.warm_nodes, self.spare_nodes = self._layout()
-        self.image_used = False
+        self.rootfs_dir: Path | None = None
+        """This run's rootfs directory, once the stage mounts (or tries to): the clean-up releases it."""
+        self.image: image_mod.MountedImage | None = None
+        self.keeper: image_mod.Keeper | None = None
+        self._keeper_stop = asyncio.Event()
+        self._keeper_task: asyncio.Task[None] | None = None
+        self.rootfs_report: dict[str, Any] = {"mode": settings.image, "mounted": False}
         self._threads: list[asyncio.Future[Any]] = []
         self._seen_samples = 0
         self.on_nats = on_nats
@@ -254,8 +264,8 @@ class Demo:
             "--shm-dir", str(self.shm_root / node), "--metrics-port", "-1", "--engine", self.s.engine,
             "--log-level", "WARNING",
         ]  # fmt: skip
-        if self.s.image is not None:
-            argv += ["--image", str(self.s.image), "--rootfs-dir", str(self.workdir / "rootfs")]
+        if self.image is not None:
+            argv += ["--image", str(self.image.source), "--rootfs-dir", str(self.image.rootfs_dir)]
         return argv
 
     def _start_agent(self, url: str, node: str, slots: int, model_dir: Path, *, cold: bool) -> Child:
@@ -439,6 +449,41 @@ class Demo:
             if reply.weights is not None and reply.weights.error:
                 raise DemoError(f"agent {node} could not stage the weights: {reply.weights.error}")
 
+    async def _agents_rootfs(self) -> None:
+        """What the pool's agents say of the image (`AgentStatusReply.rootfs`): each should run from the demo's
+        mount, having built nothing and reused the mount (one image, one mount, one loop device per host)."""
+        if self.image is None:
+            return
+        assert self.nc is not None
+        asked = mounted = built = reused = 0
+        reasons: list[str] = []
+        for node, _ in self.warm_nodes:
+            asked += 1
+            req = protocol.AgentStatusRequest(id=secrets.token_hex(8), expires_at=time.time() + 30)
+            try:
+                msg = await self.nc.request(protocol.agent_subject(node, "status"), protocol.encode(req), timeout=2)
+                st = protocol.decode(msg.data, protocol.AgentStatusReply).rootfs
+            except Exception as err:  # noqa: BLE001 - a figure of the report, not a reason to stop the run
+                reasons.append(f"{node}: no status ({type(err).__name__})")
+                continue
+            if st is None:
+                continue
+            if st.mounted and st.digest == self.image.digest:
+                mounted += 1
+            elif st.reason:
+                reasons.append(f"{node}: {st.reason}")
+            built += st.images_built
+            reused += st.mounts_reused
+        self.rootfs_report["agents"] = {
+            "asked": asked,
+            "mounted": mounted,
+            "images_built": built,
+            "mounts_reused": reused,
+            "reasons": reasons,
+        }
+        if mounted < asked:
+            self.say(f"rootfs: {mounted} of {asked} agents run from the image: {'; '.join(reasons)}")
+
     async def _calibrate(self) -> float:
         """One replica's service time: the median of sequential requests (one at a time, so each meets an idle
         engine) sent straight to a ready slot's engine. Not through the gateway: its queue samples would show the
@@ -483,7 +528,7 @@ class Demo:
             await buckets[protocol.SCALERS_BUCKET].put(rec.key, protocol.encode(rec))
             self.model_dir = await self._make_model()
             self.shm_root.mkdir(mode=0o755)
-            self._rootfs_note()
+            await self._prepare_rootfs()
             self.procs.spawn(
                 "autoscaler",
                 [*_python(), "autoscaler", "--nats", url, "--lease", "2", "--log-level", "WARNING"],
@@ -493,6 +538,7 @@ class Demo:
                 self._start_agent(url, node, slots, self.model_dir, cold=False)
             self.gateway_url = await self._start_gateway(url)
             await self._wait_warm()
+            await self._agents_rootfs()
             service_s = await self._calibrate()
             needed = report_mod.needed_replicas(s.pulse_rps, service_s, s.fleet_slots)
             self.snap.needed = needed
@@ -540,8 +586,10 @@ class Demo:
             await _sleep_until(pulse_start, task)
             reads0 = _disk_reads()
             self.phase("pulse")
+            self._rootfs_at("pulse_start")
             await _sleep_until(pulse_end, task)
             reads1 = _disk_reads()
+            self._rootfs_at("pulse_end")
             self.phase("after")
             await _sleep_until(self.load_start + s.duration_s, task)
             self.phase("draining")
@@ -574,6 +622,8 @@ class Demo:
             notes=list(self.notes),
             load_totals=runner.totals(),
         )
+        await self._stop_keeper()
+        rec.rootfs = dict(self.rootfs_report)
         return rec
 
     async def _settle_samples(self, runner: load_mod.LoadRun) -> None:
@@ -627,16 +677,75 @@ class Demo:
         table = report_mod.article_table(report)
         return DemoResult(report, table, report_path, plot_path, [])
 
-    def _rootfs_note(self) -> None:
-        if self.s.image is None:
-            self.say(
-                "rootfs stage skipped: no --image given (as root, --image DIR|TARBALL mounts a real EROFS image "
-                "per node)"
-            )
-        elif os.geteuid() != 0:
-            self.say("rootfs stage skipped: not root (loop mounts need root); slots serve without an image")
-        else:
-            self.image_used = True
+    async def _prepare_rootfs(self) -> None:
+        """The rootfs stage (`demo.image`): build and mount the image once, before any agent starts, or say once
+        why the stage is skipped."""
+        mode = self.s.image
+        if mode == image_mod.NONE:
+            self.rootfs_report["reason"] = "--image none"
+            self.say("rootfs stage off (--image none): engines run from this machine's own files")
+            return
+        why = rootfs.probe()
+        if why is not None:
+            self.rootfs_report["reason"] = why
+            self.say(f"rootfs stage skipped: {why}; engines run from this machine's own files")
+            return
+        self.rootfs_dir = image_mod.new_rootfs_dir()
+        rootfs_dir = self.rootfs_dir
+
+        def prepare() -> image_mod.MountedImage:
+            auto = mode == image_mod.AUTO
+            source = image_mod.make_source(self.workdir / "image") if auto else Path(mode).resolve()
+            return image_mod.mount_image(source, rootfs_dir)
+
+        try:
+            self.image = await self._in_thread(prepare)
+        except (rootfs.BadImage, rootfs.RootfsUnavailable, OSError) as err:
+            if mode != image_mod.AUTO:
+                raise DemoError(str(err) if "--image" in str(err) else f"--image {mode}: {err}") from None
+            self.rootfs_report["reason"] = str(err)
+            self.say(f"rootfs stage skipped: {err}")
+            return
+        img = self.image
+        self.rootfs_report.update(img.as_report())
+        self.keeper = image_mod.Keeper(img)
+        self._keeper_task = asyncio.create_task(self._keep_resident(self.keeper))
+        self.say(
+            f"rootfs: {img.digest[:19]}... ({img.image_bytes / 1e6:.1f} MB, {img.files} files) "
+            f"{'built' if img.built else 'found built'} in {img.build_s:.2f} s, loop-mounted read-only in "
+            f"{img.mount_s * 1e3:.0f} ms, {img.resident_pct:.0f} % in the page cache; every agent reuses this mount"
+        )
+
+    async def _keep_resident(self, keeper: image_mod.Keeper) -> None:
+        """Re-check the image every `KEEP_RESIDENT_EVERY_S` until the run ends (`demo.image`, "Kept resident")."""
+        while not self._keeper_stop.is_set():
+            try:
+                await asyncio.to_thread(keeper.check)
+            except OSError as err:  # the image went away under us: said once, the run goes on without the check
+                self.say(f"rootfs: cannot check the image's page-cache residency any more: {err}")
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._keeper_stop.wait(), image_mod.KEEP_RESIDENT_EVERY_S)
+
+    async def _stop_keeper(self) -> None:
+        self._keeper_stop.set()
+        if self._keeper_task is not None:
+            with contextlib.suppress(BaseException):
+                await self._keeper_task  # its thread holds the image's files open for a moment: not cancelled
+        if self.keeper is not None:
+            self.rootfs_report.update(self.keeper.as_report())
+
+    def _rootfs_at(self, when: str) -> None:
+        """The image's page-cache residency and the slots that run from it, at `when` (the pulse's start, its
+        end): what keeps the host's disk quiet during the scale-out."""
+        if self.image is None or self.store is None:
+            return
+        records = [r for r in self.store.records(MODEL) if r.state not in ("prewarming", "failed")]
+        self.rootfs_report[f"resident_pct_at_{when}"] = round(self.image.residency_pct(), 2)
+        self.rootfs_report[f"slots_at_{when}"] = len(records)
+        self.rootfs_report[f"slots_on_image_at_{when}"] = sum(
+            1 for r in records if r.rootfs_mounted and r.image_digest == self.image.digest
+        )
 
     async def _cleanup(self) -> None:
         """Stop everything of the run and remove its files, whatever state it is in."""
@@ -659,16 +768,14 @@ class Demo:
         stray = await self.procs.stop_all(self.s.stop_timeout_s, order=STOP_ORDER)
         if stray:
             log.warning("killed %d process(es) of this run that had left their group: %s", len(stray), stray)
-        if self.image_used:
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(
-                    subprocess.run,
-                    [*_python(), "agent", "--cleanup", "--rootfs-dir", str(self.workdir / "rootfs")],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                    timeout=60,
-                    check=False,
-                )
+        await self._stop_keeper()
+        if self.rootfs_dir is not None:  # after every process is stopped: nothing holds the mount any more
+            try:
+                done = await asyncio.to_thread(image_mod.release, self.rootfs_dir)
+                log.info("rootfs released: %s", done)
+            except Exception as err:  # noqa: BLE001 - the last resort below still runs
+                log.warning("rootfs clean-up of %s failed: %s", self.rootfs_dir, err)
+            _unmount_under(self.rootfs_dir)
         _unmount_under(self.workdir)
         if self.s.keep_logs and (self.workdir / "logs").is_dir():
             with contextlib.suppress(OSError):

@@ -85,8 +85,10 @@ class DemoSettings:
     """Size of the generated tiny model: staged per node into /dev/shm, so the fleet holds `nodes` copies."""
     engine: str = "local"
     """Engine of every slot: ``local`` (forked numpy engine) or ``vllm`` (needs the vLLM extra)."""
-    image: Path | None = None
-    """A rootfs source for the agents' EROFS stage (root only); None skips the stage, which the demo says once."""
+    image: str = "auto"
+    """The engines' EROFS rootfs (`demo.image`): ``auto`` builds a small real image of the engines' Python packages
+    when this machine can mount one (root, erofs-utils, the kernel's EROFS), ``none`` turns the stage off, anything
+    else is a directory or image tarball to build. Without the capability the stage is skipped, said once."""
     out_dir: Path = Path("pulsescale-demo")
     """Where report.json and the PNG go."""
     headless: bool = False
@@ -120,6 +122,8 @@ class DemoSettings:
             raise ValueError("--cold-delay-s must be between 0 and 600 s")
         if self.arrivals not in ("uniform", "poisson"):
             raise ValueError(f"--arrivals {self.arrivals!r}: uniform or poisson")
+        if not self.image:
+            raise ValueError("--image: auto, none, or a directory or image tarball")
         if self.engine not in ("local", "vllm"):
             raise ValueError(f"--engine {self.engine!r}: local or vllm")
 

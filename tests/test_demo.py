@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -32,7 +33,7 @@ from demo.procs import MARKER_ENV
 from demo.run import run_demo
 from demo.settings import MODEL, DemoSettings, parse_pulse
 from demo.view import HeadlessView
-from nodeagent import tinymodel
+from nodeagent import rootfs, tinymodel
 from nodeagent.engine import local
 from tests.agent_double import AgentDouble
 from tests.test_autoscaler import (  # noqa: F401 - cancel_gateways is an autouse fixture
@@ -223,6 +224,42 @@ def _leftovers(pid_prefix: str) -> list[str]:
     return found
 
 
+ROOTFS_PREFIX = "/pulsescale-demo-rootfs-"
+"""Every demo run's rootfs directory is a temporary directory named so (`demo.image.new_rootfs_dir`)."""
+ROOTFS_UNAVAILABLE = rootfs.probe()
+"""Why this machine cannot mount an EROFS image (no root, no erofs-utils, no kernel EROFS), or None."""
+
+
+def _mounts_and_loops() -> set[str]:
+    """Mounts (/proc/mounts) and loop devices (``losetup -a``) of any demo run's rootfs directory."""
+    mounts = Path("/proc/mounts").read_text().splitlines()
+    found = {f"mount {line.split()[1]}" for line in mounts if ROOTFS_PREFIX in line}
+    if os.geteuid() == 0:
+        losetup = subprocess.run(["losetup", "-a"], capture_output=True, text=True, check=False).stdout
+        found |= {f"loop {line}" for line in losetup.splitlines() if ROOTFS_PREFIX in line}
+    return found
+
+
+def _assert_rootfs_stage(r: dict[str, object], notes: list[str]) -> None:
+    """As root with erofs-utils and the kernel's EROFS: one real image, mounted once, every slot on it and every
+    agent reusing the demo's mount, in the page cache at the pulse. Elsewhere: skipped, and said once, with why."""
+    rf = r["rootfs"]
+    assert isinstance(rf, dict)
+    if ROOTFS_UNAVAILABLE is not None:
+        assert rf["mounted"] is False and rf["reason"] == ROOTFS_UNAVAILABLE
+        assert sum("rootfs stage skipped" in n for n in notes) == 1, notes
+        return
+    assert rf["mounted"] is True, rf
+    assert str(rf["digest"]).startswith("sha256:") and len(str(rf["digest"])) == 71
+    assert 0 < rf["image_bytes"] < 8_000_000 and rf["build_s"] < 2.0, rf  # small: the stage costs well under 2 s
+    assert rf["resident_pct_at_pulse_start"] >= 99.0, rf
+    assert rf["slots_on_image_at_pulse_start"] == rf["slots_at_pulse_start"] > 0, rf
+    # One image and one mount for the host: no agent built its own or mounted it again.
+    agents = rf["agents"]
+    assert agents["mounted"] == agents["asked"] > 0 and agents["reasons"] == [], agents
+    assert agents["images_built"] == 0 and agents["mounts_reused"] == agents["asked"], agents
+
+
 @pytest.fixture(name="own_events")
 async def own_events_fixture() -> AsyncIterator[tuple[list[Event], list[QueueSample], list[Client]]]:
     events: list[Event] = []
@@ -257,11 +294,19 @@ async def test_the_demo_serves_the_pulse_from_the_warm_pool_and_reports_what_it_
     settings = DemoSettings(
         nodes=3, slots_per_node=2, base_rps=10, duration_s=30, out_dir=tmp_path / "out", headless=True
     )
+    mounted_before = _mounts_and_loops()
     result = await run_demo(settings, HeadlessView(), on_nats=subscribe)
     r = json.loads((tmp_path / "out" / "report.json").read_text())
     assert r == json.loads(json.dumps(result.report))
     assert (tmp_path / "out" / "pulsescale-demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert _leftovers(f"{os.getpid()}-") == []
+    assert _mounts_and_loops() <= mounted_before
+
+    # The rootfs stage (--image auto, the default): a real EROFS image as root, else skipped and said once.
+    _assert_rootfs_stage(r, r["notes"])
+    assert "engine rootfs" in result.table
+    if ROOTFS_UNAVAILABLE is None:
+        assert f"mounted {r['rootfs']['digest'][:19]}" in result.table
 
     # The article's result, on this machine.
     assert r["timeouts"] == 0 and r["errors"] == 0
@@ -295,6 +340,7 @@ async def test_a_pool_smaller_than_the_pulse_shows_the_cold_path_and_the_504s_it
     """One warm slot for a pulse that needs five: the autoscaler asks the cold path, the demo starts nodes from
     nothing (after a 4 s scheduling delay), and the 504s of the wait are counted and shown, not hidden."""
     out = tmp_path / "out"
+    mounted_before = _mounts_and_loops()
     proc = await asyncio.create_subprocess_exec(
         *_demo_argv(out, "--duration", "15", "--nodes", "4", "--slots-per-node", "2", "--pool-size", "1",
                     "--base-rps", "8", "--pulse", "400%", "--timeout-s", "1", "--cold-delay-s", "4"),
@@ -309,6 +355,7 @@ async def test_a_pool_smaller_than_the_pulse_shows_the_cold_path_and_the_504s_it
             await proc.wait()
     text = stdout.decode()
     assert proc.returncode == 0, text[-3000:]
+    assert _mounts_and_loops() <= mounted_before
     r = json.loads((out / "report.json").read_text())
     assert r["needed_replicas"] > r["config"]["pool_size"] == 1
     assert r["cold_path"]["requests"] and r["cold_path"]["nodes_started"], r["cold_path"]
@@ -326,8 +373,10 @@ def _demo_tmpdirs() -> set[str]:
 @pytest.mark.parametrize("moment", ["staging", "pulse"])
 async def test_ctrl_c_at_any_moment_leaves_no_process_and_no_shm_behind(tmp_path: Path, moment: str) -> None:
     """SIGINT (a terminal's Ctrl-C) while the agents stage, and mid-pulse: exit 130, and nothing of the run is
-    left in /proc or /dev/shm, nor its temporary directory."""
+    left in /proc or /dev/shm, nor its temporary directories, nor (as root, where the image is mounted) a mount or
+    a loop device."""
     before = _demo_tmpdirs()
+    mounted_before = _mounts_and_loops()
     proc = await asyncio.create_subprocess_exec(
         *_demo_argv(tmp_path / "out", "--duration", "20", "--nodes", "2", "--base-rps", "5"),
         stdout=asyncio.subprocess.PIPE,
@@ -344,12 +393,20 @@ async def test_ctrl_c_at_any_moment_leaves_no_process_and_no_shm_behind(tmp_path
             if marker in line:
                 break
         assert _leftovers(f"{proc.pid}-"), "nothing running to clean up: the test would prove nothing"
+        if ROOTFS_UNAVAILABLE is None:
+            assert any("rootfs: sha256:" in line for line in seen), "".join(seen)
+            assert _mounts_and_loops() - mounted_before, "no image mounted: the test would prove nothing"
         proc.send_signal(signal.SIGINT)
         rest, _ = await asyncio.wait_for(proc.communicate(), 60)
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        if proc.returncode is None:  # failed before its SIGINT: the demo's own clean-up still runs
+            proc.send_signal(signal.SIGINT)
+            try:
+                await asyncio.wait_for(proc.communicate(), 60)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
     assert proc.returncode == 130, "".join(seen) + rest.decode()
     assert _leftovers(f"{proc.pid}-") == []
     assert _demo_tmpdirs() <= before
+    assert _mounts_and_loops() <= mounted_before
