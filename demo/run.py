@@ -95,6 +95,47 @@ def _child_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("PULSESCALE_NATS")}
 
 
+def _engine_user() -> tuple[str, str | None]:
+    """The user the vLLM servers run as, and why when it is not the agent's default (``nobody``): a root agent
+    drops a server to ``nobody`` only when nobody can run this interpreter (every directory up to it searchable);
+    a venv under /root (0700) is not, and ``root`` is the agent's explicit opt-out."""
+    if os.geteuid() != 0:
+        return "nobody", None  # an agent that is not root drops to nobody
+    exe = Path(os.path.realpath(sys.executable))
+    blocked = [p for p in [exe, *exe.parents] if not os.stat(p).st_mode & 0o001]
+    if not blocked:
+        return "nobody", None
+    return "root", (
+        f"vLLM servers run as root: the engine user nobody cannot run {exe} ({blocked[-1]} is not searchable by "
+        "others); install the venv outside /root to run them unprivileged"
+    )
+
+
+def _vllm_args(settings: DemoSettings) -> str:
+    """`DemoSettings.vllm_args`, plus a share of the GPU per server on a GPU node: every slot of the demo's fleet
+    runs its own vLLM on this machine's GPU, and vLLM takes 90 % of it by default (the second server would not
+    fit)."""
+    from nodeagent import vllm
+
+    args = settings.vllm_args
+    try:
+        gpu = vllm.detect_platform().gpu
+    except PulsescaleError:
+        return args
+    if gpu and "--gpu-memory-utilization" not in args:
+        args += f" --gpu-memory-utilization {max(0.05, 0.85 / settings.fleet_slots):.2f}"
+    return args
+
+
+def _vllm_on_cpu() -> bool:
+    from nodeagent import vllm
+
+    try:
+        return vllm.detect_platform().cpu
+    except PulsescaleError:
+        return False
+
+
 def _disk_reads() -> int | None:
     """Reads completed by the host's whole block devices (not partitions, loop or RAM disks), from /proc/diskstats."""
     try:
@@ -146,6 +187,14 @@ class Demo:
         self._threads: list[asyncio.Future[Any]] = []
         self._seen_samples = 0
         self.on_nats = on_nats
+        self.pulse_rps = settings.pulse_rps
+        """The pulse's rate: nominal until a replica's service time is measured (`DemoSettings.pulse_rps_for`)."""
+        self.engine_user: str | None = None
+        """``--engine vllm``: the user its servers run as (`_engine_user`)."""
+        self.vllm_args = ""
+        self.model_root: Path = self.workdir / "models"
+        """Where the generated model goes; for servers that drop to nobody a directory of its own that nobody can
+        read (the run's work directory is root's, 0700)."""
 
     # --- layout ---------------------------------------------------------------------------------------------------
 
@@ -235,13 +284,29 @@ class Demo:
 
     async def _make_model(self) -> Path:
         """The generated tiny model, with `token_ms` in its config (the emulated accelerator time per token)."""
-        out = self.workdir / "models" / MODEL
+        if self.s.engine == "vllm":
+            user, why = _engine_user()
+            self.engine_user, self.vllm_args = user, _vllm_args(self.s)
+            if why:
+                self.say(why)
+            if _vllm_on_cpu():
+                self.say(
+                    f"vLLM's CPU build: every replica's requests run on this machine's {os.cpu_count()} cores, so "
+                    "replicas past the first add little capacity; a pulse beyond what the cores serve gets 504s "
+                    "that are the CPU's, not the scale-out's (on CPU, try --pulse 100%)"
+                )
+            if os.geteuid() != 0 or user != "root":
+                self.model_root = Path(tempfile.mkdtemp(prefix="pulsescale-demo-model-"))
+                os.chmod(self.model_root, 0o755)
+        out = self.model_root / MODEL
 
         def make() -> None:
             if self.s.engine == "vllm":
                 from nodeagent import hfmodel
 
                 hfmodel.make_tiny_hf(out)
+                for d in (out, *out.rglob("*")):  # the server reads --model as its engine user
+                    os.chmod(d, 0o755 if d.is_dir() else 0o644)
                 return
             tinymodel.make_tiny(out, self.s.model_bytes)
             cfg_path = out / modelformat.CONFIG_FILE
@@ -266,6 +331,12 @@ class Demo:
         ]  # fmt: skip
         if self.image is not None:
             argv += ["--image", str(self.image.source), "--rootfs-dir", str(self.image.rootfs_dir)]
+        if self.s.engine == "vllm":
+            assert self.engine_user is not None
+            argv += [
+                "--engine-user", self.engine_user, "--vllm-args", self.vllm_args,
+                "--engine-start-timeout-s", str(self.s.vllm_ready_timeout_s),
+            ]  # fmt: skip
         return argv
 
     def _start_agent(self, url: str, node: str, slots: int, model_dir: Path, *, cold: bool) -> Child:
@@ -415,7 +486,8 @@ class Demo:
         self.phase("staging")
         want = self.s.warm_slots
         self.snap.stage_total = max(want, self.s.base_replicas)
-        deadline = time.monotonic() + self.s.ready_timeout_s
+        timeout_s = self.s.vllm_ready_timeout_s if self.s.engine == "vllm" else self.s.ready_timeout_s
+        deadline = time.monotonic() + timeout_s
         next_check = time.monotonic() + 2
         while True:
             self._check_children()
@@ -430,7 +502,7 @@ class Demo:
                 await self._check_agents()
             if time.monotonic() > deadline:
                 raise DemoError(
-                    f"the fleet was not warm after {self.s.ready_timeout_s:.0f} s ({ready} ready, {warm} warm, "
+                    f"the fleet was not warm after {timeout_s:.0f} s ({ready} ready, {warm} warm, "
                     f"{activating} activating; wanted {want} slots and {self.s.base_replicas} ready); agent logs in "
                     f"{self.workdir}/logs"
                 )
@@ -540,7 +612,8 @@ class Demo:
             await self._wait_warm()
             await self._agents_rootfs()
             service_s = await self._calibrate()
-            needed = report_mod.needed_replicas(s.pulse_rps, service_s, s.fleet_slots)
+            self.pulse_rps = s.pulse_rps_for(service_s)
+            needed = report_mod.needed_replicas(self.pulse_rps, service_s, s.fleet_slots)
             self.snap.needed = needed
             if needed > s.warm_slots:
                 self.say(
@@ -556,7 +629,7 @@ class Demo:
         s = self.s
         shape = load_mod.shape_of(
             base_rps=s.base_rps,
-            pulse_rps=s.pulse_rps,
+            pulse_rps=self.pulse_rps,
             duration_s=s.duration_s,
             pulse_at_s=s.pulse_start_s,
             pulse_s=s.pulse_len_s,
@@ -643,11 +716,13 @@ class Demo:
             pool_size=s.warm_slots,
             fleet_slots=s.fleet_slots,
             base_replicas=s.base_replicas,
-            provisioned_rps=round(s.provisioned_rps, 2),
-            pulse_rps=round(s.pulse_rps, 2),
+            provisioned_rps=round(self.pulse_rps / s.pulse, 2),
+            pulse_rps=round(self.pulse_rps, 2),
             pulse_start_s=s.pulse_start_s,
             pulse_s=s.pulse_len_s,
             service_s=service_s,
+            engine_user=self.engine_user,
+            vllm_args=self.vllm_args or None,
             machine={"cpus": os.cpu_count(), "python": sys.version.split()[0], "root": os.geteuid() == 0},
         )
         return cfg
@@ -658,7 +733,7 @@ class Demo:
         report = report_mod.build_report(
             rec,
             self._config(rec.replica_service_s),
-            pulse_rps=s.pulse_rps,
+            pulse_rps=self.pulse_rps,
             fleet=s.fleet_slots,
             timeout_s=s.request_timeout_s,
         )
@@ -783,6 +858,8 @@ class Demo:
                 shutil.rmtree(dest, ignore_errors=True)
                 shutil.copytree(self.workdir / "logs", dest)
         shutil.rmtree(self.shm_root, ignore_errors=True)
+        if self.model_root.parent != self.workdir:
+            shutil.rmtree(self.model_root, ignore_errors=True)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 

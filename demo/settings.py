@@ -85,6 +85,17 @@ class DemoSettings:
     """Size of the generated tiny model: staged per node into /dev/shm, so the fleet holds `nodes` copies."""
     engine: str = "local"
     """Engine of every slot: ``local`` (forked numpy engine) or ``vllm`` (needs the vLLM extra)."""
+    vllm_args: str = "--max-model-len 256 --enforce-eager"
+    """``--engine vllm``: the server's extra arguments. The tiny model's context (512 positions) would make vLLM
+    size its KV cache and warm-up for more than a demo asks; eager mode skips CUDA-graph capture (the article's
+    manifest runs eager too; on CPU the agent adds it anyway)."""
+    vllm_service_s: float = 0.1
+    """``--engine vllm``: a first guess at a replica's time per request (the tiny model's 20 tokens on vLLM's CPU
+    build: ~100 ms on two cores), which sets the base replicas before anything is measured. The pulse is sized from
+    the measured time (`pulse_rps_for`): vLLM's speed depends on the machine, the local engine's is configured."""
+    vllm_ready_timeout_s: float = 900.0
+    """``--engine vllm``: how long the fleet may take to come up. A vLLM standby takes ~40-60 s to start on two
+    idle cores, and a node starts one per slot, all at once."""
     image: str = "auto"
     """The engines' EROFS rootfs (`demo.image`): ``auto`` builds a small real image of the engines' Python packages
     when this machine can mount one (root, erofs-utils, the kernel's EROFS), ``none`` turns the stage off, anything
@@ -139,7 +150,10 @@ class DemoSettings:
 
     @property
     def service_s(self) -> float:
-        """A replica's nominal time per request (emulated accelerator time; the CPU part is measured in the run)."""
+        """A replica's nominal time per request (emulated accelerator time; the CPU part is measured in the run);
+        for vLLM a first guess (`vllm_service_s`)."""
+        if self.engine == "vllm":
+            return self.vllm_service_s
         return self.max_tokens * self.token_ms / 1e3
 
     @property
@@ -159,6 +173,14 @@ class DemoSettings:
     @property
     def pulse_rps(self) -> float:
         return self.pulse * self.provisioned_rps
+
+    def pulse_rps_for(self, measured_service_s: float) -> float:
+        """The pulse's rate once a replica's service time is measured: the nominal one for the local engine (its
+        pace is configured, and the defaults are tuned on it), `pulse` x the base replicas' measured capacity for
+        vLLM (whose pace only a measurement tells)."""
+        if self.engine != "vllm" or measured_service_s <= 0:
+            return self.pulse_rps
+        return self.pulse * self.base_replicas / measured_service_s
 
     @property
     def pulse_start_s(self) -> float:

@@ -124,6 +124,44 @@ def test_parse_pulse_refuses_what_is_no_multiple(text: str) -> None:
         parse_pulse(text)
 
 
+def test_a_vllm_pulse_is_sized_from_the_measured_replica_not_the_local_engines_pace() -> None:
+    """vLLM's pace is the machine's: the pulse is `pulse` x the base replicas' measured capacity. Before, a vLLM run
+    offered the local engine's nominal 300 % (60 req/s for 2 replicas serving 10 req/s each)."""
+    s = DemoSettings(engine="vllm", base_rps=2, pulse=2.0)
+    assert s.base_replicas == 1  # 2 req/s on a first guess of 10 req/s per replica at 60 %
+    assert s.pulse_rps_for(0.125) == pytest.approx(2.0 * 1 / 0.125)
+    local = DemoSettings()
+    assert local.pulse_rps_for(0.06) == local.pulse_rps  # configured pace: the tuned nominal pulse
+
+
+def _runnable_by_others() -> bool:
+    exe = Path(sys.executable).resolve()
+    return all(os.stat(d).st_mode & 0o001 for d in [exe, *exe.parents])
+
+
+async def test_the_vllm_fleet_gets_its_server_arguments_and_an_engine_user_that_can_run_it() -> None:
+    """`--engine vllm` started agents without --vllm-args (vLLM sized itself for the model's whole context) and
+    with the default engine user nobody, who cannot run a venv under /root (0700): no standby ever got healthy."""
+    from demo.run import Demo
+
+    demo = Demo(DemoSettings(engine="vllm", nodes=1, slots_per_node=2), HeadlessView())
+    try:
+        model = await demo._make_model()
+        argv = demo._agent_argv("nats://127.0.0.1:1", "n01", 2, model)
+    finally:
+        await demo._cleanup()
+    args = argv[argv.index("--vllm-args") + 1]
+    assert "--max-model-len 256" in args and "--enforce-eager" in args
+    user = argv[argv.index("--engine-user") + 1]
+    if os.geteuid() == 0 and not _runnable_by_others():
+        assert user == "root" and any("cannot run" in n for n in demo.notes), demo.notes
+    else:
+        assert user == "nobody"
+        # ...who reads the model directory itself (not the agent's staged copy): outside the 0700 work directory.
+        assert not model.is_relative_to(demo.workdir)
+    assert not model.exists() and not demo.workdir.exists()  # removed with the run
+
+
 # --- the local engine: pacing and no delayed-ACK stall ------------------------------------------------------------
 
 
