@@ -25,7 +25,7 @@ def _settings(argv: list[str], prog: str) -> DemoSettings:
         prog=prog,
         description="Run the article's surge end to end on this machine: an embedded nats-server, the autoscaler, "
         "N node agents with a generated tiny model, the reference gateway and an open-loop load that pulses to "
-        "300 %% of the provisioned capacity. Shows it live; ends with the article's table filled with this run's "
+        "300 % of the provisioned capacity. Shows it live; ends with the article's table filled with this run's "
         "figures, and writes report.json and a PNG into --out.",
     )
     p.add_argument("--nodes", type=int, default=d.nodes, help=f"node agents in the fleet [{d.nodes}]")
