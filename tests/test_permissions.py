@@ -274,12 +274,16 @@ def test_a_refused_command_is_one_line_and_exit_1(secure: Secure, user: str, arg
     ]
 
 
-async def test_a_client_without_tls_or_with_a_wrong_password_is_refused(secure: Secure) -> None:
+async def test_a_client_with_a_wrong_password_is_refused(secure: Secure) -> None:
     opts = secure.options("gateway")
     with pytest.raises(NatsUnavailable, match="refused our credentials"):
         await connect.connect(connect.NatsOptions(**{**opts.__dict__, "password": "wrong"}))
+
+
+async def test_a_client_without_tls_is_refused(secure: Secure) -> None:
     if secure.layout.tls is None:
-        pytest.skip("no openssl: the layout runs without TLS")
+        pytest.skip("openssl not found: the secure layout runs without TLS, so there is no TLS to refuse")
+    opts = secure.options("gateway")
     plain = secure.server.url.replace("tls://", "nats://")
     with pytest.raises(NatsUnavailable):
         await connect.connect(connect.NatsOptions(**{**opts.__dict__, "servers": (plain,), "tls_ca_file": None}))

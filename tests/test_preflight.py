@@ -420,7 +420,7 @@ def test_a_gpu_loader_asked_for_where_it_cannot_run_fails_with_the_reason(model_
 
     why = loaders.probe_gpu().unavailable("cuda-pinned")
     if not why:
-        pytest.skip("this node can run cuda-pinned: nothing to refuse")
+        pytest.skip("this node has a usable GPU (cupy, libcuda): cuda-pinned can run, so there is nothing to refuse")
     got = preflight.check_loader(node_for("--model", str(model_dir), "--loader", "cuda-pinned"))
     assert got.status == "FAIL"
     assert why in got.value
