@@ -7,8 +7,6 @@ Besides its own series the registry carries the default process, platform and GC
 
 from __future__ import annotations
 
-import importlib.metadata
-
 from prometheus_client import (
     GC_COLLECTOR,
     CollectorRegistry,
@@ -20,19 +18,13 @@ from prometheus_client import (
     ProcessCollector,
 )
 
+from warmpool.build import build_version
+
 __all__ = ["AutoscalerMetrics", "build_version"]
 
 # Decisions live in milliseconds-to-seconds territory; activation stages in tens of ms to seconds.
 _DECISION_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 _ACTIVATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-
-
-def build_version() -> str:
-    """The installed package's version ("unknown" when run from a tree that was never installed)."""
-    try:
-        return importlib.metadata.version("pulsescale")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 class AutoscalerMetrics:

@@ -3,8 +3,6 @@ gateway's own listener at ``/metrics``."""
 
 from __future__ import annotations
 
-import importlib.metadata
-
 from prometheus_client import (
     GC_COLLECTOR,
     CollectorRegistry,
@@ -16,17 +14,12 @@ from prometheus_client import (
     ProcessCollector,
 )
 
+from warmpool.build import build_version
+
 __all__ = ["GatewayMetrics"]
 
 # Queue waits and LLM requests: milliseconds (a free endpoint) to a minute (a long generation, a long wait).
 _SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("pulsescale")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 class GatewayMetrics:
@@ -37,7 +30,9 @@ class GatewayMetrics:
         PlatformCollector(registry=r)
         if GC_COLLECTOR is not None:
             GCCollector(registry=r)
-        Gauge("pulsescale_build_info", "The running build (value 1)", ["version"], registry=r).labels(_version()).set(1)
+        Gauge("pulsescale_build_info", "The running build (value 1)", ["version"], registry=r).labels(
+            build_version()
+        ).set(1)
         self.responses = Counter(
             "pulsescale_gateway_responses_total",
             "Responses by model and HTTP status (429: queue full, 504: timed out, 502: every upstream broke)",
