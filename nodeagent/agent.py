@@ -37,7 +37,6 @@ from nodeagent.engine import loaders
 from nodeagent.metrics import AgentMetrics
 from nodeagent.prewarm import Prewarmer
 from nodeagent.requests import Requests
-from nodeagent.served import ServedEngine
 from nodeagent.settings import AgentSettings
 from nodeagent.slot import REGISTRY_ERRORS, Active, Slot, SlotKeeper
 from warmpool import connect as nats_connect
@@ -274,10 +273,8 @@ class Agent:
             k.metrics.engines_unresponsive.inc()
             slot.active = None
             engine = slot.engine
-            if isinstance(engine, ServedEngine):
-                await engine.reset()  # killed without its sleep hook (it would wait on the wedged server)
-            elif engine is not None:
-                await engine.stop()  # SIGTERM, then SIGKILL: a stopped process cannot ignore that
+            if engine is not None:
+                await engine.reset()  # killed, not asked: a sleep hook would wait on the wedged server
             slot.failures += 1
             slot.phase, slot.reason = "failed", reason
             with contextlib.suppress(StaleToken, InvalidTransition, *REGISTRY_ERRORS):

@@ -451,7 +451,7 @@ def _stage(args: argparse.Namespace) -> int:
         return 1
     shown.clear()
     staged.close()
-    how = "fetched" if staged.fetched else "copied"
+    how = staged.how
     rate = staged.written_bytes / staged.stage_s / 1e9 if staged.stage_s > 0 else 0.0
     print(
         f"staged {name} in {staged.dir}: {len(staged.files)} file(s), {staged.nbytes / 1e9:.3f} GB "

@@ -295,6 +295,10 @@ class ForkedEngine:
             finally:
                 self._events = None
 
+    async def reset(self) -> None:
+        """Stopping already ends the engine's process (SIGTERM, then SIGKILL) and keeps the zygote armed."""
+        await self.stop()
+
     async def _kill_zygote(self) -> None:
         proc, self._proc = self._proc, None
         reader, self._reader = self._reader, None

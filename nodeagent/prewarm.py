@@ -182,7 +182,7 @@ class Prewarmer:
             len(staged.files),
             staged.nbytes / 2**20,
             staged.written_bytes / 2**20,
-            "fetched" if staged.fetched else "copied",
+            staged.how,
             staged.hashed_bytes / 2**20,
             took,
             f"locked {locked.locked_bytes / 2**20:.1f} MiB" if locked.error is None else locked.error,
@@ -328,7 +328,7 @@ class Prewarmer:
 def _count_staged(m: AgentMetrics, staged: staging.Staged) -> None:
     """Copied, fetched and reused bytes, and bytes hashed: an agent restart that finds its weights staged counts
     them reused (and hashed, to re-verify), never copied or fetched."""
-    m.staged_bytes_total.labels("fetched" if staged.fetched else "copied").inc(staged.written_bytes)
+    m.staged_bytes_total.labels(staged.how).inc(staged.written_bytes)
     m.staged_bytes_total.labels("reused").inc(staged.reused_bytes)
     m.hashed_bytes_total.inc(staged.hashed_bytes)
 

@@ -400,8 +400,10 @@ class ServedEngine:
         async with self._lock:
             if self.armed:
                 return
-            await self._kill()
-            await asyncio.to_thread(kill_strays, self.marker)  # what a SIGKILLed agent's server left running
+            had = self._proc is not None
+            await self._kill()  # with a process, this also kills what it left outside its group
+            if not had:
+                await asyncio.to_thread(kill_strays, self.marker)  # what a SIGKILLed agent's server left running
             if self.log is None:
                 self.log = EngineLog(self.log_dir, self.name)
             port = self.port or free_port(self.bind_host)

@@ -82,6 +82,10 @@ class SlotEngine(Protocol):
 
     async def stop(self) -> None: ...
 
+    async def reset(self) -> None:
+        """Out of service whatever state the engine is in (wedged, frozen): killed, not asked; armed again later."""
+        ...
+
     async def close(self) -> None: ...
 
 

@@ -119,6 +119,11 @@ class Staged:
     """The source is a URL: `written_bytes` were downloaded rather than copied."""
 
     @property
+    def how(self) -> str:
+        """How the written bytes came: ``fetched`` or ``copied`` (the label of the staged-bytes counter)."""
+        return "fetched" if self.fetched else "copied"
+
+    @property
     def weights(self) -> list[StagedFile]:
         return [f for f in self.files if f.header is not None]
 
@@ -297,7 +302,7 @@ class _DirSource:
         return modelformat.read_manifest(self.path, dir_fd=self.fd)
 
     def size(self, name: str) -> int:
-        return _source_size(self.fd, name)
+        return _size_in(self.fd, name)
 
     def fetch(self, name: str, wfd: int, have: int, h: Any, on_bytes: Callable[[int], None]) -> tuple[Any, int, int]:
         sfd = _open_source(self.fd, self.path, name)
@@ -555,13 +560,6 @@ def _run_all(
             out.append(None)
             errors.append(err)
     return out, errors
-
-
-def _source_size(src_fd: int, name: str) -> int:
-    try:
-        return os.stat(name, dir_fd=src_fd, follow_symlinks=False).st_size
-    except OSError:
-        return 0  # reported by name when that file is copied
 
 
 def _size_in(dir_fd: int, name: str) -> int:
