@@ -238,8 +238,9 @@ class Gateway:
     def _queue(self, model: str) -> Queue | None:
         q = self.queues.get(model)
         if q is None:
-            allowed = model in self.settings.models if self.settings.models is not None else True
-            if not allowed or len(self.queues) >= self.settings.max_models:
+            models = self.settings.models
+            # A given list is the bound; without one, `max_models` bounds what clients can make us keep.
+            if (model not in models) if models is not None else len(self.queues) >= self.settings.max_models:
                 return None
             q = self.queues[model] = ModelQueue(
                 model, limit=self.settings.queue_limit, concurrency=self.settings.endpoint_concurrency

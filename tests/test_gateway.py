@@ -13,12 +13,13 @@ import aiohttp
 import pytest
 from nats.aio.client import Client
 
-from gateway.proxy import Gateway
+from gateway.proxy import Gateway, GatewaySettings
 from gateway.publisher import Schedule
 from gateway.queue import ModelQueue
 from gateway.routes import endpoint_ok, ready_endpoints
 from tests.gateway_helpers import MODEL, Upstream, running_gateway, samples_of, set_slot, upstreams
 from tests.helpers import wait_for
+from warmpool.connect import NatsOptions
 from warmpool.embedded import NatsServer, free_port
 from warmpool.protocol import SlotRecord
 from warmpool.registry import KvSlotStore
@@ -143,6 +144,16 @@ async def test_queue_bound_gives_429_and_the_queue_drains(
             assert last is not None
             assert (last.arrivals_total, last.queue_depth, last.inflight, last.timeouts_total) == (4, 0, 0, 0)
             assert gw.metrics.responses.labels(MODEL, "429")._value.get() == 1
+
+
+async def test_every_listed_model_is_served_however_many_are_listed(nc: Client) -> None:
+    """`max_models` bounds the names clients invent; a list given with --models is served whole."""
+    listed = frozenset(f"m{i}" for i in range(70))
+    gw = Gateway(GatewaySettings(nats=NatsOptions(), port=0, models=listed, max_models=64), nc)
+    assert set(gw.queues) == listed
+    assert gw._queue("m69") is not None and gw._queue("unlisted") is None
+    open_gw = Gateway(GatewaySettings(nats=NatsOptions(), port=0, max_models=2), nc)
+    assert open_gw._queue("a") is not None and open_gw._queue("b") is not None and open_gw._queue("c") is None
 
 
 async def test_waiting_past_the_timeout_is_504(nats_server: NatsServer, nc: Client, store: KvSlotStore) -> None:
