@@ -202,7 +202,7 @@ def test_replies() -> None:
 def test_encode_refuses_oversize() -> None:
     rec = SlotRecord(model="m", node="n", slot="s", state="failed", reason="x" * 4096)
     assert len(protocol.encode(rec)) < protocol.MAX_MESSAGE_BYTES
-    lease = protocol.AgentLease(node="n", slots=["s"] * 20000, heartbeat_at=1.0, lease_s=1.0)
+    lease = protocol.AgentLease(node="n", rack="r" * protocol.MAX_MESSAGE_BYTES, heartbeat_at=1.0, lease_s=1.0)
     with pytest.raises(BadMessage, match="too_large"):
         protocol.encode(lease)
 

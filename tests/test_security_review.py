@@ -42,7 +42,8 @@ from tests.nodeagent_helpers import listening_addresses
 from warmpool import connect, natsauth, protocol
 from warmpool.embedded import NatsServer, free_port
 from warmpool.errors import PermissionDenied
-from warmpool.registry import ALL_BUCKETS, MAX_SLOTS_PER_NODE, KvSlotStore, ensure_buckets
+from warmpool.protocol import MAX_SLOTS_PER_NODE
+from warmpool.registry import ALL_BUCKETS, KvSlotStore, ensure_buckets
 
 NODES = ("n1", "n2", "n3")
 QUEUE_GROUP = CommandSettings().queue_group  # the command service's; the attacker reads it in the source
@@ -361,8 +362,9 @@ async def test_only_slots_that_the_nodes_lease_lists_are_claimable(cluster: Clus
         # A lease that lists more than a node can hold is refused, not trusted: the node offers nothing.
         rejected = store.rejected.counts["bad_value"]
         many = [f"x{i}" for i in range(MAX_SLOTS_PER_NODE + 1)]
-        big = protocol.AgentLease(node="n3", slots=many, heartbeat_at=time.time(), lease_s=60)
-        await agents_kv.put("n3", protocol.encode(big))
+        # Written as raw JSON, as an attacker would: the contract type refuses to build it at all.
+        big = {"v": 1, "node": "n3", "slots": many, "heartbeat_at": time.time(), "lease_s": 60}
+        await agents_kv.put("n3", json.dumps(big).encode())
         await wait_for(lambda: store.rejected.counts["bad_value"] > rejected, 10, "the oversized lease refused")
         assert store.lease("n3") is None and store.claimable(MODEL) == []
 

@@ -10,7 +10,7 @@ Order of preference:
 
 `rank` states the order over a list of records; `pick` gives the same first choice from the registry's
 indexes in time proportional to the number of nodes times the slots each may offer (at most
-`registry.MAX_SLOTS_PER_NODE`, whatever a node writes), since it runs on every claim.
+`protocol.MAX_SLOTS_PER_NODE`, whatever a node writes), since it runs on every claim.
 """
 
 from __future__ import annotations

@@ -533,10 +533,15 @@ class AgentLease(Message, kw_only=True):
             raise ValueError("[bad_value] `lease_s` must be > 0")
         if self.lease_s > MAX_LEASE_S:
             raise ValueError(f"[bad_value] `lease_s` is {self.lease_s:g} s, at most {MAX_LEASE_S:g} s is honoured")
+        if len(self.slots) > MAX_SLOTS_PER_NODE:
+            raise ValueError(
+                f"[bad_value] the lease of {self.node} lists {len(self.slots)} slots; at most {MAX_SLOTS_PER_NODE} "
+                "are honoured"
+            )
 
     def fresh(self, now: float) -> bool:
         """Renewed within `lease_s` of `now`, and not dated ahead of it by more than the allowed clock skew."""
-        return self.heartbeat_at <= now + MAX_CLOCK_SKEW_S and now <= self.heartbeat_at + min(self.lease_s, MAX_LEASE_S)
+        return self.heartbeat_at <= now + MAX_CLOCK_SKEW_S and now <= self.heartbeat_at + self.lease_s
 
     @property
     def renew_every_s(self) -> float:

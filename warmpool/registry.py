@@ -27,7 +27,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass
-from typing import Any, Final, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import msgspec
 import nats.errors
@@ -59,7 +59,6 @@ __all__ = [
     "Snapshot",
     "SlotEvent",
     "ALL_BUCKETS",
-    "MAX_SLOTS_PER_NODE",
     "check_record",
     "ensure_buckets",
 ]
@@ -200,23 +199,11 @@ async def _refuse_rollups(js: JetStreamContext, bucket: str) -> None:
         log.warning("bucket %s allowed rollup headers (made by an older version): now refused", bucket)
 
 
-MAX_SLOTS_PER_NODE: Final = protocol.MAX_SLOTS_PER_NODE
-"""Re-exported from the contract (revision 4): the most slots one agent lease may list."""
-
-
 def check_record(key: str, value: msgspec.Struct) -> None:
     """Refuse a record whose own fields name another key than the one it is stored under (``subject_mismatch``:
-    an agent may write only its node's keys, and the permissions check the key, never the value), and a lease
-    that lists more than `MAX_SLOTS_PER_NODE` slots (``bad_value``)."""
-    if isinstance(value, AgentLease):
-        named = value.node
-        if len(value.slots) > MAX_SLOTS_PER_NODE:
-            raise BadMessage(
-                "bad_value",
-                f"the lease of {value.node} lists {len(value.slots)} slots; at most {MAX_SLOTS_PER_NODE} are honoured",
-            )
-    else:
-        named = getattr(value, "key", key)
+    an agent may write only its node's keys, and the permissions check the key, never the value). A lease's slot
+    count is the contract's to bound (`protocol.AgentLease`)."""
+    named = value.node if isinstance(value, AgentLease) else getattr(value, "key", key)
     if named != key:
         raise BadMessage("subject_mismatch", f"a record for {named} is stored under key {key}")
 
@@ -517,7 +504,7 @@ class KvSlotStore:
     def _usable(self, model: str, node: str, keys: Collection[str], now: float) -> list[str]:
         """The keys among `keys` (warm slots of `model` on `node`) that a claim may take at `now`: none unless the
         node's lease is fresh, and only the slots that lease lists (a record alone offers nothing: any key under
-        the node can be written by its agent user). Costs at most `MAX_SLOTS_PER_NODE` lookups."""
+        the node can be written by its agent user). Costs at most `protocol.MAX_SLOTS_PER_NODE` lookups."""
         lease = self.lease(node)
         if lease is None or not lease.fresh(now):
             return []
