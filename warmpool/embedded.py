@@ -21,7 +21,7 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
-from warmpool.natsauth import TlsFiles
+from warmpool.natsauth import TlsFiles, write_private
 
 __all__ = ["NatsServer", "find_nats_server", "free_port"]
 
@@ -94,11 +94,7 @@ class NatsServer:
         )
         if self.tls is not None:
             text += self.tls.server_block()
-        # 0600: the config may hold the users' passwords.
-        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as f:
-            os.fchmod(f.fileno(), 0o600)
-            f.write(text)
+        write_private(conf, text)  # the config may hold the users' passwords
         return conf
 
     def start(self, timeout_s: float = 10.0) -> NatsServer:

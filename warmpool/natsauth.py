@@ -57,14 +57,13 @@ __all__ = [
     "password_env",
     "permissions",
     "render_authorization",
+    "write_private",
     "role_users",
     "write_secure_layout",
 ]
 
 Role = Literal["gateway", "agent", "autoscaler", "operator", "oncall"]
 ROLES: Final[tuple[Role, ...]] = ("gateway", "agent", "autoscaler", "operator", "oncall")
-
-_BUCKETS: Final = (protocol.SLOTS_BUCKET, protocol.AGENTS_BUCKET, protocol.SCALERS_BUCKET, protocol.LEASES_BUCKET)
 
 
 @dataclass(frozen=True)
@@ -146,11 +145,11 @@ def permissions(role: Role, node: str | None = None) -> Permissions:
                 f"{protocol.AGENT_PREFIX}*.>",
                 events,
                 protocol.AUDIT_WILDCARD,
-                *[s for b in _BUCKETS for s in _kv_read(b)],
+                *[s for b in protocol.BUCKETS for s in _kv_read(b)],
                 *_kv_write(protocol.SLOTS_BUCKET),
                 *_kv_write(protocol.LEASES_BUCKET),
-                *_stream_create(*(f"KV_{b}" for b in _BUCKETS), protocol.AUDIT_STREAM),
-                *_stream_update(*(f"KV_{b}" for b in _BUCKETS)),
+                *_stream_create(*(f"KV_{b}" for b in protocol.BUCKETS), protocol.AUDIT_STREAM),
+                *_stream_update(*(f"KV_{b}" for b in protocol.BUCKETS)),
                 f"$JS.API.STREAM.INFO.{protocol.AUDIT_STREAM}",
             ),
             subscribe=(f"{protocol.QUEUE_PREFIX}>", f"{protocol.CMD_PREFIX}>", replies),
@@ -309,12 +308,13 @@ def write_secure_layout(directory: Path, url: str, nodes: Sequence[str], *, tls:
         if u.role == "agent":
             lines.append(f"PULSESCALE_NODE={u.name.removeprefix('agent-')}")
         path = creds_dir / f"{u.name}.env"
-        _write_private(path, "\n".join(lines) + "\n")
+        write_private(path, "\n".join(lines) + "\n")
         credentials[u.name] = path
     return SecureLayout(render_authorization(users), tls_files, credentials, users)
 
 
-def _write_private(path: Path, text: str) -> None:
+def write_private(path: Path, text: str) -> None:
+    """Write `text` to `path`, mode 0600, never through a link: credentials and configs that hold passwords."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
         os.fchmod(f.fileno(), 0o600)

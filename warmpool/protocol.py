@@ -45,6 +45,7 @@ __all__ = [
     "AGENT_VERBS",
     "AUDIT_STREAM",
     "AUDIT_WILDCARD",
+    "BUCKETS",
     "CMD_VERBS",
     "CMD_WILDCARD",
     "CONTRACT_REVISION",
@@ -170,6 +171,8 @@ SLOTS_BUCKET: Final = "pulse_slots"
 AGENTS_BUCKET: Final = "pulse_agents"
 SCALERS_BUCKET: Final = "pulse_scalers"
 LEASES_BUCKET: Final = "pulse_leases"
+BUCKETS: Final = (SLOTS_BUCKET, AGENTS_BUCKET, SCALERS_BUCKET, LEASES_BUCKET)
+"""Every bucket of the registry."""
 
 CMD_VERBS: Final = ("scale", "pause", "resume", "status", "pool", "drain", "undrain")
 AGENT_VERBS: Final = ("prewarm", "activate", "deactivate", "status")

@@ -136,7 +136,7 @@ _HISTORY = {
     protocol.SCALERS_BUCKET: 5,
     protocol.LEASES_BUCKET: 1,
 }
-ALL_BUCKETS = tuple(_HISTORY)
+ALL_BUCKETS = protocol.BUCKETS
 
 
 async def ensure_buckets(
