@@ -14,10 +14,11 @@ Every figure in the report is computed from those records (a test recomputes the
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from gateway.loadgen import percentile
 from warmpool.protocol import Event, QueueSample
 
 __all__ = [
@@ -196,31 +197,21 @@ def time_to_capacity(events: Iterable[Event], pulse_start: float, needed: int) -
     return None
 
 
-def needed_replicas(pulse_rps: float, service_s: float, fleet: int) -> int:
+def needed_replicas(pulse_rps: float, service_s: float) -> int:
     """Replicas the pulse needs: its rate times one replica's service time (Little's law at full use), at least
     one. Not capped at the fleet: a pulse bigger than the fleet says so."""
-    del fleet
     return max(1, math.ceil(pulse_rps * service_s - 1e-9))
-
-
-def _percentile(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
 def _in(t: float, start: float, end: float) -> bool:
     return start <= t < end
 
 
-def build_report(
-    rec: RunRecord, config: dict[str, Any], *, pulse_rps: float, fleet: int, timeout_s: float
-) -> dict[str, Any]:
+def build_report(rec: RunRecord, config: dict[str, Any], *, pulse_rps: float, timeout_s: float) -> dict[str, Any]:
     """report.json: the issue's keys (`requests`, `ok`, `timeouts`, `errors`, `needed_replicas`,
     `time_to_capacity_s`, `activations`, `config`) and what explains them."""
     service_s = rec.replica_service_s if rec.replica_service_s else config.get("service_s", 0.05)
-    needed = needed_replicas(pulse_rps, service_s, fleet)
+    needed = needed_replicas(pulse_rps, service_s)
     ttc = time_to_capacity(rec.events, rec.pulse_start, needed)
     acts = activations(rec.events, rec.cold_nodes)
     # 504s answer requests that waited `timeout_s`: those caused by the pulse arrive up to that long after it ends.
@@ -260,8 +251,8 @@ def build_report(
             for a in acts
         ],
         "claim_to_ready_ms": {
-            "p50": _round(_percentile([a.claim_to_ready_ms for a in acts], 0.5)),
-            "p99": _round(_percentile([a.claim_to_ready_ms for a in acts], 0.99)),
+            "p50": _round(percentile(sorted(a.claim_to_ready_ms for a in acts), 50)),
+            "p99": _round(percentile(sorted(a.claim_to_ready_ms for a in acts), 99)),
             "max": _round(max((a.claim_to_ready_ms for a in acts), default=None)),
             "during_pulse": len(during_pulse),
         },
@@ -270,7 +261,7 @@ def build_report(
         "peak_desired": max(desired, default=None),
         "peak_queue_depth": max((s.queue_depth for s in rec.samples), default=0),
         "latency_ms": {
-            "p50": _round(_percentile([s.p50_ms for s in rec.seconds if s.p50_ms is not None], 0.5)),
+            "p50": _round(percentile(sorted(s.p50_ms for s in rec.seconds if s.p50_ms is not None), 50)),
             "p99_worst_second": _round(max((s.p99_ms for s in rec.seconds if s.p99_ms is not None), default=None)),
         },
         "replica_capacity_rps": round(1 / service_s, 2) if service_s else None,

@@ -613,7 +613,7 @@ class Demo:
             await self._agents_rootfs()
             service_s = await self._calibrate()
             self.pulse_rps = s.pulse_rps_for(service_s)
-            needed = report_mod.needed_replicas(self.pulse_rps, service_s, s.fleet_slots)
+            needed = report_mod.needed_replicas(self.pulse_rps, service_s)
             self.snap.needed = needed
             if needed > s.warm_slots:
                 self.say(
@@ -734,7 +734,6 @@ class Demo:
             rec,
             self._config(rec.replica_service_s),
             pulse_rps=self.pulse_rps,
-            fleet=s.fleet_slots,
             timeout_s=s.request_timeout_s,
         )
         s.out_dir.mkdir(parents=True, exist_ok=True)

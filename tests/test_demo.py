@@ -89,10 +89,10 @@ def test_time_to_capacity_counts_replicas_serving_at_once(needed: int, expected:
 
 
 def test_needed_replicas_is_the_pulse_rate_times_the_service_time() -> None:
-    assert rep.needed_replicas(120, 0.05, 8) == 6
-    assert rep.needed_replicas(120, 0.054, 8) == 7
-    assert rep.needed_replicas(1, 0.001, 8) == 1
-    assert rep.needed_replicas(1000, 0.05, 8) == 50  # beyond the fleet: said, not hidden
+    assert rep.needed_replicas(120, 0.05) == 6
+    assert rep.needed_replicas(120, 0.054) == 7
+    assert rep.needed_replicas(1, 0.001) == 1
+    assert rep.needed_replicas(1000, 0.05) == 50  # beyond the fleet: said, not hidden
 
 
 def test_the_load_shape_puts_the_pulse_where_the_settings_say() -> None:
