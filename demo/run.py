@@ -57,7 +57,7 @@ from demo import report as report_mod
 from demo.procs import Child, Processes
 from demo.settings import MODEL, DemoSettings
 from demo.view import Snapshot, View
-from nodeagent import modelformat, rootfs, tinymodel
+from nodeagent import rootfs, tinymodel
 from warmpool import connect, protocol
 from warmpool.embedded import NatsServer, free_port
 from warmpool.errors import BadMessage, PulsescaleError
@@ -308,16 +308,7 @@ class Demo:
                 for d in (out, *out.rglob("*")):  # the server reads --model as its engine user
                     os.chmod(d, 0o755 if d.is_dir() else 0o644)
                 return
-            tinymodel.make_tiny(out, self.s.model_bytes)
-            cfg_path = out / modelformat.CONFIG_FILE
-            cfg = json.loads(cfg_path.read_text())
-            cfg["token_ms"] = self.s.token_ms
-            cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
-            sums = modelformat.read_manifest(out)
-            import hashlib
-
-            sums[modelformat.CONFIG_FILE] = hashlib.sha256(cfg_path.read_bytes()).hexdigest()
-            modelformat.write_manifest(out, sums)
+            tinymodel.make_tiny(out, self.s.model_bytes, extra_config={"token_ms": self.s.token_ms})
 
         await self._in_thread(make)
         return out

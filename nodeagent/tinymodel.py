@@ -16,7 +16,7 @@ import math
 import os
 import re
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Final
 
@@ -94,9 +94,15 @@ def _write_file(path: Path, entries: list[tuple[str, tuple[int, ...]]], make: Ca
 
 
 def make_tiny(
-    out_dir: str | os.PathLike[str], size_bytes: int, *, shard_bytes: int = 512 * 2**20, seed: int = 0
+    out_dir: str | os.PathLike[str],
+    size_bytes: int,
+    *,
+    shard_bytes: int = 512 * 2**20,
+    seed: int = 0,
+    extra_config: Mapping[str, object] | None = None,
 ) -> TinyConfig:
-    """Write a model of about `size_bytes` into `out_dir` (created if missing); returns its configuration."""
+    """Write a model of about `size_bytes` into `out_dir` (created if missing); returns its configuration.
+    `extra_config` adds keys to its config.json (the local engine's `token_ms`, say)."""
     if size_bytes <= 0:
         raise ValueError("size must be > 0")
     cfg = plan(size_bytes, shard_bytes)
@@ -134,6 +140,7 @@ def make_tiny(
         "experts": cfg.experts,
         "decay": cfg.decay,
         "files": files,
+        **(extra_config or {}),
     }
     raw = json.dumps(config, indent=2).encode() + b"\n"
     (out / CONFIG_FILE).write_bytes(raw)
