@@ -78,7 +78,6 @@ class Publisher:
         self._wake = asyncio.Event()
         self._on_published = on_published
         self.published_total = 0
-        self.failed_total = 0
 
     def changed(self, model: str) -> None:
         s = self._schedules.get(model)
@@ -126,7 +125,6 @@ class Publisher:
         try:
             await self._nc.publish(protocol.queue_subject(model), protocol.encode(self.sample(model)))
         except Exception as err:  # noqa: BLE001 - a sample lost is the next one's job; never stop the loop
-            self.failed_total += 1
             log.warning("queue sample for %s not published: %s", model, err)
             return
         self.published_total += 1

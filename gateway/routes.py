@@ -80,7 +80,6 @@ class Routes:
         self.view: BucketView[SlotRecord] | None = None
         self.listed = asyncio.Event()
         """Set once the first snapshot is in: before it, the gateway knows no endpoint yet."""
-        self.refused = 0
 
     async def open(self, stop: asyncio.Event, retry_s: float = 0.5) -> None:
         """Open the bucket, waiting while it does not exist yet (the autoscaler creates it; this role may not)."""
@@ -135,7 +134,6 @@ class Routes:
         if isinstance(event, Changed) and event.record.state == "ready" and event.record.endpoint:
             url = event.record.endpoint
             if not endpoint_ok(url):
-                self.refused += 1
                 log.warning("slot %s: endpoint %r is not http(s)://host[:port]; not routed", event.key, url)
             else:
                 url = url.rstrip("/")
