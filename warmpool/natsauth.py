@@ -156,9 +156,17 @@ def permissions(role: Role, node: str | None = None) -> Permissions:
             allow_responses=True,
         )
     if role == "operator":
+        # Revision 5: it also reads the slots (standby pods follow their slot; the finalizer waits for releases),
+        # asks the autoscaler for `status` (the status subresource) and reads events (Kubernetes Events, the cold
+        # path). It may not send any other on-call command.
         return Permissions(
-            publish=(*_kv_read(protocol.SCALERS_BUCKET), *_kv_write(protocol.SCALERS_BUCKET)),
-            subscribe=(replies,),
+            publish=(
+                *_kv_read(protocol.SCALERS_BUCKET),
+                *_kv_write(protocol.SCALERS_BUCKET),
+                *_kv_read(protocol.SLOTS_BUCKET),
+                protocol.cmd_subject("status"),
+            ),
+            subscribe=(events, replies),
         )
     if role == "oncall":
         return Permissions(publish=(f"{protocol.CMD_PREFIX}>",), subscribe=(replies,))

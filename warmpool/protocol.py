@@ -25,6 +25,13 @@ Revisions of v1 (each only adds fields or tightens a request only our own autosc
   adds `rootfs` (`RootfsStatus`), and `PoolSlot` adds the slot's engine, mode, rootfs and image digest. A slot is
   claimable only when its node's fresh lease lists it in `slots`, and a lease listing more than `MAX_SLOTS_PER_NODE`
   is refused ``bad_value``; a record whose fields name another key than its own is refused ``subject_mismatch``.
+- revision 5 (KEDA compatibility, Kubernetes): `ScaledObjectSpec` adds KEDA's `pollingInterval` and
+  `initialCooldownPeriod`; `Trigger` adds `name`, `metricType` (only ``AverageValue``), `useCachedMetrics` and
+  `authenticationRef`; `Fallback` adds `behavior`; `Advanced` adds `restoreToOriginalReplicaCount`,
+  `horizontalPodAutoscalerConfig` (HPA `behavior`, mapped onto the policy), `scaleDownPods` and
+  `scaleDownSelectPolicy`; `ScalerRecord` adds `paused_scale_in`/`paused_scale_out` (KEDA's annotations of those
+  names) and `notes` (why an accepted field has no effect); `StatusRow` adds the ScaledObject's key, `fallback`,
+  `paused`, `cold_requested`, `last_active_at` and `last_scale_at`, for the operator's status subresource.
 
 Pure: no I/O, no NATS import; `now` is passed in where time matters.
 """
@@ -102,7 +109,13 @@ __all__ = [
     "RequestLedger",
     "ResumeCommand",
     "Advanced",
+    "AuthenticationRef",
     "Fallback",
+    "FallbackBehavior",
+    "HPABehavior",
+    "HPAScalingPolicy",
+    "HPAScalingRules",
+    "HorizontalPodAutoscalerConfig",
     "ScaleCommand",
     "ScaleTargetRef",
     "ScaledObjectSpec",
@@ -134,7 +147,7 @@ __all__ = [
 ]
 
 VERSION: Final = 1
-CONTRACT_REVISION: Final = 4
+CONTRACT_REVISION: Final = 5
 """Revision of wire contract v1 this code speaks (see the module doc for what each revision changed)."""
 MAX_MESSAGE_BYTES: Final = 64 * 1024
 MAX_LEASE_S: Final = 300.0
@@ -577,15 +590,67 @@ class TriggerMetadata(_Spec, kw_only=True):
     """From zero replicas, scale up only when demand exceeds this (KEDA's activation threshold)."""
 
 
+class AuthenticationRef(_Spec, kw_only=True):
+    """KEDA's ``authenticationRef`` (revision 5): accepted so a KEDA manifest applies; a pushed trigger needs no
+    credentials to read a metric, so it has no effect (the ScalerRecord's `notes` say so)."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
+    kind: Literal["TriggerAuthentication", "ClusterTriggerAuthentication"] = "TriggerAuthentication"
+
+
 class Trigger(_Spec, kw_only=True):
     type: Literal["gateway-queue"]
     metadata: TriggerMetadata
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=63)] | None = None
+    """Revision 5, as KEDA: names a trigger (unique within the ScaledObject)."""
+    metric_type: Literal["AverageValue"] = "AverageValue"
+    """Revision 5: KEDA's ``metricType``. Only ``AverageValue`` (demand / target per replica) is our rule."""
+    use_cached_metrics: bool = False
+    """Revision 5: accepted, no effect: a pushed trigger is never polled, every sample is used as it arrives."""
+    authentication_ref: AuthenticationRef | None = None
+    """Revision 5: accepted, no effect (see `AuthenticationRef`)."""
+
+
+FallbackBehavior = Literal["static", "currentReplicas", "currentReplicasIfHigher", "currentReplicasIfLower"]
 
 
 class Fallback(_Spec, kw_only=True):
     failure_threshold: Annotated[int, msgspec.Meta(ge=1)]
     """Missed sample intervals (of `advanced.staleAfterSeconds`) before the fallback count applies."""
     replicas: Count
+    behavior: FallbackBehavior = "static"
+    """Revision 5, as KEDA: ``static`` uses `replicas`; ``currentReplicas`` keeps the current count;
+    ``currentReplicasIfHigher``/``IfLower`` use the current count when it is higher/lower than `replicas`."""
+
+
+class HPAScalingPolicy(_Spec, kw_only=True):
+    """One policy of an HPA ``behavior`` rule (autoscaling/v2 ``HPAScalingPolicy``)."""
+
+    type: Literal["Pods", "Percent"]
+    value: Annotated[int, msgspec.Meta(ge=1)]
+    period_seconds: Annotated[int, msgspec.Meta(ge=1, le=1800)]
+
+
+class HPAScalingRules(_Spec, kw_only=True):
+    """autoscaling/v2 ``HPAScalingRules``."""
+
+    stabilization_window_seconds: Annotated[int, msgspec.Meta(ge=0, le=3600)] | None = None
+    select_policy: Literal["Max", "Min", "Disabled"] | None = None
+    policies: list[HPAScalingPolicy] | None = None
+    tolerance: str | float | None = None
+
+
+class HPABehavior(_Spec, kw_only=True):
+    scale_up: HPAScalingRules | None = None
+    scale_down: HPAScalingRules | None = None
+
+
+class HorizontalPodAutoscalerConfig(_Spec, kw_only=True):
+    """KEDA's ``advanced.horizontalPodAutoscalerConfig`` (revision 5): `behavior` is mapped onto this policy's
+    scale-down fields by the ScaledObject reader; what cannot map is refused there with the reason."""
+
+    name: str | None = None
+    behavior: HPABehavior | None = None
 
 
 class Advanced(_Spec, kw_only=True):
@@ -601,6 +666,15 @@ class Advanced(_Spec, kw_only=True):
     """A gateway silent this long leaves the demand sum (3 sample intervals of ~300 ms)."""
     lead_time_seconds: Seconds = 2.5
     """Forecast horizon until measured claim -> ready times exist (DESIGN: p90, default 2.5 s)."""
+    scale_down_pods: Count | None = None
+    """Revision 5: at most this many replicas removed per `scaleDownPeriodSeconds` (HPA's ``Pods`` policy); with
+    `scaleDownPercent` both apply as `scaleDownSelectPolicy` says."""
+    scale_down_select_policy: Literal["Max", "Min", "Disabled"] = "Max"
+    """Revision 5, as HPA's ``selectPolicy``: ``Max`` allows the larger of the two removals, ``Min`` the smaller,
+    ``Disabled`` never scales down."""
+    restore_to_original_replica_count: bool = False
+    """Revision 5, as KEDA: on delete, the operator puts the target back to the replica count it had before."""
+    horizontal_pod_autoscaler_config: HorizontalPodAutoscalerConfig | None = None
 
 
 class WarmPool(_Spec, kw_only=True):
@@ -622,6 +696,11 @@ class ScaledObjectSpec(_Spec, kw_only=True):
     fallback: Fallback | None = None
     advanced: Advanced = msgspec.field(default_factory=Advanced)
     warm_pool: WarmPool = msgspec.field(default_factory=WarmPool)
+    polling_interval: Annotated[int, msgspec.Meta(ge=1, le=86_400)] | None = None
+    """Revision 5: KEDA's ``pollingInterval``, accepted; a pushed trigger is read as samples arrive, not polled."""
+    initial_cooldown_period: Annotated[float, msgspec.Meta(ge=0, le=86_400 * 7)] = 0.0
+    """Revision 5, as KEDA: seconds after the ScaledObject is created before it may scale down to
+    `idleReplicaCount`/zero."""
 
     def __post_init__(self) -> None:
         if self.min_replica_count > self.max_replica_count:
@@ -647,6 +726,12 @@ class ScalerRecord(Message, kw_only=True):
     paused_replicas: Count | None = None
     generation: Count = 0
     updated_at: float = 0.0
+    paused_scale_in: bool = False
+    """Revision 5: KEDA's ``paused-scale-in`` annotation: the policy may scale out, never in."""
+    paused_scale_out: bool = False
+    """Revision 5: KEDA's ``paused-scale-out`` annotation: the policy may scale in, never out."""
+    notes: list[str] = []
+    """Revision 5: one line per accepted field that has no effect here, and why (shown by apply and the status)."""
 
     @property
     def key(self) -> str:
@@ -792,6 +877,18 @@ class StatusRow(msgspec.Struct, kw_only=True):
     override: Override | None = None
     reason: str = ""
     decisions: list[DecisionRow] = []
+    key: str | None = None
+    """Revision 5: the ScaledObject's ``<namespace>.<name>`` (its `pulse_scalers` key)."""
+    fallback: bool = False
+    """Revision 5: the fallback count is in force (metrics stale beyond `fallback.failureThreshold`)."""
+    paused: bool = False
+    """Revision 5: paused by annotation or on-call command."""
+    cold_requested: Count = 0
+    """Revision 5: replicas last asked of the cold path (the pool could not provide them); 0 once met."""
+    last_active_at: float | None = None
+    """Revision 5: last time demand was above the activation threshold (Unix s)."""
+    last_scale_at: float | None = None
+    """Revision 5: last time the desired count changed (Unix s)."""
 
 
 class StatusReply(CommandReply, kw_only=True):
