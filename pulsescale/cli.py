@@ -29,9 +29,7 @@ COMMANDS: dict[str, Command] = {
     # daemons
     "autoscaler": Command("autoscaler.cli:run_autoscaler", "run the autoscaler daemon", "daemons"),
     "agent": Command("nodeagent.cli:run_agent", "run a node agent: stage weights, keep slots warm", "daemons"),
-    "operator": Command(
-        "autoscaler.cli:run_operator", "run the Kubernetes operator for ScaledObjects (not built yet)", "daemons"
-    ),
+    "operator": Command("kube.cli:run_operator", "run the Kubernetes operator for ScaledObject CRs (kopf)", "daemons"),
     "nats": Command("warmpool.cli:run_nats", "run a local nats-server with JetStream (from the wheel)", "daemons"),
     "gateway": Command("gateway.cli:run_gateway", "run the reference gateway (queue, route, samples)", "daemons"),
     # on-call
@@ -44,7 +42,11 @@ COMMANDS: dict[str, Command] = {
     "drain": Command("autoscaler.oncall:drain", "stop offering a node's slots; serving ones finish", "on-call"),
     "undrain": Command("autoscaler.oncall:undrain", "offer a drained node's slots again", "on-call"),
     "demo": Command("demo.cli:main", "the article's surge end to end on this machine, live, with a report", "daemons"),
+    "get": Command("autoscaler.resources:get", "list scaledobjects, slots or models, as kubectl get", "on-call"),
+    "describe": Command("autoscaler.resources:describe", "one scaledobject, slot or model in detail", "on-call"),
     "apply": Command("autoscaler.oncall:apply", "write a ScaledObject YAML to the registry (no Kubernetes)", "config"),
+    "delete": Command("autoscaler.resources:delete", "remove a ScaledObject from the registry", "config"),
+    "crd": Command("autoscaler.crd:main", "print the ScaledObject CRD (or its JSON Schema), generated", "config"),
     "slots": Command("warmpool.cli:slots", "list slots straight from the registry", "config"),
     "model": Command("nodeagent.cli:model", "model tools: make-tiny (test weights), verify, stage", "config"),
     "bench": Command("pulsescale.cli:bench", "benchmarks: claims, decide, activate", "benchmarks"),

@@ -248,7 +248,7 @@ async def test_a_role_is_refused_what_it_must_not_do(
     ("user", "argv", "subject"),
     [
         ("gateway", ["scale", MODEL, "--replicas", "1"], "pulse.cmd.scale"),
-        ("oncall", ["apply", "-f", "-"], f"$JS.API.STREAM.INFO.KV_{protocol.SCALERS_BUCKET}"),
+        ("gateway", ["apply", "-f", "-"], f"$JS.API.STREAM.INFO.KV_{protocol.SCALERS_BUCKET}"),
         ("oncall", ["sample", MODEL, "--queue-depth", "9"], f"pulse.queue.{MODEL}"),
         ("operator", ["pause", MODEL], "pulse.cmd.pause"),
         ("agent-n1", ["drain", "n2"], "pulse.cmd.drain"),

@@ -169,7 +169,10 @@ def permissions(role: Role, node: str | None = None) -> Permissions:
             subscribe=(events, replies),
         )
     if role == "oncall":
-        return Permissions(publish=(f"{protocol.CMD_PREFIX}>",), subscribe=(replies,))
+        # Revision 5: reads the ScaledObjects (`pulsescale get scaledobjects`); writes nothing.
+        return Permissions(
+            publish=(f"{protocol.CMD_PREFIX}>", *_kv_read(protocol.SCALERS_BUCKET)), subscribe=(replies,)
+        )
     raise ValueError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
 
 
