@@ -30,7 +30,7 @@ Revisions of v1 (each only adds fields or tightens a request only our own autosc
   `authenticationRef`; `Fallback` adds `behavior`; `Advanced` adds `restoreToOriginalReplicaCount`,
   `horizontalPodAutoscalerConfig` (HPA `behavior`, mapped onto the policy), `scaleDownPods` and
   `scaleDownSelectPolicy`; `ScalerRecord` adds `paused_scale_in`/`paused_scale_out` (KEDA's annotations of those
-  names) and `notes` (why an accepted field has no effect); `StatusRow` adds the ScaledObject's key, `fallback`,
+  names), `notes` (why an accepted field has no effect) and `created_at`; `StatusRow` adds the ScaledObject's key, `fallback`,
   `paused`, `cold_requested`, `last_active_at` and `last_scale_at`, for the operator's status subresource.
 
 Pure: no I/O, no NATS import; `now` is passed in where time matters.
@@ -732,6 +732,9 @@ class ScalerRecord(Message, kw_only=True):
     """Revision 5: KEDA's ``paused-scale-out`` annotation: the policy may scale in, never out."""
     notes: list[str] = []
     """Revision 5: one line per accepted field that has no effect here, and why (shown by apply and the status)."""
+    created_at: float | None = None
+    """Revision 5: when the ScaledObject was created (the CR's creationTimestamp; `apply`: its first write), Unix s.
+    `initialCooldownPeriod` counts from it; None: from when the autoscaler first saw the record."""
 
     @property
     def key(self) -> str:
