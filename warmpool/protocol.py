@@ -31,8 +31,7 @@ Revisions of v1 (each only adds fields or tightens a request only our own autosc
   `horizontalPodAutoscalerConfig` (HPA `behavior`, mapped onto the policy), `scaleDownPods` and
   `scaleDownSelectPolicy`; `ScalerRecord` adds `paused_scale_in`/`paused_scale_out` (KEDA's annotations of those
   names), `notes` (why an accepted field has no effect) and `created_at`; `StatusRow` adds the ScaledObject's key,
-  `fallback`,
-  `paused`, `cold_requested`, `last_active_at` and `last_scale_at`, for the operator's status subresource.
+  `fallback`, `paused`, `cold_requested`, `last_active_at` and `last_scale_at`, for the operator's status subresource.
 
 Pure: no I/O, no NATS import; `now` is passed in where time matters.
 """
