@@ -17,14 +17,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import getpass
-import json
 import os
-import re
 import socket
 import sys
 import time
 import uuid
-from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final, Literal, TextIO, TypeVar
@@ -37,8 +34,9 @@ from nats.aio.client import Client
 from autoscaler import scaledobject
 from autoscaler.commands import MAX_OVERRIDE_S
 from warmpool import connect as nats_connect
-from warmpool import protocol
-from warmpool.errors import BadMessage
+from warmpool import durations, protocol
+from warmpool import output as out
+from warmpool.errors import BadMessage, PermissionDenied
 from warmpool.protocol import (
     DrainCommand,
     DrainReply,
@@ -83,37 +81,14 @@ DEFAULT_TIMEOUT_S: Final = 5.0
 DEFAULT_FOR: Final = "1h"
 """How long `scale` holds a model without --for: an incident's length; a forgotten override lapses by itself."""
 
-# --- durations ---------------------------------------------------------------------------------------------------
+# --- durations (one parser for every command: warmpool.durations) -------------------------------------------
 
-_DURATION: Final = re.compile(r"(?:(?P<h>\d+)h)?(?:(?P<m>\d+)m)?(?:(?P<s>\d+)s)?")
-
-
-def parse_duration(text: str) -> float:
-    """``90s``, ``10m``, ``2h``, ``1h30m``, ``1h30m15s`` → seconds. Units in that order, whole numbers, > 0."""
-    match = _DURATION.fullmatch(text.strip())
-    if not text.strip() or match is None or not any(match.groups()):
-        hint = f" (add a unit: {text.strip()}s or {text.strip()}m)" if text.strip().isdigit() else ""
-        raise ValueError(f"{text!r} is not a duration such as 90s, 10m, 2h or 1h30m{hint}")
-    seconds = int(match["h"] or 0) * 3600 + int(match["m"] or 0) * 60 + int(match["s"] or 0)
-    if seconds <= 0:
-        raise ValueError(f"{text!r} is no time at all; an override needs a duration > 0")
-    return float(seconds)
-
-
-def format_duration(seconds: float) -> str:
-    """Seconds → ``1h30m``, ``9m12s``, ``45s`` (the inverse of `parse_duration`, rounded to whole seconds)."""
-    total = max(0, round(seconds))
-    h, rest = divmod(total, 3600)
-    m, s = divmod(rest, 60)
-    out = (f"{h}h" if h else "") + (f"{m}m" if m else "") + (f"{s}s" if s and not h else "")
-    return out or "0s"
+parse_duration = durations.parse_duration
+format_duration = durations.format_duration
 
 
 def _duration_arg(text: str) -> float:
-    try:
-        return parse_duration(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
+    return durations.duration_arg()(text)
 
 
 def _override_duration_arg(text: str) -> float:
@@ -169,12 +144,14 @@ def _parser(prog: str, description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument(
         "--timeout",
-        type=float,
+        type=_duration_arg,
         default=DEFAULT_TIMEOUT_S,
-        metavar="SECONDS",
-        help=f"wait this long for the autoscaler; the request expires then too [{DEFAULT_TIMEOUT_S:g}]",
+        metavar="DURATION",
+        help=f"wait this long for the autoscaler (5s, 500ms, plain seconds); the request expires then too "
+        f"[{DEFAULT_TIMEOUT_S:g}s]",
     )
     p.add_argument("--by", help="who is acting, for the audit trail [$PULSESCALE_USER or user@host]")
+    out.add_output_argument(p)
     nats_connect.add_nats_arguments(p)
     return p
 
@@ -220,21 +197,36 @@ async def _request(nc: Client, verb: str, build: Build, reply_type: type[R], arg
 
 
 def _run(
-    prog: str, args: argparse.Namespace, verb: str, build: Build, reply_type: type[R], show: Callable[[R], None]
+    prog: str,
+    args: argparse.Namespace,
+    verb: str,
+    build: Build,
+    reply_type: type[R],
+    show: Callable[[R], None],
+    machine_view: Callable[[R], Any] | None = None,
 ) -> int:
-    """Send one command and show its reply. A NATS failure (unreachable, refused) is left to the dispatcher."""
+    """Send one command and show its reply: `show` for text, or with ``-o json|yaml`` the reply's fields
+    (`machine_view` picks them; the reply without its envelope by default). A NATS failure (unreachable,
+    refused) is left to the dispatcher."""
     opts = nats_connect.options_from_args(args, name=f"pulsescale-{verb}")
     try:
         reply = asyncio.run(nats_connect.run_client(opts, lambda nc: _request(nc, verb, build, reply_type, args)))
     except _Failed as err:
         print(f"{prog}: {err}", file=sys.stderr)
         return err.code
-    show(reply)
+    fmt = out.machine(args)
+    if fmt is not None:
+        print(out.dump(machine_view(reply) if machine_view is not None else _fields(reply), fmt))
+    else:
+        show(reply)
     return 0
 
 
-def _clock_time(ts: float) -> str:
-    return time.strftime("%H:%M:%S", time.localtime(ts))
+def _when(ts: float, now: float) -> str:
+    """A time as RFC 3339 (UTC) with how long ago or ahead it is: ``2026-12-03T07:41:05Z (5m ago)``."""
+    delta = now - ts
+    rel = f"{durations.age(delta)} ago" if delta >= 0 else f"in {durations.age(-delta)}"
+    return f"{durations.rfc3339(ts)} ({rel})"
 
 
 def _describe_override(o: protocol.Override | None, now: float) -> str:
@@ -275,7 +267,7 @@ def scale(argv: list[str], prog: str) -> int:
     def show(reply: OverrideReply) -> None:
         o = reply.override
         until = o.expires_at if o is not None else None
-        when = f" until {_clock_time(until)} ({format_duration(args.for_s)})" if until else ""
+        when = f" until {durations.rfc3339(until)} ({format_duration(args.for_s)})" if until else ""
         replicas = o.replicas if o is not None and o.replicas is not None else args.replicas
         print(f"{args.model} held at {replicas} replicas{when} by {o.by if o is not None else '?'}")
 
@@ -328,7 +320,7 @@ def format_status(rows: Sequence[StatusRow], now: float) -> str:
         lines.append("(no models: apply a ScaledObject with `pulsescale apply -f FILE.yaml`)")
     if len(rows) == 1 and rows[0].decisions:
         lines += ["", f"recent decisions of {rows[0].model} (newest last):"]
-        lines += [f"  {_clock_time(d.ts):<8}  desired {d.desired:<4}  {d.reason}" for d in rows[0].decisions]
+        lines += [f"  {_when(d.ts, now)}  desired {d.desired:<4}  {d.reason}" for d in rows[0].decisions]
     return "\n".join(line.rstrip() for line in lines)
 
 
@@ -339,17 +331,16 @@ def status(argv: list[str], prog: str) -> int:
         "override and the last decision's reason.",
     )
     p.add_argument("model", nargs="?", type=_name_arg("model"))
-    p.add_argument("--json", action="store_true", help="print the reply's rows as JSON, for scripts")
     args = p.parse_args(argv)
 
     def build(**envelope: Any) -> StatusCommand:
         return StatusCommand(**envelope, model=args.model)
 
     def show(reply: StatusReply) -> None:
-        rows = reply.models
-        print(json.dumps(msgspec.to_builtins(rows), indent=2) if args.json else format_status(rows, time.time()))
+        print(format_status(reply.models, time.time()))
 
-    return _run(prog, args, "status", build, StatusReply, show)
+    # -o json|yaml: the rows (a list, as `--json` always printed), times as Unix seconds like the wire.
+    return _run(prog, args, "status", build, StatusReply, show, lambda reply: reply.models)
 
 
 def format_pool(reply: PoolReply) -> str:
@@ -387,16 +378,12 @@ def format_pool(reply: PoolReply) -> str:
 def pool(argv: list[str], prog: str) -> int:
     p = _parser(prog, "Show the warm pool: every slot by model, with counts by state.")
     p.add_argument("model", nargs="?", type=_name_arg("model"))
-    p.add_argument("--json", action="store_true", help="print the reply as JSON, for scripts")
     args = p.parse_args(argv)
 
     def build(**envelope: Any) -> PoolCommand:
         return PoolCommand(**envelope, model=args.model)
 
-    def show(reply: PoolReply) -> None:
-        print(json.dumps(_fields(reply), indent=2) if args.json else format_pool(reply))
-
-    return _run(prog, args, "pool", build, PoolReply, show)
+    return _run(prog, args, "pool", build, PoolReply, lambda reply: print(format_pool(reply)))
 
 
 def _drain_verb(verb: Literal["drain", "undrain"], argv: list[str], prog: str) -> int:
@@ -435,6 +422,23 @@ def undrain(argv: list[str], prog: str) -> int:
 
 # --- apply -------------------------------------------------------------------------------------------------------
 
+MANIFEST_SUFFIXES: Final = (".yaml", ".yml", ".json")
+"""Files `-f DIR` reads, as kubectl: others in the directory (a README, a kustomization's patches) are skipped."""
+
+
+def manifest_files(path: str, *, recursive: bool) -> list[Path]:
+    """The manifest files of `-f PATH`: the file itself, or a directory's ``*.yaml|*.yml|*.json`` in name order
+    (with `recursive`, its subdirectories' too). A directory without any is an error: a wrong path, most likely."""
+    p = Path(path)
+    if not p.is_dir():
+        return [p]
+    found = p.rglob("*") if recursive else p.iterdir()
+    files = sorted(f for f in found if f.is_file() and f.suffix in MANIFEST_SUFFIXES)
+    if not files:
+        more = "" if recursive else " (add -R for its subdirectories)"
+        raise scaledobject.ScaledObjectError("", f"no {', '.join(MANIFEST_SUFFIXES)} files in it{more}", where=path)
+    return files
+
 
 def _read(path: str, stdin: TextIO) -> tuple[str, str]:
     if path == "-":
@@ -445,9 +449,43 @@ def _read(path: str, stdin: TextIO) -> tuple[str, str]:
         raise scaledobject.ScaledObjectError("", f"cannot read it: {err}", where=path) from None
 
 
-async def _write(nc: Client, manifests: list[scaledobject.Manifest]) -> list[str]:
+def load_manifests(
+    paths: Sequence[str], *, recursive: bool, stdin: TextIO, now: float, max_replicas: int
+) -> list[scaledobject.Manifest]:
+    """Every ScaledObject of ``-f`` (files, directories, ``-`` for stdin; multi-document streams), all checked
+    before any is written; a ``<namespace>.<name>`` defined twice anywhere is refused (the second would win)."""
+    manifests: list[scaledobject.Manifest] = []
+    for path in paths:
+        files = ["-"] if path == "-" else [str(f) for f in manifest_files(path, recursive=recursive)]
+        for file in files:
+            source, text = _read(file, stdin)
+            manifests += scaledobject.load_documents(text, source, updated_at=now, max_replicas=max_replicas)
+    first: dict[str, scaledobject.Manifest] = {}
+    for m in manifests:
+        seen = first.setdefault(m.record.key, m)
+        if seen is not m:
+            raise scaledobject.ScaledObjectError(
+                "metadata.name",
+                f"{m.record.key} is also defined by {seen.source} doc {seen.index}",
+                where=f"{m.source} doc {m.index}",
+            )
+    return manifests
+
+
+class Applied(msgspec.Struct, kw_only=True):
+    """One ScaledObject as `apply -o json|yaml` reports it."""
+
+    key: str
+    action: Literal["created", "configured", "unchanged", "valid"]
+    """``valid``: --dry-run, nothing written."""
+    generation: int
+    model: str
+    notes: list[str] = []
+
+
+async def _write(nc: Client, manifests: list[scaledobject.Manifest]) -> list[Applied]:
     kv = (await ensure_buckets(nc.jetstream(timeout=5.0), names=[protocol.SCALERS_BUCKET]))[protocol.SCALERS_BUCKET]
-    out = []
+    out: list[Applied] = []
     for m in manifests:
         rec = m.record
         previous = None
@@ -460,11 +498,15 @@ async def _write(nc: Client, manifests: list[scaledobject.Manifest]) -> list[str
         except BadMessage:
             previous = None  # unreadable: overwrite it
         if previous is not None and scaledobject.same_content(previous, rec):
-            out.append(f"scaledobject {rec.key} unchanged")
+            out.append(Applied(key=rec.key, action="unchanged", generation=previous.generation, model=rec.spec.model,
+                               notes=rec.notes))  # fmt: skip
             continue
         gen = (previous.generation if previous is not None else 0) + 1
-        await kv.put(rec.key, protocol.encode(msgspec.structs.replace(rec, generation=gen)))
-        out.append(f"scaledobject {rec.key} {'configured' if previous else 'created'}{_summary(rec)}")
+        # created_at: the first write's time, kept on every later one (initialCooldownPeriod counts from it).
+        created = (previous.created_at if previous is not None else None) or rec.created_at or rec.updated_at
+        await kv.put(rec.key, protocol.encode(msgspec.structs.replace(rec, generation=gen, created_at=created)))
+        action: Literal["created", "configured"] = "configured" if previous else "created"
+        out.append(Applied(key=rec.key, action=action, generation=gen, model=rec.spec.model, notes=rec.notes))
     return out
 
 
@@ -483,11 +525,19 @@ def apply(argv: list[str], prog: str, *, stdin: TextIO | None = None) -> int:
     p = argparse.ArgumentParser(
         prog=prog,
         description=f"Write ScaledObjects ({scaledobject.API_VERSION}, the YAML the CRD takes) to KV "
-        f"{protocol.SCALERS_BUCKET}, for use without Kubernetes. Every document is checked before any is written.",
+        f"{protocol.SCALERS_BUCKET}, for use without Kubernetes; needs the operator's NATS user. Every document of "
+        "every file is checked before any is written.",
     )
     p.add_argument(
-        "-f", "--filename", action="append", required=True, metavar="FILE", help="YAML file ('-' for stdin); repeatable"
+        "-f",
+        "--filename",
+        action="append",
+        required=True,
+        metavar="FILE|DIR",
+        help="a YAML file (multi-document streams too), a directory of .yaml/.yml/.json files, or '-' for stdin; "
+        "repeatable",
     )
+    p.add_argument("-R", "--recursive", action="store_true", help="with -f DIR: its subdirectories too")
     p.add_argument("--dry-run", action="store_true", help="check the files and print what would be written")
     p.add_argument(
         "--max-replicas",
@@ -495,31 +545,42 @@ def apply(argv: list[str], prog: str, *, stdin: TextIO | None = None) -> int:
         metavar="N",
         help=f"refuse replica counts over N [$PULSESCALE_MAX_REPLICAS or {scaledobject.DEFAULT_MAX_REPLICAS}]",
     )
+    out.add_output_argument(p)
     nats_connect.add_nats_arguments(p)
     args = p.parse_args(argv)
     now = time.time()
-    manifests: list[scaledobject.Manifest] = []
     try:
         limit = args.max_replicas or scaledobject.max_replicas_from_env(os.environ)
-        for path in args.filename:
-            source, text = _read(path, stdin or sys.stdin)
-            manifests += scaledobject.load_documents(text, source, updated_at=now, max_replicas=limit)
-        keys = Counter(m.record.key for m in manifests)
-        twice = [k for k, n in keys.items() if n > 1]
-        if twice:
-            raise scaledobject.ScaledObjectError("", f"{twice[0]} is defined in more than one file")
+        manifests = load_manifests(
+            args.filename, recursive=args.recursive, stdin=stdin or sys.stdin, now=now, max_replicas=limit
+        )
     except scaledobject.ScaledObjectError as err:
         print(f"{prog}: {err}", file=sys.stderr)
         return EXIT_REFUSED
     if args.dry_run:
-        for m in manifests:
-            print(f"scaledobject {m.record.key} valid{_summary(m.record)} (dry run: nothing written)")
+        results = [
+            Applied(key=m.record.key, action="valid", generation=m.record.generation, model=m.record.spec.model,
+                    notes=m.record.notes)
+            for m in manifests
+        ]  # fmt: skip
+    else:
+        opts = nats_connect.options_from_args(args, name="pulsescale-apply")
+        try:
+            results = asyncio.run(nats_connect.run_client(opts, lambda nc: _write(nc, manifests)))
+        except PermissionDenied as err:
+            print(f"{prog}: {err}; writing {protocol.SCALERS_BUCKET} needs the operator's NATS user", file=sys.stderr)
+            return EXIT_REFUSED
+        except (nats.errors.Error, TimeoutError) as err:
+            print(f"{prog}: writing to {protocol.SCALERS_BUCKET} failed: {err}", file=sys.stderr)
+            return EXIT_REFUSED
+    fmt = out.machine(args)
+    if fmt is not None:
+        print(out.dump(results, fmt))
         return 0
-    opts = nats_connect.options_from_args(args, name="pulsescale-apply")
-    try:
-        lines = asyncio.run(nats_connect.run_client(opts, lambda nc: _write(nc, manifests)))
-    except (nats.errors.Error, TimeoutError) as err:
-        print(f"{prog}: writing to {protocol.SCALERS_BUCKET} failed: {err}", file=sys.stderr)
-        return EXIT_REFUSED
-    print("\n".join(lines))
+    records = {m.record.key: m.record for m in manifests}
+    for r in results:
+        tail = " (dry run: nothing written)" if r.action == "valid" else ""
+        print(f"scaledobject {r.key} {r.action}{_summary(records[r.key])}{tail}")
+        for note in r.notes:
+            print(f"note: {r.key}: {note}")
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -17,6 +18,7 @@ from autoscaler import oncall
 from autoscaler.commands import CommandService
 from pulsescale import cli as dispatcher
 from tests.test_commands import ControlPlaneDouble, make_spec
+from warmpool import durations
 from warmpool.embedded import NatsServer, free_port
 from warmpool.protocol import AuditRecord, DecisionRow, Override, StatusRow
 from warmpool.registry import KvSlotStore
@@ -61,42 +63,91 @@ def cli(nats_server: NatsServer, capsys: pytest.CaptureFixture[str], monkeypatch
 
 @pytest.mark.parametrize(
     ("text", "seconds"),
-    [("90s", 90), ("10m", 600), ("2h", 7200), ("1h30m", 5400), ("1h30m15s", 5415), ("45m30s", 2730), (" 5m ", 300)],
+    [
+        ("90s", 90),
+        ("10m", 600),
+        ("2h", 7200),
+        ("1h30m", 5400),
+        ("1h30m15s", 5415),
+        ("45m30s", 2730),
+        (" 5m ", 300),
+        ("500ms", 0.5),
+        ("1.5h", 5400),
+        ("600", 600),
+        ("0.25", 0.25),
+        ("1m500ms", 60.5),
+    ],
 )
 def test_durations_parse(text: str, seconds: float) -> None:
     assert oncall.parse_duration(text) == seconds
+    assert durations.parse_duration(text) == seconds  # one parser: the agent and the gateway read the same
 
 
 @pytest.mark.parametrize(
     ("text", "says"),
     [
-        ("600", "add a unit: 600s or 600m"),
-        ("", "not a duration"),
-        ("10", "add a unit"),
-        ("1.5h", "not a duration"),
+        ("", "not a duration such as 500ms, 90s, 2m, 1.5h, 1h30m or plain seconds (600)"),
         ("30m1h", "not a duration"),
         ("10min", "not a duration"),
-        ("-5m", "not a duration"),
-        ("1d", "not a duration"),
+        ("1h 30m", "not a duration"),
+        ("-5m", "cannot be negative"),
+        ("1d", "days are not a unit: write 24h"),
         ("0s", "no time at all"),
         ("0h0m", "no time at all"),
+        ("0", "no time at all"),
     ],
 )
 def test_bad_durations_are_refused_clearly(text: str, says: str) -> None:
-    with pytest.raises(ValueError, match=says):
+    with pytest.raises(durations.DurationError, match=re.escape(says)):
         oncall.parse_duration(text)
 
 
-@pytest.mark.parametrize(("seconds", "text"), [(90, "1m30s"), (600, "10m"), (5400, "1h30m"), (45, "45s"), (0, "0s")])
+@pytest.mark.parametrize(
+    ("seconds", "text"), [(90, "1m30s"), (600, "10m"), (5400, "1h30m"), (45, "45s"), (0, "0s"), (0.5, "500ms")]
+)
 def test_durations_format(seconds: float, text: str) -> None:
     assert oncall.format_duration(seconds) == text
+    assert durations.parse_duration(text, allow_zero=True) == seconds
+
+
+@pytest.mark.parametrize(
+    ("seconds", "shown"),
+    [
+        (-5, "<invalid>"),
+        (0, "0s"),
+        (119, "119s"),
+        (130, "2m10s"),
+        (300, "5m"),
+        (600, "10m"),
+        (179 * 60, "179m"),
+        (3 * 3600 + 180, "3h3m"),
+        (30 * 3600, "30h"),
+        (3 * 86400 + 4 * 3600, "3d4h"),
+        (3 * 86400, "3d"),
+        (40 * 86400, "40d"),
+        (3 * 365 * 86400, "3y"),
+    ],
+)
+def test_ages_are_kubectls(seconds: float, shown: str) -> None:
+    assert durations.age(seconds) == shown
+
+
+def test_rfc3339_is_utc_with_z() -> None:
+    assert durations.rfc3339(1_796_283_665.9) == "2026-12-03T07:41:05Z"
+    assert durations.rfc3339(None) is None
+
+
+def test_timeout_takes_a_duration(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        oncall.status(["--timeout", "5min"], "pulsescale status")
+    assert "argument --timeout: '5min' is not a duration such as 500ms" in capsys.readouterr().err
 
 
 def test_bad_for_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         oncall.scale(["qwen", "--replicas", "3", "--for", "10min"], "pulsescale scale")
     assert exc.value.code == 2
-    assert "argument --for: '10min' is not a duration such as 90s, 10m, 2h or 1h30m" in capsys.readouterr().err
+    assert "argument --for: '10min' is not a duration such as 500ms, 90s, 2m, 1.5h" in capsys.readouterr().err
 
 
 def test_bad_model_name_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -295,7 +346,9 @@ def test_status_of_one_model_shows_its_decisions() -> None:
     qwen = row("qwen", desired=3, ready=3, warm=2, mode="stable", reason="r2", decisions=decisions)
     lines = oncall.format_status([qwen], 100.0).splitlines()
     assert lines[3] == "recent decisions of qwen (newest last):"
-    assert lines[4].split()[1:] == ["desired", "2", "r1"] and lines[5].split()[1:] == ["desired", "3", "r2"]
+    # RFC 3339 (UTC) with the age, not a clock time without a date.
+    assert lines[4] == "  1970-01-01T00:00:00Z (100s ago)  desired 2     r1"
+    assert lines[5] == "  1970-01-01T00:01:00Z (40s ago)  desired 3     r2"
     assert oncall.format_status([], 0.0).splitlines()[1].startswith("(no models: apply a ScaledObject")
 
 

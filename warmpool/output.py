@@ -1,0 +1,76 @@
+"""How commands print: kubectl-like tables and ``-o json|yaml`` (``--json``) for machines.
+
+Every command that prints results takes ``-o/--output`` (`add_output_argument`): ``json`` and ``yaml`` print the
+result's full object on stdout and nothing else there (progress and warnings go to stderr), so ``| jq`` and
+``| pulsescale apply -f -`` work; ``--json`` is ``-o json``. ``wide`` and ``name`` are offered by the commands that
+list resources (``get``). Tables are kubectl's: upper-case headers, columns left-aligned three spaces apart, no
+colour (nothing here colours, so a pipe or a log gets plain text).
+
+It lives in warmpool because the node agent's and the gateway's commands print too and may not import the
+autoscaler (the import-linter contracts). Pure: no I/O beyond returning strings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any, Final
+
+import msgspec
+import yaml
+
+__all__ = ["MACHINE_FORMATS", "add_output_argument", "dump", "machine", "table"]
+
+MACHINE_FORMATS: Final = ("json", "yaml")
+COLUMN_GAP: Final = "   "
+"""kubectl's three spaces between columns."""
+
+
+def add_output_argument(p: argparse.ArgumentParser, *, extra: Sequence[str] = ()) -> None:
+    """``-o/--output FORMAT`` (json, yaml, and `extra` such as wide or name) and ``--json`` (= ``-o json``)."""
+    choices = (*MACHINE_FORMATS, *extra)
+    p.add_argument(
+        "-o",
+        "--output",
+        choices=choices,
+        metavar="FORMAT",
+        help=f"print {', '.join(choices)} instead of text; json and yaml are the full result, for scripts",
+    )
+    p.add_argument(
+        "--json", dest="output", action="store_const", const="json", help="the same as -o json (for scripts)"
+    )
+
+
+def machine(args: argparse.Namespace) -> str | None:
+    """The machine format asked for (``json``/``yaml``), or None for text."""
+    out = getattr(args, "output", None)
+    return out if out in MACHINE_FORMATS else None
+
+
+def _builtins(obj: Any) -> Any:
+    return msgspec.to_builtins(obj)  # structs, and structs inside lists and dicts; builtins pass through
+
+
+def dump(obj: Any, fmt: str) -> str:
+    """`obj` (builtins, or msgspec structs) as JSON (indented, key order kept) or YAML (block style), no newline
+    at the end; print adds it."""
+    data = _builtins(obj)
+    if fmt == "json":
+        return json.dumps(data, indent=2)
+    if fmt == "yaml":
+        text: str = yaml.safe_dump(data, sort_keys=False, default_flow_style=False, allow_unicode=True)
+        return text.rstrip("\n")
+    raise ValueError(f"unknown output format {fmt!r}: use one of {', '.join(MACHINE_FORMATS)}")
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """Columns left-aligned, three spaces apart, the last one not padded; None prints as ``<none>`` (kubectl)."""
+    body = [[("<none>" if c is None else str(c)) for c in row] for row in rows]
+    lines = [list(header), *body]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    out = []
+    for line in lines:
+        cells = [c.ljust(w) for c, w in zip(line[:-1], widths[:-1], strict=True)] + [line[-1]]
+        out.append(COLUMN_GAP.join(cells).rstrip())
+    return "\n".join(out)
