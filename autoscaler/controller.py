@@ -209,5 +209,10 @@ class ModelController:
         idle = sum(1 for r in store.records(self.model) if r.state == "warm" and not r.drain)
         warm = len(store.claimable(self.model, now))
         return self.decider.status_row(
-            ready=self.scaler.ready, activating=self.scaler.activating, warm=warm, stale=idle - warm
+            ready=self.scaler.ready,
+            activating=self.scaler.activating,
+            warm=warm,
+            stale=idle - warm,
+            cold_requested=self.scaler.cold_requested,
+            now=now,
         )

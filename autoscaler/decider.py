@@ -84,6 +84,8 @@ class ModelDecider:
         self.lead_times: deque[float] = deque(maxlen=settings.lead_time_samples)
         self.due_at: float | None = None
         """When the next decision is due; None while none is asked for."""
+        self.last_scale_at: float | None = None
+        """When a decision last changed the target count (the status's ``lastScaleTime``)."""
         self._decided_at = -math.inf
         self._decided_demand = 0.0  # the largest single-gateway demand seen at the last decision
         self._sample_at: float | None = None  # receive time of the first sample since the last decision
@@ -166,13 +168,20 @@ class ModelDecider:
         sample_at, self._sample_at = self._sample_at, None
         seen = self.demand.observe(now)
         self._decided_demand = max((g.queue_depth + g.inflight for g in self.demand.gateways.values()), default=0)
+        record = self.record
         obs = policy.Observation(
             demand=seen.demand,
             ready=ready,
             lead_time_s=self.lead_time_s(),
             override=self.active_override(now),
+            paused_scale_in=record.paused_scale_in,
+            paused_scale_out=record.paused_scale_out,
+            created_at=record.created_at,
         )
+        before = self.state.desired
         decision, self.state = policy.decide(self.spec, obs, self.state, now)
+        if decision.desired != before:
+            self.last_scale_at = now
         previous, self.decision = self.decision, decision
         changed = previous is None or previous.desired != decision.desired or previous.mode != decision.mode
         if changed:
@@ -181,9 +190,22 @@ class ModelDecider:
 
     # --- status --------------------------------------------------------------------------------------------------
 
-    def status_row(self, *, ready: int, activating: int, warm: int, stale: int) -> StatusRow:
-        """The model's row in `pulsescale status`; the slot counts come from the act side and the registry."""
+    def paused(self, now: float) -> bool:
+        """Paused as KEDA's ``Paused`` condition means it: the ``paused``/``paused-replicas`` annotation, or an
+        on-call ``pause`` in force. The one-way pauses (``paused-scale-in``/``-out``) are not: the ScaledObject still
+        scales the other way (its mode and reason say when one holds the count)."""
+        o = self.override
+        live = o is not None and o.kind == "pause" and (o.expires_at is None or now < o.expires_at)
+        return self.record.paused or live
+
+    def status_row(
+        self, *, ready: int, activating: int, warm: int, stale: int, cold_requested: int = 0, now: float | None = None
+    ) -> StatusRow:
+        """The model's row in `pulsescale status` (and the operator's status subresource); the slot counts and the
+        cold path's ask come from the act side and the registry. `now` judges an on-call pause's expiry (default:
+        the last decision's time)."""
         d = self.decision
+        when = now if now is not None else self._decided_at
         return StatusRow(
             model=self.model,
             scaler=self.record.key,
@@ -197,4 +219,10 @@ class ModelDecider:
             override=self.override,
             reason=d.reason if d else "",
             decisions=list(self.history),
+            key=self.record.key,
+            fallback=bool(d and d.mode == "fallback"),
+            paused=self.paused(when),
+            cold_requested=cold_requested,
+            last_active_at=self.state.last_active_at,
+            last_scale_at=self.last_scale_at,
         )

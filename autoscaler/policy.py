@@ -10,18 +10,30 @@ Order of precedence, first match wins:
    paused-replicas is not clamped either: the person asked for that count); an expired one is ignored and the
    reason says the policy resumed;
 2. no fresh demand (missing or stale gateways): never scale down; after ``fallback.failureThreshold`` missed
-   intervals of ``advanced.staleAfterSeconds``, ``fallback.replicas`` clamped to the bounds (KEDA's static
-   fallback: the operator's explicit count for flying blind, the one way stale metrics can lower the count). The
-   count held blind enters the stabilisation window, so it is left only after a window of fresh data;
+   intervals of ``advanced.staleAfterSeconds``, the fallback count clamped to the bounds, chosen by
+   ``fallback.behavior`` as KEDA's: ``static`` is ``fallback.replicas`` (the operator's explicit count for flying
+   blind, the one way stale metrics can lower the count), ``currentReplicas`` the current desired count,
+   ``currentReplicasIfHigher``/``IfLower`` the current count when it is higher/lower than ``fallback.replicas``,
+   else ``fallback.replicas``. The count held blind enters the stabilisation window, so it is left only after a
+   window of fresh data;
 3. idle (only when ``idleReplicaCount`` is set or ``minReplicaCount`` is 0): after ``cooldownPeriod`` without demand
-   above ``activationQueueDepth``, drop to the idle count; from there scale up only when demand exceeds it (KEDA);
+   above ``activationQueueDepth``, drop to the idle count; from there scale up only when demand exceeds it (KEDA).
+   Not before ``initialCooldownPeriod`` has passed since the ScaledObject was created (`Observation.created_at`;
+   unknown: since this policy state started), as KEDA's;
 4. panic: never down, up at once to the panic window's peak or the forecast, whichever is higher;
 5. normal: ``ceil(forecast / targetQueueDepth)`` up at once; down only to the highest recommendation of the
-   stabilisation window and by at most ``scaleDownPercent`` % (at least one replica) per ``scaleDownPeriodSeconds``;
+   stabilisation window and by at most what the scale-down policies allow per ``scaleDownPeriodSeconds`` (HPA's):
+   ``scaleDownPercent`` % of the count at the period's start (at least one replica) and, when set,
+   ``scaleDownPods``; ``scaleDownSelectPolicy`` ``Max`` allows the larger removal, ``Min`` the smaller, and
+   ``Disabled`` none (the idle drop of rule 3 is KEDA's own, not the HPA's, and still applies);
 
 then the bounds ``[minReplicaCount (at least 1 while active), maxReplicaCount]``, and after a restart the count held
 at restart is a floor until the demand window has a full stable window of data (Knative's restart rule). A bound
-beats "never down": lowering ``maxReplicaCount`` below the count applies at once, in panic too.
+beats "never down": lowering ``maxReplicaCount`` below the count applies at once, in panic too. KEDA's
+``paused-scale-in`` / ``paused-scale-out`` annotations (`Observation.paused_scale_in`/``_out``) then keep the count
+from falling / rising relative to the current desired count (mode ``paused``, the reason says what the policy
+wanted); the bounds still apply, as an HPA applies them before its behavior. An on-call override (rule 1) beats
+them: the person asked for that count.
 """
 
 from __future__ import annotations
@@ -62,6 +74,13 @@ class Observation:
     """Measured claim -> ready p90; None (or not a positive number) uses ``advanced.leadTimeSeconds``. Capped at
     the panic window (or the configured lead time, if longer): the trend is not extrapolated past its history."""
     override: Override | None = None
+    paused_scale_in: bool = False
+    """KEDA's ``paused-scale-in`` annotation (the ScaledObject record's): the count may rise, never fall."""
+    paused_scale_out: bool = False
+    """KEDA's ``paused-scale-out`` annotation: the count may fall, never rise."""
+    created_at: float | None = None
+    """When the ScaledObject was created (Unix s), for ``initialCooldownPeriod``; None counts from
+    `PolicyState.started_at` (when this autoscaler first saw it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,13 +221,48 @@ def _apply_override(override: Override, prev: int, bounds: _Bounds, now: float) 
 
 
 def _rate_floor(prev: int, scale_downs: tuple[tuple[float, int], ...], spec: ScaledObjectSpec, now: float) -> int:
-    """The lowest count the scale-down rate allows now (HPA's percent policy, counted from the period's start)."""
+    """The lowest count the scale-down policies allow now (HPA's, counted from the period's start): the percent
+    policy (at least one replica), the pods policy when set, combined by ``scaleDownSelectPolicy``."""
     adv = spec.advanced
+    if adv.scale_down_select_policy == "Disabled":
+        return prev
     removed = sum(n for ts, n in scale_downs if now - ts < adv.scale_down_period_seconds)
     at_period_start = prev + removed
     keep = math.ceil(at_period_start * (1 - adv.scale_down_percent / 100) - _ROUNDING)
     keep = min(keep, at_period_start - 1)  # always at least one replica per period
+    if adv.scale_down_pods is not None:
+        by_pods = at_period_start - adv.scale_down_pods
+        # Max: the policy that removes more (keeps fewer) wins; Min: the one that removes fewer.
+        keep = min(keep, by_pods) if adv.scale_down_select_policy == "Max" else max(keep, by_pods)
     return min(prev, max(keep, 0))
+
+
+def _rate_text(spec: ScaledObjectSpec) -> str:
+    """The scale-down policies for a reason string: ``50 %/60 s``, ``max(50 %, 2 pods)/60 s``."""
+    adv = spec.advanced
+    pct = f"{_n(adv.scale_down_percent)} %"
+    if adv.scale_down_pods is not None:
+        pct = f"{adv.scale_down_select_policy.lower()}({pct}, {adv.scale_down_pods} pods)"
+    return f"{pct}/{_n(adv.scale_down_period_seconds)} s"
+
+
+def _fallback_count(spec: ScaledObjectSpec, prev: int) -> tuple[int, str]:
+    """The count KEDA's ``fallback.behavior`` asks for, with the words for the reason; "current" is the current
+    desired count (what the autoscaler holds), as KEDA reads the target's current replicas."""
+    fb = spec.fallback
+    assert fb is not None
+    behavior = fb.behavior
+    if behavior == "currentReplicas":
+        return prev, f"currentReplicas: current {prev}"
+    if behavior == "currentReplicasIfHigher":
+        if prev > fb.replicas:
+            return prev, f"currentReplicasIfHigher: current {prev} > fallback {fb.replicas}"
+        return fb.replicas, f"currentReplicasIfHigher: current {prev} <= fallback {fb.replicas}"
+    if behavior == "currentReplicasIfLower":
+        if prev < fb.replicas:
+            return prev, f"currentReplicasIfLower: current {prev} < fallback {fb.replicas}"
+        return fb.replicas, f"currentReplicasIfLower: current {prev} >= fallback {fb.replicas}"
+    return fb.replicas, "static"
 
 
 def _blind(spec: ScaledObjectSpec, state: PolicyState, bounds: _Bounds, now: float) -> tuple[int, Mode, str]:
@@ -220,8 +274,10 @@ def _blind(spec: ScaledObjectSpec, state: PolicyState, bounds: _Bounds, now: flo
     fallback = spec.fallback
     what = "no fresh metrics since restart" if state.last_fresh_at is None else "metrics stale"
     if fallback is not None and missed >= fallback.failure_threshold:
-        desired = min(max(fallback.replicas, bounds.min), bounds.max)
-        return desired, "fallback", f"fallback {desired}: {what} {_n(stale_s)} s, {missed} missed intervals"
+        count, how = _fallback_count(spec, prev)
+        desired = min(max(count, bounds.min), bounds.max)
+        note = f" ({how})"
+        return desired, "fallback", f"fallback {desired}{note}: {what} {_n(stale_s)} s, {missed} missed intervals"
     desired = bounds.clamp(prev)
     mode: Mode = "hold" if state.hold_replicas is not None else "stale"
     return desired, mode, f"{what} {_n(stale_s)} s: holding {desired}"
@@ -239,8 +295,9 @@ def _fresh(
     target: float,
     lead_s: float,
     now: float,
+    cooling_s: float,
 ) -> tuple[int, Mode, str]:
-    adv = spec.advanced
+    """Rules 3 to 5 on fresh demand. `cooling_s`: what is left of ``initialCooldownPeriod`` (<= 0: none)."""
     prev = state.desired
     demand = pulse.current if pulse.current is not None else 0.0
     if bounds.idle_capable and not pulse.panic:
@@ -250,12 +307,33 @@ def _fresh(
         # demand, and the count would flap between idle and active on every decision.
         inactive = demand <= activation
         if prev > bounds.idle and inactive and (last_active_at is None or now - last_active_at >= spec.cooldown_period):
-            return (
-                bounds.idle,
-                "idle",
-                f"idle {prev} -> {bounds.idle}: no demand above {_n(activation)} for {_n(spec.cooldown_period)} s",
-            )
+            if cooling_s <= 0:
+                return (
+                    bounds.idle,
+                    "idle",
+                    f"idle {prev} -> {bounds.idle}: no demand above {_n(activation)} for {_n(spec.cooldown_period)} s",
+                )
+            desired, mode, reason = _scale(spec, pulse, rec, stabilised, state, bounds, activation, target, lead_s, now)
+            return desired, mode, f"{reason}; idle at {bounds.idle} in {_n(cooling_s)} s (initialCooldownPeriod)"
+    return _scale(spec, pulse, rec, stabilised, state, bounds, activation, target, lead_s, now)
 
+
+def _scale(
+    spec: ScaledObjectSpec,
+    pulse: detector.Pulse,
+    rec: int,
+    stabilised: int,
+    state: PolicyState,
+    bounds: _Bounds,
+    activation: float,
+    target: float,
+    lead_s: float,
+    now: float,
+) -> tuple[int, Mode, str]:
+    """Rules 4 and 5: panic, or the normal recommendation with its stabilisation and rate limit."""
+    adv = spec.advanced
+    prev = state.desired
+    demand = pulse.current if pulse.current is not None else 0.0
     forecast = pulse.forecast_demand if pulse.forecast_demand is not None else demand
     want = floor = prev
     mode: Mode = "normal"
@@ -296,8 +374,33 @@ def _fresh(
     if want >= prev:
         stab = _n(adv.scale_down_stabilization_seconds)
         return desired, mode, f"steady at {prev}: stabilising, max {stabilised} over {stab} s (now {rec})"
-    period = f"{_n(adv.scale_down_percent)} %/{_n(adv.scale_down_period_seconds)} s"
-    return desired, mode, f"steady at {prev}: scale-down rate {period} used"
+    if adv.scale_down_select_policy == "Disabled":
+        return desired, mode, f"steady at {prev}: scale-down disabled (scaleDownSelectPolicy), policy wants {want}"
+    return desired, mode, f"steady at {prev}: scale-down rate {_rate_text(spec)} used"
+
+
+def _cooling_s(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: float) -> float:
+    """Seconds of ``initialCooldownPeriod`` still to run (<= 0: over)."""
+    if spec.initial_cooldown_period <= 0:
+        return 0.0
+    since = obs.created_at if obs.created_at is not None and math.isfinite(obs.created_at) else state.started_at
+    return since + spec.initial_cooldown_period - now
+
+
+def _one_way(
+    obs: Observation, prev: int, desired: int, mode: Mode, reason: str, bounds: _Bounds
+) -> tuple[int, Mode, str]:
+    """KEDA's ``paused-scale-in``/``paused-scale-out``: hold the current count against the direction paused. The
+    bounds still apply (a lowered max, a raised min), as an HPA applies them before its behavior."""
+    if obs.paused_scale_in and desired < prev:
+        held, what = bounds.clamp(prev), "scale-in"
+    elif obs.paused_scale_out and desired > prev:
+        held, what = bounds.clamp(prev), "scale-out"
+    else:
+        return desired, mode, reason
+    if held == desired:
+        return desired, mode, reason  # the bounds alone moved it
+    return held, "paused", f"paused {what}: holding {held} (policy wants {desired}: {reason})"
 
 
 def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: float) -> tuple[Decision, PolicyState]:
@@ -359,6 +462,7 @@ def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: fl
             target,
             lead_s,
             now,
+            _cooling_s(spec, obs, state, now),
         )
         if hold is not None and desired < hold:
             floor = bounds.clamp(hold)  # the count at restart may itself be outside the (new) bounds
@@ -368,6 +472,9 @@ def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: fl
                 f" (policy: {desired})"
             )
             desired, mode = floor, "hold"
+
+    if obs.paused_scale_in or obs.paused_scale_out:
+        desired, mode, reason = _one_way(obs, prev, desired, mode, reason, bounds)
 
     override = obs.override
     if override is not None:

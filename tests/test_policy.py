@@ -2,7 +2,8 @@
 
 Each scenario starts at T0 from `initial_state` and feeds rows: ``Row(dt, demand, ready, ...)`` is one sample
 `dt` seconds after the previous one (``repeat=n``: n samples `dt` apart, checks on the last). A row checks only
-what it names; ``spec=`` edits the ScaledObject live from that row on. Defaults: targetQueueDepth 4, panic at 2x,
+what it names; ``spec=`` edits the ScaledObject live from that row on; ``paused_in``/``paused_out``/``created_at``
+are the ScaledObject record's (KEDA's pause annotations, its creation time). Defaults: targetQueueDepth 4, panic at 2x,
 windows 60 s / 6 s, stabilisation 60 s, 50 %/60 s.
 """
 
@@ -62,6 +63,9 @@ class Row:
     stable_demand: float | None = None
     panic_demand: float | None = None
     forecast: float | None = None
+    paused_in: bool = False
+    paused_out: bool = False
+    created_at: float | None = None
 
 
 def run(
@@ -78,6 +82,9 @@ def run(
                 ready=row.ready,
                 lead_time_s=row.lead_s,
                 override=row.override,
+                paused_scale_in=row.paused_in,
+                paused_scale_out=row.paused_out,
+                created_at=row.created_at,
             )
             decision, state = decide(spec, obs, state, clock.advance(row.dt))
         assert decision is not None
@@ -235,7 +242,14 @@ def test_fallback_after_n_missed_intervals() -> None:
             Row(0.1, 20, 5, repeat=650, want=5),
             Row(0.5, None, 5, want=5, mode="stale"),
             Row(2.4, None, 5, want=5, mode="stale"),  # 2.9 s: two intervals missed
-            Row(0.1, None, 5, want=7, mode="fallback", reason="fallback 7: metrics stale 3 s, 3 missed intervals"),
+            Row(
+                0.1,
+                None,
+                5,
+                want=7,
+                mode="fallback",
+                reason="fallback 7 (static): metrics stale 3 s, 3 missed intervals",
+            ),
             Row(30.0, None, 5, want=7, mode="fallback"),
             # Metrics back: the fallback count is left through the stabilisation window, like any other.
             Row(0.1, 20, 7, want=7, mode="normal", reason="stabilising"),
