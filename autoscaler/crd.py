@@ -38,12 +38,13 @@ from __future__ import annotations
 import argparse
 import ast
 import copy
+import functools
 import inspect
 import json
 import re
 import sys
-import textwrap
 from collections.abc import Sequence
+from types import ModuleType
 from typing import Annotated, Any, Final, Literal
 
 import msgspec
@@ -206,23 +207,28 @@ CEL_RULES: Final[dict[str, list[dict[str, str]]]] = {
 }
 
 
-def _field_docs(cls: type) -> dict[str, str]:
-    """Python field name -> the string literal right under its annotation (the project's field docstrings)."""
+def _field_docs(module: ModuleType) -> dict[str, dict[str, str]]:
+    """Class name -> Python field name -> the string literal right under its annotation (the field docstrings).
+
+    One parse of the module's source (`inspect.getsource` per class re-reads the module each time)."""
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError):  # no source (frozen build): descriptions then come from FIELD_NOTES alone
+        tree = ast.parse(inspect.getsource(module))
+    except (OSError, TypeError):  # no source (a frozen build): descriptions then come from FIELD_NOTES alone
         return {}
-    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-    out: dict[str, str] = {}
-    for node, after in zip(body, [*body[1:], None], strict=True):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(after.value.value, str)
-        ):
-            out[node.target.id] = _plain(after.value.value)
+    out: dict[str, dict[str, str]] = {}
+    for cls in tree.body:
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        fields = out.setdefault(cls.name, {})
+        for node, after in zip(cls.body, [*cls.body[1:], None], strict=True):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                fields[node.target.id] = _plain(after.value.value)
     return out
 
 
@@ -373,12 +379,14 @@ def _description(struct: str, camel: str, docs: dict[str, dict[str, str]]) -> st
     return docs.get(struct, {}).get(camel) or note
 
 
+@functools.cache
 def _docs_by_struct() -> dict[str, dict[str, str]]:
     """Struct name -> camelCase field name -> docstring."""
+    raw = {**_field_docs(protocol), **_field_docs(sys.modules[__name__])}
     out: dict[str, dict[str, str]] = {}
     for name, cls in _structs().items():
-        raw = _field_docs(cls)
-        out[name] = {f.encode_name: raw[f.name] for f in msgspec.structs.fields(cls) if f.name in raw}
+        found = raw.get(name, {})
+        out[name] = {f.encode_name: found[f.name] for f in msgspec.structs.fields(cls) if f.name in found}
     return out
 
 
