@@ -57,6 +57,7 @@ __all__ = [
     "EXIT_NO_RESPONDERS",
     "EXIT_REFUSED",
     "EXIT_TIMEOUT",
+    "CommandFailed",
     "apply",
     "default_by",
     "drain",
@@ -64,8 +65,10 @@ __all__ = [
     "format_pool",
     "format_status",
     "parse_duration",
+    "parser",
     "pause",
     "pool",
+    "request",
     "resume",
     "scale",
     "status",
@@ -140,7 +143,8 @@ def default_by(env: dict[str, str] | None = None) -> str:
     return f"{user}@{socket.gethostname()}"[:128]
 
 
-def _parser(prog: str, description: str) -> argparse.ArgumentParser:
+def parser(prog: str, description: str, *, output_extra: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The options every command sent to the autoscaler shares: --timeout, --by, -o/--json, the NATS flags."""
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument(
         "--timeout",
@@ -151,12 +155,14 @@ def _parser(prog: str, description: str) -> argparse.ArgumentParser:
         f"[{DEFAULT_TIMEOUT_S:g}s]",
     )
     p.add_argument("--by", help="who is acting, for the audit trail [$PULSESCALE_USER or user@host]")
-    out.add_output_argument(p)
+    out.add_output_argument(p, extra=output_extra)
     nats_connect.add_nats_arguments(p)
     return p
 
 
-class _Failed(Exception):
+class CommandFailed(Exception):
+    """A command the autoscaler refused or did not answer; `code` is the exit code (`EXIT_REFUSED`, ...)."""
+
     def __init__(self, message: str, code: int) -> None:
         super().__init__(message)
         self.code = code
@@ -167,32 +173,32 @@ Build = Callable[..., protocol.Command]
 """Makes the verb's command from its envelope (``id``, ``expires_at``, ``by``), at the moment it is sent."""
 
 
-async def _request(nc: Client, verb: str, build: Build, reply_type: type[R], args: argparse.Namespace) -> R:
+async def request(nc: Client, verb: str, build: Build, reply_type: type[R], args: argparse.Namespace) -> R:
     subject = protocol.cmd_subject(verb)
     command = build(id=uuid.uuid4().hex, expires_at=time.time() + args.timeout, by=args.by or default_by())
     try:
         msg = await nc.request(subject, protocol.encode(command), timeout=args.timeout)
     except nats.errors.NoRespondersError:
-        raise _Failed(
+        raise CommandFailed(
             f"no autoscaler is answering on {subject} (is `pulsescale autoscaler` running and connected to the "
             "same NATS? only the leader answers; during a failover retry in a few seconds)",
             EXIT_NO_RESPONDERS,
         ) from None
     except nats.errors.TimeoutError:
-        raise _Failed(
+        raise CommandFailed(
             f"the autoscaler did not answer on {subject} within {args.timeout:g} s; the request has expired, so it "
             "will not be applied late, but it may have been applied already: check `pulsescale status`",
             EXIT_TIMEOUT,
         ) from None
     except nats.errors.Error as err:
-        raise _Failed(f"NATS failed during the request on {subject}: {err}", EXIT_REFUSED) from None
+        raise CommandFailed(f"NATS failed during the request on {subject}: {err}", EXIT_REFUSED) from None
     try:
         reply = protocol.decode(msg.data, reply_type)
     except BadMessage as err:
-        raise _Failed(f"the autoscaler sent a reply this CLI cannot read ({err})", EXIT_REFUSED) from None
+        raise CommandFailed(f"the autoscaler sent a reply this CLI cannot read ({err})", EXIT_REFUSED) from None
     if not reply.ok:
         code, message = (reply.error.code, reply.error.message) if reply.error else ("internal", "no error given")
-        raise _Failed(f"{code}: {message}", EXIT_REFUSED)
+        raise CommandFailed(f"{code}: {message}", EXIT_REFUSED)
     return reply
 
 
@@ -210,8 +216,8 @@ def _run(
     refused) is left to the dispatcher."""
     opts = nats_connect.options_from_args(args, name=f"pulsescale-{verb}")
     try:
-        reply = asyncio.run(nats_connect.run_client(opts, lambda nc: _request(nc, verb, build, reply_type, args)))
-    except _Failed as err:
+        reply = asyncio.run(nats_connect.run_client(opts, lambda nc: request(nc, verb, build, reply_type, args)))
+    except CommandFailed as err:
         print(f"{prog}: {err}", file=sys.stderr)
         return err.code
     fmt = out.machine(args)
@@ -247,7 +253,7 @@ def _fields(reply: protocol.CommandReply) -> dict[str, Any]:
 
 
 def scale(argv: list[str], prog: str) -> int:
-    p = _parser(prog, "Hold a model at N replicas for a while; the policy takes over again when it lapses.")
+    p = parser(prog, "Hold a model at N replicas for a while; the policy takes over again when it lapses.")
     p.add_argument("model", type=_name_arg("model"))
     p.add_argument("--replicas", type=_replicas_arg, required=True, metavar="N")
     p.add_argument(
@@ -275,7 +281,7 @@ def scale(argv: list[str], prog: str) -> int:
 
 
 def pause(argv: list[str], prog: str) -> int:
-    p = _parser(prog, "Stop autoscaling a model, at its current count or at --replicas N, until `resume`.")
+    p = parser(prog, "Stop autoscaling a model, at its current count or at --replicas N, until `resume`.")
     p.add_argument("model", type=_name_arg("model"))
     p.add_argument("--replicas", type=_replicas_arg, metavar="N", help="hold at N replicas [the current count]")
     args = p.parse_args(argv)
@@ -291,7 +297,7 @@ def pause(argv: list[str], prog: str) -> int:
 
 
 def resume(argv: list[str], prog: str) -> int:
-    p = _parser(prog, "End a model's override (scale or pause): the policy decides again.")
+    p = parser(prog, "End a model's override (scale or pause): the policy decides again.")
     p.add_argument("model", type=_name_arg("model"))
     args = p.parse_args(argv)
 
@@ -325,7 +331,7 @@ def format_status(rows: Sequence[StatusRow], now: float) -> str:
 
 
 def status(argv: list[str], prog: str) -> int:
-    p = _parser(
+    p = parser(
         prog,
         "Show models: desired/ready replicas, warm slots (STALE: warm but their agent's lease lapsed), mode, "
         "override and the last decision's reason.",
@@ -376,7 +382,7 @@ def format_pool(reply: PoolReply) -> str:
 
 
 def pool(argv: list[str], prog: str) -> int:
-    p = _parser(prog, "Show the warm pool: every slot by model, with counts by state.")
+    p = parser(prog, "Show the warm pool: every slot by model, with counts by state.")
     p.add_argument("model", nargs="?", type=_name_arg("model"))
     args = p.parse_args(argv)
 
@@ -392,7 +398,7 @@ def _drain_verb(verb: Literal["drain", "undrain"], argv: list[str], prog: str) -
         if verb == "drain"
         else "Offer a drained node's slots again."
     )
-    p = _parser(prog, what)
+    p = parser(prog, what)
     p.add_argument("node", type=_name_arg("node"))
     args = p.parse_args(argv)
     command = DrainCommand if verb == "drain" else UndrainCommand

@@ -1,0 +1,727 @@
+"""`pulsescale get|describe|delete`: ScaledObjects, slots and models as kubectl shows resources.
+
+Where each kind comes from:
+
+- **scaledobjects** (``so``): the records in KV `pulse_scalers` (what the operator or `apply` wrote; the on-call
+  NATS user may read the bucket since contract revision 5), joined with the autoscaler's ``status`` rows by
+  `StatusRow.key` (by the model for an autoscaler that does not fill the key yet). The table has KEDA's
+  ``kubectl get so`` columns; READY, ACTIVE and FALLBACK read ``Unknown`` when no autoscaler answers (the records
+  are still listed: they are read from the bucket, not from the autoscaler).
+- **slots**: the ``pool`` command's reply (the autoscaler's view: agent freshness, drains).
+- **models**: the ``status`` command's rows.
+
+``-o json|yaml`` print full objects: a ScaledObject as a manifest (apiVersion, kind, metadata, spec, status), so
+``pulsescale get so NAME -o yaml | pulsescale apply -f -`` round-trips (apply reads metadata and spec and leaves
+status); a list as kubectl's ``kind: List``. ``-w`` polls and prints a row when it changes; Ctrl-C ends it, exit 0.
+
+``delete`` writes `pulse_scalers`, so it needs the operator's NATS user, as ``apply`` does; the autoscaler sees
+the delete in its watch and stops scaling the model. Exit codes as the on-call verbs (`oncall`): 1 for a refusal
+or a missing object (unless ``--ignore-not-found``), 3/4 when the autoscaler does not answer a read that needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+
+from autoscaler import oncall, scaledobject
+from warmpool import connect as nats_connect
+from warmpool import durations, protocol
+from warmpool import output as out
+from warmpool.errors import BadMessage, PermissionDenied
+from warmpool.protocol import PoolCommand, PoolReply, PoolSlot, ScalerRecord, StatusCommand, StatusReply, StatusRow
+
+__all__ = ["KINDS", "delete", "describe", "get", "manifest", "scaledobject_rows"]
+
+KINDS: Final = {
+    "scaledobjects": "scaledobject",
+    "scaledobject": "scaledobject",
+    "so": "scaledobject",
+    "slots": "slot",
+    "slot": "slot",
+    "models": "model",
+    "model": "model",
+}
+"""What `get` and `describe` accept (kubectl's plural, singular and short names) → the kind."""
+
+KEDA_PAUSED_SCALE_IN: Final = "autoscaling.keda.sh/paused-scale-in"
+KEDA_PAUSED_SCALE_OUT: Final = "autoscaling.keda.sh/paused-scale-out"
+KEDA_PAUSED: Final = "autoscaling.keda.sh/paused"
+KEDA_PAUSED_REPLICAS: Final = "autoscaling.keda.sh/paused-replicas"
+ACTIVE_WITHIN_S: Final = 10.0
+"""ACTIVE is True when demand was above the activation threshold this recently: a few sample intervals (~300 ms
+each) and one status poll, so a live trigger never flickers to False between two reads."""
+DEFAULT_WATCH_EVERY_S: Final = 1.0
+"""How often ``-w`` polls: a status request is cheap, and a second is as fast as a person reads rows."""
+KV_TIMEOUT_S: Final = 5.0
+
+
+# --- reading -------------------------------------------------------------------------------------------------------
+
+
+async def read_scalers(nc: Client) -> list[ScalerRecord]:
+    """Every readable record of `pulse_scalers`, by key; an unreadable one is skipped and said on stderr."""
+    js = nc.jetstream(timeout=KV_TIMEOUT_S)
+    try:
+        kv = await js.key_value(protocol.SCALERS_BUCKET)
+    except nats.js.errors.BucketNotFoundError:
+        return []  # nothing applied yet: the autoscaler or the first apply creates it
+    try:
+        keys = await kv.keys()
+    except nats.js.errors.NoKeysError:
+        return []
+    records = []
+    for key in sorted(keys):
+        try:
+            entry = await kv.get(key)
+        except nats.js.errors.KeyNotFoundError:
+            continue  # deleted meanwhile
+        if entry.value is None:
+            continue
+        try:
+            records.append(protocol.decode(entry.value, ScalerRecord))
+        except BadMessage as err:
+            print(f"warning: {protocol.SCALERS_BUCKET} {key}: unreadable record skipped ({err})", file=sys.stderr)
+    return records
+
+
+async def read_status(nc: Client, args: argparse.Namespace, *, required: bool) -> list[StatusRow] | None:
+    """The autoscaler's status rows; None when none answers and they are not `required` (said on stderr)."""
+    try:
+        reply = await oncall.request(nc, "status", lambda **e: StatusCommand(**e), StatusReply, args)
+    except oncall.CommandFailed as err:
+        if required:
+            raise
+        if not getattr(args, "_warned", False):
+            print(f"warning: status columns unknown: {err}", file=sys.stderr)
+            args._warned = True
+        return None
+    return reply.models
+
+
+async def read_pool(nc: Client, args: argparse.Namespace) -> PoolReply:
+    return await oncall.request(nc, "pool", lambda **e: PoolCommand(**e), PoolReply, args)
+
+
+def row_for(rec: ScalerRecord, rows: Sequence[StatusRow]) -> StatusRow | None:
+    """The status row of a ScaledObject: by key, else (an autoscaler before revision 5's key) by model."""
+    for r in rows:
+        if r.key == rec.key:
+            return r
+    for r in rows:
+        if r.key is None and r.model == rec.spec.model:
+            return r
+    return None
+
+
+# --- ScaledObjects --------------------------------------------------------------------------------------------
+
+
+def _tf(value: bool | None) -> str:
+    return "Unknown" if value is None else ("True" if value else "False")
+
+
+def _active(row: StatusRow, now: float) -> bool:
+    if row.last_active_at is not None:
+        return now - row.last_active_at <= ACTIVE_WITHIN_S
+    return row.desired > 0  # an autoscaler that does not report it yet: scaled up means active
+
+
+@dataclass(frozen=True)
+class Conditions:
+    """KEDA's four conditions of one ScaledObject; None = Unknown (no autoscaler answered)."""
+
+    ready: bool | None
+    active: bool | None
+    fallback: bool | None
+    paused: bool
+
+    @staticmethod
+    def of(rec: ScalerRecord, row: StatusRow | None, status_known: bool, now: float) -> Conditions:
+        paused = rec.paused or rec.paused_scale_in or rec.paused_scale_out or (row is not None and row.paused)
+        if not status_known:
+            return Conditions(None, None, None, paused)
+        if row is None:
+            return Conditions(False, False, False, paused)
+        return Conditions(True, _active(row, now), row.fallback, paused)
+
+
+def _created(rec: ScalerRecord) -> float:
+    return rec.created_at if rec.created_at is not None else rec.updated_at
+
+
+def scaledobject_rows(
+    records: Sequence[ScalerRecord], rows: Sequence[StatusRow] | None, now: float, *, wide: bool, namespaces: bool
+) -> tuple[list[str], list[list[str]]]:
+    """The table of `get so`: KEDA's columns (``kubectl get so``); wide adds MODEL, DESIRED, WARM, MODE."""
+    header = ["NAME", "TARGET", "MIN", "MAX", "READY", "ACTIVE", "FALLBACK", "PAUSED", "AGE"]
+    if wide:
+        header += ["MODEL", "DESIRED", "WARM", "MODE"]
+    if namespaces:
+        header = ["NAMESPACE", *header]
+    table = []
+    for rec in records:
+        row = row_for(rec, rows or [])
+        c = Conditions.of(rec, row, rows is not None, now)
+        s = rec.spec
+        cells = [rec.name, f"{s.scale_target_ref.kind}/{s.scale_target_ref.name}", str(s.min_replica_count)]
+        cells += [str(s.max_replica_count), _tf(c.ready), _tf(c.active), _tf(c.fallback), _tf(c.paused)]
+        cells.append(durations.age(now - _created(rec)))
+        if wide:
+            if row is not None:
+                cells += [s.model, str(row.desired), str(row.warm), row.mode]
+            else:
+                cells += [s.model, "-", "-", "-"]
+        table.append([rec.namespace, *cells] if namespaces else cells)
+    return header, table
+
+
+def _drop_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_none(v) for v in value]
+    return value
+
+
+def _annotations(rec: ScalerRecord) -> dict[str, str]:
+    """The pause state as annotations (ours, and KEDA's for the scale-in/out pauses, which have no pulsescale
+    name): applying them back gives the same record."""
+    a: dict[str, str] = {}
+    if rec.paused_replicas is not None:
+        a[scaledobject.PAUSED_REPLICAS_ANNOTATION] = str(rec.paused_replicas)
+    elif rec.paused:
+        a[scaledobject.PAUSED_ANNOTATION] = "true"
+    if rec.paused_scale_in:
+        a[KEDA_PAUSED_SCALE_IN] = "true"
+    if rec.paused_scale_out:
+        a[KEDA_PAUSED_SCALE_OUT] = "true"
+    return a
+
+
+def _condition(kind: str, value: bool | None, reason: str, message: str) -> dict[str, str]:
+    return {"type": kind, "status": _tf(value), "reason": reason, "message": message}
+
+
+def manifest(rec: ScalerRecord, row: StatusRow | None, status_known: bool, now: float) -> dict[str, Any]:
+    """A ScaledObject as ``-o json|yaml`` prints it: apiVersion, kind, metadata, spec (camelCase, defaults
+    filled in, nulls left out) and status (conditions, replica counts, last times in RFC 3339, decisions)."""
+    meta: dict[str, Any] = {
+        "name": rec.name,
+        "namespace": rec.namespace,
+        "generation": rec.generation,
+        "creationTimestamp": durations.rfc3339(_created(rec)),
+    }
+    annotations = _annotations(rec)
+    if annotations:
+        meta["annotations"] = annotations
+    c = Conditions.of(rec, row, status_known, now)
+    if c.ready is None:
+        ready_reason, ready_message = "Unknown", "no autoscaler answered the status request"
+    elif c.ready:
+        ready_reason, ready_message = "AutoscalerRunsIt", "the autoscaler scales it"
+    else:
+        ready_reason, ready_message = "NotRunning", "the autoscaler has no row for it"
+    status: dict[str, Any] = {
+        "conditions": [
+            _condition("Ready", c.ready, ready_reason, ready_message),
+            _condition("Active", c.active, "DemandAboveActivation" if c.active else "NoDemand", ""),
+            _condition("Fallback", c.fallback, "MetricsStale" if c.fallback else "MetricsFresh", ""),
+            _condition("Paused", c.paused, "Annotation" if c.paused else "NotPaused", ""),
+        ],
+        "notes": list(rec.notes),
+    }
+    if row is not None:
+        status.update(
+            desiredReplicas=row.desired,
+            readyReplicas=row.ready,
+            activatingReplicas=row.activating,
+            warmSlots=row.warm,
+            staleSlots=row.stale,
+            coldRequestedReplicas=row.cold_requested,
+            mode=row.mode,
+            lastActiveTime=durations.rfc3339(row.last_active_at),
+            lastScaleTime=durations.rfc3339(row.last_scale_at),
+            override=msgspec.to_builtins(row.override) if row.override is not None else None,
+            lastDecisions=[
+                {"time": durations.rfc3339(d.ts), "desiredReplicas": d.desired, "reason": d.reason}
+                for d in row.decisions
+            ],
+        )
+    return {
+        "apiVersion": scaledobject.API_VERSION,
+        "kind": scaledobject.KIND,
+        "metadata": meta,
+        "spec": _drop_none(msgspec.to_builtins(rec.spec)),
+        "status": _drop_none(status),
+    }
+
+
+def _as_list(items: list[Any]) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "List", "items": items}
+
+
+# --- slots and models ---------------------------------------------------------------------------------------
+
+
+def slot_rows(slots: Sequence[PoolSlot], *, wide: bool) -> tuple[list[str], list[list[str]]]:
+    header = ["NAME", "MODEL", "NODE", "STATE", "AGENT", "RESIDENT", "ENDPOINT"]
+    if wide:
+        header += ["RACK", "ENGINE", "ROOTFS", "REASON"]
+    table = []
+    for s in slots:
+        state = s.state + (",drain" if s.drain and s.state != "draining" else "")
+        cells = [s.key, s.model, s.node, state, s.agent, "yes" if s.resident else "no", s.endpoint or "-"]
+        if wide:
+            engine = "/".join(x for x in (s.engine, s.engine_mode) if x) or "-"
+            cells += [s.rack or "-", engine, "mounted" if s.rootfs_mounted else "-", s.reason or "-"]
+        table.append(cells)
+    return header, table
+
+
+def model_rows(rows: Sequence[StatusRow], now: float, *, wide: bool) -> tuple[list[str], list[list[str]]]:
+    header = ["NAME", "SCALEDOBJECT", "DESIRED", "READY", "ACTIVATING", "WARM", "MODE", "LAST-SCALE"]
+    if wide:
+        header += ["STALE", "COLD", "OVERRIDE", "REASON"]
+    table = []
+    for r in rows:
+        last = durations.age(now - r.last_scale_at) if r.last_scale_at is not None else "-"
+        mode = r.mode + (",panic" if r.panic and "panic" not in r.mode else "")
+        cells = [r.model, r.key or r.scaler, str(r.desired), str(r.ready), str(r.activating), str(r.warm), mode, last]
+        if wide:
+            o = r.override
+            override = "-" if o is None else f"{o.kind} {o.replicas if o.replicas is not None else 'current'}"
+            cells += [str(r.stale), str(r.cold_requested), override, r.reason or "-"]
+        table.append(cells)
+    return header, table
+
+
+# --- get -----------------------------------------------------------------------------------------------------------
+
+
+def _kind_arg(text: str) -> str:
+    kind = KINDS.get(text.lower())
+    if kind is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a kind pulsescale lists: use scaledobjects (so), slots or models"
+        )
+    return kind
+
+
+@dataclass
+class _View:
+    """One read of a kind: keys in order, each with what decides "changed" (for -w), its table row and its object."""
+
+    header: list[str]
+    items: list[tuple[str, tuple[Any, ...], list[str], Any]]
+
+
+async def _read_view(nc: Client, kind: str, args: argparse.Namespace, now: float) -> _View:
+    wide = args.output == "wide"
+    if kind == "scaledobject":
+        records = await read_scalers(nc)
+        if not args.all_namespaces:
+            records = [r for r in records if r.namespace == args.namespace]
+        if args.name:
+            records = [r for r in records if r.name == args.name]
+        rows = await read_status(nc, args, required=False) if records else []
+        header, table = scaledobject_rows(records, rows, now, wide=wide, namespaces=args.all_namespaces)
+        items = []
+        for rec, cells in zip(records, table, strict=True):
+            row = row_for(rec, rows or [])
+            obj = manifest(rec, row, rows is not None, now)
+            # AGE ticks every second: a row is "changed" for -w when anything but its age changed.
+            age_at = header.index("AGE")
+            same = tuple(c for i, c in enumerate(cells) if i != age_at)
+            items.append((rec.key, same, cells, obj))
+        return _View(header, items)
+    if kind == "slot":
+        pool = await read_pool(nc, args)
+        slots = [s for s in pool.slots if not args.name or s.key == args.name]
+        header, table = slot_rows(slots, wide=wide)
+        return _View(header, [(s.key, tuple(c), c, s) for s, c in zip(slots, table, strict=True)])
+    status_rows = await read_status(nc, args, required=True) or []
+    status_rows = [r for r in status_rows if not args.name or r.model == args.name]
+    header, table = model_rows(status_rows, now, wide=wide)
+    last = header.index("LAST-SCALE")
+    return _View(
+        header,
+        [
+            (r.model, tuple(x for i, x in enumerate(c) if i != last), c, r)
+            for r, c in zip(status_rows, table, strict=True)
+        ],
+    )
+
+
+_NAME_PREFIX: Final = {"scaledobject": "scaledobject.pulsescale.io", "slot": "slot", "model": "model"}
+
+
+def _print_view(view: _View, kind: str, args: argparse.Namespace, keys: Sequence[str], *, header: bool) -> None:
+    chosen = [item for item in view.items if item[0] in keys]
+    fmt = args.output
+    if fmt in out.MACHINE_FORMATS:
+        objs = [msgspec.to_builtins(obj) for _, _, _, obj in chosen]
+        if args.name and len(objs) == 1:
+            print(out.dump(objs[0], fmt))
+        elif kind == "scaledobject" and not args.watch:
+            print(out.dump(_as_list(objs), fmt))
+        elif args.watch:
+            for o in objs:
+                print(out.dump(o, fmt) if fmt == "json" else "---\n" + out.dump(o, fmt))
+        else:
+            print(out.dump(objs, fmt))
+    elif fmt == "name":
+        for key, _, cells, _ in chosen:
+            name = cells[1] if kind == "scaledobject" and args.all_namespaces else cells[0]
+            print(f"{_NAME_PREFIX[kind]}/{name if kind == 'scaledobject' else key}")
+    else:
+        text = out.table(view.header, [cells for _, _, cells, _ in chosen])
+        print(text if header else "\n".join(text.splitlines()[1:]))
+    sys.stdout.flush()
+
+
+async def _get(nc: Client, kind: str, args: argparse.Namespace) -> int:
+    view = await _read_view(nc, kind, args, time.time())
+    if args.name and not view.items:
+        where = f" in namespace {args.namespace}" if kind == "scaledobject" and not args.all_namespaces else ""
+        raise oncall.CommandFailed(f'{kind} "{args.name}" not found{where}', oncall.EXIT_REFUSED)
+    if not view.items and not args.watch and args.output not in out.MACHINE_FORMATS:
+        where = f" in namespace {args.namespace}" if kind == "scaledobject" and not args.all_namespaces else ""
+        print(f"No {kind}s found{where}.", file=sys.stderr)  # kubectl says so on stderr: stdout stays empty
+        return 0
+    _print_view(view, kind, args, [k for k, *_ in view.items], header=True)
+    if not args.watch:
+        return 0
+    seen = {key: same for key, same, _, _ in view.items}
+    printed_header = bool(view.items)
+    while True:
+        await asyncio.sleep(args.watch_every)
+        view = await _read_view(nc, kind, args, time.time())
+        changed = [key for key, same, _, _ in view.items if seen.get(key) != same]
+        seen = {key: same for key, same, _, _ in view.items}
+        if changed:
+            _print_view(view, kind, args, changed, header=not printed_header)
+            printed_header = True
+
+
+def _get_parser(prog: str) -> argparse.ArgumentParser:
+    p = oncall.parser(
+        prog,
+        "List ScaledObjects (from pulse_scalers, with the autoscaler's status), slots (the warm pool) or models "
+        "(the autoscaler's status), as kubectl get does.",
+        output_extra=("wide", "name"),
+    )
+    p.add_argument("kind", type=_kind_arg, metavar="KIND", help="scaledobjects (so), slots or models")
+    p.add_argument("name", nargs="?", metavar="NAME", help="only this one (a slot by its key)")
+    ns = p.add_mutually_exclusive_group()
+    ns.add_argument(
+        "-n", "--namespace", default=scaledobject.DEFAULT_NAMESPACE, help="ScaledObjects of this namespace [default]"
+    )
+    ns.add_argument("-A", "--all-namespaces", action="store_true", help="ScaledObjects of every namespace")
+    p.add_argument("-w", "--watch", action="store_true", help="keep polling; print a row when it changes (Ctrl-C)")
+    p.add_argument(
+        "--watch-every",
+        type=durations.duration_arg(),
+        default=DEFAULT_WATCH_EVERY_S,
+        metavar="DURATION",
+        help=f"with -w: poll this often [{durations.format_duration(DEFAULT_WATCH_EVERY_S)}]",
+    )
+    return p
+
+
+def _client(prog: str, args: argparse.Namespace, name: str, work: Callable[[Client], Any]) -> int:
+    opts = nats_connect.options_from_args(args, name=name)
+    try:
+        return int(asyncio.run(nats_connect.run_client(opts, work)))
+    except oncall.CommandFailed as err:
+        print(f"{prog}: {err}", file=sys.stderr)
+        return err.code
+    except KeyboardInterrupt:
+        return 0  # -w ends with Ctrl-C: that is how it is meant to stop
+
+
+def get(argv: list[str], prog: str) -> int:
+    args = _get_parser(prog).parse_args(argv)
+    return _client(prog, args, "pulsescale-get", lambda nc: _get(nc, args.kind, args))
+
+
+# --- describe ------------------------------------------------------------------------------------------------------
+
+
+def _when(ts: float | None, now: float) -> str:
+    if ts is None:
+        return "<none>"
+    delta = now - ts
+    rel = f"{durations.age(delta)} ago" if delta >= 0 else f"in {durations.age(-delta)}"
+    return f"{durations.rfc3339(ts)} ({rel})"
+
+
+def _fields(pairs: Sequence[tuple[str, Any]], indent: str = "") -> list[str]:
+    width = max(len(k) for k, _ in pairs) + 2
+    return [f"{indent}{(k + ':').ljust(width)}{'<none>' if v is None else v}" for k, v in pairs]
+
+
+def _decision_lines(row: StatusRow, now: float) -> list[str]:
+    if not row.decisions:
+        return ["Decisions:    <none>"]
+    table = out.table(
+        ["TIME", "AGE", "DESIRED", "REASON"],
+        [[durations.rfc3339(d.ts), durations.age(now - d.ts), d.desired, d.reason] for d in row.decisions],
+    )
+    return ["Decisions (newest last):", *("  " + line for line in table.splitlines())]
+
+
+def _pause_text(rec: ScalerRecord, row: StatusRow | None) -> list[tuple[str, Any]]:
+    if rec.paused_replicas is not None:
+        paused = f"true, at {rec.paused_replicas} replicas"
+    elif rec.paused:
+        paused = "true, at the current count"
+    else:
+        paused = "false"
+    if row is not None and row.paused and not rec.paused:
+        o = row.override
+        by = f" by {o.by}" if o is not None and o.by else ""
+        paused = f"true, by an on-call pause{by} (`pulsescale resume {rec.spec.model}`)"
+    return [
+        ("Paused", paused),
+        ("Paused scale-in", str(rec.paused_scale_in).lower()),
+        ("Paused scale-out", str(rec.paused_scale_out).lower()),
+        (
+            "Pause annotations",
+            f"{scaledobject.PAUSED_ANNOTATION}, {scaledobject.PAUSED_REPLICAS_ANNOTATION} and KEDA's {KEDA_PAUSED}, "
+            f"{KEDA_PAUSED_REPLICAS}, {KEDA_PAUSED_SCALE_IN}, {KEDA_PAUSED_SCALE_OUT} (the same meaning)",
+        ),
+    ]
+
+
+def describe_scaledobject(rec: ScalerRecord, row: StatusRow | None, status_known: bool, now: float) -> str:
+    s = rec.spec
+    t = s.scale_target_ref
+    annotations = _annotations(rec)
+    lines = _fields(
+        [
+            ("Name", rec.name),
+            ("Namespace", rec.namespace),
+            ("Model", s.model),
+            ("Target", f"{t.kind}/{t.name} ({t.api_version})"),
+            ("Created", _when(_created(rec), now)),
+            ("Updated", _when(rec.updated_at or None, now)),
+            ("Generation", rec.generation),
+            ("Annotations", ", ".join(f"{k}: {v}" for k, v in annotations.items()) or None),
+            *_pause_text(rec, row),
+        ]
+    )
+    spec_yaml = out.dump(_drop_none(msgspec.to_builtins(s)), "yaml")
+    lines += ["Spec:", *("  " + line for line in spec_yaml.splitlines())]
+    lines += ["Notes:", *(f"  - {n}" for n in rec.notes)] if rec.notes else ["Notes:        <none>"]
+    c = Conditions.of(rec, row, status_known, now)
+    lines.append("Conditions:")
+    conditions = [
+        ["Ready", _tf(c.ready)],
+        ["Active", _tf(c.active)],
+        ["Fallback", _tf(c.fallback)],
+        ["Paused", _tf(c.paused)],
+    ]
+    lines += ["  " + line for line in out.table(["TYPE", "STATUS"], conditions).splitlines()]
+    if not status_known:
+        lines.append("Status:       unknown (no autoscaler answered the status request)")
+        return "\n".join(lines)
+    if row is None:
+        lines.append("Status:       the autoscaler has no row for it (it has not read the record yet?)")
+        return "\n".join(lines)
+    lines.append("Status:")
+    o = row.override
+    override = None
+    if o is not None:
+        held = f"{o.replicas} replicas" if o.replicas is not None else "the current count"
+        until = f" until {_when(o.expires_at, now)}" if o.expires_at is not None else " until resumed"
+        override = f"{o.kind} at {held}{until}" + (f" by {o.by}" if o.by else "")
+    lines += _fields(
+        [
+            ("Desired replicas", row.desired),
+            ("Ready replicas", row.ready),
+            ("Activating", row.activating),
+            ("Warm slots", f"{row.warm} (stale {row.stale})"),
+            ("Cold path asked", row.cold_requested),
+            ("Mode", row.mode + (", panic" if row.panic and "panic" not in row.mode else "")),
+            ("Override", override),
+            ("Last reason", row.reason or None),
+            ("Last active", _when(row.last_active_at, now)),
+            ("Last scale", _when(row.last_scale_at, now)),
+        ],
+        indent="  ",
+    )
+    lines += _decision_lines(row, now)
+    return "\n".join(lines)
+
+
+def describe_slot(slot: PoolSlot) -> str:
+    fields = msgspec.to_builtins(slot)
+    return "\n".join(_fields([(k.replace("_", " ").capitalize(), v) for k, v in fields.items()]))
+
+
+def describe_model(row: StatusRow, now: float) -> str:
+    o = row.override
+    override = None if o is None else f"{o.kind} {o.replicas if o.replicas is not None else 'current count'}"
+    if o is not None and o.expires_at is not None:
+        override = f"{override} until {_when(o.expires_at, now)}"
+    lines = _fields(
+        [
+            ("Name", row.model),
+            ("ScaledObject", row.key or row.scaler),
+            ("Desired", row.desired),
+            ("Ready", row.ready),
+            ("Activating", row.activating),
+            ("Warm slots", f"{row.warm} (stale {row.stale})"),
+            ("Mode", row.mode + (", panic" if row.panic and "panic" not in row.mode else "")),
+            ("Paused", str(row.paused).lower()),
+            ("Fallback", str(row.fallback).lower()),
+            ("Cold path asked", row.cold_requested),
+            ("Override", override),
+            ("Last reason", row.reason or None),
+            ("Last active", _when(row.last_active_at, now)),
+            ("Last scale", _when(row.last_scale_at, now)),
+        ]
+    )
+    return "\n".join(lines + _decision_lines(row, now))
+
+
+async def _describe(nc: Client, args: argparse.Namespace) -> int:
+    now = time.time()
+    if args.kind == "scaledobject":
+        key = f"{args.namespace}.{args.name}"
+        records = [r for r in await read_scalers(nc) if r.key == key]
+        if not records:
+            raise oncall.CommandFailed(
+                f'scaledobject "{args.name}" not found in namespace {args.namespace} (`pulsescale get so -A` lists '
+                "them)",
+                oncall.EXIT_REFUSED,
+            )
+        rows = await read_status(nc, args, required=False)
+        rec = records[0]
+        print(describe_scaledobject(rec, row_for(rec, rows or []), rows is not None, now))
+    elif args.kind == "slot":
+        pool = await read_pool(nc, args)
+        slots = [s for s in pool.slots if s.key == args.name]
+        if not slots:
+            raise oncall.CommandFailed(f'slot "{args.name}" not found (`pulsescale get slots` lists them)', 1)
+        print(describe_slot(slots[0]))
+    else:
+        rows = [r for r in await read_status(nc, args, required=True) or [] if r.model == args.name]
+        if not rows:
+            raise oncall.CommandFailed(f'model "{args.name}" not found (`pulsescale get models` lists them)', 1)
+        print(describe_model(rows[0], now))
+    return 0
+
+
+def describe(argv: list[str], prog: str) -> int:
+    p = oncall.parser(prog, "Show one ScaledObject, slot or model in detail: every field, conditions, notes, "
+                      "pause state and the last decisions with their times.")  # fmt: skip
+    p.add_argument("kind", type=_kind_arg, metavar="KIND", help="scaledobject (so), slot or model")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("-n", "--namespace", default=scaledobject.DEFAULT_NAMESPACE, help="the ScaledObject's [default]")
+    args = p.parse_args(argv)
+    if args.output in out.MACHINE_FORMATS:
+        # The full object is what `get KIND NAME -o` prints; one way to get it.
+        return get([{"scaledobject": "so", "slot": "slots", "model": "models"}[args.kind], *argv], prog)
+    return _client(prog, args, "pulsescale-describe", lambda nc: _describe(nc, args))
+
+
+# --- delete --------------------------------------------------------------------------------------------------------
+
+
+async def _delete(nc: Client, keys: list[str], args: argparse.Namespace) -> list[str]:
+    js = nc.jetstream(timeout=KV_TIMEOUT_S)
+    try:
+        kv = await js.key_value(protocol.SCALERS_BUCKET)
+    except nats.js.errors.BucketNotFoundError:
+        kv = None
+    lines = []
+    for key in keys:
+        entry = None
+        if kv is not None:
+            try:
+                entry = await kv.get(key)
+            except nats.js.errors.KeyNotFoundError:  # KeyDeletedError too: deleted is not found
+                entry = None
+        if entry is None or entry.value is None:
+            if args.ignore_not_found:
+                continue
+            namespace, _, name = key.partition(".")
+            raise oncall.CommandFailed(
+                f'scaledobject "{name}" not found in namespace {namespace} (`pulsescale get so -A` lists them; '
+                "--ignore-not-found makes this not an error)",
+                oncall.EXIT_REFUSED,
+            )
+        if args.dry_run:
+            lines.append(f"scaledobject {key} deleted (dry run: nothing written)")
+            continue
+        assert kv is not None
+        # CAS on the revision read: a ScaledObject re-applied meanwhile is not deleted unseen.
+        await kv.delete(key, last=entry.revision)
+        lines.append(f"scaledobject {key} deleted")
+    return lines
+
+
+def delete(argv: list[str], prog: str, *, stdin: Any = None) -> int:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=f"Remove ScaledObjects from KV {protocol.SCALERS_BUCKET} (needs the operator's NATS user, as "
+        "apply does); the autoscaler stops scaling their models. By name, or every ScaledObject of -f FILE|DIR.",
+    )
+    p.add_argument("kind", nargs="?", type=_kind_arg, metavar="KIND", help="scaledobject (so)")
+    p.add_argument("names", nargs="*", metavar="NAME")
+    p.add_argument("-n", "--namespace", default=scaledobject.DEFAULT_NAMESPACE, help="[default]")
+    p.add_argument("-f", "--filename", action="append", metavar="FILE|DIR", help="the ScaledObjects of these files")
+    p.add_argument("-R", "--recursive", action="store_true", help="with -f DIR: its subdirectories too")
+    p.add_argument("--ignore-not-found", action="store_true", help="a missing ScaledObject is not an error")
+    p.add_argument("--dry-run", action="store_true", help="check that they exist, delete nothing")
+    nats_connect.add_nats_arguments(p)
+    args = p.parse_args(argv)
+    if args.filename:
+        if args.kind or args.names:
+            p.error("give either -f FILE|DIR or KIND NAME..., not both")
+        try:
+            manifests = oncall.load_manifests(
+                args.filename, recursive=args.recursive, stdin=stdin or sys.stdin, now=0.0, max_replicas=10**9
+            )
+        except scaledobject.ScaledObjectError as err:
+            print(f"{prog}: {err}", file=sys.stderr)
+            return oncall.EXIT_REFUSED
+        keys = [m.record.key for m in manifests]
+    else:
+        if args.kind != "scaledobject" or not args.names:
+            p.error("give the ScaledObjects to delete: `scaledobject NAME...` or `-f FILE|DIR` (slots and models "
+                    "are not deleted: `pulsescale drain NODE` empties a node)")  # fmt: skip
+        for name in args.names:
+            if not protocol.is_name(name):
+                p.error(f"{name!r} is not a ScaledObject name ({protocol.NAME_PATTERN})")
+        if not protocol.is_name(args.namespace):
+            p.error(f"{args.namespace!r} is not a namespace name ({protocol.NAME_PATTERN})")
+        keys = [f"{args.namespace}.{name}" for name in args.names]
+    opts = nats_connect.options_from_args(args, name="pulsescale-delete")
+    try:
+        lines = asyncio.run(nats_connect.run_client(opts, lambda nc: _delete(nc, keys, args)))
+    except oncall.CommandFailed as err:
+        print(f"{prog}: {err}", file=sys.stderr)
+        return err.code
+    except PermissionDenied as err:
+        print(f"{prog}: {err}; deleting from {protocol.SCALERS_BUCKET} needs the operator's NATS user, as apply "
+              "does", file=sys.stderr)  # fmt: skip
+        return oncall.EXIT_REFUSED
+    except (nats.errors.Error, TimeoutError) as err:
+        print(f"{prog}: deleting from {protocol.SCALERS_BUCKET} failed: {err}", file=sys.stderr)
+        return oncall.EXIT_REFUSED
+    if lines:
+        print("\n".join(lines))
+    return 0
