@@ -175,6 +175,16 @@ class ModelController:
             self._timer = None
         await self.scaler.stop(release_in_flight=release_in_flight)
 
+    async def retire(self, reason: str) -> int:
+        """The ScaledObject was deleted: stop, and (leader only) release every slot the model holds."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self.deps.is_leader():
+            await self.scaler.stop(release_in_flight=False)  # the leader releases them
+            return 0
+        return await self.scaler.release_all(reason)
+
     def forget_claims(self) -> None:
         self.scaler.forget_claims()
 

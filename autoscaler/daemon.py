@@ -117,6 +117,7 @@ class Autoscaler:
         self._handled = 0
         self.commands: commands.CommandService | None = None
         self._cut: dict[str, float] = {}  # ScaledObjects cut to max_replicas, by key: the version logged
+        self._retiring: set[asyncio.Future[int]] = set()  # deleted ScaledObjects releasing their slots
 
     @contextlib.contextmanager
     def _contained(self, what: str) -> Iterator[None]:
@@ -189,9 +190,10 @@ class Autoscaler:
             c = self.by_scaler.pop(key, None)
             if c is not None:
                 self.by_model.pop(c.model, None)
-                log.info("ScaledObject %s removed: %s is no longer autoscaled (its slots keep serving)", key, c.model)
-                task = asyncio.ensure_future(c.stop(release_in_flight=True))
-                task.add_done_callback(lambda t: t.exception())
+                log.info("ScaledObject %s removed: %s is no longer autoscaled; releasing its slots", key, c.model)
+                task = asyncio.ensure_future(c.retire(f"ScaledObject {key} deleted"))
+                self._retiring.add(task)
+                task.add_done_callback(self._retired)
             return
         record, cut = scaledobject.capped(record, self.settings.max_replicas)
         if cut is not None and self._cut.get(key) != record.updated_at:
@@ -221,6 +223,11 @@ class Autoscaler:
                 c.start()
         else:
             c.update_record(record)
+
+    def _retired(self, task: asyncio.Future[int]) -> None:
+        self._retiring.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("releasing the slots of a deleted ScaledObject failed: %s", task.exception())
 
     async def follow_scalers(self, stop: asyncio.Event) -> None:
         """Apply `pulse_scalers` as the view sees it: each listing whole (a ScaledObject deleted while we were
@@ -396,6 +403,8 @@ class Autoscaler:
             task.add_done_callback(functools.partial(_forget_after_stop, c))
 
     async def shutdown(self, campaign: asyncio.Task[None] | None = None) -> None:
+        if self._retiring:
+            await asyncio.wait(self._retiring, timeout=self.settings.controller.deactivate_timeout_s + 1.0)
         for c in list(self.by_model.values()):
             await c.stop(release_in_flight=True)
         if self.leader is not None:

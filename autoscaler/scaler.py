@@ -503,6 +503,27 @@ class ModelScaler:
                     self.held.pop(key, None)
         self._stopping = False
 
+    async def release_all(self, reason: str) -> int:
+        """The ScaledObject was deleted: stop acting and give back every slot of the model that is held — ours,
+        and a predecessor's we had not adopted yet — each told to `deactivate` first, then released, fenced. The
+        operator's finalizer waits for the model's slots to be free. Returns how many were released; one the
+        broker would not release stays held (logged) and the sweep for orphans of a deleted model finds it."""
+        await self.stop(release_in_flight=True)
+        now = self.clock()
+        for rec in self.store.records(self.model):
+            if rec.key in self.held or rec.state not in ("claimed", "activating", "ready"):
+                continue
+            claim = self.store.adopt(rec.key)  # booked to be released, never activated (`adopt` would finish it)
+            if claim is not None:
+                self.held[rec.key] = Held(claim, "ready" if rec.state == "ready" else "activating", now)
+        victims = list(self.held.values())
+        await asyncio.gather(*(self._release(h, reason=reason) for h in victims), return_exceptions=True)
+        released = sum(1 for h in victims if self.held.get(h.claim.key) is not h)
+        left = len(victims) - released
+        if left:
+            log.warning("%s: %d slot(s) could not be released after the ScaledObject was deleted", self.model, left)
+        return released
+
     def forget_claims(self) -> None:
         """After losing the lease: the books are the next leader's now. If we lead again, `adopt` re-reads
         them from the registry, which is the truth; what we remembered may be stale by then."""
