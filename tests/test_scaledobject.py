@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import textwrap
 from pathlib import Path
 
@@ -171,6 +172,384 @@ def test_broken_manifests_name_file_document_and_field(text: str, error: str) ->
     assert str(exc.value).startswith(error) or (error in str(exc.value) and not error.startswith("qwen.yaml")), str(
         exc.value
     )
+
+
+# --- KEDA compatibility: the corpus ------------------------------------------------------------------------------
+
+CORPUS = Path(__file__).resolve().parent / "manifests"
+ADMITTED = sorted((CORPUS / "keda").glob("*.yaml"))
+REFUSED = sorted((CORPUS / "refuse").glob("*.yaml"))
+EXPECT = "# expect: "
+
+
+def test_the_corpus_is_what_the_issue_asks_for() -> None:
+    assert len(ADMITTED) >= 18 and len(REFUSED) >= 10
+    assert all(p.read_text().startswith(EXPECT) for p in REFUSED)
+
+
+@pytest.mark.parametrize("path", ADMITTED, ids=[p.name for p in ADMITTED])
+def test_a_keda_users_manifest_is_admitted(path: Path) -> None:
+    [m] = scaledobject.load_documents(path.read_text(), path.name)
+    assert m.record.namespace == "inference" and m.record.spec.model == "qwen"
+    # What goes into KV is what the autoscaler decodes, notes and pauses included.
+    assert protocol.decode(protocol.encode(m.record), ScalerRecord) == m.record
+
+
+@pytest.mark.parametrize("path", REFUSED, ids=[p.name for p in REFUSED])
+def test_an_invalid_manifest_is_refused_with_the_message_a_user_needs(path: Path) -> None:
+    text = path.read_text()
+    expected = text.splitlines()[0].removeprefix(EXPECT).strip()
+    with pytest.raises(ScaledObjectError) as exc:
+        scaledobject.load_documents(text, path.name)
+    assert str(exc.value).startswith(f"{path.name}") and expected in str(exc.value), str(exc.value)
+
+
+def _corpus(name: str) -> ScalerRecord:
+    [m] = scaledobject.load_documents((CORPUS / "keda" / name).read_text(), name)
+    return m.record
+
+
+# --- trigger metadata, names, metricType ---------------------------------------------------------------------------
+
+
+def test_string_metadata_becomes_numbers_and_the_model_stays_a_string() -> None:
+    rec = _corpus("01-string-metadata.yaml")
+    meta = rec.spec.triggers[0].metadata
+    assert (meta.model, meta.target_queue_depth, meta.activation_queue_depth) == ("qwen", 4.0, 0.5)
+    assert _corpus("02-numeric-metadata.yaml").spec.triggers[0].metadata.target_queue_depth == 6.0
+    numeric_model = _edit("{model: qwen}", '{model: "7", targetQueueDepth: " 2.5 "}')
+    [rec] = load(numeric_model)
+    assert rec.spec.model == "7" and rec.spec.triggers[0].metadata.target_queue_depth == 2.5
+
+
+@pytest.mark.parametrize(
+    ("metadata", "error"),
+    [
+        (
+            '{model: qwen, targetQueueDepth: "four"}',
+            'spec.triggers[0].metadata.targetQueueDepth: "four" is not a number',
+        ),
+        (
+            '{model: qwen, activationQueueDepth: ""}',
+            'spec.triggers[0].metadata.activationQueueDepth: "" is not a number',
+        ),
+        ('{model: qwen, targetQueueDepth: "nan"}', 'targetQueueDepth: "nan" is not a finite number'),
+        (
+            '{model: qwen, targetQueueDepth: "0"}',
+            "spec.triggers[0].metadata.targetQueueDepth: Expected `float` >= 0.001",
+        ),
+        ("{model: qwen, targetQueueDepth: true}", "targetQueueDepth: Expected `float`, got `bool`"),
+    ],
+)
+def test_bad_metadata_values_name_the_field(metadata: str, error: str) -> None:
+    with pytest.raises(ScaledObjectError) as exc:
+        load(_edit("{model: qwen}", metadata))
+    assert error in str(exc.value), str(exc.value)
+
+
+def test_trigger_names_and_metric_type() -> None:
+    rec = _corpus("31-two-named-triggers.yaml")
+    assert [t.name for t in rec.spec.triggers] == ["interactive", "batch"]
+    assert _corpus("04-metric-type-average-value.yaml").spec.triggers[0].metric_type == "AverageValue"
+    with pytest.raises(ScaledObjectError, match=r"spec.triggers\[0\].metricType: 'Rate' is not a KEDA metricType"):
+        load(_edit("type: gateway-queue", "type: gateway-queue\n      metricType: Rate"))
+
+
+def test_keda_api_version_with_keda_triggers_says_pulsescale_has_one_trigger() -> None:
+    text = _edit("pulsescale.io/v1alpha1", "keda.sh/v1alpha1").replace("type: gateway-queue", "type: kafka")
+    with pytest.raises(ScaledObjectError, match=r"apiVersion: .*KEDA's own triggers \(kafka\).*gateway-queue"):
+        load(text)
+
+
+# --- notes: accepted, no effect, one line each ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        ("05-use-cached-metrics.yaml", "useCachedMetrics has no effect: a pushed trigger is never polled"),
+        ("06-polling-interval.yaml", "pollingInterval has no effect"),
+        ("07-authentication-ref.yaml", "authenticationRef has no effect"),
+        ("08-cluster-authentication-ref.yaml", "authenticationRef has no effect"),
+        ("22-hpa-name.yaml", "horizontalPodAutoscalerConfig.name has no effect: pulsescale makes no HPA"),
+    ],
+)
+def test_each_field_without_effect_adds_one_note(name: str, says: str) -> None:
+    rec = _corpus(name)
+    assert len(rec.notes) == 1 and says in rec.notes[0], rec.notes
+    assert "\n" not in rec.notes[0]
+
+
+def test_notes_are_one_line_per_field_not_per_trigger_and_none_without_them() -> None:
+    rec = _corpus("31-two-named-triggers.yaml")
+    assert rec.notes == []
+    both = (CORPUS / "keda" / "31-two-named-triggers.yaml").read_text()
+    both = both.replace("      name: interactive\n", "      name: interactive\n      useCachedMetrics: true\n")
+    both = both.replace("      name: batch\n", "      name: batch\n      useCachedMetrics: true\n")
+    both = both.replace("  triggers:\n", "  pollingInterval: 30\n  triggers:\n")
+    [rec] = load(both)
+    assert len(rec.notes) == 2
+    assert [n.split()[0] for n in rec.notes] == ["spec.triggers[].useCachedMetrics", "spec.pollingInterval"]
+
+
+# --- the rest of KEDA's spec -----------------------------------------------------------------------------------------
+
+
+def test_initial_cooldown_fallback_behaviors_and_restore() -> None:
+    assert _corpus("09-initial-cooldown-period.yaml").spec.initial_cooldown_period == 120.0
+    behaviors = {}
+    for name in ("11-fallback-static", "12-fallback-current-replicas", "13-fallback-if-higher", "14-fallback-if-lower"):
+        fallback = _corpus(f"{name}.yaml").spec.fallback
+        assert fallback is not None
+        behaviors[name] = fallback.behavior
+    assert sorted(behaviors.values()) == sorted(
+        ["static", "currentReplicas", "currentReplicasIfHigher", "currentReplicasIfLower"]
+    )
+    assert _corpus("15-restore-original-replica-count.yaml").spec.advanced.restore_to_original_replica_count
+
+
+def _advanced(name: str) -> protocol.Advanced:
+    return _corpus(name).spec.advanced
+
+
+def test_hpa_scale_down_behavior_maps_onto_the_policy() -> None:
+    default = protocol.Advanced()
+    a = _advanced("16-hpa-scale-down-window.yaml")
+    assert a.scale_down_stabilization_seconds == 300.0
+    assert (a.scale_down_percent, a.scale_down_pods) == (default.scale_down_percent, None)
+    a = _advanced("17-hpa-scale-down-percent.yaml")
+    assert (a.scale_down_stabilization_seconds, a.scale_down_percent, a.scale_down_period_seconds) == (300, 100, 15)
+    assert (a.scale_down_pods, a.scale_down_select_policy) == (None, "Max")
+    # Pods alone: at most that many per period, whatever the percentage would allow.
+    a = _advanced("18-hpa-scale-down-pods.yaml")
+    assert (a.scale_down_percent, a.scale_down_pods, a.scale_down_select_policy) == (100, 1, "Min")
+    assert a.scale_down_period_seconds == 60
+    a = _advanced("19-hpa-scale-down-both-min.yaml")
+    assert (a.scale_down_percent, a.scale_down_pods, a.scale_down_select_policy) == (10, 2, "Min")
+    assert _advanced("20-hpa-scale-down-disabled.yaml").scale_down_select_policy == "Disabled"
+    rec = _corpus("21-hpa-scale-up-disabled.yaml")
+    assert rec.paused_scale_out and not rec.paused_scale_in and not rec.paused
+
+
+HPA_DOWN = """\
+  advanced:
+    {extra}horizontalPodAutoscalerConfig:
+      behavior:
+        scaleDown:
+{rules}"""
+
+
+def _with_hpa(rules: str, extra: str = "") -> str:
+    return GOOD.replace(
+        "  triggers:\n", HPA_DOWN.format(extra=extra, rules=textwrap.indent(rules, " " * 10)) + "  triggers:\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("rules", "extra", "error"),
+    [
+        (
+            "policies:\n- {type: Percent, value: 150, periodSeconds: 15}\n",
+            "",
+            "scaleDown.policies[0].value: 150 %: scale-down removes at most 100 % of the replicas",
+        ),
+        (
+            "policies:\n- {type: Pods, value: 1, periodSeconds: 15}\n- {type: Pods, value: 3, periodSeconds: 15}\n",
+            "",
+            "scaleDown.policies[1]: a second Pods policy (the first is policies[0])",
+        ),
+        ("selectPolicy: Min\n", "scaleDownSelectPolicy: Max\n    ", "spec.advanced.scaleDownSelectPolicy: set twice"),
+        (
+            "policies:\n- {type: Percent, value: 20, periodSeconds: 30}\n",
+            "scaleDownPercent: 20\n    ",
+            "spec.advanced.scaleDownPercent: set twice: here and by "
+            "spec.advanced.horizontalPodAutoscalerConfig.behavior.scaleDown.policies",
+        ),
+        ("policies:\n- {type: Replicas, value: 1, periodSeconds: 15}\n", "", "(one of: Percent, Pods)"),
+    ],
+)
+def test_hpa_behavior_that_cannot_map_is_refused_with_the_reason(rules: str, extra: str, error: str) -> None:
+    with pytest.raises(ScaledObjectError) as exc:
+        load(_with_hpa(rules, extra))
+    assert error in str(exc.value), str(exc.value)
+
+
+def test_hpa_scale_up_stabilization_is_refused_but_zero_is_fine() -> None:
+    up = GOOD.replace(
+        "  triggers:\n",
+        "  advanced:\n    horizontalPodAutoscalerConfig:\n      behavior:\n        scaleUp:\n"
+        "          stabilizationWindowSeconds: {w}\n  triggers:\n",
+    )
+    [rec] = load(up.replace("{w}", "0"))
+    assert not rec.paused_scale_out
+    with pytest.raises(ScaledObjectError, match=r"scaleUp.stabilizationWindowSeconds: scale-up stabilization is not"):
+        load(up.replace("{w}", "60"))
+
+
+# --- pause annotations, both families ------------------------------------------------------------------------------
+
+
+def _annotated(annotations: dict[str, str], text: str = GOOD) -> ScalerRecord:
+    lines = "".join(f'    {k}: "{v}"\n' for k, v in annotations.items())
+    [rec] = load(text.replace("  name: qwen\n", f"  name: qwen\n  annotations:\n{lines}", 1))
+    return rec
+
+
+@pytest.mark.parametrize("prefix", scaledobject.ANNOTATION_PREFIXES)
+def test_both_families_of_pause_annotations_are_honoured(prefix: str) -> None:
+    rec = _annotated({f"{prefix}paused": "true"})
+    assert (rec.paused, rec.paused_replicas) == (True, None)
+    rec = _annotated({f"{prefix}paused": "false"})
+    assert not rec.paused
+    rec = _annotated({f"{prefix}paused-replicas": "3"})
+    assert (rec.paused, rec.paused_replicas) == (True, 3)
+    rec = _annotated({f"{prefix}paused": "true", f"{prefix}paused-replicas": "2"})
+    assert (rec.paused, rec.paused_replicas) == (True, 2)
+    rec = _annotated({f"{prefix}paused-scale-in": "true"})
+    assert (rec.paused, rec.paused_scale_in, rec.paused_scale_out) == (False, True, False)
+    rec = _annotated({f"{prefix}paused-scale-out": "TRUE", f"{prefix}paused-scale-in": "false"})
+    assert (rec.paused, rec.paused_scale_in, rec.paused_scale_out) == (False, False, True)
+
+
+def test_paused_replicas_zero_parks_at_zero_and_keda_allows_any_count() -> None:
+    rec = _corpus("24-keda-paused-replicas-zero.yaml")
+    assert rec.spec.min_replica_count == 1 and (rec.paused, rec.paused_replicas) == (True, 0)
+    # KEDA: "any arbitrary number"; only the per-model limit applies.
+    assert _annotated({"autoscaling.keda.sh/paused-replicas": "6"}).paused_replicas == 6  # over maxReplicaCount 4
+
+
+@pytest.mark.parametrize(
+    ("annotations", "error"),
+    [
+        (
+            {"pulsescale.io/paused-replicas": "2", "autoscaling.keda.sh/paused-replicas": "3"},
+            'metadata.annotations[autoscaling.keda.sh/paused-replicas]: "3" contradicts '
+            'pulsescale.io/paused-replicas: "2"',
+        ),
+        (
+            {"pulsescale.io/paused-scale-in": "false", "autoscaling.keda.sh/paused-scale-in": "true"},
+            "metadata.annotations[autoscaling.keda.sh/paused-scale-in]: true contradicts "
+            "pulsescale.io/paused-scale-in: false",
+        ),
+        (
+            {"pulsescale.io/paused": "false", "autoscaling.keda.sh/paused-replicas": "2"},
+            'metadata.annotations[autoscaling.keda.sh/paused-replicas]: contradicts pulsescale.io/paused: "false"',
+        ),
+        ({"autoscaling.keda.sh/paused-scale-out": "yes"}, 'must be "true" or "false", got \'yes\''),
+        ({"autoscaling.keda.sh/paused-replicas": "-1"}, "must be a whole number of replicas, got '-1'"),
+    ],
+)
+def test_contradicting_or_bad_annotations_are_refused_naming_both(annotations: dict[str, str], error: str) -> None:
+    with pytest.raises(ScaledObjectError) as exc:
+        _annotated(annotations)
+    assert error in str(exc.value), str(exc.value)
+
+
+def test_paused_scale_out_false_contradicts_scale_up_disabled() -> None:
+    text = (CORPUS / "keda" / "21-hpa-scale-up-disabled.yaml").read_text()
+    with pytest.raises(ScaledObjectError, match=r'scale-out.: "false" contradicts .*scaleUp.selectPolicy: Disabled'):
+        _annotated({"autoscaling.keda.sh/paused-scale-out": "false"}, text.replace("name: qwen-hpa-noup", "name: qwen"))
+
+
+def test_same_content_sees_the_new_fields() -> None:
+    [plain] = load(GOOD)
+    assert scaledobject.same_content(plain, plain)
+    assert not scaledobject.same_content(plain, _annotated({"autoscaling.keda.sh/paused-scale-in": "true"}))
+    [noted] = load(GOOD.replace("  triggers:\n", "  pollingInterval: 30\n  triggers:\n"))
+    assert not scaledobject.same_content(plain, noted)
+
+
+# --- CR bodies from the API server -----------------------------------------------------------------------------------
+
+
+def test_a_cr_body_reads_and_carries_its_creation_time() -> None:
+    rec = _corpus("32-cr-body-from-api-server.yaml")
+    assert rec.generation == 3 and rec.created_at == 1796136061.0  # 2026-12-01T14:41:01Z
+    unquoted = GOOD.replace("  name: qwen\n", "  name: qwen\n  creationTimestamp: 2026-12-01T14:41:01Z\n")
+    assert load(unquoted)[0].created_at == 1796136061.0  # YAML made it a datetime
+    assert load(GOOD)[0].created_at is None
+    with pytest.raises(ScaledObjectError, match=r"metadata.creationTimestamp: 'yesterday' is not an RFC 3339 time"):
+        load(GOOD.replace("  name: qwen\n", "  name: qwen\n  creationTimestamp: yesterday\n"))
+
+
+# --- YAML: duplicate keys, lists, directories ----------------------------------------------------------------------
+
+
+def test_duplicate_keys_are_refused_with_line_and_column_at_any_depth() -> None:
+    nested = _edit("{model: qwen}", "\n        model: qwen\n        model: llama")
+    with pytest.raises(ScaledObjectError) as exc:
+        load(nested)
+    assert str(exc.value) == (
+        "qwen.yaml: line 13, column 9: duplicate key 'model' (first at line 12); YAML would keep only the last one: "
+        "remove one"
+    )
+    # A merge key (<<) may still be overridden: that is what it is for.
+    merged = "base: &b {maxReplicaCount: 2}\n---\n" + GOOD.replace(
+        "  maxReplicaCount: 4\n", "  <<: {maxReplicaCount: 9}\n  maxReplicaCount: 4\n"
+    )
+    with pytest.raises(ScaledObjectError, match="doc 1: apiVersion"):  # only the first (bogus) document fails
+        load(merged)
+    [rec] = load(merged.split("---\n", 1)[1])
+    assert rec.spec.max_replica_count == 4
+
+
+def test_a_kind_list_contributes_its_items() -> None:
+    other = GOOD.replace("name: qwen\nspec", "name: qwen-b\nspec")
+    items = [yaml.safe_load(GOOD), yaml.safe_load(other)]
+    text = yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": items})
+    docs = scaledobject.load_documents(text, "list.yaml")
+    assert [(m.where, m.record.key) for m in docs] == [
+        ("list.yaml doc 1 items[0]", "default.qwen"),
+        ("list.yaml doc 1 items[1]", "default.qwen-b"),
+    ]
+    items[1]["spec"]["maxReplicaCount"] = 0
+    with pytest.raises(ScaledObjectError, match=r"^list.yaml doc 1 items\[1\]: spec.maxReplicaCount"):
+        scaledobject.load_documents(yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": items}), "list.yaml")
+
+
+def _named(name: str) -> str:
+    return GOOD.replace("name: qwen\nspec", f"name: {name}\nspec")
+
+
+def test_load_path_reads_a_directory_as_kubectl_apply_does(tmp_path: Path) -> None:
+    (tmp_path / "b.yml").write_text(_named("b"))
+    (tmp_path / "a.yaml").write_text(_named("a") + "---\n" + _named("a2"))
+    (tmp_path / "c.json").write_text(json.dumps(yaml.safe_load(_named("c"))))
+    (tmp_path / "empty.yaml").write_text("# nothing yet\n")
+    (tmp_path / "README.md").write_text("not a manifest")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "d.yaml").write_text(_named("d"))
+    flat = scaledobject.load_path(tmp_path)
+    assert [(Path(m.source).name, m.index, m.record.name) for m in flat] == [
+        ("a.yaml", 1, "a"),
+        ("a.yaml", 2, "a2"),
+        ("b.yml", 1, "b"),
+        ("c.json", 1, "c"),
+    ]
+    assert [m.record.name for m in scaledobject.load_path(tmp_path, recursive=True)] == ["a", "a2", "b", "c", "d"]
+    assert [m.record.name for m in scaledobject.load_path(str(tmp_path / "sub" / "d.yaml"))] == ["d"]
+
+    (tmp_path / "sub" / "e.yaml").write_text(_named("b"))
+    with pytest.raises(ScaledObjectError) as exc:
+        scaledobject.load_path(tmp_path, recursive=True)
+    assert str(exc.value) == (
+        f"{tmp_path / 'sub' / 'e.yaml'} doc 1: metadata.name: default.b is also defined by {tmp_path / 'b.yml'} doc 1"
+    )
+    (tmp_path / "b.yml").write_text(_named("b").replace("maxReplicaCount: 4", "maxReplicaCount: -1"))
+    with pytest.raises(ScaledObjectError, match=f"^{tmp_path / 'b.yml'} doc 1: spec.maxReplicaCount"):
+        scaledobject.load_path(tmp_path)
+
+
+def test_load_path_refuses_an_empty_directory_an_empty_file_and_a_missing_one(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "x.yaml").write_text(GOOD)
+    with pytest.raises(ScaledObjectError, match=r"no ScaledObject in its .yaml, .yml, .json files \(add -R"):
+        scaledobject.load_path(tmp_path)
+    (tmp_path / "empty.yaml").write_text("")
+    with pytest.raises(ScaledObjectError, match=r"empty.yaml: no ScaledObject in it"):
+        scaledobject.load_path(tmp_path / "empty.yaml")
+    with pytest.raises(ScaledObjectError, match=r"nope.yaml: cannot read it"):
+        scaledobject.load_path(tmp_path / "nope.yaml")
 
 
 # --- pulsescale apply -f ----------------------------------------------------------------------------------------
