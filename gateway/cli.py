@@ -12,7 +12,7 @@ import signal
 from collections.abc import Awaitable
 from dataclasses import replace
 
-from warmpool import connect, protocol
+from warmpool import connect, durations, protocol
 
 
 def _listen(text: str) -> tuple[str, int]:
@@ -51,13 +51,17 @@ def run_gateway(argv: list[str], prog: str) -> int:
         help=f"waiting requests per model [{d.queue_limit}]",
     )
     p.add_argument(
-        "--timeout-s", type=float, default=d.timeout_s, metavar="S", help=f"longest wait for a slot [{d.timeout_s}]"
+        "--timeout-s",
+        type=durations.duration_arg(),
+        default=d.timeout_s,
+        metavar="DURATION",
+        help=f"longest wait for a slot (30s, 500ms, plain seconds) [{d.timeout_s}]",
     )
     p.add_argument(
         "--upstream-timeout-s",
-        type=float,
+        type=durations.duration_arg(),
         default=d.upstream_timeout_s,
-        metavar="S",
+        metavar="DURATION",
         help=f"longest an upstream may take to answer [{d.upstream_timeout_s}]",
     )
     p.add_argument(

@@ -21,7 +21,8 @@ from nodeagent.engine.zygote import FAULTS
 from nodeagent.errors import BadModel, BadWeights, EngineFailed, LoaderUnavailable, StagingFailed
 from nodeagent.settings import AgentSettings
 from warmpool import connect as nats_connect
-from warmpool import protocol
+from warmpool import durations, protocol
+from warmpool import output as out
 
 __all__ = ["model", "run_agent"]
 
@@ -53,7 +54,7 @@ def _agent_parser(prog: str) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--fetch-timeout-s",
-        type=float,
+        type=durations.duration_arg(),
         default=d.fetch_timeout_s,
         help=f"download connect/read timeout [{d.fetch_timeout_s:g}]",
     )
@@ -84,7 +85,9 @@ def _agent_parser(prog: str) -> argparse.ArgumentParser:
         choices=("shared", "private"),
         help="shared: engines read the shm mapping in place; private: the loader copies into engine memory",
     )
-    p.add_argument("--lease-s", type=float, default=d.lease_s, help=f"agent lease in seconds [{d.lease_s}]")
+    p.add_argument(
+        "--lease-s", type=durations.duration_arg(), default=d.lease_s, help=f"agent lease (10s, 1m) [{d.lease_s}s]"
+    )
     p.add_argument("--metrics-host", default=d.metrics_host, help=f"metrics bind address [{d.metrics_host}]")
     p.add_argument(
         "--metrics-port",
@@ -109,13 +112,13 @@ def _agent_parser(prog: str) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--engine-start-timeout-s",
-        type=float,
+        type=durations.duration_arg(),
         default=d.engine_start_timeout_s,
         help=f"standby server start to healthy, else the slot fails [{d.engine_start_timeout_s:g}]",
     )
     p.add_argument(
         "--engine-probe-s",
-        type=float,
+        type=durations.duration_arg(allow_zero=True),
         default=d.engine_probe_interval_s,
         help=f"GET /health of each serving engine this often; {d.engine_probe_failures} failures in a row stop it "
         f"and fail its claim (0 = off) [{d.engine_probe_interval_s:g}]",
@@ -328,6 +331,11 @@ def _make_tiny_hf(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     cfg = hfmodel.make_tiny_hf(args.dir, seed=args.seed)
     nbytes = Path(args.dir, hfmodel.WEIGHTS_FILE).stat().st_size
+    fmt = out.machine(args)
+    if fmt is not None:
+        made = {"dir": str(args.dir), "format": "hf", "weights_bytes": nbytes, "config": cfg}
+        print(out.dump({**made, "seconds": round(time.perf_counter() - t0, 3)}, fmt))
+        return 0
     print(
         f"wrote {args.dir}: a {cfg['num_hidden_layers']}-layer Llama (hidden {cfg['hidden_size']}, head_dim "
         f"{cfg['head_dim']}, vocab {cfg['vocab_size']}), {nbytes / 1e6:.1f} MB of F32 weights in "
@@ -348,6 +356,12 @@ def _make_tiny(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     cfg = tinymodel.make_tiny(args.dir, size, shard_bytes=shard, seed=args.seed)
     files = sorted(Path(args.dir).glob("*.safetensors"))
+    fmt = out.machine(args)
+    if fmt is not None:
+        made = {"dir": str(args.dir), "format": "tiny", "weights_bytes": cfg.nbytes, "files": [f.name for f in files]}
+        made |= {"dim": cfg.dim, "layers": cfg.layers, "experts": cfg.experts}
+        print(out.dump({**made, "seconds": round(time.perf_counter() - t0, 3)}, fmt))
+        return 0
     print(
         f"wrote {args.dir}: {cfg.nbytes / 1e6:.1f} MB of F32 weights in {len(files)} file(s) "
         f"(dim {cfg.dim}, {cfg.layers} layers x {cfg.experts} experts) + {modelformat.CONFIG_FILE} + "
@@ -392,6 +406,14 @@ class _Shown:
 def _verify(args: argparse.Namespace) -> int:
     """Check a model directory the way staging will, without staging it."""
     bad = 0
+    fmt = out.machine(args)
+    results: list[dict[str, object]] = []
+
+    def said(name: str, ok: bool, detail: str) -> None:
+        results.append({"name": name, "ok": ok, "detail": detail})
+        if fmt is None:
+            print(f"{'ok  ' if ok else 'BAD '}  {name}{': ' + detail if detail else ''}", flush=True)
+
     try:
         sums = modelformat.read_manifest(args.dir)
     except BadModel as err:
@@ -412,14 +434,16 @@ def _verify(args: argparse.Namespace) -> int:
                 raise BadWeights(name, "sha256 mismatch with the manifest")
             if name.endswith(".safetensors"):
                 hdr = safetensors_check.read_header(path)
-                print(f"ok    {name}: {len(hdr.tensors)} tensors, {hdr.data_bytes} bytes", flush=True)
+                said(name, True, f"{len(hdr.tensors)} tensors, {hdr.data_bytes} bytes")
             else:
-                print(f"ok    {name}", flush=True)
+                said(name, True, "")
         except (BadWeights, OSError) as err:
             bad += 1
             shown.clear()
-            print(f"BAD   {name}: {err}", flush=True)
+            said(name, False, str(err))
     shown.done()
+    if fmt is not None:
+        print(out.dump({"dir": str(args.dir), "ok": not bad, "files": results}, fmt))
     return 1 if bad else 0
 
 
@@ -453,6 +477,13 @@ def _stage(args: argparse.Namespace) -> int:
     staged.close()
     how = staged.how
     rate = staged.written_bytes / staged.stage_s / 1e9 if staged.stage_s > 0 else 0.0
+    fmt = out.machine(args)
+    if fmt is not None:
+        done = {"model": name, "dir": str(staged.dir), "files": len(staged.files), "bytes": staged.nbytes, "how": how}
+        done |= {"written_bytes": staged.written_bytes, "reused_bytes": staged.reused_bytes}
+        done |= {"hashed_bytes": staged.hashed_bytes, "seconds": round(staged.stage_s, 3), "gb_per_s": round(rate, 3)}
+        print(out.dump(done, fmt))
+        return 0
     print(
         f"staged {name} in {staged.dir}: {len(staged.files)} file(s), {staged.nbytes / 1e9:.3f} GB "
         f"({staged.written_bytes / 1e9:.3f} GB {how} at {rate:.2f} GB/s, {staged.reused_bytes / 1e9:.3f} GB reused, "
@@ -474,6 +505,7 @@ def model(argv: list[str], prog: str) -> int:
     mk.add_argument("--size", default="64MB", help="about this many bytes of weights [64MB]")
     mk.add_argument("--shard-size", default="512MiB", help="largest weights file [512MiB]")
     mk.add_argument("--seed", type=int, default=0)
+    out.add_output_argument(mk)
     mk.add_argument(
         "--format",
         choices=("tiny", "hf"),
@@ -483,6 +515,7 @@ def model(argv: list[str], prog: str) -> int:
     )
     ver = sub.add_parser("verify", help="check every file against sha256sums.txt and every safetensors header")
     ver.add_argument("dir")
+    out.add_output_argument(ver)
     st = sub.add_parser(
         "stage",
         help="stage a model (directory or http(s) URL) into shm as the agent does, with a progress bar",
@@ -494,6 +527,7 @@ def model(argv: list[str], prog: str) -> int:
     st.add_argument("--model-name", help="the model's name (its directory under --shm-dir) [the source's name]")
     st.add_argument("--shm-budget", metavar="SIZE", help="refuse beyond this much shm in --shm-dir [no budget]")
     st.add_argument("--threads", type=int, default=2, help="files copied at once [2]")
+    out.add_output_argument(st)
     args = p.parse_args(argv)
     if args.cmd == "make-tiny":
         return _make_tiny(args)

@@ -72,3 +72,69 @@ def test_unreachable_nats_is_one_clear_line() -> None:
     r = pulsescale("slots", "--nats", f"nats://127.0.0.1:{free_port()}", "--nats-connect-timeout", "0.5")
     assert r.returncode == 1
     assert r.stderr.startswith("pulsescale slots: cannot connect to NATS") and r.stderr.count("\n") == 1
+
+
+# --- machine output and durations on every command that prints ------------------------------------------------
+
+
+def test_model_tools_print_json_and_yaml_on_stdout_only(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    import yaml
+
+    m = tmp_path / "m"
+    r = pulsescale("model", "make-tiny", str(m), "--size", "1MB", "-o", "json")
+    assert r.returncode == 0, r.stderr
+    made = json.loads(r.stdout)  # all of stdout is the object: nothing else printed there
+    assert made["format"] == "tiny" and made["weights_bytes"] > 0 and made["files"]
+    r = pulsescale("model", "verify", str(m), "--json")
+    assert r.returncode == 0, r.stderr
+    checked = json.loads(r.stdout)
+    assert checked["ok"] is True and {f["name"] for f in checked["files"]} >= set(made["files"])
+    assert all(f["ok"] for f in checked["files"])
+    shard = m / made["files"][0]
+    shard.write_bytes(shard.read_bytes()[:-1] + b"\0")
+    r = pulsescale("model", "verify", str(m), "-o", "yaml")
+    bad = yaml.safe_load(r.stdout)
+    assert r.returncode == 1 and bad["ok"] is False
+    assert [f["detail"] for f in bad["files"] if not f["ok"]] == [f"{shard.name}: sha256 mismatch with the manifest"]
+
+
+def test_slots_and_sample_print_json_and_take_durations(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+    import json
+
+    from warmpool import connect
+    from warmpool.registry import KvSlotStore
+    from warmpool.seed import seed_pool
+
+    with NatsServer(tmp_path) as server:
+
+        async def seed() -> None:
+            nc = await connect.connect(connect.NatsOptions(servers=(server.url,)))
+            async with await KvSlotStore.open(nc) as store:
+                await seed_pool(store, "llama", nodes=1, slots_per_node=2)
+            await nc.close()
+
+        asyncio.run(seed())
+        r = pulsescale("slots", "--nats", server.url, "-o", "json")
+        assert r.returncode == 0, r.stderr
+        rows = json.loads(r.stdout)
+        assert [(s["key"], s["state"], s["agent"]) for s in rows] == [
+            ("llama.node-0.s0", "warm", "fresh"),
+            ("llama.node-0.s1", "warm", "fresh"),
+        ]
+        r = pulsescale("sample", "llama", "--queue-depth", "3", "--for", "300ms", "--every", "100ms", "--nats",
+                       server.url, "--json")  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        sent = json.loads(r.stdout)
+        assert sent["model"] == "llama" and sent["queue_depth"] == 3 and 3 <= sent["samples"] <= 5
+    r = pulsescale("sample", "llama", "--queue-depth", "3", "--every", "10min")
+    assert r.returncode == 2 and "argument --every: '10min' is not a duration such as 500ms, 90s" in r.stderr
+
+
+def test_daemons_take_durations_and_refuse_bad_ones_by_flag() -> None:
+    r = pulsescale("gateway", "--timeout-s", "1d")
+    assert r.returncode == 2 and "argument --timeout-s: '1d' is not a duration" in r.stderr and "write 24h" in r.stderr
+    r = pulsescale("agent", "--model", ".", "--node", "n", "--lease-s=-3s")
+    assert r.returncode == 2 and "argument --lease-s: '-3s' is not a duration" in r.stderr

@@ -15,10 +15,12 @@ import sys
 import threading
 import time
 
+import msgspec
 from nats.aio.client import Client
 
 from warmpool import connect as nats_connect
-from warmpool import natsauth, protocol
+from warmpool import durations, natsauth, protocol
+from warmpool import output as out
 from warmpool.embedded import NatsServer
 from warmpool.registry import KvSlotStore, ensure_buckets
 
@@ -127,26 +129,34 @@ def _secure_usage(layout: natsauth.SecureLayout) -> str:
     return "\n".join(lines)
 
 
-async def _slots(nc: Client, model: str | None) -> None:
+async def _slots(nc: Client, model: str | None, fmt: str | None) -> None:
     async with await KvSlotStore.open(nc) as store:
         now = store.clock()
         rows = sorted(store.records(model), key=lambda r: r.key)
-        print(f"{'SLOT':<40} {'STATE':<11} {'RACK':<10} {'AGENT':<7} {'RESIDENT':<8} REASON")
+        fresh = {}
         for r in rows:
             lease = store.lease(r.node)
-            agent = "fresh" if lease and lease.fresh(now) else "stale"
-            resident = "yes" if r.weights_resident else "no"
-            print(f"{r.key:<40} {r.state:<11} {r.rack or '-':<10} {agent:<7} {resident:<8} {r.reason or ''}")
+            fresh[r.key] = "fresh" if lease and lease.fresh(now) else "stale"
+        if fmt is not None:
+            # The records as stored, each with its agent's freshness (not part of the record: judged here, now).
+            print(out.dump([{"key": r.key, **msgspec.to_builtins(r), "agent": fresh[r.key]} for r in rows], fmt))
+            return
+        table = [
+            (r.key, r.state, r.rack or "-", fresh[r.key], "yes" if r.weights_resident else "no", r.reason or "")
+            for r in rows
+        ]
+        print(out.table(("SLOT", "STATE", "RACK", "AGENT", "RESIDENT", "REASON"), table))
         print(f"{len(rows)} slot(s)")
 
 
 def slots(argv: list[str], prog: str) -> int:
     p = argparse.ArgumentParser(prog=prog, description="List slots straight from the pulse_slots bucket.")
     p.add_argument("model", nargs="?", help="only this model's slots")
+    out.add_output_argument(p)
     nats_connect.add_nats_arguments(p)
     args = p.parse_args(argv)
     opts = nats_connect.options_from_args(args, name="pulsescale-slots")
-    asyncio.run(nats_connect.run_client(opts, lambda nc: _slots(nc, args.model)))
+    asyncio.run(nats_connect.run_client(opts, lambda nc: _slots(nc, args.model, out.machine(args))))
     return 0
 
 
@@ -187,9 +197,19 @@ def sample(argv: list[str], prog: str) -> int:
     p.add_argument("model")
     p.add_argument("--queue-depth", type=int, required=True, help="requests waiting")
     p.add_argument("--inflight", type=int, default=0, help="requests being served [0]")
-    p.add_argument("--for", dest="for_s", type=float, default=0.0, metavar="SECONDS", help="keep publishing [once]")
-    p.add_argument("--every", dest="every_s", type=float, default=0.1, metavar="SECONDS", help="interval [0.1]")
+    p.add_argument(
+        "--for",
+        dest="for_s",
+        type=durations.duration_arg(allow_zero=True),
+        default=0.0,
+        metavar="DURATION",
+        help="keep publishing this long: 30s, 2m, 500ms, plain seconds [once]",
+    )
+    p.add_argument(
+        "--every", dest="every_s", type=durations.duration_arg(), default=0.1, metavar="DURATION", help="[100ms]"
+    )
     p.add_argument("--gateway", default="cli", help="gateway name in the samples [cli]")
+    out.add_output_argument(p)
     nats_connect.add_nats_arguments(p)
     args = p.parse_args(argv)
     if not protocol.is_name(args.model):
@@ -198,5 +218,10 @@ def sample(argv: list[str], prog: str) -> int:
         p.error("counts must be >= 0")
     opts = nats_connect.options_from_args(args, name="pulsescale-sample")
     sent = asyncio.run(nats_connect.run_client(opts, lambda nc: _sample(nc, args)))
+    fmt = out.machine(args)
+    if fmt is not None:
+        published = {"model": args.model, "samples": sent, "queue_depth": args.queue_depth, "inflight": args.inflight}
+        print(out.dump(published, fmt))
+        return 0
     print(f"published {sent} sample(s) for {args.model}: queue {args.queue_depth}, in-flight {args.inflight}")
     return 0
