@@ -23,7 +23,6 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, Final, Literal, TextIO, TypeVar
 
 import msgspec
@@ -428,31 +427,12 @@ def undrain(argv: list[str], prog: str) -> int:
 
 # --- apply -------------------------------------------------------------------------------------------------------
 
-MANIFEST_SUFFIXES: Final = (".yaml", ".yml", ".json")
-"""Files `-f DIR` reads, as kubectl: others in the directory (a README, a kustomization's patches) are skipped."""
 
-
-def manifest_files(path: str, *, recursive: bool) -> list[Path]:
-    """The manifest files of `-f PATH`: the file itself, or a directory's ``*.yaml|*.yml|*.json`` in name order
-    (with `recursive`, its subdirectories' too). A directory without any is an error: a wrong path, most likely."""
-    p = Path(path)
-    if not p.is_dir():
-        return [p]
-    found = p.rglob("*") if recursive else p.iterdir()
-    files = sorted(f for f in found if f.is_file() and f.suffix in MANIFEST_SUFFIXES)
-    if not files:
-        more = "" if recursive else " (add -R for its subdirectories)"
-        raise scaledobject.ScaledObjectError("", f"no {', '.join(MANIFEST_SUFFIXES)} files in it{more}", where=path)
-    return files
-
-
-def _read(path: str, stdin: TextIO) -> tuple[str, str]:
-    if path == "-":
-        return "<stdin>", stdin.read()
+def _read_stdin(stdin: TextIO) -> str:
     try:
-        return path, Path(path).read_text(encoding="utf-8")
+        return stdin.read()
     except (OSError, UnicodeDecodeError) as err:
-        raise scaledobject.ScaledObjectError("", f"cannot read it: {err}", where=path) from None
+        raise scaledobject.ScaledObjectError("", f"cannot read it: {err}", where="<stdin>") from None
 
 
 def load_manifests(
@@ -462,18 +442,19 @@ def load_manifests(
     before any is written; a ``<namespace>.<name>`` defined twice anywhere is refused (the second would win)."""
     manifests: list[scaledobject.Manifest] = []
     for path in paths:
-        files = ["-"] if path == "-" else [str(f) for f in manifest_files(path, recursive=recursive)]
-        for file in files:
-            source, text = _read(file, stdin)
-            manifests += scaledobject.load_documents(text, source, updated_at=now, max_replicas=max_replicas)
+        if path == "-":
+            text = _read_stdin(stdin)
+            manifests += scaledobject.load_documents(text, "<stdin>", updated_at=now, max_replicas=max_replicas)
+        else:  # a file or a directory (-R: its subdirectories), read as kubectl apply -f does
+            manifests += scaledobject.load_path(path, recursive=recursive, updated_at=now, max_replicas=max_replicas)
     first: dict[str, scaledobject.Manifest] = {}
     for m in manifests:
         seen = first.setdefault(m.record.key, m)
         if seen is not m:
             raise scaledobject.ScaledObjectError(
                 "metadata.name",
-                f"{m.record.key} is also defined by {seen.source} doc {seen.index}",
-                where=f"{m.source} doc {m.index}",
+                f"{m.record.key} is also defined by {seen.where}",
+                where=m.where,
             )
     return manifests
 

@@ -195,17 +195,17 @@ def _drop_none(value: Any) -> Any:
 
 
 def _annotations(rec: ScalerRecord) -> dict[str, str]:
-    """The pause state as annotations (ours, and KEDA's for the scale-in/out pauses, which have no pulsescale
-    name): applying them back gives the same record."""
+    """The pause state as our annotations (KEDA's family means the same): applying them back gives the same
+    record."""
     a: dict[str, str] = {}
     if rec.paused_replicas is not None:
         a[scaledobject.PAUSED_REPLICAS_ANNOTATION] = str(rec.paused_replicas)
     elif rec.paused:
         a[scaledobject.PAUSED_ANNOTATION] = "true"
     if rec.paused_scale_in:
-        a[KEDA_PAUSED_SCALE_IN] = "true"
+        a[scaledobject.PAUSED_SCALE_IN_ANNOTATION] = "true"
     if rec.paused_scale_out:
-        a[KEDA_PAUSED_SCALE_OUT] = "true"
+        a[scaledobject.PAUSED_SCALE_OUT_ANNOTATION] = "true"
     return a
 
 

@@ -236,7 +236,7 @@ async def test_apply_dry_run_notes_and_json(cli, nc: Client, manifests: Path) ->
     empty = manifests / "empty"
     empty.mkdir()
     code, _, err = await cli("apply", "-f", str(empty))
-    assert code == 1 and "no .yaml, .yml, .json files in it (add -R for its subdirectories)" in err
+    assert code == 1 and "no ScaledObject in its .yaml, .yml, .json files (add -R for its subdirectories)" in err
     (empty / "deep").mkdir()
     (empty / "deep" / "q.yaml").write_text(so("deep", "deep"))
     code, out, _ = await cli("apply", "-R", "-f", str(empty), "--dry-run")
