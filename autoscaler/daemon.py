@@ -5,7 +5,8 @@ slots in `pulse_slots`, and runs one `ModelController` per model, so a standby's
 over. Only the leader (lease in `pulse_leases`, `autoscaler.leader`) claims, activates, releases, and answers
 on-call commands (`autoscaler.commands`, through the `ControlPlane` that `Autoscaler` implements). A new leader
 adopts the slots its predecessor held and restores the on-call overrides stored under
-``protocol.override_key(model)``.
+``protocol.override_key(model)``. A deleted ScaledObject's slots are given back (the operator's finalizer waits for
+that): by the leader when the delete arrives, else by a later leader's sweep for held slots no ScaledObject owns.
 
 Its HTTP port serves ``/metrics``, ``/healthz`` (200 while this replica leads, or follows with a live connection
 and current views) and ``/readyz`` (200 once the views are listed and the ScaledObjects followed).
@@ -34,13 +35,14 @@ from nats.js.kv import KeyValue
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from autoscaler import commands, scaledobject
+from autoscaler.agentclient import AgentClient, AgentUnavailable
 from autoscaler.controller import ColdPath, ControllerSettings, Deps, LocalColdPath, ModelController
 from autoscaler.leader import LeaderElection, LeaseSettings
 from autoscaler.metrics import AutoscalerMetrics
 from warmpool import connect, protocol
-from warmpool.errors import BadMessage, PulsescaleError
+from warmpool.errors import BadMessage, PulsescaleError, StaleToken
 from warmpool.protocol import Override, OverrideRecord, QueueSample, ScaledObjectSpec, ScalerRecord, StatusRow
-from warmpool.registry import BucketView, Changed, KvSlotStore, Removed, Snapshot, ensure_buckets
+from warmpool.registry import BucketView, Changed, Claim, KvSlotStore, Removed, Snapshot, ensure_buckets
 from warmpool.rejects import Rejections
 
 __all__ = ["Autoscaler", "AutoscalerSettings", "run"]
@@ -118,6 +120,7 @@ class Autoscaler:
         self.commands: commands.CommandService | None = None
         self._cut: dict[str, float] = {}  # ScaledObjects cut to max_replicas, by key: the version logged
         self._retiring: set[asyncio.Future[int]] = set()  # deleted ScaledObjects releasing their slots
+        self._sweeping: set[str] = set()  # slot keys of deleted ScaledObjects being released by the sweep
 
     @contextlib.contextmanager
     def _contained(self, what: str) -> Iterator[None]:
@@ -322,6 +325,47 @@ class Autoscaler:
                 await c.housekeeping(now)
         with self._contained("slot gauges"):
             self._slot_gauges()
+        if self.is_leader() and self.scalers_followed:
+            with self._contained("the sweep for slots of deleted ScaledObjects"):
+                self._sweep_unowned(now)
+
+    def _sweep_unowned(self, now: float) -> None:
+        """Release slots held for a model no ScaledObject scales: its ScaledObject was deleted while no leader
+        was there to release them (`apply_scaler` does when one is), and the operator's finalizer waits for them.
+        Only the autoscaler claims slots, so a held slot of an unscaled model is nobody's. A grace of two
+        activation deadlines since the record's last write leaves alone a claim whose ScaledObject is arriving."""
+        grace_s = 2 * self.settings.controller.activation_deadline_s
+        agents = AgentClient(self.nc, clock=self.clock)
+        for rec in self.store.records():
+            if (
+                rec.model in self.by_model
+                or rec.key in self._sweeping
+                or rec.state not in ("claimed", "activating", "ready")
+                or now - rec.updated_at < grace_s
+            ):
+                continue
+            claim = self.store.adopt(rec.key)
+            if claim is None:
+                continue
+            log.warning("slot %s is held for %s, which no ScaledObject scales: releasing it", rec.key, rec.model)
+            self._sweeping.add(rec.key)
+            task = asyncio.ensure_future(self._release_unowned(agents, claim))
+            task.add_done_callback(functools.partial(self._swept, rec.key))
+
+    def _swept(self, key: str, task: asyncio.Future[None]) -> None:
+        self._sweeping.discard(key)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("releasing %s failed: %s", key, task.exception())
+
+    async def _release_unowned(self, agents: AgentClient, claim: Claim) -> None:
+        with contextlib.suppress(AgentUnavailable):
+            await agents.deactivate(claim, timeout_s=self.settings.controller.deactivate_timeout_s)
+        try:
+            await self.store.release(claim, reason="its ScaledObject was deleted")
+        except StaleToken:
+            pass  # the agent gave it back on deactivate
+        except (PulsescaleError, nats.errors.Error, TimeoutError) as err:
+            log.warning("could not release %s (%s); the next sweep tries again", claim.key, err)
 
     # --- leadership ---------------------------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 
+from autoscaler.controller import ControllerSettings
 from pulsescale import cli as dispatcher
 from tests.agent_double import AgentDouble
 from tests.helpers import wait_for
@@ -129,3 +130,23 @@ async def test_deleting_a_scaled_object_releases_its_slots(
     finally:
         for a in [*agents, other]:
             await a.stop()
+
+
+async def test_slots_of_a_scaled_object_deleted_while_no_leader_ran_are_released(
+    nats_server: NatsServer, nc: Client, store: KvSlotStore
+) -> None:
+    agent = await AgentDouble(nc, store, "node-0", "m", slots=2).start()
+    rec = await put_record(nc, "m")
+    kv = (await ensure_buckets(nc.jetstream()))[protocol.SCALERS_BUCKET]
+    try:
+        async with running_autoscaler(nats_server.url):
+            await Gateway(nc, "m").send(8)
+            await wait_for(lambda: sum(r.state == "ready" for r in store.records("m")) == 2, 5, "2 slots ready")
+        # The leader stopped (its serving slots stay held for the next one); the ScaledObject goes meanwhile.
+        assert sum(r.state == "ready" for r in store.records("m")) == 2
+        await kv.delete(rec.key)
+        async with running_autoscaler(nats_server.url, controller=ControllerSettings(activation_deadline_s=0.5)):
+            await wait_for(lambda: not any(r.state in HELD for r in store.records("m")), 5, "m's slots released")
+        assert all(r.state == "warm" for r in store.records("m"))
+    finally:
+        await agent.stop()
