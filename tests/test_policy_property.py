@@ -5,6 +5,8 @@
 - Never down in panic, never down on stale metrics (unless the spec's own fallback count says so, or the bounds
   moved below the count).
 - Pure: the same inputs give equal outputs, and the input state is not mutated.
+- KEDA's fields (revision 5): the one-way pauses, ``scaleDownSelectPolicy: Disabled`` and
+  ``initialCooldownPeriod`` never let the count move the way they forbid, and the bounds still hold.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import dataclasses
 import math
 from typing import Any
 
+import msgspec
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -124,4 +127,57 @@ def test_decisions_hold_the_invariants(
                 fresh_hold = decision.mode == "hold" and fresh and not decision.panic
                 if not fresh_hold:  # the restart floor itself may sit below a count a pulse reached
                     assert desired >= min(prev, spec.max_replica_count), decision
+        state = after
+
+
+@st.composite
+def keda_specs(draw: st.DrawFn) -> ScaledObjectSpec:
+    """`specs` with revision 5's KEDA fields drawn too: fallback behavior, scale-down pods and select policy,
+    initialCooldownPeriod."""
+    spec = draw(specs())
+    behavior = draw(st.sampled_from(["static", "currentReplicas", "currentReplicasIfHigher", "currentReplicasIfLower"]))
+    fallback = None if spec.fallback is None else msgspec.structs.replace(spec.fallback, behavior=behavior)
+    advanced = msgspec.structs.replace(
+        spec.advanced,
+        scale_down_pods=draw(st.none() | st.integers(0, 10)),
+        scale_down_select_policy=draw(st.sampled_from(["Max", "Min", "Disabled"])),
+    )
+    icp = draw(st.sampled_from([0.0, 30.0, 600.0]))
+    return msgspec.structs.replace(spec, fallback=fallback, advanced=advanced, initial_cooldown_period=icp)
+
+
+keda_steps = st.tuples(steps, st.booleans(), st.booleans())
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=keda_specs(), current=st.integers(0, 40), trace=st.lists(keda_steps, min_size=1, max_size=40))
+def test_keda_fields_hold_their_invariants(
+    spec: ScaledObjectSpec,
+    current: int,
+    trace: list[tuple[tuple[float, float | None, int, float | None, Override | None], bool, bool]],
+) -> None:
+    """Without a live override: ``paused-scale-in`` never lowers the count and ``paused-scale-out`` never raises it
+    (but for the bounds); ``scaleDownSelectPolicy: Disabled`` never steps down in normal mode; no idle drop inside
+    ``initialCooldownPeriod``; and the bounds hold whatever the fields say."""
+    now = T0
+    state: PolicyState = initial_state(spec, now=now, current_replicas=current)
+    idle = spec.idle_replica_count if spec.idle_replica_count is not None else spec.min_replica_count
+    floor = max(spec.min_replica_count, 1)
+    for (dt, demand, ready, lead_s, override), paused_in, paused_out in trace:
+        now += dt
+        obs = Observation(demand=demand, ready=ready, lead_time_s=lead_s, override=override,
+                          paused_scale_in=paused_in, paused_scale_out=paused_out)  # fmt: skip
+        decision, after = decide(spec, obs, state, now)
+        prev, desired = state.desired, decision.desired
+        if not _live(override, now):
+            assert desired <= spec.max_replica_count, decision
+            assert desired >= spec.min_replica_count or desired == idle, decision
+            if paused_in:
+                assert desired >= min(prev, spec.max_replica_count), decision
+            if paused_out:
+                assert desired <= max(prev, floor), decision
+            if spec.advanced.scale_down_select_policy == "Disabled" and decision.mode == "normal":
+                assert desired >= min(prev, spec.max_replica_count), decision
+            if now < T0 + spec.initial_cooldown_period and desired < prev:
+                assert decision.mode != "idle", decision
         state = after
