@@ -1,0 +1,131 @@
+"""What every part of the operator shares: the NATS handles, the Kubernetes client and the settings.
+
+One `OperatorContext` is built by `pulsescale operator` (kube/cli.py) and handed to `kube.operator.build_registry`,
+which passes it to each part's ``register(registry, ctx)`` (the ScaledObject handlers here, kube/standby.py,
+kube/coldpath.py). Handlers close over it instead of reaching for globals, so two operators (the leader test) live
+in one process.
+
+The Kubernetes client is the official synchronous `kubernetes` client; async code calls it through
+`OperatorContext.call` (a worker thread), never on the event loop. kopf itself talks to the API server with its
+own aiohttp client, logged in with the same credentials (`kopf_connection`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, TypeVar
+
+import kopf
+from kubernetes import client as k8s
+from nats.aio.client import Client
+from nats.js.kv import KeyValue
+
+from warmpool import protocol
+from warmpool.errors import PulsescaleError
+
+__all__ = [
+    "DEFAULT_DELETE_WAIT_S",
+    "DEFAULT_STATUS_EVERY_S",
+    "DEFAULT_STATUS_TIMEOUT_S",
+    "FIELD_MANAGER",
+    "OperatorContext",
+    "kopf_connection",
+    "open_buckets",
+]
+
+DEFAULT_STATUS_EVERY_S: Final = 5.0  # how often the status subresource is refreshed from the autoscaler's `status`
+DEFAULT_STATUS_TIMEOUT_S: Final = 3.0  # how long one `status` request may take before this round is skipped
+DEFAULT_DELETE_WAIT_S: Final = 60.0  # how long a deleted ScaledObject waits for its model's slots to be released
+FIELD_MANAGER: Final = "pulsescale-operator"  # the field manager and the Events' reporting component
+
+T = TypeVar("T")
+
+
+@dataclass
+class OperatorContext:
+    """Everything the handlers need. `namespaces` empty: every namespace (kopf's ``clusterwide``)."""
+
+    nc: Client
+    scalers: KeyValue  # pulse_scalers: read and written (the operator is its writer on Kubernetes)
+    slots: KeyValue  # pulse_slots: read only (the finalizer waits for releases; standby pods follow slots)
+    api: k8s.ApiClient
+    namespaces: tuple[str, ...] = ()
+    identity: str = "pulsescale-operator"  # this replica (the Lease holder; the Events' reportingInstance)
+    status_every_s: float = DEFAULT_STATUS_EVERY_S
+    status_timeout_s: float = DEFAULT_STATUS_TIMEOUT_S
+    delete_wait_s: float = DEFAULT_DELETE_WAIT_S
+    max_replicas: int | None = None  # None: the validator's default (or $PULSESCALE_MAX_REPLICAS)
+    clock: Callable[[], float] = time.time
+    extra: dict[str, Any] = field(default_factory=dict)  # per-part state (kube.standby, kube.coldpath) by name
+
+    @property
+    def clusterwide(self) -> bool:
+        return not self.namespaces
+
+    def watches(self, namespace: str | None) -> bool:
+        """Whether an object in `namespace` is in this operator's scope."""
+        return self.clusterwide or namespace in self.namespaces
+
+    async def call(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """Runs a blocking `kubernetes` client call on a worker thread."""
+        return await asyncio.to_thread(functools.partial(fn, *args, **kwargs))
+
+    @property
+    def core(self) -> k8s.CoreV1Api:
+        return k8s.CoreV1Api(self.api)
+
+    @property
+    def apps(self) -> k8s.AppsV1Api:
+        return k8s.AppsV1Api(self.api)
+
+    @property
+    def custom(self) -> k8s.CustomObjectsApi:
+        return k8s.CustomObjectsApi(self.api)
+
+
+async def open_buckets(
+    nc: Client, names: Sequence[str] = (protocol.SCALERS_BUCKET, protocol.SLOTS_BUCKET)
+) -> dict[str, KeyValue]:
+    """Opens the operator's buckets; they must exist (the autoscaler creates them: the operator's NATS user may
+    not). A missing one is a named error with the fix."""
+    js = nc.jetstream(timeout=5.0)
+    out: dict[str, KeyValue] = {}
+    for name in names:
+        try:
+            out[name] = await js.key_value(name)
+        except Exception as err:
+            raise PulsescaleError(
+                f"cannot open KV bucket {name}: {err!r}; start the autoscaler first (it creates the buckets), and "
+                "check the operator's NATS user (pulsescale nats --secure writes one)"
+            ) from err
+    return out
+
+
+def kopf_connection(api: k8s.ApiClient) -> kopf.ConnectionInfo:
+    """kopf's login from the `kubernetes` client's configuration (kubeconfig or in-cluster), so both clients
+    talk to the same server as the same user."""
+    cfg: k8s.Configuration = api.configuration
+    auth = (cfg.api_key or {}).get("authorization") or (cfg.api_key or {}).get("BearerToken") or ""
+    prefix = (cfg.api_key_prefix or {}).get("authorization", "")
+    scheme, token = None, None
+    if auth:
+        if " " in auth:
+            scheme, token = auth.split(" ", 1)
+        else:
+            scheme, token = prefix or "Bearer", auth
+    return kopf.ConnectionInfo(
+        server=cfg.host,
+        ca_path=cfg.ssl_ca_cert or None,
+        insecure=not cfg.verify_ssl,
+        username=cfg.username or None,
+        password=cfg.password or None,
+        scheme=scheme,
+        token=token,
+        certificate_path=cfg.cert_file or None,
+        private_key_path=cfg.key_file or None,
+        default_namespace=None,
+    )

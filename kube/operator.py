@@ -1,0 +1,664 @@
+"""The kopf operator for ``scaledobjects.pulsescale.io``: Kubernetes CRs in, KV `pulse_scalers` out, status back.
+
+kopf runs embedded (`run_operator`), with an explicit registry (`build_registry`) and settings (`build_settings`):
+standalone (no kopf peering: two replicas are arbitrated by a Kubernetes Lease, kube/leader.py, which runs this only
+while leading), no cluster scanning (the operator needs no RBAC on CRDs or namespaces), its progress and its
+finalizer under ``pulsescale.io/`` names, and kopf's own log-to-Events posting off (`kube.events` writes
+aggregated Events instead).
+
+What it does with a ScaledObject (`ScaledObjects`):
+
+- create, update, resume (operator start) and any change of annotations: the body goes through the shared validator
+  (`autoscaler.scaledobject.from_manifest`, the one `pulsescale apply` uses: both pause-annotation families are
+  read there) and the record is written to `pulse_scalers` under ``<namespace>.<name>``; unchanged content writes
+  nothing (`same_content`). ``Ready=True ScalerPublished``.
+- an invalid body: ``Ready=False InvalidSpec`` with the validator's message, a Warning Event, nothing published.
+  A previously published valid version stays in force (as ``kubectl apply`` refusing a bad edit leaves the running
+  one): deleting it would drop the workload to zero for a typo. The condition says which generation is in force.
+- a second ScaledObject, or an HPA, targeting the same workload (namespace, kind, name): ``Ready=False
+  TargetConflict`` naming the other object, a Warning Event, nothing published for it. Between ScaledObjects the
+  oldest (creationTimestamp, then name) keeps the target; an HPA always wins (the operator does not fight another
+  controller: its record is withdrawn). Refused objects are re-checked every status round, so deleting the other
+  object lets this one through.
+- delete (finalizer ``pulsescale.io/finalizer``): the record is removed from `pulse_scalers`; then, unless another
+  record names the same model, the operator waits (up to `OperatorContext.delete_wait_s`, ``Ready=False
+  Deleting`` and a Normal Event while it waits, a Warning if it gives up) until the model's slots in `pulse_slots`
+  are released (the autoscaler releases them when the record goes); then, with
+  ``advanced.restoreToOriginalReplicaCount``, the target's scale subresource goes back to
+  ``status.originalReplicaCount``; then the finalizer is removed.
+- status: every `OperatorContext.status_every_s` one ``pulse.cmd.status`` request to the autoscaler; each object's
+  row (`StatusRow.key`) is composed into the status (kube/status.py) and patched only when it changed. Active,
+  Fallback and Paused flips become Events.
+- Events: ``pulse.events.>`` (scale.decision, pool.exhausted, cold.start) become Events on every ScaledObject of the
+  model, aggregated and rate-limited (kube/events.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import datetime
+import functools
+import importlib
+import inspect
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import kopf
+import msgspec
+import nats.errors
+import nats.js.errors
+from kubernetes import client as k8s
+from kubernetes.client.exceptions import ApiException
+
+from autoscaler import scaledobject
+from autoscaler.crd import GROUP, PLURAL, VERSION
+from kube import status as status_mod
+from kube.context import FIELD_MANAGER, OperatorContext, kopf_connection
+from kube.events import EventRecorder, ObjectRef
+from warmpool import protocol
+from warmpool.errors import BadMessage
+
+__all__ = [
+    "EVENT_TYPES_POSTED",
+    "FINALIZER",
+    "HELD_SLOT_STATES",
+    "PROGRESS_PREFIX",
+    "ScaledObjects",
+    "build_registry",
+    "bridge",
+    "build_settings",
+    "run_operator",
+]
+
+FINALIZER: Final = "pulsescale.io/finalizer"
+PROGRESS_PREFIX: Final = "kopf.pulsescale.io"  # kopf's handler progress and last-handled state (annotations)
+HELD_SLOT_STATES: Final = frozenset({"claimed", "activating", "ready", "releasing"})
+"""Slot states that mean a model still holds the slot; the finalizer waits until none is left."""
+SLOT_POLL_S: Final = 0.5  # how often the finalizer re-reads pulse_slots while it waits
+FLUSH_EVERY_S: Final = 1.0  # how often aggregated Events are written
+EVENT_TYPES_POSTED: Final = {
+    "scale.decision": ("Normal", "ScaleDecision"),
+    "pool.exhausted": ("Warning", "PoolExhausted"),
+    "cold.start": ("Normal", "ColdStart"),
+}
+OPTIONAL_PARTS: Final = ("kube.standby", "kube.coldpath")  # each has register(registry, ctx), written apart
+READY_POLL_S: Final = 0.05  # how often run_operator looks whether kopf (in its thread) is ready
+HPA_KINDS: Final = ("Deployment", "StatefulSet")  # scale targets the restore step knows how to patch
+
+log = logging.getLogger("pulsescale.operator")
+
+
+def _parse_time(text: Any) -> float | None:
+    if not isinstance(text, str):
+        return None
+    try:
+        return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def _key(namespace: str, name: str) -> str:
+    return f"{namespace}.{name}"
+
+
+def _target(body: dict[str, Any]) -> tuple[str, str] | None:
+    """(kind, name) of the scale target as written (the validator checks it; this is for the conflict rule)."""
+    ref = (body.get("spec") or {}).get("scaleTargetRef") or {}
+    name = ref.get("name")
+    if not isinstance(name, str) or not name:
+        return None
+    kind = ref.get("kind") or "Deployment"
+    return (str(kind), name)
+
+
+@dataclass
+class _Known:
+    """What the operator remembers of one ScaledObject between handler calls."""
+
+    body: dict[str, Any]
+    verdict: status_mod.Verdict
+    model: str | None = None  # the model of the published record (None: nothing published)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class ScaledObjects:
+    """The ScaledObject handlers and the status/Event loops, over one `OperatorContext`."""
+
+    def __init__(self, ctx: OperatorContext) -> None:
+        self.ctx = ctx
+        self.known: dict[str, _Known] = {}
+        self.rows: dict[str, protocol.StatusRow] = {}
+        self.recorder = EventRecorder(ctx.api, component=FIELD_MANAGER, instance=ctx.identity, clock=ctx.clock)
+
+    # --- Kubernetes reads and writes (the `kubernetes` client on a worker thread) ---------------------------------
+
+    async def _list_scaledobjects(self, namespace: str) -> list[dict[str, Any]]:
+        rsp: Any = await self.ctx.call(self.ctx.custom.list_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL)
+        return list(rsp.get("items") or [])
+
+    async def _list_hpas(self, namespace: str) -> list[dict[str, Any]]:
+        api = k8s.AutoscalingV2Api(self.ctx.api)
+        rsp = await self.ctx.call(api.list_namespaced_horizontal_pod_autoscaler, namespace)
+        plain: dict[str, Any] = self.ctx.api.sanitize_for_serialization(rsp)  # type: ignore[no-untyped-call]
+        return list(plain.get("items") or [])
+
+    async def _get(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            obj: Any = await self.ctx.call(
+                self.ctx.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name
+            )
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+        return dict(obj)
+
+    async def _patch_status(self, namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any] | None:
+        try:
+            obj: Any = await self.ctx.call(
+                self.ctx.custom.patch_namespaced_custom_object_status, GROUP, VERSION, namespace, PLURAL, name,
+                {"status": body},
+            )  # fmt: skip
+        except ApiException as err:
+            if err.status == 404:
+                return None  # gone meanwhile
+            raise
+        return dict(obj)
+
+    # --- the verdict --------------------------------------------------------------------------------------------
+
+    async def _conflict(self, body: dict[str, Any], published: bool) -> str | None:
+        """The other object (ScaledObject or HPA) that owns this one's target, as a message; None if none.
+
+        Between two ScaledObjects the published one keeps the target (so a newer object never takes it over);
+        when neither or both are, the older (creationTimestamp, then name) does: every reconcile agrees."""
+        meta = body["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        target = _target(body)
+        if target is None:
+            return None
+        kind, target_name = target
+        for hpa in await self._list_hpas(namespace):
+            ref = (hpa.get("spec") or {}).get("scaleTargetRef") or {}
+            if (ref.get("kind"), ref.get("name")) == (kind, target_name):
+                return (
+                    f"HorizontalPodAutoscaler {hpa['metadata']['name']} already scales {kind}/{target_name}; two "
+                    "autoscalers on one workload fight each other: delete the HPA (or this ScaledObject)"
+                )
+        mine = (meta.get("creationTimestamp") or "", name)
+        for other in await self._list_scaledobjects(namespace):
+            ometa = other.get("metadata") or {}
+            if ometa.get("name") == name or ometa.get("deletionTimestamp") or _target(other) != target:
+                continue
+            theirs = (ometa.get("creationTimestamp") or "", ometa.get("name", ""))
+            other_published = await self._read_record(_key(namespace, ometa.get("name", ""))) is not None
+            wins = other_published if other_published != published else theirs < mine
+            if wins:
+                return (
+                    f"ScaledObject {ometa.get('name')} already scales {kind}/{target_name}; "
+                    "one ScaledObject per workload: delete one of them, or point this one at another target"
+                )
+        return None
+
+    async def reconcile(self, body: dict[str, Any]) -> status_mod.Verdict:
+        """Validate, check the target, publish; record the verdict and patch the status. The handler of create,
+        update, resume and annotation changes, and the re-check of refused objects."""
+        meta = body["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        key = _key(namespace, name)
+        ref = ObjectRef.of(body)
+        known = self.known.setdefault(key, _Known(body=body, verdict=status_mod.Verdict(False, "Pending", "")))
+        async with known.lock:
+            known.body = body
+            previous = await self._read_record(key)
+            try:
+                kwargs: dict[str, Any] = {"updated_at": self.ctx.clock()}
+                if self.ctx.max_replicas is not None:
+                    kwargs["max_replicas"] = self.ctx.max_replicas
+                record = scaledobject.from_manifest(body, **kwargs)
+            except scaledobject.ScaledObjectError as err:
+                kept = ""
+                if previous is not None:
+                    kept = f"; generation {previous.generation} (the last valid spec) stays in force"
+                verdict = status_mod.Verdict(False, "InvalidSpec", f"{err}{kept}")
+                await self.recorder.record(ref, "Warning", "InvalidSpec", str(err))
+            else:
+                conflict = await self._conflict(body, previous is not None)
+                paused_by_annotation = record.paused or record.paused_scale_in or record.paused_scale_out
+                if conflict is not None:
+                    verdict = status_mod.Verdict(False, "TargetConflict", conflict)
+                    if previous is not None:
+                        await self._withdraw(key)
+                        known.model = None
+                    await self.recorder.record(ref, "Warning", "TargetConflict", conflict)
+                else:
+                    created = _parse_time(meta.get("creationTimestamp"))
+                    record = msgspec.structs.replace(record, created_at=created)
+                    changed = previous is None or not scaledobject.same_content(previous, record)
+                    if changed:
+                        await self.ctx.scalers.put(key, protocol.encode(record))
+                        action = "created" if previous is None else "configured"
+                        await self.recorder.record(
+                            ref, "Normal", "Published",
+                            f"{action} {protocol.SCALERS_BUCKET}/{key} (generation {record.generation}, model "
+                            f"{record.spec.model})",
+                        )  # fmt: skip
+                    known.model = record.spec.model
+                    verdict = status_mod.Verdict(
+                        True, "ScalerPublished",
+                        f"published to {protocol.SCALERS_BUCKET} as {key} (model {record.spec.model})",
+                        paused_by_annotation=paused_by_annotation, notes=tuple(record.notes),
+                    )  # fmt: skip
+            known.verdict = verdict
+            await self._write_status(known)
+            return verdict
+
+    async def _read_record(self, key: str) -> protocol.ScalerRecord | None:
+        try:
+            entry = await self.ctx.scalers.get(key)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        if entry.value is None:
+            return None
+        try:
+            return protocol.decode(entry.value, protocol.ScalerRecord)
+        except BadMessage:
+            return None  # unreadable: treated as absent, overwritten by the next valid write
+
+    async def _withdraw(self, key: str) -> bool:
+        """Deletes the record (a delete marker: the autoscaler's watch sees it). True if there was one."""
+        if await self._read_record(key) is None:
+            return False
+        await self.ctx.scalers.delete(key)
+        return True
+
+    async def _write_status(self, known: _Known) -> None:
+        """Composes the status and patches it if it differs from what the object carries; Events for mode flips."""
+        body = known.body
+        meta = body["metadata"]
+        row = self.rows.get(_key(meta["namespace"], meta["name"])) if known.verdict.ready else None
+        composed = status_mod.compose(body, known.verdict, row, self.ctx.clock())
+        current = body.get("status") or {}
+        patch = status_mod.body_of(composed, current)
+        if not status_mod.differs(patch, current):
+            return
+        updated = await self._patch_status(meta["namespace"], meta["name"], patch)
+        if updated is not None:
+            known.body = updated
+            ref = ObjectRef.of(updated)
+            for change in status_mod.mode_changes(current, updated.get("status") or {}):
+                await self.recorder.record(ref, change.event_type, change.reason, change.message)  # type: ignore[arg-type]
+
+    # --- kopf handlers --------------------------------------------------------------------------------------
+
+    async def on_change(self, body: kopf.Body, **_: Any) -> None:
+        if body.get("metadata", {}).get("deletionTimestamp"):
+            return  # the delete handler owns it now
+        await self.reconcile(_plain(body))
+
+    async def on_delete(self, body: kopf.Body, runtime: datetime.timedelta, **_: Any) -> None:
+        plain = _plain(body)
+        meta = plain["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        key = _key(namespace, name)
+        ref = ObjectRef.of(plain)
+        known = self.known.setdefault(key, _Known(body=plain, verdict=status_mod.Verdict(False, "Deleting", "")))
+        known.body = plain
+        withdrawn = await self._withdraw(key)
+        model = known.model or _model_of(plain)
+        if withdrawn:
+            await self.recorder.record(ref, "Normal", "Unpublished", f"removed {protocol.SCALERS_BUCKET}/{key}")
+        if model is not None and not await self._model_still_scaled(model, key):
+            held = await self._held_slots(model)
+            if held:
+                waited = runtime.total_seconds()
+                if waited < self.ctx.delete_wait_s:
+                    message = (
+                        f"waiting for {len(held)} slot(s) of model {model} to be released "
+                        f"({', '.join(sorted(held)[:5])}{', ...' if len(held) > 5 else ''}); "
+                        f"{waited:.0f}s of at most {self.ctx.delete_wait_s:.0f}s"
+                    )
+                    known.verdict = status_mod.Verdict(False, "Deleting", message)
+                    await self._write_status(known)
+                    await self.recorder.record(ref, "Normal", "WaitingForSlotRelease", message)
+                    raise kopf.TemporaryError(message, delay=SLOT_POLL_S)
+                await self.recorder.record(
+                    ref, "Warning", "SlotsNotReleased",
+                    f"{len(held)} slot(s) of model {model} still held after {waited:.0f}s; letting the ScaledObject "
+                    "go (check the autoscaler: `pulsescale pool`)",
+                )  # fmt: skip
+        await self._restore_replicas(plain, ref)
+        self.known.pop(key, None)
+        self.rows.pop(key, None)
+
+    async def on_event(self, body: kopf.Body, type: str | None, **_: Any) -> None:
+        if type == "DELETED":
+            meta = body.get("metadata", {})
+            self.known.pop(_key(meta.get("namespace", ""), meta.get("name", "")), None)
+
+    async def _model_still_scaled(self, model: str, except_key: str) -> bool:
+        """Whether another ScaledObject's record names `model` (its slots then stay claimed by design)."""
+        try:
+            keys = await self.ctx.scalers.keys()
+        except nats.js.errors.NoKeysError:
+            return False
+        for k in keys:
+            if k == except_key:
+                continue
+            record = await self._read_record(k)
+            if record is not None and record.spec.model == model:
+                return True
+        return False
+
+    async def _held_slots(self, model: str) -> list[str]:
+        try:
+            keys = await self.ctx.slots.keys()
+        except nats.js.errors.NoKeysError:
+            return []
+        held = []
+        for k in keys:
+            if not k.startswith(f"{model}."):
+                continue
+            try:
+                entry = await self.ctx.slots.get(k)
+                if entry.value is None:
+                    continue
+                slot = protocol.decode(entry.value, protocol.SlotRecord)
+            except (nats.js.errors.KeyNotFoundError, BadMessage):
+                continue
+            if slot.model == model and slot.state in HELD_SLOT_STATES:
+                held.append(k)
+        return held
+
+    async def _restore_replicas(self, body: dict[str, Any], ref: ObjectRef) -> None:
+        spec = body.get("spec") or {}
+        if not (spec.get("advanced") or {}).get("restoreToOriginalReplicaCount"):
+            return
+        original = (body.get("status") or {}).get("originalReplicaCount")
+        target = _target(body)
+        if not isinstance(original, int) or target is None:
+            return  # never scaled by the cold path: nothing to restore
+        kind, name = target
+        namespace = body["metadata"]["namespace"]
+        patch = {"spec": {"replicas": original}}
+        if kind == "Deployment":
+            call: Callable[..., Any] = self.ctx.apps.patch_namespaced_deployment_scale
+        elif kind == "StatefulSet":
+            call = self.ctx.apps.patch_namespaced_stateful_set_scale
+        else:
+            await self.recorder.record(
+                ref, "Warning", "RestoreSkipped", f"cannot restore {kind}/{name}: only {', '.join(HPA_KINDS)}"
+            )
+            return
+        try:
+            await self.ctx.call(call, name, namespace, patch)
+        except ApiException as err:
+            if err.status != 404:
+                raise
+            return  # the target is gone: nothing to restore
+        await self.recorder.record(
+            ref, "Normal", "ReplicasRestored", f"{kind}/{name} restored to {original} replicas (originalReplicaCount)"
+        )
+
+    # --- loops ------------------------------------------------------------------------------------------------
+
+    async def status_round(self) -> None:
+        """One status refresh: ask the autoscaler, patch each changed status, re-check refused objects."""
+        try:
+            rows = await self._ask_status()
+        except (nats.errors.Error, BadMessage, TimeoutError) as err:
+            log.debug("status request failed: %r", err)
+            rows = None
+        if rows is not None:
+            self.rows = {row.key: row for row in rows if row.key}
+        for key, known in list(self.known.items()):
+            if known.verdict.reason == "TargetConflict":
+                meta = known.body["metadata"]
+                fresh = await self._get(meta["namespace"], meta["name"])
+                if fresh is not None and not fresh["metadata"].get("deletionTimestamp"):
+                    await self.reconcile(fresh)
+                continue
+            if known.verdict.reason == "Deleting" or key not in self.known:
+                continue
+            async with known.lock:
+                await self._write_status(known)
+
+    async def _ask_status(self) -> list[protocol.StatusRow]:
+        command = protocol.StatusCommand(
+            id=uuid.uuid4().hex, expires_at=time.time() + self.ctx.status_timeout_s, by=self.ctx.identity
+        )
+        msg = await self.ctx.nc.request(
+            protocol.cmd_subject("status"), protocol.encode(command), timeout=self.ctx.status_timeout_s
+        )
+        reply = protocol.decode(msg.data, protocol.StatusReply)
+        if not reply.ok:
+            raise BadMessage("internal", f"status refused: {reply.error}")
+        return reply.models
+
+    async def on_nats_event(self, data: bytes) -> None:
+        try:
+            event = protocol.decode(data, protocol.Event)
+        except BadMessage:
+            return
+        posted = EVENT_TYPES_POSTED.get(event.type)
+        if posted is None:
+            return
+        event_type, reason = posted
+        if event.type == "scale.decision":
+            message = f"desired {event.desired} for model {event.model}" + (f": {event.reason}" if event.reason else "")
+        elif event.type == "pool.exhausted":
+            message = f"no warm slot left for model {event.model}" + (f": {event.reason}" if event.reason else "")
+        else:
+            message = (
+                f"asked the cold path for {event.desired} replica(s) of model {event.model} (the pool could not "
+                "provide them)" + (f": {event.reason}" if event.reason else "")
+            )
+        for known in list(self.known.values()):
+            if known.model == event.model and known.verdict.ready:
+                await self.recorder.record(ObjectRef.of(known.body), event_type, reason, message)  # type: ignore[arg-type]
+
+    async def run_loops(self, stop: asyncio.Event) -> None:
+        """The status loop, the Events flush and the pulse.events subscription, until `stop` is set."""
+        sub = await self.ctx.nc.subscribe(f"{protocol.EVENTS_PREFIX}>")
+
+        async def events() -> None:
+            async for msg in sub.messages:
+                await self.on_nats_event(msg.data)
+
+        async def every(period: float, work: Callable[[], Awaitable[None]]) -> None:
+            while not stop.is_set():
+                try:
+                    await work()
+                except Exception:
+                    log.exception("operator loop round failed")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), period)
+
+        tasks = [
+            asyncio.create_task(events()),
+            asyncio.create_task(every(self.ctx.status_every_s, self.status_round)),
+            asyncio.create_task(every(FLUSH_EVERY_S, self.recorder.flush)),
+        ]
+        try:
+            await stop.wait()
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _plain(body: Any) -> dict[str, Any]:
+    """A kopf Body (a read-only view) as a plain dict."""
+    return msgspec.json.decode(msgspec.json.encode(dict(body)))  # type: ignore[no-any-return]
+
+
+def _model_of(body: dict[str, Any]) -> str | None:
+    triggers = (body.get("spec") or {}).get("triggers") or []
+    if triggers and isinstance(triggers[0], dict):
+        model = (triggers[0].get("metadata") or {}).get("model")
+        return model if isinstance(model, str) else None
+    return None
+
+
+def build_settings(ctx: OperatorContext) -> kopf.OperatorSettings:
+    """kopf's settings for pulsescale (see the module docstring)."""
+    settings = kopf.OperatorSettings()
+    settings.peering.standalone = True
+    settings.peering.mandatory = False
+    settings.scanning.disabled = True
+    settings.posting.enabled = False
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PROGRESS_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=PROGRESS_PREFIX, key="last-handled-configuration"
+    )
+    settings.watching.server_timeout = 300  # the API server closes a watch after this; kopf re-opens it
+    settings.watching.client_timeout = 330
+    settings.networking.request_timeout = 30
+    settings.networking.error_backoffs = (0.5, 1, 2, 5)  # API errors: retry soon (a lost lease stops it anyway)
+    settings.execution.max_workers = 4  # for kopf's own sync work; handlers here are async
+    settings.process.ultimate_exiting_timeout = None  # kopf would SIGKILL the process if its shutdown hangs
+    return settings
+
+
+def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
+    """The handlers of every part: ScaledObjects here, then ``register(registry, ctx)`` of kube.standby and
+    kube.coldpath when those modules exist. The `ScaledObjects` instance is kept in ``ctx.extra["scaledobjects"]``
+    (its loops run in `run_operator`).
+
+    Handlers are written as plain async kopf handlers of the caller's event loop (the one that owns ``ctx.nc``):
+    `run_operator` runs kopf on its own loop in a thread and `bridge` makes every handler run on the caller's."""
+    registry = kopf.OperatorRegistry()
+    so = ScaledObjects(ctx)
+    ctx.extra["scaledobjects"] = so
+
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        return kopf_connection(ctx.api)
+
+    resource = (GROUP, VERSION, PLURAL)
+    kopf.on.resume(*resource, registry=registry)(so.on_change)
+    kopf.on.create(*resource, registry=registry)(so.on_change)
+    kopf.on.update(*resource, registry=registry)(so.on_change)
+    kopf.on.delete(*resource, registry=registry)(so.on_delete)
+    kopf.on.event(*resource, registry=registry)(so.on_event)
+
+    for part in OPTIONAL_PARTS:
+        try:
+            module = importlib.import_module(part)
+        except ModuleNotFoundError as err:
+            if err.name != part:
+                raise
+            continue
+        module.register(registry, ctx)
+    return registry
+
+
+def bridge(registry: kopf.OperatorRegistry, loop: asyncio.AbstractEventLoop) -> None:
+    """Makes every handler of `registry` (but login) run on `loop`, whichever loop kopf calls it from.
+
+    kopf assumes the event loop is its own: when it stops it cancels every task created since it started, which in
+    a shared loop means the leader's renewals, the health server's requests, a second operator's handlers (the
+    leader test). So kopf runs on a private loop (`run_operator`) and handlers, which use the NATS connection of the
+    caller's loop, are sent back there. Exceptions (kopf.TemporaryError, ...) and cancellation cross over as they
+    are. A daemon handler (kopf.daemon) should test ``while not stopped:`` rather than await ``stopped.wait()``,
+    which belongs to kopf's loop; it is cancelled when kopf stops anyway."""
+    groups: list[Any] = [registry._changing, registry._watching, registry._spawning, registry._indexing,
+                         registry._webhooks, registry._activities]  # fmt: skip
+    for group in groups:
+        handlers = group._handlers
+        for i, handler in enumerate(handlers):
+            if getattr(getattr(handler, "activity", None), "name", "") == "AUTHENTICATION":
+                continue
+            if getattr(handler.fn, "__pulsescale_bridged__", False):
+                continue
+            handlers[i] = dataclasses.replace(handler, fn=_bridged(handler.fn, loop))
+
+
+def _bridged(fn: Callable[..., Any], loop: asyncio.AbstractEventLoop) -> Callable[..., Awaitable[Any]]:
+    @functools.wraps(fn)
+    async def on_callers_loop(**kwargs: Any) -> Any:
+        if asyncio.get_running_loop() is loop:
+            result = fn(**kwargs)
+            return await result if inspect.isawaitable(result) else result
+
+        async def call() -> Any:
+            result = fn(**kwargs)
+            return await result if inspect.isawaitable(result) else result
+
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call(), loop))
+
+    on_callers_loop.__pulsescale_bridged__ = True  # type: ignore[attr-defined]
+    return on_callers_loop
+
+
+async def run_operator(
+    ctx: OperatorContext, *, stop_flag: asyncio.Event, ready_flag: asyncio.Event | None = None
+) -> None:
+    """Runs kopf and the operator's loops until `stop_flag` is set (kube/leader.py sets it when leadership ends;
+    tests set it), or until kopf fails (then its error is raised). Returns once kopf has stopped: no handler runs
+    after that. `ready_flag` is set once kopf has started its watches.
+
+    kopf runs on its own event loop in a thread (see `bridge`); everything else stays on the caller's loop."""
+    loop = asyncio.get_running_loop()
+    registry = build_registry(ctx)
+    bridge(registry, loop)
+    settings = build_settings(ctx)
+    so: ScaledObjects = ctx.extra["scaledobjects"]
+    kopf_stop, kopf_ready = threading.Event(), threading.Event()
+    done: asyncio.Future[Any] = loop.create_future()
+
+    def finish(err: BaseException | None) -> None:
+        if not done.done():
+            done.set_result(None) if err is None else done.set_exception(err)
+
+    def kopf_thread() -> None:
+        try:
+            asyncio.run(
+                kopf.operator(
+                    registry=registry,
+                    settings=settings,
+                    standalone=True,
+                    clusterwide=ctx.clusterwide,
+                    namespaces=list(ctx.namespaces),
+                    stop_flag=kopf_stop,
+                    ready_flag=kopf_ready,
+                    memo=kopf.Memo(ctx=ctx),
+                )
+            )
+        except BaseException as err:  # noqa: BLE001 - handed to the caller's loop, raised there
+            loop.call_soon_threadsafe(finish, err)
+        else:
+            loop.call_soon_threadsafe(finish, None)
+
+    thread = threading.Thread(target=kopf_thread, name=f"kopf-{ctx.identity}", daemon=True)
+    thread.start()
+    loops = asyncio.create_task(so.run_loops(stop_flag))
+    stopped: asyncio.Future[Any] = asyncio.ensure_future(stop_flag.wait())
+
+    async def signal_ready() -> None:
+        while not kopf_ready.is_set():
+            await asyncio.sleep(READY_POLL_S)
+        if ready_flag is not None:
+            ready_flag.set()
+
+    readiness = asyncio.create_task(signal_ready())
+    try:
+        await asyncio.wait([done, stopped], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        kopf_stop.set()
+        stop_flag.set()
+        readiness.cancel()
+        try:
+            await asyncio.shield(done)
+        finally:
+            await asyncio.gather(loops, stopped, readiness, return_exceptions=True)

@@ -1,0 +1,225 @@
+"""The ScaledObject's status subresource, composed from what the operator knows and the autoscaler's `StatusRow`.
+
+Pure (no I/O): `compose` builds an `autoscaler.crd.ScaledObjectStatus` from
+
+- the operator's own verdict on the object (`Verdict`: published, invalid spec, target conflict, deleting),
+  which is the ``Ready`` condition;
+- the autoscaler's row for the object's key (``<namespace>.<name>``; None while the autoscaler has not reported
+  it), which gives ``Active``, ``Fallback``, ``Paused``, the replica counts, warm slots, the cold path, times and
+  the last decisions;
+- the status the object carries now, so a condition keeps its ``lastTransitionTime`` while its status does not
+  change, and fields this module does not own (``originalReplicaCount``, written by the cold path) are kept.
+
+`body_of` turns it into the JSON body of a merge patch of the status subresource; the operator patches only when
+that body differs from the object's current status (`differs`), so a quiet ScaledObject costs no API writes.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgspec
+
+from autoscaler.crd import MAX_LAST_DECISIONS, Condition, ConditionStatus, ConditionType, LastDecision
+from autoscaler.crd import ScaledObjectStatus as ScaledObjectStatus
+from warmpool.protocol import StatusRow
+
+__all__ = [
+    "READY_REASONS",
+    "ModeChange",
+    "Verdict",
+    "body_of",
+    "compose",
+    "differs",
+    "mode_changes",
+    "rfc3339",
+]
+
+READY_REASONS: Final = (
+    "ScalerPublished",  # the spec is in pulse_scalers
+    "InvalidSpec",  # the shared validator refused it; the message is its error
+    "TargetConflict",  # another ScaledObject or an HPA scales the same workload
+    "Deleting",  # the finalizer runs: record removed, waiting for the model's slots
+    "Pending",  # seen, not handled yet
+)
+_OWNED: Final = (
+    "conditions",
+    "observedGeneration",
+    "scaleTargetKind",
+    "scaleTargetName",
+    "currentReplicas",
+    "desiredReplicas",
+    "readyReplicas",
+    "warmSlots",
+    "coldRequested",
+    "lastActiveTime",
+    "lastScaleTime",
+    "lastDecisions",
+    "notes",
+)
+
+
+def rfc3339(ts: float) -> str:
+    """Unix seconds as Kubernetes writes times (``2026-12-03T07:51:44Z``, UTC, whole seconds)."""
+    return datetime.datetime.fromtimestamp(ts, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The operator's judgement of one ScaledObject: the ``Ready`` condition."""
+
+    ready: bool
+    reason: str
+    message: str
+    paused_by_annotation: bool = False
+    notes: tuple[str, ...] = ()
+
+
+def _condition(
+    previous: dict[str, Any], kind: ConditionType, status: ConditionStatus, reason: str, message: str,
+    generation: int | None, now: float,
+) -> Condition:  # fmt: skip
+    old = previous.get(kind) or {}
+    # The transition time moves only when the status changes (metav1.Condition semantics).
+    since = old.get("lastTransitionTime") if old.get("status") == status else None
+    return Condition(
+        type=kind,
+        status=status,
+        reason=reason,
+        message=message,
+        last_transition_time=since or rfc3339(now),
+        observed_generation=generation,
+    )
+
+
+def compose(body: dict[str, Any], verdict: Verdict, row: StatusRow | None, now: float) -> ScaledObjectStatus:
+    """The status the object should carry now (see the module docstring)."""
+    meta = body.get("metadata") or {}
+    spec = body.get("spec") or {}
+    current = body.get("status") or {}
+    generation = meta.get("generation")
+    generation = generation if isinstance(generation, int) else None
+    previous: dict[str, Any] = {str(c.get("type")): c for c in current.get("conditions") or [] if isinstance(c, dict)}
+    target = spec.get("scaleTargetRef") or {}
+    target_kind = f"{target.get('apiVersion', 'apps/v1')}.{target.get('kind', 'Deployment')}" if target else None
+
+    conditions = [
+        _condition(previous, "Ready", "True" if verdict.ready else "False", verdict.reason, verdict.message,
+                   generation, now),
+    ]  # fmt: skip
+    if row is None:
+        why = "the autoscaler has not reported this ScaledObject yet" if verdict.ready else verdict.message
+        for kind in ("Active", "Fallback"):
+            conditions.append(_condition(previous, kind, "Unknown", "NotReported", why, generation, now))
+        paused = verdict.paused_by_annotation
+        conditions.append(
+            _condition(previous, "Paused", "True" if paused else "False",
+                       "PausedByAnnotation" if paused else "NotPaused",
+                       "paused by annotation" if paused else "", generation, now)
+        )  # fmt: skip
+    else:
+        active = row.desired > 0 or row.ready > 0
+        detail = f"desired {row.desired}, ready {row.ready}, activating {row.activating}, mode {row.mode}"
+        if row.reason:
+            detail += f": {row.reason}"
+        conditions.append(
+            _condition(previous, "Active", "True" if active else "False",
+                       "ScalerActive" if active else "ScalerNotActive", detail, generation, now)
+        )  # fmt: skip
+        conditions.append(
+            _condition(previous, "Fallback", "True" if row.fallback else "False",
+                       "FallbackInForce" if row.fallback else "NoFallback",
+                       "metrics are stale beyond fallback.failureThreshold; holding the fallback count"
+                       if row.fallback else "", generation, now)
+        )  # fmt: skip
+        if row.paused:
+            how = "PausedByAnnotation" if verdict.paused_by_annotation else "PausedByCommand"
+            message = "paused by annotation" if verdict.paused_by_annotation else "paused by an on-call command"
+            if row.override is not None:
+                message += f" (holding {row.override.replicas})" if row.override.replicas is not None else ""
+        else:
+            how, message = "NotPaused", ""
+        conditions.append(
+            _condition(previous, "Paused", "True" if row.paused else "False", how, message, generation, now)
+        )
+    decisions = None
+    if row is not None and row.decisions:
+        decisions = [
+            LastDecision(time=rfc3339(d.ts), desired=d.desired, reason=d.reason[:4096])
+            for d in row.decisions[-MAX_LAST_DECISIONS:]
+        ]
+    return ScaledObjectStatus(
+        conditions=conditions,
+        observed_generation=generation,
+        scale_target_kind=target_kind,
+        scale_target_name=target.get("name") if isinstance(target.get("name"), str) else None,
+        current_replicas=None if row is None else row.ready + row.activating,
+        desired_replicas=None if row is None else row.desired,
+        ready_replicas=None if row is None else row.ready,
+        warm_slots=None if row is None else row.warm,
+        cold_requested=None if row is None else row.cold_requested,
+        last_active_time=None if row is None or row.last_active_at is None else rfc3339(row.last_active_at),
+        last_scale_time=None if row is None or row.last_scale_at is None else rfc3339(row.last_scale_at),
+        last_decisions=decisions,
+        notes=list(verdict.notes) or None,
+        original_replica_count=current.get("originalReplicaCount"),
+    )
+
+
+def body_of(status: ScaledObjectStatus, current: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The merge-patch body of the status subresource: the composed fields, and null for a field this module owns
+    that the object carries but the composed status no longer has (a merge patch deletes a key only by null)."""
+    out: dict[str, Any] = msgspec.to_builtins(status)
+    for key in _OWNED:
+        if key not in out and key in (current or {}):
+            out[key] = None
+    return out
+
+
+def differs(patch: dict[str, Any], current: dict[str, Any] | None) -> bool:
+    """Whether applying `patch` (a `body_of`) to `current` would change anything."""
+    current = current or {}
+    for key, value in patch.items():
+        if value is None:
+            if key in current:
+                return True
+        elif current.get(key) != value:
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class ModeChange:
+    """A condition that flipped between two statuses, for a Kubernetes Event."""
+
+    type: ConditionType
+    status: str
+    event_type: str  # "Normal" or "Warning"
+    reason: str
+    message: str
+
+
+_CHANGE_EVENTS: Final[dict[tuple[str, str], tuple[str, str]]] = {
+    ("Fallback", "True"): ("Warning", "FallbackActivated"),
+    ("Fallback", "False"): ("Normal", "FallbackEnded"),
+    ("Paused", "True"): ("Normal", "Paused"),
+    ("Paused", "False"): ("Normal", "Resumed"),
+    ("Active", "True"): ("Normal", "Activated"),
+    ("Active", "False"): ("Normal", "Deactivated"),
+}
+
+
+def mode_changes(before: dict[str, Any] | None, after: dict[str, Any]) -> list[ModeChange]:
+    """The Active/Fallback/Paused conditions whose status changed from `before` to `after` (status bodies), except
+    from or to Unknown (no news)."""
+    old = {c.get("type"): c for c in (before or {}).get("conditions") or []}
+    out = []
+    for cond in after.get("conditions") or []:
+        kind, status = cond.get("type"), cond.get("status")
+        prior = (old.get(kind) or {}).get("status")
+        if (kind, status) in _CHANGE_EVENTS and prior not in (None, "Unknown", status):
+            event_type, reason = _CHANGE_EVENTS[(kind, status)]
+            out.append(ModeChange(kind, status, event_type, reason, cond.get("message") or reason))
+    return out
