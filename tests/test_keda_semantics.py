@@ -203,8 +203,13 @@ def test_initial_cooldown_long_past_changes_nothing() -> None:
     ],
 )
 def test_scale_down_policies(pods: int | None, select: str, want: int) -> None:
-    adv = {"scale_down_stabilization_seconds": 0.0, "stable_window_seconds": 6.0, "panic_window_seconds": 1.0,
-           "scale_down_pods": pods, "scale_down_select_policy": select}
+    adv = {
+        "scale_down_stabilization_seconds": 0.0,
+        "stable_window_seconds": 6.0,
+        "panic_window_seconds": 1.0,
+        "scale_down_pods": pods,
+        "scale_down_select_policy": select,
+    }
     run(make_spec(advanced=adv), [Row(0.1, 40, 10, repeat=650, want=10), Row(0.1, 4, 10, repeat=100, want=want)])
 
 
@@ -234,12 +239,13 @@ def test_the_rate_limit_reason_names_both_policies() -> None:
 # --- through the decider: the record's annotations reach the policy -------------------------------------------
 
 
-def so_record(*, min_replicas: int = 0, **over: object) -> ScalerRecord:
+def so_record(*, min_replicas: int = 0, spec: dict[str, object] | None = None, **over: object) -> ScalerRecord:
     raw = {
         "scaleTargetRef": {"name": "m"},
         "minReplicaCount": min_replicas,
         "maxReplicaCount": 20,
         "triggers": [{"type": "gateway-queue", "metadata": {"model": "m", "targetQueueDepth": 4}}],
+        **(spec or {}),
     }
     spec = protocol.decode(msgspec.json.encode(raw), ScaledObjectSpec)
     return ScalerRecord(namespace="team", name="so-m", spec=spec, **over)  # type: ignore[arg-type]
@@ -280,3 +286,21 @@ def test_the_decider_passes_the_records_scale_in_pause_and_creation_time() -> No
     row = d.status_row(ready=10, activating=0, warm=0, stale=0)
     assert not row.paused, "a one-way pause is not the Paused condition: the ScaledObject still scales out"
     assert row.mode == "paused" and "paused scale-in" in row.reason
+
+
+@pytest.mark.parametrize(("age_s", "want"), [(3600.0, 0), (10.0, 2)], ids=["created-long-ago", "created-10s-ago"])
+def test_the_decider_counts_the_initial_cooldown_from_the_records_creation(age_s: float, want: int) -> None:
+    clock = HandClock()
+    so = {"cooldownPeriod": 0, "initialCooldownPeriod": 600}
+    rec = so_record(spec=so, created_at=clock() - age_s)
+    d = ModelDecider(rec, DeciderSettings(debounce_s=0.0), now=clock(), current_replicas=0)
+    for seq in range(1, 700):  # 70 s at 2 replicas' demand: past the pulse that woke it, settled at 2
+        d.on_sample(sample(seq, 8, clock()), clock())
+        d.decide(clock(), ready=2)
+        clock.advance(0.1)
+    assert d.desired(0) == 2
+    d.on_sample(sample(700, 0, clock()), clock())
+    decision = d.decide(clock(), ready=2).decision
+    assert decision.desired == want, decision
+    if want:
+        assert "initialCooldownPeriod" in decision.reason
