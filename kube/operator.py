@@ -66,6 +66,7 @@ from warmpool import protocol
 from warmpool.errors import BadMessage
 
 __all__ = [
+    "BACKGROUND",
     "EVENT_TYPES_POSTED",
     "FINALIZER",
     "HELD_SLOT_STATES",
@@ -89,6 +90,9 @@ EVENT_TYPES_POSTED: Final = {
     "cold.start": ("Normal", "ColdStart"),
 }
 OPTIONAL_PARTS: Final = ("kube.standby", "kube.coldpath")  # each has register(registry, ctx), written apart
+BACKGROUND: Final = "background"
+"""``ctx.extra[BACKGROUND]``: a list of ``async (stop: asyncio.Event) -> None`` that `register` of a part may append
+to; `run_operator` runs each on the caller's loop beside kopf until the stop flag is set (e.g. a NATS watch)."""
 READY_POLL_S: Final = 0.05  # how often run_operator looks whether kopf (in its thread) is ready
 HPA_KINDS: Final = ("Deployment", "StatefulSet")  # scale targets the restore step knows how to patch
 
@@ -642,7 +646,8 @@ async def run_operator(
 
     thread = threading.Thread(target=kopf_thread, name=f"kopf-{ctx.identity}", daemon=True)
     thread.start()
-    loops = asyncio.create_task(so.run_loops(stop_flag))
+    background = [so.run_loops, *ctx.extra.get(BACKGROUND, [])]
+    loops = asyncio.gather(*(work(stop_flag) for work in background))
     stopped: asyncio.Future[Any] = asyncio.ensure_future(stop_flag.wait())
 
     async def signal_ready() -> None:

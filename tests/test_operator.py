@@ -144,3 +144,176 @@ async def test_a_created_scaledobject_is_published_and_ready(running: Running) -
     obj = running.api.get(SO, NS, "qwen")
     assert FINALIZER in obj["metadata"]["finalizers"]
     assert obj["status"]["scaleTargetName"] == "qwen" and obj["status"]["observedGeneration"] == 1
+
+
+async def revision(running: Running, key: str) -> int:
+    return (await running.scalers.get(key)).revision
+
+
+async def test_an_unchanged_spec_writes_nothing_and_a_changed_one_republishes(running: Running) -> None:
+    running.api.create(SO, NS, scaled_object())
+    await running.wait_record(f"{NS}.qwen", lambda r: r is not None)
+    await running.wait_condition("qwen", "Ready", "True")
+    first = await revision(running, f"{NS}.qwen")
+    # A label is part of what kopf diffs (an update fires), but not of the record: nothing is written.
+    running.api.patch(SO, NS, "qwen", {"metadata": {"labels": {"team": "inference"}}})
+    await running.api.wait_for(
+        lambda: any(r.method == "PATCH" and r.name == "qwen" and r.subresource == ""
+                    for r in running.api.requests[-20:]), what="kopf to handle the label change",
+    )  # fmt: skip
+    await asyncio.sleep(0.5)
+    assert await revision(running, f"{NS}.qwen") == first
+    running.api.patch(SO, NS, "qwen", {"spec": {"maxReplicaCount": 6}})
+    rec = await running.wait_record(f"{NS}.qwen", lambda r: r is not None and r.spec.max_replica_count == 6)
+    assert rec is not None and rec.generation == 2  # the CR's metadata.generation
+    await running.api.wait_for(
+        lambda: (running.api.get(SO, NS, "qwen").get("status") or {}).get("observedGeneration") == 2,
+        what="observedGeneration 2",
+    )
+
+
+async def test_an_invalid_scaledobject_is_refused_with_the_validators_message(running: Running) -> None:
+    bad = scaled_object("broken", target="other", minReplicaCount=5, maxReplicaCount=2)
+    running.api.create(SO, NS, bad)
+    cond = await running.wait_condition("broken", "Ready", "False", "InvalidSpec")
+    assert "maxReplicaCount" in cond["message"] or "minReplicaCount" in cond["message"], cond
+    assert await running.record(f"{NS}.broken") is None
+    warning = await running.api.wait_for(lambda: running.events("broken", "InvalidSpec"), what="a Warning Event")
+    assert warning[0]["type"] == "Warning" and warning[0]["message"] in cond["message"]
+
+    # A bad edit of a published object leaves the last valid record in force, and the status says so.
+    running.api.create(SO, NS, scaled_object())
+    await running.wait_record(f"{NS}.qwen", lambda r: r is not None)
+    running.api.patch(SO, NS, "qwen", {"spec": {"maxReplicaCount": 0}})
+    cond = await running.wait_condition("qwen", "Ready", "False", "InvalidSpec")
+    assert "generation 1 (the last valid spec) stays in force" in cond["message"], cond["message"]
+    rec = await running.record(f"{NS}.qwen")
+    assert rec is not None and rec.spec.max_replica_count == 4
+
+
+async def test_our_pause_annotations_republish_the_record(running: Running) -> None:
+    running.api.create(SO, NS, scaled_object())
+    await running.wait_record(f"{NS}.qwen", lambda r: r is not None and not r.paused)
+    running.api.patch(SO, NS, "qwen", {"metadata": {"annotations": {"pulsescale.io/paused-replicas": "2"}}})
+    rec = await running.wait_record(f"{NS}.qwen", lambda r: r is not None and r.paused)
+    assert rec is not None and rec.paused_replicas == 2
+    running.api.patch(SO, NS, "qwen", {"metadata": {"annotations": {"pulsescale.io/paused-replicas": None}}})
+    rec = await running.wait_record(f"{NS}.qwen", lambda r: r is not None and not r.paused)
+    assert rec is not None and rec.paused_replicas is None
+
+
+async def test_kedas_pause_annotations_republish_the_record(running: Running) -> None:
+    running.api.create(SO, NS, scaled_object())
+    key = f"{NS}.qwen"
+    await running.wait_record(key, lambda r: r is not None and not r.paused)
+    patch = {"metadata": {"annotations": {"autoscaling.keda.sh/paused": "true"}}}
+    running.api.patch(SO, NS, "qwen", patch)
+    await running.wait_record(key, lambda r: r is not None and r.paused and r.paused_replicas is None)
+    patch = {
+        "metadata": {"annotations": {"autoscaling.keda.sh/paused": None, "autoscaling.keda.sh/paused-replicas": "0"}}
+    }
+    running.api.patch(SO, NS, "qwen", patch)
+    await running.wait_record(key, lambda r: r is not None and r.paused and r.paused_replicas == 0)
+    patch = {"metadata": {"annotations": {"autoscaling.keda.sh/paused-replicas": None,
+                                          "autoscaling.keda.sh/paused-scale-in": "true"}}}  # fmt: skip
+    running.api.patch(SO, NS, "qwen", patch)
+    await running.wait_record(key, lambda r: r is not None and not r.paused and r.paused_scale_in)
+    patch = {"metadata": {"annotations": {"autoscaling.keda.sh/paused-scale-in": None,
+                                          "autoscaling.keda.sh/paused-scale-out": "true"}}}  # fmt: skip
+    running.api.patch(SO, NS, "qwen", patch)
+    await running.wait_record(key, lambda r: r is not None and r.paused_scale_out and not r.paused_scale_in)
+
+
+async def test_a_second_scaledobject_on_the_same_workload_is_refused_until_the_first_goes(running: Running) -> None:
+    running.api.create(SO, NS, scaled_object("first", model="qwen"))
+    await running.wait_record(f"{NS}.first", lambda r: r is not None)
+    running.api.create(SO, NS, scaled_object("second", model="llama", target="qwen"))
+    cond = await running.wait_condition("second", "Ready", "False", "TargetConflict")
+    assert "ScaledObject first" in cond["message"] and "Deployment/qwen" in cond["message"], cond["message"]
+    assert await running.record(f"{NS}.second") is None
+    assert running.events("second", "TargetConflict")[0]["type"] == "Warning"
+    running.api.delete(SO, NS, "first")
+    await running.wait_record(f"{NS}.first", lambda r: r is None)
+    # The refused one is re-checked every status round: with the first gone it gets the workload.
+    rec = await running.wait_record(f"{NS}.second", lambda r: r is not None)
+    assert rec is not None and rec.spec.model == "llama"
+    await running.wait_condition("second", "Ready", "True", "ScalerPublished")
+
+
+async def test_an_hpa_on_the_workload_refuses_the_scaledobject(running: Running) -> None:
+    running.api.create("horizontalpodautoscalers", NS, {
+        "metadata": {"name": "qwen-hpa"},
+        "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "qwen"},
+                 "minReplicas": 1, "maxReplicas": 3},
+    })  # fmt: skip
+    running.api.create(SO, NS, scaled_object())
+    cond = await running.wait_condition("qwen", "Ready", "False", "TargetConflict")
+    assert "HorizontalPodAutoscaler qwen-hpa" in cond["message"], cond["message"]
+    assert await running.record(f"{NS}.qwen") is None
+
+
+async def put_slot(nc: Client, model: str, node: str, slot: str, state: str) -> None:
+    kv = (await ensure_buckets(nc.jetstream(), names=[protocol.SLOTS_BUCKET]))[protocol.SLOTS_BUCKET]
+    record = protocol.SlotRecord(model=model, node=node, slot=slot, state=state)  # type: ignore[arg-type]
+    await kv.put(f"{model}.{node}.{slot}", protocol.encode(record))
+
+
+async def test_delete_removes_the_record_and_waits_for_the_models_slots(running: Running) -> None:
+    running.api.create(SO, NS, scaled_object())
+    await running.wait_record(f"{NS}.qwen", lambda r: r is not None)
+    await running.wait_condition("qwen", "Ready", "True")
+    await put_slot(running.nc, "qwen", "gpu-1", "s0", "ready")  # the autoscaler has not released it yet
+    running.api.delete(SO, NS, "qwen")
+    await running.wait_record(f"{NS}.qwen", lambda r: r is None)
+    cond = await running.wait_condition("qwen", "Ready", "False", "Deleting")
+    assert "waiting for 1 slot(s) of model qwen" in cond["message"] and "qwen.gpu-1.s0" in cond["message"]
+    assert running.events("qwen", "WaitingForSlotRelease")
+    await asyncio.sleep(0.6)
+    obj = running.api.try_get(SO, NS, "qwen")
+    assert obj is not None and FINALIZER in obj["metadata"]["finalizers"]  # still held by the finalizer
+    await put_slot(running.nc, "qwen", "gpu-1", "s0", "warm")  # released
+    await running.api.wait_for(lambda: running.api.try_get(SO, NS, "qwen") is None, what="the CR to go")
+
+
+async def test_delete_gives_up_waiting_after_the_bound_and_says_so(k8s_api: K8sApiDouble, nc: Client) -> None:  # noqa: F811
+    async with operator(k8s_api, nc, delete_wait_s=1.0) as running:
+        running.api.create(SO, NS, scaled_object())
+        await running.wait_condition("qwen", "Ready", "True")
+        await put_slot(nc, "qwen", "gpu-1", "s0", "claimed")
+        running.api.delete(SO, NS, "qwen")
+        await running.api.wait_for(lambda: running.api.try_get(SO, NS, "qwen") is None, what="the CR to go")
+        [warning] = running.events("qwen", "SlotsNotReleased")
+        assert warning["type"] == "Warning" and "1 slot(s) of model qwen still held" in warning["message"]
+
+
+async def test_delete_restores_the_original_replica_count(running: Running) -> None:
+    running.api.create("deployments", NS, {
+        "metadata": {"name": "qwen"},
+        "spec": {"replicas": 5, "selector": {"matchLabels": {"app": "qwen"}},
+                 "template": {"metadata": {"labels": {"app": "qwen"}},
+                              "spec": {"containers": [{"name": "vllm", "image": "vllm"}]}}},
+    })  # fmt: skip
+    running.api.create(SO, NS, scaled_object(advanced={"restoreToOriginalReplicaCount": True}))
+    await running.wait_condition("qwen", "Ready", "True")
+    running.api.patch(SO, NS, "qwen", {"status": {"originalReplicaCount": 2}}, subresource="status")  # the cold path's
+    running.api.delete(SO, NS, "qwen")
+    await running.api.wait_for(lambda: running.api.try_get(SO, NS, "qwen") is None, what="the CR to go")
+    assert running.api.get("deployments", NS, "qwen")["spec"]["replicas"] == 2
+    [scale] = [r for r in running.api.requests if r.subresource == "scale"]
+    assert (scale.method, scale.path, scale.body) == (
+        "PATCH",
+        f"/apis/apps/v1/namespaces/{NS}/deployments/qwen/scale",
+        {"spec": {"replicas": 2}},
+    )
+    assert running.events("qwen", "ReplicasRestored")
+
+
+async def test_without_restore_the_workload_keeps_its_replicas(running: Running) -> None:
+    running.api.create("deployments", NS, {"metadata": {"name": "qwen"}, "spec": {"replicas": 5}})
+    running.api.create(SO, NS, scaled_object())
+    await running.wait_condition("qwen", "Ready", "True")
+    running.api.patch(SO, NS, "qwen", {"status": {"originalReplicaCount": 2}}, subresource="status")
+    running.api.delete(SO, NS, "qwen")
+    await running.api.wait_for(lambda: running.api.try_get(SO, NS, "qwen") is None, what="the CR to go")
+    assert running.api.get("deployments", NS, "qwen")["spec"]["replicas"] == 5
+    assert not [r for r in running.api.requests if r.subresource == "scale"]
