@@ -1,0 +1,288 @@
+"""The operator's parts (kube/standby.py, kube/coldpath.py) with the real kopf and `kubernetes` client against the
+API server double and a real nats-server; slots are driven through the real registry (`KvSlotStore`).
+
+The double has no scheduler and no kubelet: where a test needs a pod on a node, it sets ``spec.nodeName`` and
+``status.phase`` itself, as those would."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from kubernetes import client as k8s
+from nats.aio.client import Client
+
+from kube import standby
+from kube.context import OperatorContext
+from kube.operator import run_operator
+from tests import k8s_api_double
+from tests.k8s_api_double import K8sApiDouble
+from warmpool import protocol
+from warmpool.protocol import AgentLease, SlotRecord
+from warmpool.registry import KvSlotStore, ensure_buckets
+
+k8s_api = k8s_api_double.k8s_api  # the fixture
+
+NS = "inference"
+SO = "scaledobjects"
+STANDBY = f"{standby.SCALEDOBJECT_LABEL}=qwen,{standby.STANDBY_LABEL}=true"
+
+
+def deployment(name: str = "qwen", *, image: str = "vllm/vllm-openai:v0.9", replicas: int = 1) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {"labels": {"app": name}},
+                "spec": {"containers": [{"name": "engine", "image": image}]},
+            },
+        },
+    }
+
+
+def scaled_object(name: str = "qwen", *, size: int = 2, max_replicas: int = 10) -> dict[str, Any]:
+    return {
+        "apiVersion": "pulsescale.io/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {
+            "scaleTargetRef": {"name": name},
+            "minReplicaCount": 1,
+            "maxReplicaCount": max_replicas,
+            "triggers": [{"type": "gateway-queue", "metadata": {"model": "qwen"}}],
+            "warmPool": {"size": size},
+        },
+    }
+
+
+@dataclass
+class Running:
+    api: K8sApiDouble
+    ctx: OperatorContext
+
+    def standby_pods(self) -> list[dict[str, Any]]:
+        return [
+            p for p in self.api.list("pods", NS, label_selector=STANDBY) if not p["metadata"].get("deletionTimestamp")
+        ]
+
+    async def wait_pods(self, pred: Any, what: str, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+        def check() -> list[dict[str, Any]] | None:
+            pods = self.standby_pods()
+            return pods if pred(pods) else None
+
+        result: list[dict[str, Any]] = await self.api.wait_for(check, timeout_s, what)
+        return result
+
+
+def api_client(api: K8sApiDouble) -> k8s.ApiClient:
+    cfg = k8s.Configuration()
+    cfg.host = api.url
+    cfg.api_key = {"authorization": "Bearer operator-token"}
+    return k8s.ApiClient(cfg)
+
+
+@contextlib.asynccontextmanager
+async def operator(api: K8sApiDouble, nc: Client) -> AsyncIterator[Running]:
+    buckets = await ensure_buckets(nc.jetstream(), names=[protocol.SCALERS_BUCKET, protocol.SLOTS_BUCKET])
+    client = api_client(api)
+    ctx = OperatorContext(
+        nc=nc, scalers=buckets[protocol.SCALERS_BUCKET], slots=buckets[protocol.SLOTS_BUCKET], api=client,
+        namespaces=(NS,), status_every_s=0.3,
+    )  # fmt: skip
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(run_operator(ctx, stop_flag=stop, ready_flag=ready))
+    try:
+        waiter = asyncio.create_task(ready.wait())
+        await asyncio.wait([waiter, task], timeout=10, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if task.done():
+            task.result()
+        assert ready.is_set(), "the operator did not become ready within 10 s"
+        yield Running(api, ctx)
+    finally:
+        stop.set()
+        try:
+            await asyncio.wait_for(task, 15)
+        finally:
+            client.close()
+
+
+@pytest.fixture
+async def running(k8s_api: K8sApiDouble, nc: Client) -> AsyncIterator[Running]:
+    async with operator(k8s_api, nc) as r:
+        yield r
+
+
+def schedule(api: K8sApiDouble, pod: dict[str, Any], node: str) -> None:
+    """What the scheduler and the kubelet would do: bind the pod to `node`, run it."""
+    api.patch("pods", NS, pod["metadata"]["name"], {"spec": {"nodeName": node}})
+    api.patch("pods", NS, pod["metadata"]["name"], {"status": {"phase": "Running"}}, subresource="status")
+
+
+# --- standby pods ---------------------------------------------------------------------------------------------------
+
+
+async def test_standby_pods_are_made_from_the_target_template_to_size(running: Running) -> None:
+    running.api.create("deployments", NS, deployment())
+    so = running.api.create(SO, NS, scaled_object(size=2))
+    pods = await running.wait_pods(lambda ps: len(ps) == 2, "two standby pods")
+    for pod in pods:
+        labels = pod["metadata"]["labels"]
+        assert labels["app"] == "qwen"  # the template's own labels
+        assert labels[standby.SCALEDOBJECT_LABEL] == "qwen"
+        assert labels[standby.MODEL_LABEL] == "qwen"
+        assert labels[standby.STANDBY_LABEL] == "true" and labels[standby.SERVING_LABEL] == "false"
+        template = deployment()["spec"]["template"]
+        assert labels[standby.TEMPLATE_HASH_LABEL] == standby.template_hash(template)
+        assert pod["spec"]["containers"][0]["image"] == "vllm/vllm-openai:v0.9"
+        (owner,) = pod["metadata"]["ownerReferences"]
+        assert owner["kind"] == "ScaledObject" and owner["uid"] == so["metadata"]["uid"] and owner["controller"]
+    await asyncio.sleep(0.5)
+    assert len(running.standby_pods()) == 2, "more pods than the size"
+
+
+async def test_a_deleted_or_failed_standby_pod_is_replaced(running: Running) -> None:
+    running.api.create("deployments", NS, deployment())
+    running.api.create(SO, NS, scaled_object(size=2))
+    first, second = await running.wait_pods(lambda ps: len(ps) == 2, "two standby pods")
+    running.api.delete("pods", NS, first["metadata"]["name"])
+    pods = await running.wait_pods(
+        lambda ps: len(ps) == 2 and first["metadata"]["name"] not in {p["metadata"]["name"] for p in ps},
+        "the deleted pod replaced",
+    )
+    running.api.patch("pods", NS, second["metadata"]["name"], {"status": {"phase": "Failed"}}, subresource="status")
+    pods = await running.wait_pods(
+        lambda ps: len(ps) == 2 and second["metadata"]["name"] not in {p["metadata"]["name"] for p in ps},
+        "the failed pod replaced",
+    )
+    assert all(p.get("status", {}).get("phase") != "Failed" for p in pods)
+
+
+async def test_a_smaller_pool_deletes_idle_pods_never_a_serving_one(running: Running, store: KvSlotStore) -> None:
+    running.api.create("deployments", NS, deployment())
+    running.api.create(SO, NS, scaled_object(size=3))
+    pods = await running.wait_pods(lambda ps: len(ps) == 3, "three standby pods")
+    for pod in pods:
+        schedule(running.api, pod, "n1")
+    serving = await serve_one(running, store, "n1")
+    running.api.patch(SO, NS, "qwen", {"spec": {"warmPool": {"size": 1}}})
+    left = await running.wait_pods(lambda ps: len(ps) == 1, "the pool shrunk to one")
+    assert left[0]["metadata"]["name"] == serving, "a serving pod was deleted"
+
+
+async def test_a_changed_template_replaces_idle_pods_and_keeps_serving_ones(
+    running: Running, store: KvSlotStore
+) -> None:
+    running.api.create("deployments", NS, deployment())
+    running.api.create(SO, NS, scaled_object(size=2))
+    pods = await running.wait_pods(lambda ps: len(ps) == 2, "two standby pods")
+    for pod in pods:
+        schedule(running.api, pod, "n1")
+    serving = await serve_one(running, store, "n1")
+    new = deployment(image="vllm/vllm-openai:v0.10")
+    running.api.patch("deployments", NS, "qwen", {"spec": {"template": new["spec"]["template"]}})
+    new_hash = standby.template_hash(new["spec"]["template"])
+
+    def replaced(ps: list[dict[str, Any]]) -> bool:
+        fresh = [p for p in ps if p["metadata"]["labels"][standby.TEMPLATE_HASH_LABEL] == new_hash]
+        return len(ps) == 2 and len(fresh) == 1
+
+    pods = await running.wait_pods(replaced, "the idle pod replaced with the new template")
+    assert serving in {p["metadata"]["name"] for p in pods}, "the serving pod was replaced under its traffic"
+    fresh = [p for p in pods if p["metadata"]["name"] != serving]
+    assert fresh[0]["spec"]["containers"][0]["image"] == "vllm/vllm-openai:v0.10"
+
+
+async def serve_one(running: Running, store: KvSlotStore, node: str) -> str:
+    """A slot of qwen on `node` goes ready through the registry; returns the pod that turned serving."""
+    await store.heartbeat(AgentLease(node=node, slots=["s0"], heartbeat_at=time.time(), lease_s=60))
+    await store.register(SlotRecord(model="qwen", node=node, slot="s0", state="warm"))
+    claim = await store.claim("qwen")
+    claim = await store.advance(claim, "activating")
+    await store.advance(claim, "ready", endpoint="http://10.0.0.7:8000")
+    pods = await running.wait_pods(
+        lambda ps: sum(p["metadata"]["labels"][standby.SERVING_LABEL] == "true" for p in ps) == 1, "one serving pod"
+    )
+    (pod,) = [p for p in pods if p["metadata"]["labels"][standby.SERVING_LABEL] == "true"]
+    return str(pod["metadata"]["name"])
+
+
+async def test_a_ready_slot_flips_a_pod_on_its_node_to_serving_and_back_on_release(
+    running: Running, store: KvSlotStore
+) -> None:
+    running.api.create("deployments", NS, deployment())
+    running.api.create(SO, NS, scaled_object(size=2))
+    a, b = await running.wait_pods(lambda ps: len(ps) == 2, "two standby pods")
+    schedule(running.api, a, "gpu-1")
+    schedule(running.api, b, "gpu-2")
+    await store.heartbeat(AgentLease(node="gpu-2", slots=["s0"], heartbeat_at=time.time(), lease_s=60))
+    await store.register(SlotRecord(model="qwen", node="gpu-2", slot="s0", state="warm"))
+    claim = await store.claim("qwen")
+    claim = await store.advance(claim, "activating")
+    await asyncio.sleep(0.3)
+    assert all(p["metadata"]["labels"][standby.SERVING_LABEL] == "false" for p in running.standby_pods())
+    claim = await store.advance(claim, "ready", endpoint="http://10.0.0.7:8000")
+
+    def serving() -> list[str]:
+        return [p["metadata"]["name"] for p in running.standby_pods()
+                if p["metadata"]["labels"][standby.SERVING_LABEL] == "true"]  # fmt: skip
+
+    await running.api.wait_for(lambda: serving() == [b["metadata"]["name"]], 10, "the pod on gpu-2 serving")
+    pod = running.api.get("pods", NS, b["metadata"]["name"])
+    assert pod["metadata"]["annotations"][standby.SLOT_ANNOTATION] == "qwen.gpu-2.s0"
+    await store.release(claim)
+    await running.api.wait_for(lambda: serving() == [], 10, "the pod back to standby")
+    pod = running.api.get("pods", NS, b["metadata"]["name"])
+    assert standby.SLOT_ANNOTATION not in (pod["metadata"].get("annotations") or {})
+    assert len(running.standby_pods()) == 2
+
+
+# --- pure parts -----------------------------------------------------------------------------------------------------
+
+
+def pod(name: str, *, hash_: str = "h1", serving: bool = False, phase: str = "Running", node: str = "n1",
+        created: str = "2026-01-01T00:00:00Z", slot: str | None = None) -> dict[str, Any]:  # fmt: skip
+    return {
+        "metadata": {
+            "name": name,
+            "creationTimestamp": created,
+            "labels": {standby.TEMPLATE_HASH_LABEL: hash_, standby.SERVING_LABEL: "true" if serving else "false"},
+            "annotations": {standby.SLOT_ANNOTATION: slot} if slot else {},
+        },
+        "spec": {"nodeName": node} if node else {},
+        "status": {"phase": phase},
+    }
+
+
+@pytest.mark.parametrize(
+    ("pods", "size", "create", "delete"),
+    [
+        ([], 2, 2, []),
+        ([pod("a"), pod("b")], 2, 0, []),
+        ([pod("a"), pod("b", phase="Failed")], 2, 1, ["b"]),
+        ([pod("a"), pod("b", hash_="old")], 2, 1, ["b"]),
+        ([pod("a"), pod("b", hash_="old", serving=True)], 2, 0, []),  # serving: kept until released
+        ([pod("a", serving=True), pod("b"), pod("c", node="")], 1, 0, ["c", "b"]),  # unscheduled goes first
+        ([pod("a", serving=True), pod("b", serving=True)], 1, 0, []),  # never a serving one
+        ([pod("a", created="2026-01-01T00:00:00Z"), pod("b", created="2026-01-02T00:00:00Z")], 1, 0, ["b"]),
+    ],
+)
+def test_plan(pods: list[dict[str, Any]], size: int, create: int, delete: list[str]) -> None:
+    result = standby.plan(pods, size, "h1")
+    assert (result.create, list(result.delete)) == (create, delete)
+
+
+def test_serving_changes_follow_ready_slots() -> None:
+    pods = [pod("a", node="n1"), pod("b", node="n2", serving=True, slot="m.n2.s0"), pod("c", node="n2")]
+    flips, unplaced = standby.serving_changes(pods, {"m.n1.s0": "n1", "m.n3.s0": "n3"})
+    assert sorted((f.pod, f.serving, f.slot) for f in flips) == [("a", True, "m.n1.s0"), ("b", False, None)]
+    assert unplaced == ["m.n3.s0"]
+    flips, _ = standby.serving_changes(pods, {"m.n2.s0": "n2"})
+    assert flips == []  # already serving it
