@@ -26,12 +26,13 @@ Revisions of v1 (each only adds fields or tightens a request only our own autosc
   claimable only when its node's fresh lease lists it in `slots`, and a lease listing more than `MAX_SLOTS_PER_NODE`
   is refused ``bad_value``; a record whose fields name another key than its own is refused ``subject_mismatch``.
 - revision 5 (KEDA compatibility, Kubernetes): `ScaledObjectSpec` adds KEDA's `pollingInterval` and
-  `initialCooldownPeriod`; `Trigger` adds `name`, `metricType` (only ``AverageValue``), `useCachedMetrics` and
-  `authenticationRef`; `Fallback` adds `behavior`; `Advanced` adds `restoreToOriginalReplicaCount`,
-  `horizontalPodAutoscalerConfig` (HPA `behavior`, mapped onto the policy), `scaleDownPods` and
-  `scaleDownSelectPolicy`; `ScalerRecord` adds `paused_scale_in`/`paused_scale_out` (KEDA's annotations of those
-  names), `notes` (why an accepted field has no effect) and `created_at`; `StatusRow` adds the ScaledObject's key,
-  `fallback`, `paused`, `cold_requested`, `last_active_at` and `last_scale_at`, for the operator's status subresource.
+  `initialCooldownPeriod` (and `scaleTargetRef.envSourceContainerName`); `Trigger` adds `name`, `metricType` (only
+  ``AverageValue``), `useCachedMetrics` and `authenticationRef`; `Fallback` adds `behavior`; `Advanced` adds
+  `restoreToOriginalReplicaCount`, `horizontalPodAutoscalerConfig` (HPA `behavior`, mapped onto the policy),
+  `scaleDownPods` and `scaleDownSelectPolicy`; `ScalerRecord` adds `paused_scale_in`/`paused_scale_out` (KEDA's
+  annotations of those names), `notes` (why an accepted field has no effect) and `created_at`; `StatusRow` adds the
+  ScaledObject's key, `fallback`, `paused`, `cold_requested`, `last_active_at` and `last_scale_at`, for the operator's
+  status subresource.
 
 Pure: no I/O, no NATS import; `now` is passed in where time matters.
 """
@@ -580,6 +581,8 @@ class ScaleTargetRef(_Spec, kw_only=True):
     name: Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
     kind: str = "Deployment"
     api_version: str = "apps/v1"
+    env_source_container_name: str | None = None
+    """Revision 5: KEDA's ``envSourceContainerName``, accepted; no effect (a pushed trigger reads no environment)."""
 
 
 class TriggerMetadata(_Spec, kw_only=True):
