@@ -122,8 +122,9 @@ async def test_deleting_a_scaled_object_releases_its_slots(
             await kv.delete(rec.key)
             await wait_for(lambda: not any(r.state in HELD for r in store.records("m")), 5, "m's slots released")
             assert all(r.state == "warm" and r.claim_id is None for r in store.records("m"))
+            await wait_for(lambda: sum(e.type == "slot.released" for e in events) == 3, 5, "3 slot.released events")
             released = [e for e in events if e.type == "slot.released"]
-            assert len(released) == 3 and all(e.reason == "ScaledObject team.so-m deleted" for e in released)
+            assert all(e.reason == "ScaledObject team.so-m deleted" for e in released)
             assert sum(a.activations.__len__() for a in agents) == 3, "nothing was activated after the delete"
             # Another model's slots are not touched.
             assert [r.state for r in store.records("o")] == ["ready"]
