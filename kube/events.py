@@ -86,6 +86,7 @@ class EventRecorder:
     component: str = "pulsescale-operator"
     instance: str = ""
     clock: Callable[[], float] = time.time
+    min_write_interval_s: float = MIN_WRITE_INTERVAL_S
     _aggregates: dict[tuple[ObjectRef, str, str], _Aggregate] = field(default_factory=dict)
     _tokens: float = MAX_WRITES_PER_S
     _tokens_at: float = float("nan")
@@ -128,7 +129,7 @@ class EventRecorder:
 
     async def _maybe_write(self, key: tuple[ObjectRef, str, str], agg: _Aggregate, now: float) -> None:
         async with self._lock:
-            if agg.count == agg.written_count or now - agg.written_at < MIN_WRITE_INTERVAL_S:
+            if agg.count == agg.written_count or now - agg.written_at < self.min_write_interval_s:
                 return
             if not self._take_token(now):
                 return

@@ -8,6 +8,7 @@ subresource, Events, and the double's request log.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
@@ -20,10 +21,14 @@ from kubernetes import client as k8s
 from nats.aio.client import Client
 from nats.js.kv import KeyValue
 
-from kube.context import OperatorContext
+from autoscaler import daemon
+from autoscaler.leader import LeaseSettings
+from autoscaler.metrics import AutoscalerMetrics
+from kube.context import OperatorContext, open_buckets
 from kube.operator import FINALIZER, run_operator
 from tests.k8s_api_double import K8sApiDouble, k8s_api  # noqa: F401 - fixture
-from warmpool import protocol
+from warmpool import connect, natsauth, protocol
+from warmpool.embedded import NatsServer
 from warmpool.registry import ensure_buckets
 
 NS = "inference"
@@ -104,8 +109,10 @@ def api_client(api: K8sApiDouble) -> k8s.ApiClient:
 
 
 @contextlib.asynccontextmanager
-async def operator(api: K8sApiDouble, nc: Client, **settings: Any) -> AsyncIterator[Running]:
-    buckets = await ensure_buckets(nc.jetstream(), names=[protocol.SCALERS_BUCKET, protocol.SLOTS_BUCKET])
+async def operator(api: K8sApiDouble, nc: Client, *, create: bool = True, **settings: Any) -> AsyncIterator[Running]:
+    if create:  # as the autoscaler does; the operator's own NATS user may not create buckets
+        await ensure_buckets(nc.jetstream(), names=[protocol.SCALERS_BUCKET, protocol.SLOTS_BUCKET])
+    buckets = await open_buckets(nc)
     client = api_client(api)
     ctx = OperatorContext(
         nc=nc, scalers=buckets[protocol.SCALERS_BUCKET], slots=buckets[protocol.SLOTS_BUCKET], api=client,
@@ -317,3 +324,117 @@ async def test_without_restore_the_workload_keeps_its_replicas(running: Running)
     await running.api.wait_for(lambda: running.api.try_get(SO, NS, "qwen") is None, what="the CR to go")
     assert running.api.get("deployments", NS, "qwen")["spec"]["replicas"] == 5
     assert not [r for r in running.api.requests if r.subresource == "scale"]
+
+
+@contextlib.asynccontextmanager
+async def autoscaler(url: str, options: connect.NatsOptions | None = None) -> AsyncIterator[None]:
+    """The real autoscaler daemon in this process, leading (a short lease so it leads at once)."""
+    settings = daemon.AutoscalerSettings(
+        nats=options or connect.NatsOptions(servers=(url,), name="test-autoscaler"),
+        lease=LeaseSettings(lease_s=1.0, renew_every_s=0.2),
+    )
+    stop, ready = asyncio.Event(), asyncio.Event()
+    started: list[daemon.Autoscaler] = []
+    task = asyncio.create_task(
+        daemon.run(settings, stop=stop, ready=ready, metrics=AutoscalerMetrics(), on_started=started.append)
+    )
+    try:
+        await asyncio.wait_for(ready.wait(), 10)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5
+        while not (started and started[0].ready() and started[0].is_leader()):
+            assert loop.time() < deadline, "the autoscaler did not lead within 5 s"
+            await asyncio.sleep(0.05)
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+async def test_the_status_subresource_follows_the_autoscaler(
+    k8s_api: K8sApiDouble,  # noqa: F811
+    nc: Client,
+    nats_server: NatsServer,
+) -> None:
+    async with autoscaler(nats_server.url), operator(k8s_api, nc) as running:
+        running.api.create(SO, NS, scaled_object())
+        await running.wait_condition("qwen", "Active", "True", "ScalerActive")
+        status = running.api.get(SO, NS, "qwen")["status"]
+        # No node agent: the autoscaler wants minReplicaCount and has nothing warm to give.
+        assert (status["desiredReplicas"], status["readyReplicas"], status["warmSlots"]) == (1, 0, 0), status
+        assert status["currentReplicas"] == 0 and status["scaleTargetKind"] == "apps/v1.Deployment"
+        assert {c["type"]: c["status"] for c in status["conditions"]} == {
+            "Ready": "True", "Active": "True", "Fallback": "False", "Paused": "False"
+        }  # fmt: skip
+        assert all(c["lastTransitionTime"].endswith("Z") for c in status["conditions"])
+
+        # A pause annotation reaches the autoscaler through the record and comes back as the Paused condition.
+        running.api.patch(SO, NS, "qwen", {"metadata": {"annotations": {"pulsescale.io/paused": "true"}}})
+        cond = await running.wait_condition("qwen", "Paused", "True", "PausedByAnnotation")
+        assert cond["observedGeneration"] == 1
+        await running.api.wait_for(lambda: running.events("qwen", "Paused"), what="a Paused Event")
+
+        # Quiet: the status is patched only when it changes.
+        await asyncio.sleep(0.4)
+        before = len([r for r in running.api.requests if r.subresource == "status"])
+        await asyncio.sleep(1.0)  # ~3 status rounds at 0.3 s
+        after = len([r for r in running.api.requests if r.subresource == "status"])
+        assert after == before, "status patched although nothing changed"
+
+
+async def test_a_pulse_of_autoscaler_events_makes_a_few_aggregated_kubernetes_events(running: Running) -> None:
+    recorder = running.ctx.extra["scaledobjects"].recorder
+    recorder.min_write_interval_s = 0.5
+    running.api.create(SO, NS, scaled_object())
+    await running.wait_condition("qwen", "Ready", "True")
+    running.api.create(SO, NS, scaled_object("other", model="llama", target="llama"))
+    await running.wait_condition("other", "Ready", "True")
+    before = len([r for r in running.api.requests if r.resource == "events"])
+    for i in range(300):  # a pulse: the autoscaler decides on every sample
+        event = protocol.Event(type="scale.decision", model="qwen", ts=float(i), desired=1 + i % 4, reason="demand")
+        await running.nc.publish(protocol.events_subject("qwen"), protocol.encode(event))
+    exhausted = protocol.Event(type="pool.exhausted", model="qwen", ts=1.0, reason="no warm slot on any node")
+    await running.nc.publish(protocol.events_subject("qwen"), protocol.encode(exhausted))
+    await running.nc.flush()
+
+    def decisions() -> list[dict[str, Any]]:
+        found = running.events("qwen", "ScaleDecision")
+        return found if found and found[0]["count"] == 300 else []
+
+    [decision] = await running.api.wait_for(decisions, what="one ScaleDecision Event counting 300")
+    assert decision["type"] == "Normal" and decision["message"].startswith("desired ")
+    assert decision["source"]["component"] == "pulsescale-operator"
+    assert decision["involvedObject"]["uid"] == running.api.get(SO, NS, "qwen")["metadata"]["uid"]
+    [pool] = running.events("qwen", "PoolExhausted")
+    assert pool["type"] == "Warning" and "no warm slot on any node" in pool["message"]
+    assert not running.events("other", "ScaleDecision")  # another model's ScaledObject hears nothing
+    writes = len([r for r in running.api.requests if r.resource == "events"]) - before
+    assert writes <= 10, f"{writes} Event writes for one pulse"
+
+
+async def test_the_operator_works_under_its_nats_role_without_a_violation(
+    k8s_api: K8sApiDouble,  # noqa: F811
+    tmp_path: Any,
+) -> None:
+    server = NatsServer(tmp_path / "nats")
+    layout = natsauth.write_secure_layout(tmp_path / "auth", server.url, ["gpu-1"], tls=False)
+    server.extra_config = layout.authorization
+    with server:
+
+        def options(user: str) -> connect.NatsOptions:
+            env = natsauth.read_env_file(layout.credentials[user])
+            return connect.options_from_args(argparse.Namespace(), name=f"test-{user}", env=env)
+
+        async with autoscaler(server.url, options("autoscaler")):
+            nc = await connect.connect(options("operator"))
+            try:
+                async with operator(k8s_api, nc, create=False) as running:
+                    running.api.create(SO, NS, scaled_object())
+                    await running.wait_record(f"{NS}.qwen", lambda r: r is not None)  # writes pulse_scalers
+                    await running.wait_condition("qwen", "Active", "True")  # asked pulse.cmd.status
+                    running.api.delete(SO, NS, "qwen")  # reads pulse_slots, deletes its key
+                    await running.api.wait_for(lambda: running.api.try_get(SO, NS, "qwen") is None, what="gone")
+            finally:
+                await nc.close()
+        violations = [line for line in server.log_path.read_text().splitlines() if "Violation" in line]
+        assert violations == []
