@@ -235,7 +235,10 @@ class ScaledObjects:
                 await self.recorder.record(ref, "Warning", "InvalidSpec", str(err))
             else:
                 conflict = await self._conflict(body, previous is not None)
-                paused_by_annotation = record.paused or record.paused_scale_in or record.paused_scale_out
+                paused_by_annotation = record.paused  # one-way pauses are not Paused (as KEDA): noted in its message
+                one_way = ", ".join(
+                    w for w, on in (("scale-in", record.paused_scale_in), ("scale-out", record.paused_scale_out)) if on
+                )
                 if conflict is not None:
                     verdict = status_mod.Verdict(False, "TargetConflict", conflict)
                     if previous is not None:
@@ -259,6 +262,7 @@ class ScaledObjects:
                         True, "ScalerPublished",
                         f"published to {protocol.SCALERS_BUCKET} as {key} (model {record.spec.model})",
                         paused_by_annotation=paused_by_annotation, notes=tuple(record.notes),
+                        one_way_pause=one_way,
                     )  # fmt: skip
             known.verdict = verdict
             await self._write_status(known)

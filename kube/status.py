@@ -74,7 +74,14 @@ class Verdict:
     reason: str
     message: str
     paused_by_annotation: bool = False
+    one_way_pause: str = ""  # "scale-in", "scale-out": KEDA's one-way pauses (Paused stays False, as in KEDA)
     notes: tuple[str, ...] = ()
+
+
+def _one_way(verdict: Verdict) -> str:
+    return (
+        f"{verdict.one_way_pause} paused by annotation (scaling the other way goes on)" if verdict.one_way_pause else ""
+    )
 
 
 def _condition(
@@ -117,7 +124,7 @@ def compose(body: dict[str, Any], verdict: Verdict, row: StatusRow | None, now: 
         conditions.append(
             _condition(previous, "Paused", "True" if paused else "False",
                        "PausedByAnnotation" if paused else "NotPaused",
-                       "paused by annotation" if paused else "", generation, now)
+                       "paused by annotation" if paused else _one_way(verdict), generation, now)
         )  # fmt: skip
     else:
         active = row.desired > 0 or row.ready > 0
@@ -140,7 +147,7 @@ def compose(body: dict[str, Any], verdict: Verdict, row: StatusRow | None, now: 
             if row.override is not None:
                 message += f" (holding {row.override.replicas})" if row.override.replicas is not None else ""
         else:
-            how, message = "NotPaused", ""
+            how, message = "NotPaused", _one_way(verdict)
         conditions.append(
             _condition(previous, "Paused", "True" if row.paused else "False", how, message, generation, now)
         )

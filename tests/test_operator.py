@@ -225,6 +225,11 @@ async def test_kedas_pause_annotations_republish_the_record(running: Running) ->
                                           "autoscaling.keda.sh/paused-scale-in": "true"}}}  # fmt: skip
     running.api.patch(SO, NS, "qwen", patch)
     await running.wait_record(key, lambda r: r is not None and not r.paused and r.paused_scale_in)
+    # As KEDA: a one-way pause is not Paused; the condition's message says what is held.
+    await running.api.wait_for(
+        lambda: (c := running.condition("qwen", "Paused")) and c["status"] == "False"
+        and c["message"].startswith("scale-in paused by annotation"), what="Paused=False naming the scale-in pause",
+    )  # fmt: skip
     patch = {"metadata": {"annotations": {"autoscaling.keda.sh/paused-scale-in": None,
                                           "autoscaling.keda.sh/paused-scale-out": "true"}}}  # fmt: skip
     running.api.patch(SO, NS, "qwen", patch)
