@@ -17,12 +17,16 @@ import pytest
 from kubernetes import client as k8s
 from nats.aio.client import Client
 
-from kube import standby
+from autoscaler import daemon
+from autoscaler.leader import LeaseSettings
+from autoscaler.metrics import AutoscalerMetrics
+from kube import coldpath, standby
 from kube.context import OperatorContext
 from kube.operator import run_operator
 from tests import k8s_api_double
 from tests.k8s_api_double import K8sApiDouble
-from warmpool import protocol
+from warmpool import connect, protocol
+from warmpool.embedded import NatsServer
 from warmpool.protocol import AgentLease, SlotRecord
 from warmpool.registry import KvSlotStore, ensure_buckets
 
@@ -286,3 +290,101 @@ def test_serving_changes_follow_ready_slots() -> None:
     assert unplaced == ["m.n3.s0"]
     flips, _ = standby.serving_changes(pods, {"m.n2.s0": "n2"})
     assert flips == []  # already serving it
+
+
+# --- the cold path --------------------------------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def autoscaler(url: str) -> AsyncIterator[None]:
+    """The real autoscaler daemon in this process, leading at once (a short lease). With no node agent it has no
+    warm slot, so every replica it wants goes to the cold path."""
+    settings = daemon.AutoscalerSettings(
+        nats=connect.NatsOptions(servers=(url,), name="test-autoscaler"),
+        lease=LeaseSettings(lease_s=1.0, renew_every_s=0.2),
+    )
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(daemon.run(settings, stop=stop, ready=ready, metrics=AutoscalerMetrics()))
+    try:
+        await asyncio.wait_for(ready.wait(), 10)
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+def scale_writes(api: K8sApiDouble) -> list[k8s_api_double.ApiRequest]:
+    return [r for r in api.requests if r.subresource == "scale" and r.verb in ("patch", "update")]
+
+
+async def test_the_cold_path_patches_the_scale_subresource_as_an_hpa_once_per_request(
+    k8s_api: K8sApiDouble, nc: Client, nats_server: NatsServer
+) -> None:
+    async with autoscaler(nats_server.url), operator(k8s_api, nc) as running:
+        running.api.create("deployments", NS, deployment(replicas=1))
+        so = scaled_object(size=0, max_replicas=3)
+        so["spec"]["minReplicaCount"] = 2  # the autoscaler wants 2 at once, and the pool has none
+        running.api.create(SO, NS, so)
+        await running.api.wait_for(lambda: scale_writes(running.api), 15, "a scale patch")
+        [write] = scale_writes(running.api)
+        assert (write.method, write.path) == ("PATCH", f"/apis/apps/v1/namespaces/{NS}/deployments/qwen/scale")
+        assert write.body == {"spec": {"replicas": 3}}  # 1 + 2
+        assert running.api.get("deployments", NS, "qwen")["spec"]["replicas"] == 3
+        status = running.api.get(SO, NS, "qwen")["status"]
+        assert status["originalReplicaCount"] == 1
+        assert status[coldpath.COLD_PATH_STATUS]["fromReplicas"] == 1
+        await running.api.wait_for(lambda: running_events(running.api, "ColdPathScaled"), 10, "a ColdPathScaled Event")
+        [event] = running_events(running.api, "ColdPathScaled")
+        assert "from 1 to 3 replicas" in event["message"]
+        # The shortfall lasts (the autoscaler still counts no warm replica): its status rows keep asking for the
+        # same 2 every round, and the event may come again; the workload is patched once.
+        await asyncio.sleep(1.5)
+        assert len(scale_writes(running.api)) == 1
+
+
+def running_events(api: K8sApiDouble, reason: str) -> list[dict[str, Any]]:
+    return [e for e in api.list("events", NS) if e["reason"] == reason]
+
+
+async def test_cold_path_requests_are_idempotent_across_replicas_and_capped(k8s_api: K8sApiDouble, nc: Client) -> None:
+    async with operator(k8s_api, nc) as running:
+        running.api.create("statefulsets", NS, deployment(replicas=2))
+        running.api.create(SO, NS, scaled_object(size=0, max_replicas=6))
+        running.api.patch(SO, NS, "qwen", {"spec": {"scaleTargetRef": {"kind": "StatefulSet"}}})
+        body = await running.api.wait_for(lambda: _published(running), 10, "the ScaledObject published")
+        cold = running.ctx.extra["coldpath"]
+        assert await cold.request(body, 2) == 4
+        assert await cold.request(body, 2) is None  # the same request again (the status row after the event)
+        # A new leader remembers nothing but the status: the same request is still served already.
+        fresh = coldpath.ColdPath(running.ctx)
+        assert await fresh.request(body, 2) is None
+        assert await fresh.request(body, 9) == 6  # more within the episode: from 2 + 9, capped at 6
+        writes = scale_writes(running.api)
+        assert [(w.path, w.body) for w in writes] == [
+            (f"/apis/apps/v1/namespaces/{NS}/statefulsets/qwen/scale", {"spec": {"replicas": 4}}),
+            (f"/apis/apps/v1/namespaces/{NS}/statefulsets/qwen/scale", {"spec": {"replicas": 6}}),
+        ]
+        assert running.api.get(SO, NS, "qwen")["status"]["originalReplicaCount"] == 2  # before the first change
+        assert await fresh.request(body, 12) is None  # at the cap: nothing to add
+        await running.api.wait_for(lambda: running_events(running.api, "ColdPathAtMax"), 10, "a ColdPathAtMax Event")
+
+
+def _published(running: Running) -> dict[str, Any] | None:
+    known = running.ctx.extra["scaledobjects"].known.get(f"{NS}.qwen")
+    if known is None or not known.verdict.ready:
+        return None
+    return dict(known.body)
+
+
+@pytest.mark.parametrize(
+    ("current", "needed", "cap", "episode", "to"),
+    [
+        (1, 2, 10, None, 3),
+        (3, 2, 10, coldpath.Episode(2, 1, 3), 3),  # the same request: no change
+        (3, 4, 10, coldpath.Episode(2, 1, 3), 5),  # a larger one within the episode
+        (1, 20, 10, None, 10),  # capped
+        (12, 2, 10, None, 12),  # above the cap already: never scaled down
+    ],
+)
+def test_scale_to(current: int, needed: int, cap: int, episode: coldpath.Episode | None, to: int) -> None:
+    assert coldpath.scale_to(current, needed, cap, episode)[0] == to
