@@ -12,7 +12,7 @@ import pytest
 
 from autoscaler.decider import DeciderSettings, ModelDecider
 from tests.helpers import HandClock
-from tests.test_policy import SETTLED, T0, Row, make_spec, run
+from tests.test_policy import SETTLED, T0, Row, make_spec, run, settled_at
 from warmpool import protocol
 from warmpool.protocol import Fallback, QueueSample, ScaledObjectSpec, ScalerRecord
 
@@ -211,6 +211,48 @@ def test_scale_down_policies(pods: int | None, select: str, want: int) -> None:
         "scale_down_select_policy": select,
     }
     run(make_spec(advanced=adv), [Row(0.1, 40, 10, repeat=650, want=10), Row(0.1, 4, 10, repeat=100, want=want)])
+
+
+@pytest.mark.parametrize(
+    ("start", "percent", "pods", "select", "keep"),
+    [
+        # Percent keeps int(start x (1 - percent/100)), Pods keeps start - pods; Max keeps the fewer (the larger
+        # removal), Min the more (HPA's selectPolicy: min/max over the kept counts).
+        (10, 25.0, 2, "Max", 7),  # percent 7 (7.5 down), pods 8
+        (10, 25.0, 2, "Min", 8),
+        (10, 25.0, 4, "Max", 6),  # pods 6, percent 7
+        (10, 25.0, 4, "Min", 7),
+        (7, 50.0, 3, "Max", 3),  # percent 3 (3.5 down), pods 4
+        (7, 50.0, 3, "Min", 4),
+        (3, 50.0, 1, "Min", 2),  # percent 1 (1.5 down), pods 2
+        (3, 50.0, 1, "Max", 1),
+        (25, 10.0, 2, "Min", 23),  # percent 22 (22.5 down), pods 23
+        (25, 10.0, 2, "Max", 22),
+    ],
+)
+def test_scale_down_select_policy_over_both_policies_as_hpa(
+    start: int, percent: float, pods: int, select: str, keep: int
+) -> None:
+    adv = {
+        "scale_down_stabilization_seconds": 0.0,
+        "scale_down_percent": percent,
+        "scale_down_pods": pods,
+        "scale_down_select_policy": select,
+    }
+    spec = make_spec(advanced=adv)
+    run(spec, [Row(0.1, 0, start, want=keep), Row(0.1, 0, keep, repeat=5, want=keep)], state=settled_at(spec, start))
+
+
+def test_scale_down_select_policy_counts_scale_ups_in_the_period() -> None:
+    # Both policies count from the period's start (10, before the step up to 12): Min keeps max(5, 10 - 1) = 9.
+    adv = {"scale_down_stabilization_seconds": 0.0, "scale_down_pods": 1, "scale_down_select_policy": "Min"}
+    spec = make_spec(advanced=adv)
+    twelve = protocol.Override(kind="scale", replicas=12)
+    run(
+        spec,
+        [Row(0.1, 0, 10, override=twelve, want=12), Row(0.1, 0, 12, want=9, reason="rate-limited")],
+        state=settled_at(spec, 10),
+    )
 
 
 def test_scale_down_disabled_still_scales_out_and_says_why() -> None:

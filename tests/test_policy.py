@@ -9,6 +9,7 @@ windows 60 s / 6 s, stabilisation 60 s, 50 %/60 s.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -336,6 +337,78 @@ def test_scale_down_rate_removes_at_least_one() -> None:
             Row(10.0, 4, 9, want=9),
             Row(60.0, 4, 9, want=8, reason="down 9 -> 8: forecast 4 / target 4, rate-limited"),
         ],
+    )
+
+
+def settled_at(spec: ScaledObjectSpec, replicas: int) -> PolicyState:
+    """A state holding `replicas` at T0 in normal mode, past the restart hold, with no scale step in the period."""
+    return dataclasses.replace(
+        initial_state(spec, now=T0, current_replicas=replicas), hold_replicas=None, mode="normal"
+    )
+
+
+# HPA's Percent policy keeps int32(periodStartReplicas * (1 - value/100)): rounded down, so it keeps fewer than a
+# ceiling would (kubernetes pkg/controller/podautoscaler/horizontal.go, calculateScaleDownLimitWithBehaviors).
+@pytest.mark.parametrize(
+    ("percent", "start", "keep"),
+    [
+        (25.0, 10, 7),  # 7.5
+        (25.0, 7, 5),  # 5.25
+        (50.0, 7, 3),  # 3.5
+        (50.0, 3, 1),  # 1.5
+        (10.0, 25, 22),  # 22.5
+        (50.0, 10, 5),  # exact: no rounding
+        (1.0, 10, 9),  # 9.9: rounding down still removes one
+        (100.0, 10, 1),  # all of them, but the active floor keeps one
+    ],
+)
+def test_scale_down_percent_rounds_the_kept_count_down_as_hpa(percent: float, start: int, keep: int) -> None:
+    spec = make_spec(advanced={"scale_down_percent": percent, "scale_down_stabilization_seconds": 0.0})
+    run(spec, [Row(0.1, 0, start, want=keep, reason=f"down {start} -> {keep}")], state=settled_at(spec, start))
+
+
+def test_scale_ups_within_the_period_do_not_raise_the_period_start() -> None:
+    # HPA: periodStartReplicas = currentReplicas - replicasAddedInCurrentPeriod + replicasDeletedInCurrentPeriod.
+    # At 10, up to 14 (an override), then the override ends: the period began at 10, so 50 % keeps 5, not 7.
+    spec = make_spec(advanced={"scale_down_stabilization_seconds": 0.0})
+    fourteen = Override(kind="scale", replicas=14)
+    run(
+        spec,
+        [
+            Row(0.1, 0, 10, override=fourteen, want=14, mode="override"),
+            Row(0.1, 0, 14, want=5, reason="down 14 -> 5: forecast 0 / target 4, rate-limited"),
+        ],
+        state=settled_at(spec, 10),
+    )
+
+
+def test_scale_ups_and_downs_within_the_period_both_count() -> None:
+    # 10 -> 5 (50 %), up to 8, then down again: the period still began at 10 (8 - 3 + 5), so 5 is the floor.
+    spec = make_spec(advanced={"scale_down_stabilization_seconds": 0.0})
+    eight = Override(kind="scale", replicas=8)
+    run(
+        spec,
+        [
+            Row(0.1, 0, 10, want=5),
+            Row(0.1, 0, 5, override=eight, want=8),
+            Row(0.1, 0, 8, want=5, reason="rate-limited"),
+            Row(0.1, 0, 5, repeat=10, want=5, reason="scale-down rate 50 %/60 s used"),
+        ],
+        state=settled_at(spec, 10),
+    )
+
+
+def test_a_scale_up_a_period_ago_no_longer_counts() -> None:
+    # The step up at +0.1 s is exactly one scaleDownPeriodSeconds old at +60.1 s: the period starts at 14 then.
+    spec = make_spec(advanced={"scale_down_stabilization_seconds": 0.0})
+    fourteen = Override(kind="scale", replicas=14, expires_at=T0 + 60.1)
+    run(
+        spec,
+        [
+            Row(0.1, 0, 10, override=fourteen, want=14),
+            Row(60.0, 0, 14, override=fourteen, want=7, reason="down 14 -> 7"),
+        ],
+        state=settled_at(spec, 10),
     )
 
 
