@@ -13,6 +13,8 @@ ports and store (`restart(i)`).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import shutil
 import signal
@@ -24,7 +26,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import nats.errors
 import pytest
+from nats.aio.client import Client
 
 from warmpool.embedded import NatsServer, free_port
 
@@ -159,6 +163,42 @@ class NatsCluster:
                 return leader
             time.sleep(_POLL_S)
         raise TimeoutError(f"stream {stream} has no live leader after {timeout_s} s")
+
+    async def move_stream_leader(self, nc: Client, stream: str, i: int, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Make server `i` the leader of `stream`: ask the current leader to step down in favour of it
+        (``$JS.API.STREAM.LEADER.STEPDOWN``, with a preferred placement), until it is."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            leader = self.wait_stream_leader(stream, deadline - time.monotonic())
+            if leader == i:
+                return
+            request = {"placement": {"cluster": CLUSTER_NAME, "preferred": self.names[i]}}
+            with contextlib.suppress(nats.errors.Error, TimeoutError):
+                await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", json.dumps(request).encode(), timeout=2)
+            while time.monotonic() < deadline and self.stream_leader(stream) in (leader, None):
+                await asyncio.sleep(_POLL_S)
+        raise TimeoutError(f"{self.names[i]} did not become the leader of {stream} in {timeout_s} s")
+
+    async def wait_caught_up(self, stream: str, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Wait until every live server holds `stream` up to the same last sequence (a restarted server has
+        replayed what it missed)."""
+        deadline = time.monotonic() + timeout_s
+        seqs: dict[int, object] = {}
+        while time.monotonic() < deadline:
+            seqs = {i: self._last_seq(i, stream) for i in self.alive()}
+            if None not in seqs.values() and len(set(seqs.values())) == 1:
+                return
+            await asyncio.sleep(_POLL_S)
+        raise TimeoutError(f"{stream} not caught up on every server after {timeout_s} s: last sequences {seqs}")
+
+    def _last_seq(self, i: int, stream: str) -> int | None:
+        doc = self.jsz(i, "?accounts=true&streams=true")
+        for account in (doc or {}).get("account_details") or []:
+            for detail in account.get("stream_detail") or []:
+                if detail.get("name") == stream:
+                    seq = (detail.get("state") or {}).get("last_seq")
+                    return int(seq) if seq is not None else None
+        return None
 
     def logs(self) -> str:
         return "\n".join(f"--- {n}:\n{s.tail_log(1500)}" for n, s in zip(self.names, self.servers, strict=True))

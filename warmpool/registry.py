@@ -178,19 +178,16 @@ def parse_replicas(text: str, *, source: str | None = None) -> int:
 
 def replicas_for(nc: Client, settings: BucketSettings = BucketSettings(), env: Mapping[str, str] | None = None) -> int:
     """The replica count buckets are made with: `settings.replicas`, else ``$PULSESCALE_KV_REPLICAS``, else what
-    the server we are connected to says of itself: no cluster, 1; a cluster, `CLUSTER_KV_REPLICAS` or the number
-    of servers it advertises (``connect_urls``) if smaller. A cluster whose servers advertise none
-    (``no_advertise``) gets `CLUSTER_KV_REPLICAS`: creating the bucket then fails loudly if it has fewer."""
+    the server we are connected to says of itself (its INFO): no cluster, 1; a cluster, `CLUSTER_KV_REPLICAS`.
+    Not the servers it advertises (``connect_urls``): that list fills in as the routes come up, and a bucket made
+    from a short one would stay under-replicated. A smaller cluster is met by `ensure_buckets`."""
     if settings.replicas is not None:
         return settings.replicas
     env = os.environ if env is None else env
     if env.get(KV_REPLICAS_ENV):
         return parse_replicas(env[KV_REPLICAS_ENV])
     info = nc._server_info  # nats-py keeps the server's INFO only here; we read it, never write
-    if not info.get("cluster"):
-        return 1
-    advertised = len(set(info.get("connect_urls") or ()))
-    return min(CLUSTER_KV_REPLICAS, advertised) if advertised else CLUSTER_KV_REPLICAS
+    return CLUSTER_KV_REPLICAS if info.get("cluster") else 1
 
 
 async def ensure_buckets(
@@ -213,23 +210,13 @@ async def ensure_buckets(
     allowed is updated to refuse them, and one with fewer replicas than `replicas_for` is raised to that count
     (JetStream moves the data to the new peers itself); without `harden`, such a bucket is only reported."""
     replicas = replicas_for(js._nc, settings)  # the context's connection; nats-py offers no public getter
-    settings = dataclasses.replace(settings, replicas=replicas)
+    detected = settings.replicas is None and not os.environ.get(KV_REPLICAS_ENV)
     out: dict[str, KeyValue] = {}
     for bucket in names:
         try:
             out[bucket] = await js.key_value(bucket)
         except nats.js.errors.BucketNotFoundError:
-            try:
-                await js.add_stream(_bucket_stream(bucket, settings))
-            except nats.js.errors.APIError as err:
-                if err.err_code in _PLACEMENT_ERRORS:
-                    raise KvReplicasError(
-                        f"cannot create bucket {bucket} with {replicas} replicas: {err.description}; set "
-                        f"--kv-replicas or ${KV_REPLICAS_ENV} to at most the number of JetStream servers "
-                        "(1 on a single server)"
-                    ) from err
-                if err.err_code != 10058:  # created meanwhile by another process ("stream name already in use")
-                    raise
+            await _create(js, bucket, settings, replicas, detected=detected)
             out[bucket] = await js.key_value(bucket)
             continue
         if harden:
@@ -242,6 +229,54 @@ async def ensure_buckets(
 # JetStream's answers to a replica count the servers cannot place: "replicas > 1 not supported in non-clustered
 # mode" (10074), "no suitable peers for placement" (10005), "insufficient resources" (10023).
 _PLACEMENT_ERRORS = (10074, 10005, 10023)
+
+
+_LEADER_WAIT_S = 10.0
+"""How long a new replicated bucket may take to elect its stream leader (a second or so; more on a busy host)."""
+
+
+async def _create(
+    js: JetStreamContext, bucket: str, settings: BucketSettings, replicas: int, *, detected: bool
+) -> None:
+    """Create a bucket's stream with `replicas`, and wait until it has a leader: a write to a replicated stream
+    that has none yet gets no answer at all ("no responders"). Detected replicas the servers cannot place come
+    down one by one to what they can (said in a warning); replicas someone asked for are an error instead."""
+    for n in range(replicas, 0, -1):
+        try:
+            await js.add_stream(_bucket_stream(bucket, dataclasses.replace(settings, replicas=n)))
+        except nats.js.errors.APIError as err:
+            if err.err_code == 10058:  # created meanwhile by another process ("stream name already in use")
+                break
+            if err.err_code not in _PLACEMENT_ERRORS:
+                raise
+            if not detected or n == 1:
+                raise KvReplicasError(
+                    f"cannot create bucket {bucket} with {n} replicas: {err.description}; set --kv-replicas or "
+                    f"${KV_REPLICAS_ENV} to at most the number of JetStream servers up (1 on a single server)"
+                ) from err
+            continue
+        if n < replicas:
+            log.warning(
+                "bucket %s created with %d replica(s), not %d: the cluster could not place more; the autoscaler "
+                "raises it when it next starts with the servers up",
+                bucket,
+                n,
+                replicas,
+            )
+        break
+    if replicas > 1:
+        await _wait_leader(js, f"KV_{bucket}")
+
+
+async def _wait_leader(js: JetStreamContext, stream: str) -> None:
+    deadline = time.monotonic() + _LEADER_WAIT_S
+    while time.monotonic() < deadline:
+        with contextlib.suppress(nats.errors.Error, TimeoutError):
+            info = await js.stream_info(stream)
+            if info.cluster is None or info.cluster.leader:
+                return
+        await asyncio.sleep(0.05)
+    log.warning("stream %s has no leader %.0f s after it was created; writes wait for one", stream, _LEADER_WAIT_S)
 
 
 async def _reconcile(js: JetStreamContext, bucket: str, replicas: int) -> None:
@@ -318,6 +353,15 @@ def check_record(key: str, value: msgspec.Struct) -> None:
 # --- a bucket view --------------------------------------------------------------------------------------------
 
 _RELIST_POLL_S = 0.25  # how often the view checks for a reconnect while idle; bounds re-list latency
+WATCH_PROBE_S = 2.0
+"""How long a watch may be silent before the view asks the server whether its consumer still exists. On a
+cluster the watch's consumer (nats-py's ordered consumer: one replica, in memory) lives on one server; when that
+server dies the watch goes silent with our connection up, so no reconnect tells us. nats-py notices only after
+two missed idle heartbeats (10 s) and tries once to recreate it. One `CONSUMER.INFO` per silent bucket per this
+interval bounds the silence to about this plus `WATCH_PROBE_TIMEOUT_S`."""
+WATCH_PROBE_TIMEOUT_S = 1.0
+"""A probe unanswered this long counts as a lost consumer (or a cluster mid-election, when a re-list is what a
+watch needs anyway): the watch is made anew, re-listing the bucket."""
 
 
 class BucketView(Generic[V]):
@@ -469,14 +513,35 @@ class BucketView(Generic[V]):
                     await watcher.stop()
             self.relists += 1
 
+    async def _consumer_lost(self, watcher: KeyValue.KeyWatcher) -> bool:
+        """Ask the server for the watch's consumer: True when it says it is gone or does not answer in time."""
+        sub = watcher._sub  # nats-py keeps the watch's subscription (and the consumer's name) only here
+        if sub is None:
+            return True
+        js = self._nc.jetstream(timeout=WATCH_PROBE_TIMEOUT_S)
+        try:
+            await js.consumer_info(sub._stream, sub._consumer)
+        except (nats.errors.Error, TimeoutError, OSError):
+            return True  # NotFoundError: gone with its server; a timeout: gone, or the cluster mid-election
+        return False
+
     async def _follow(self, watcher: KeyValue.KeyWatcher, reconnects: int) -> None:
         snapshot: dict[str, tuple[V, int]] | None = {}
         kept_bad: set[str] = set()  # keys listed with an unreadable value, whose last good record stands
+        heard = time.monotonic()  # when the watch last delivered, or a probe found its consumer
         while self._nc.stats["reconnects"] == reconnects and not self.closed:
             try:
                 entry = await watcher.updates(timeout=_RELIST_POLL_S)
             except nats.errors.TimeoutError:
+                if time.monotonic() - heard >= WATCH_PROBE_S:
+                    heard = time.monotonic()
+                    if await self._consumer_lost(watcher):
+                        log.warning(
+                            "the watch of %s lost its consumer (its server is gone?): re-listing", self._kv._name
+                        )
+                        return
                 continue
+            heard = time.monotonic()
             if isinstance(entry, KeyValue.Entry):
                 value = None
                 if entry.operation not in ("DEL", "PURGE") and entry.value is not None:
@@ -780,6 +845,9 @@ class KvSlotStore:
         except nats.js.errors.KeyWrongLastSequenceError:
             await self._refresh(key)
             raise ClaimConflict(f"slot {key} changed under us") from None
+        except nats.js.errors.NoStreamResponseError:
+            # Nobody took the write (the bucket's stream has no leader: a cluster electing one): it did not land.
+            raise ClaimConflict(f"claim of {key} did not go through: its bucket has no leader right now") from None
         except (nats.errors.TimeoutError, nats.errors.ConnectionClosedError, nats.errors.NoRespondersError):
             # The broker may or may not have applied the write: ask it, never guess.
             resolved = await self._resolve(key, claim_id)
