@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import getpass
 import os
 import socket
@@ -35,7 +36,7 @@ from autoscaler.commands import MAX_OVERRIDE_S
 from warmpool import connect as nats_connect
 from warmpool import durations, protocol
 from warmpool import output as out
-from warmpool.errors import BadMessage, PermissionDenied
+from warmpool.errors import BadMessage, NatsUnavailable, PermissionDenied
 from warmpool.protocol import (
     DrainCommand,
     DrainReply,
@@ -448,6 +449,7 @@ def load_manifests(
         else:  # a file or a directory (-R: its subdirectories), read as kubectl apply -f does
             manifests += scaledobject.load_path(path, recursive=recursive, updated_at=now, max_replicas=max_replicas)
     first: dict[str, scaledobject.Manifest] = {}
+    models: dict[str, scaledobject.Manifest] = {}
     for m in manifests:
         seen = first.setdefault(m.record.key, m)
         if seen is not m:
@@ -456,7 +458,45 @@ def load_manifests(
                 f"{m.record.key} is also defined by {seen.where}",
                 where=m.where,
             )
+        # One ScaledObject per model, across every -f too: the autoscaler would serve one and drop the other.
+        other = models.setdefault(m.record.spec.model, m)
+        if other is not m:
+            raise scaledobject.ScaledObjectError(
+                "spec.triggers[0].metadata.model",
+                f"{m.record.spec.model} is also scaled by {other.record.key} ({other.where}); one ScaledObject per "
+                "model: merge the two or give each its own model",
+                where=m.where,
+            )
     return manifests
+
+
+DRY_RUN_CONNECT_S: Final = 1.0
+"""How long ``apply --dry-run`` waits for NATS to read `pulse_scalers` (the model check) before it checks the
+files alone: a dry run is also the offline check of a manifest, and must not hang on a missing server."""
+
+
+async def _written(nc: Client) -> list[protocol.ScalerRecord]:
+    """Every readable record of `pulse_scalers` (none when the bucket does not exist yet)."""
+    try:
+        kv = await nc.jetstream(timeout=5.0).key_value(protocol.SCALERS_BUCKET)
+    except nats.js.errors.BucketNotFoundError:
+        return []
+    try:
+        keys = await kv.keys()
+    except nats.js.errors.NoKeysError:
+        return []
+    out: list[protocol.ScalerRecord] = []
+    for key in keys:
+        try:
+            entry = await kv.get(key)
+        except nats.js.errors.KeyNotFoundError:
+            continue  # deleted meanwhile
+        if entry.value:
+            try:
+                out.append(protocol.decode(entry.value, protocol.ScalerRecord))
+            except BadMessage:
+                continue  # unreadable: the autoscaler serves nothing from it either
+    return out
 
 
 class Applied(msgspec.Struct, kw_only=True):
@@ -472,6 +512,8 @@ class Applied(msgspec.Struct, kw_only=True):
 
 async def _write(nc: Client, manifests: list[scaledobject.Manifest]) -> list[Applied]:
     kv = (await ensure_buckets(nc.jetstream(timeout=5.0), names=[protocol.SCALERS_BUCKET]))[protocol.SCALERS_BUCKET]
+    # Checked before any write: a model another ScaledObject already scales is refused, all or nothing.
+    scaledobject.check_models(manifests, await _written(nc))
     out: list[Applied] = []
     for m in manifests:
         rec = m.record
@@ -502,6 +544,15 @@ def _summary(rec: protocol.ScalerRecord) -> str:
     paused = ""
     if rec.paused:
         paused = f", paused at {rec.paused_replicas}" if rec.paused_replicas is not None else ", paused"
+    if rec.paused_scale_in:
+        paused += ", paused scale-in"
+    if s.advanced.scale_down_select_policy == "Disabled" and not rec.paused_scale_in:
+        paused += ", no scale-in (scaleDown.selectPolicy: Disabled)"
+    if rec.paused_scale_out:
+        hpa = s.advanced.horizontal_pod_autoscaler_config
+        up = hpa.behavior.scale_up if hpa is not None and hpa.behavior is not None else None
+        disabled = up is not None and up.select_policy == "Disabled"
+        paused += ", paused scale-out (scaleUp.selectPolicy: Disabled)" if disabled else ", paused scale-out"
     return (
         f" (model {s.model}, replicas {s.min_replica_count}..{s.max_replica_count}, "
         f"warm pool {s.warm_pool.size}{paused})"
@@ -545,6 +596,23 @@ def apply(argv: list[str], prog: str, *, stdin: TextIO | None = None) -> int:
         print(f"{prog}: {err}", file=sys.stderr)
         return EXIT_REFUSED
     if args.dry_run:
+        # The model check needs pulse_scalers: read it if NATS answers soon, else say it was not done.
+        opts = nats_connect.options_from_args(args, name="pulsescale-apply-dry-run")
+        opts = dataclasses.replace(opts, connect_deadline_s=min(opts.connect_deadline_s, DRY_RUN_CONNECT_S))
+        try:
+            written = asyncio.run(nats_connect.run_client(opts, _written))
+        except (NatsUnavailable, nats.errors.Error, TimeoutError) as err:
+            print(
+                f"{prog}: note: {protocol.SCALERS_BUCKET} not read ({err}); the files are checked, not whether "
+                "another ScaledObject already scales their models",
+                file=sys.stderr,
+            )
+            written = []
+        try:
+            scaledobject.check_models(manifests, written)
+        except scaledobject.ScaledObjectError as err:
+            print(f"{prog}: {err}", file=sys.stderr)
+            return EXIT_REFUSED
         results = [
             Applied(key=m.record.key, action="valid", generation=m.record.generation, model=m.record.spec.model,
                     notes=m.record.notes)
@@ -554,6 +622,9 @@ def apply(argv: list[str], prog: str, *, stdin: TextIO | None = None) -> int:
         opts = nats_connect.options_from_args(args, name="pulsescale-apply")
         try:
             results = asyncio.run(nats_connect.run_client(opts, lambda nc: _write(nc, manifests)))
+        except scaledobject.ScaledObjectError as err:
+            print(f"{prog}: {err}", file=sys.stderr)
+            return EXIT_REFUSED
         except PermissionDenied as err:
             print(f"{prog}: {err}; writing {protocol.SCALERS_BUCKET} needs the operator's NATS user", file=sys.stderr)
             return EXIT_REFUSED

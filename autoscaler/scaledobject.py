@@ -20,11 +20,23 @@ reason. What is checked, and why it is stricter than the wire decoder:
 - Triggers: ``type`` is ``gateway-queue`` (the one trigger: demand pushed by the gateways; a ``prometheus`` or
   ``kafka`` trigger has nothing to read here). ``metadata`` values may be strings as in KEDA (``"4"``) or
   numbers; where the wire type is a number they are converted, and a non-number is refused naming the key.
+  A number string is what Go's ``strconv.ParseFloat`` (KEDA's scalers) reads in decimal: ASCII digits, a
+  fraction, an exponent (``"1e3"``); not Python's extras (``"1_000"``, ``"٣"``, ``"nan"``). Every whole number
+  read from a string (paused-replicas, ``$PULSESCALE_MAX_REPLICAS``) is ASCII digits only: ``str.isdigit``
+  admits ``"²"``, which ``int`` then refuses with a ValueError (a traceback; a crashed operator handler).
+  At most `MAX_TRIGGERS` triggers, as the CRD.
   Trigger names are unique within the ScaledObject. ``metricType`` is ``AverageValue`` (our rule divides demand by
   the per-replica target); ``Value`` and ``Utilization`` are refused with that reason.
 - Accepted with no effect, each adding one line to `ScalerRecord.notes` (printed by ``apply``, shown in the
   status): ``pollingInterval``, ``useCachedMetrics`` (a pushed trigger is read as samples arrive, never polled),
-  ``authenticationRef`` (nothing to authenticate to), ``horizontalPodAutoscalerConfig.name`` (no HPA is made).
+  ``authenticationRef`` (nothing to authenticate to), ``horizontalPodAutoscalerConfig.name`` (no HPA is made),
+  ``scaleTargetRef.envSourceContainerName`` (a pushed trigger reads no container environment).
+- ``fallback.failureThreshold: 0``, which KEDA's CRD allows: KEDA falls back when failures > threshold, so 0 is
+  "on the first failure"; the wire's (and the policy's) 1 is that here (missed intervals >= 1), so 0 is read as
+  1 with a note.
+- One ScaledObject per model: the autoscaler serves the first and drops a second (``daemon.apply_scaler``), so
+  two of one model in one apply are refused naming both (`load_documents`, `load_path`), and `check_models`
+  refuses one whose model another key of ``pulse_scalers`` already scales (``apply`` runs it before writing).
 - ``advanced.horizontalPodAutoscalerConfig.behavior`` is mapped onto the policy's scale-down fields (`_map_hpa`);
   what cannot map is refused with the reason, and so is setting a field both ways. ``scaleUp.selectPolicy:
   Disabled`` is what KEDA's ``paused-scale-out`` annotation does to its HPA, so it pauses scale-out here.
@@ -44,6 +56,9 @@ reason. What is checked, and why it is stricter than the wire decoder:
 - YAML: a mapping with the same key twice is refused with its line (PyYAML would keep the last one silently);
   multi-document streams and a ``kind: List`` with ``items`` read as with kubectl; `load_path` reads a
   directory's ``*.yaml``/``*.yml``/``*.json`` in name order (``-R``: recursively), as ``kubectl apply -f DIR``.
+  A text over `MAX_TEXT_BYTES` is refused before parsing, nesting deeper than `MAX_DEPTH` before composing
+  (PyYAML's composer recurses per level: 3,000 levels were a RecursionError traceback), and any other failure of
+  the loader is a `ScaledObjectError` too: the operator must never see another exception from here.
 
 Every error is a `ScaledObjectError` naming the field (``spec.maxReplicaCount``); `load_documents` prefixes
 the source and the 1-based document index (``qwen.yaml doc 1: spec.maxReplicaCount: Expected `int` >= 1``).
@@ -56,7 +71,7 @@ import difflib
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -76,7 +91,12 @@ __all__ = [
     "KEDA_API_GROUP",
     "KIND",
     "MANIFEST_SUFFIXES",
+    "MAX_DEPTH",
     "MAX_REPLICAS_ENV",
+    "MAX_TEXT_BYTES",
+    "MAX_TRIGGERS",
+    "NOTE_ENV_SOURCE",
+    "NOTE_FAILURE_THRESHOLD_ZERO",
     "PAUSED_ANNOTATION",
     "PAUSED_REPLICAS_ANNOTATION",
     "PAUSED_SCALE_IN_ANNOTATION",
@@ -85,6 +105,7 @@ __all__ = [
     "Manifest",
     "ScaledObjectError",
     "capped",
+    "check_models",
     "from_manifest",
     "load_documents",
     "load_path",
@@ -110,6 +131,22 @@ DEFAULT_MAX_REPLICAS: Final = 1000
 otherwise: well above any single model's fleet today, and small enough that a typo (``100000``) is refused."""
 MAX_REPLICAS_ENV: Final = "PULSESCALE_MAX_REPLICAS"
 """Environment variable that raises (or lowers) `DEFAULT_MAX_REPLICAS` for `apply` and the autoscaler."""
+MAX_TRIGGERS: Final = 16
+"""Most triggers in one ScaledObject, as the CRD's ``maxItems`` (autoscaler/crd.py uses this one): every trigger
+names the same model, so more than one is only to name them, and the API server needs a bound for the CEL rule."""
+MAX_TEXT_BYTES: Final = 3 * 1024 * 1024
+"""Largest file (or stdin) read, in bytes: the API server's own request limit (3 MiB). A ScaledObject is ~1 KiB;
+a bigger text is a wrong file, and refusing it before parsing bounds the parser's time and memory."""
+MAX_DEPTH: Final = 64
+"""Deepest nesting of mappings and lists read. The deepest field is 8 levels down (an HPA policy's ``value``), a
+CR body's ``managedFields`` ~15; PyYAML's composer recurses per level and dies with RecursionError near 1000."""
+_ASCII_COUNT: Final = re.compile(r"[ \t]*[0-9]+[ \t]*")
+"""A whole number as Kubernetes writes one: ASCII digits only (``str.isdigit`` admits "²" and "٣", and ``int``
+reads "٣" as 3 and raises on "²")."""
+_ASCII_NUMBER: Final = re.compile(r"[ \t]*[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?[ \t]*")
+"""A metadata number as KEDA's scalers read one (Go's ``strconv.ParseFloat``, decimal form): ASCII digits, an
+optional fraction and exponent (``"1e3"``). Not Python's ``float`` extras: ``"1_000"``, non-ASCII digits,
+``"nan"``/``"inf"``."""
 
 
 class ScaledObjectError(PulsescaleError):
@@ -250,6 +287,14 @@ _NOTE_AUTH: Final = (
     "spec.triggers[].authenticationRef has no effect: a pushed trigger reads no external metric source, so there "
     "is nothing to authenticate to (NATS permissions guard the samples)"
 )
+NOTE_ENV_SOURCE: Final = (
+    "spec.scaleTargetRef.envSourceContainerName has no effect: a pushed trigger reads no container environment "
+    "(KEDA reads trigger parameters from it; pulsescale's come from metadata)"
+)
+NOTE_FAILURE_THRESHOLD_ZERO: Final = (
+    "spec.fallback.failureThreshold 0 is read as 1: KEDA falls back when failures > failureThreshold (0: on the "
+    "first failure); here the first failure seen is one missed sample interval (advanced.staleAfterSeconds)"
+)
 _NOTE_HPA_NAME: Final = (
     "spec.advanced.horizontalPodAutoscalerConfig.name has no effect: pulsescale makes no HPA; it scales the "
     "target itself (warm slots, else the scale subresource)"
@@ -260,10 +305,9 @@ def _number(value: Any, field: str) -> Any:
     """A KEDA metadata value as a number: strings are parsed; anything else is left for msgspec to judge."""
     if not isinstance(value, str):
         return value
-    try:
-        number = float(value.strip())
-    except ValueError:
-        raise ScaledObjectError(field, f'"{value}" is not a number (write it as "4" or 4)') from None
+    if not _ASCII_NUMBER.fullmatch(value):
+        raise ScaledObjectError(field, f'"{value}" is not a number (write it as "4", "0.5" or 4; ASCII digits)')
+    number = float(value)
     if not math.isfinite(number):
         raise ScaledObjectError(field, f'"{value}" is not a finite number')
     return int(number) if number.is_integer() else number
@@ -275,6 +319,12 @@ def _keda_triggers(raw_spec: Mapping[str, Any], notes: list[str]) -> dict[str, A
     triggers = raw_spec.get("triggers")
     if not isinstance(triggers, list):
         return spec  # msgspec says what is wrong with it
+    if len(triggers) > MAX_TRIGGERS:
+        raise ScaledObjectError(
+            "spec.triggers",
+            f"{len(triggers)} triggers: at most {MAX_TRIGGERS} (as the CRD); every trigger names the same model, "
+            "so more than one only names them",
+        )
     names: dict[str, int] = {}
     converted: list[Any] = []
     for i, trigger in enumerate(triggers):
@@ -322,6 +372,22 @@ def _keda_triggers(raw_spec: Mapping[str, Any], notes: list[str]) -> dict[str, A
     spec["triggers"] = converted
     if raw_spec.get("pollingInterval") is not None:
         notes.append(_NOTE_POLLING)
+    target = raw_spec.get("scaleTargetRef")
+    if isinstance(target, Mapping) and target.get("envSourceContainerName") is not None:
+        notes.append(NOTE_ENV_SOURCE)
+    raw_fallback = raw_spec.get("fallback")
+    fallback: Mapping[str, Any] = raw_fallback if isinstance(raw_fallback, Mapping) else {}
+    threshold = fallback.get("failureThreshold")
+    if isinstance(threshold, int) and not isinstance(threshold, bool) and threshold <= 0:
+        if threshold < 0:
+            raise ScaledObjectError(
+                "spec.fallback.failureThreshold",
+                f"{threshold}: must be >= 0 (the failures tolerated before the fallback count applies; 0: fall "
+                "back on the first, as KEDA)",
+            )
+        # KEDA gives 0 a meaning (failures > 0: the first failure); the wire's 1 is the same here.
+        spec["fallback"] = {**fallback, "failureThreshold": 1}
+        notes.append(NOTE_FAILURE_THRESHOLD_ZERO)
     advanced = raw_spec.get("advanced")
     if isinstance(advanced, Mapping) and "scalingModifiers" in advanced:
         raise ScaledObjectError(
@@ -334,6 +400,8 @@ def _keda_triggers(raw_spec: Mapping[str, Any], notes: list[str]) -> dict[str, A
 
 
 _HPA: Final = "spec.advanced.horizontalPodAutoscalerConfig.behavior"
+_HPA_DEFAULT_SCALE_UP: Final = [("Percent", 100, 15), ("Pods", 4, 15)]
+"""autoscaling/v2's default scaleUp policies (sorted), pasted by many KEDA users."""
 
 
 def _conflict(raw_advanced: Mapping[str, Any], ours: str, theirs: str) -> None:
@@ -372,6 +440,14 @@ def _map_hpa(raw_advanced: Mapping[str, Any], advanced: Advanced, notes: list[st
         at = f"{_HPA}.scaleUp"
         _no_tolerance(up, at)
         if up.policies:
+            limits = sorted((p.type, p.value, p.period_seconds) for p in up.policies)
+            if limits == _HPA_DEFAULT_SCALE_UP and up.select_policy in (None, "Max"):
+                raise ScaledObjectError(
+                    f"{at}.policies",
+                    "this is the HPA's default scale-up (Percent 100 and Pods 4 per 15 s, Max), which pulsescale "
+                    "does not apply: it scales out as fast as the demand asks, faster than this default, so "
+                    "removing it loses nothing. Remove scaleUp (selectPolicy: Disabled alone is honoured)",
+                )
             raise ScaledObjectError(
                 f"{at}.policies",
                 "scale-up rate limits are not applied: pulsescale scales out as fast as the demand asks (warm "
@@ -477,8 +553,8 @@ def _replicas(annotations: Mapping[str, Any], max_replicas: int) -> tuple[int, s
         if text is None:
             continue
         field = f"metadata.annotations[{key}]"
-        if not text.strip().isdigit():
-            raise ScaledObjectError(field, f"must be a whole number of replicas, got {text!r}")
+        if not _ASCII_COUNT.fullmatch(text):
+            raise ScaledObjectError(field, f"must be a whole number of replicas (ASCII digits 0-9), got {text!r}")
         count = int(text)
         if count > max_replicas:
             raise _over(field, count, max_replicas)
@@ -538,7 +614,7 @@ def max_replicas_from_env(env: Mapping[str, str]) -> int:
     text = env.get(MAX_REPLICAS_ENV, "").strip()
     if not text:
         return DEFAULT_MAX_REPLICAS
-    if not text.isdigit() or int(text) < 1:
+    if not _ASCII_COUNT.fullmatch(text) or int(text) < 1:
         raise ScaledObjectError("", f"${MAX_REPLICAS_ENV} is {text!r}; it must be a whole number of replicas >= 1")
     return int(text)
 
@@ -559,7 +635,8 @@ def _api_version(doc: Mapping[str, Any]) -> None:
     if isinstance(api_version, str) and api_version.split("/")[0] == KEDA_API_GROUP:
         spec = doc.get("spec")
         triggers = spec.get("triggers") if isinstance(spec, Mapping) else None
-        types = {t.get("type") for t in triggers if isinstance(t, Mapping)} if isinstance(triggers, list) else set()
+        listed = triggers if isinstance(triggers, list) else []
+        types = {str(t.get("type")) for t in listed if isinstance(t, Mapping)}  # str: a list there is unhashable
         if types <= {TRIGGER_TYPE}:
             hint = f" (change apiVersion to {API_VERSION}; every other field is read as KEDA's)"
         else:
@@ -709,8 +786,56 @@ class _StrictLoader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML ships no t
         return mapping
 
 
+class _TooDeep(Exception):
+    def __init__(self, mark: yaml.Mark) -> None:
+        super().__init__(mark)
+        self.mark = mark
+
+
+def _check_depth(text: str) -> None:
+    """Raise `_TooDeep` at the first mapping or list nested deeper than `MAX_DEPTH`. PyYAML's parser is a loop
+    (its events need no recursion), its composer and constructor recurse once per level: this runs first."""
+    depth = 0
+    for event in yaml.parse(text, Loader=_StrictLoader):
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise _TooDeep(event.start_mark)
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+
+
 def _documents(text: str) -> list[Any]:
+    _check_depth(text)
     return list(yaml.load_all(text, Loader=_StrictLoader))
+
+
+def _parse(text: str, source: str) -> list[Any]:
+    """`_documents`, every failure a `ScaledObjectError` located in `source` (never a traceback: the operator
+    runs this on whatever a CR holds)."""
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_TEXT_BYTES:
+        raise ScaledObjectError(
+            "",
+            f"{size} bytes: more than a ScaledObject file holds (at most {MAX_TEXT_BYTES}); wrong file?",
+            where=source,
+        )
+    try:
+        return _documents(text)
+    except _TooDeep as err:
+        at = f"line {err.mark.line + 1}, column {err.mark.column + 1}"
+        raise ScaledObjectError(
+            "", f"{at}: nested too deeply (more than {MAX_DEPTH} levels of mappings and lists)", where=source
+        ) from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "YAML"
+        problem = getattr(err, "problem", None) or str(err)
+        raise ScaledObjectError("", f"{at}: {problem}", where=source) from None
+    except RecursionError:
+        raise ScaledObjectError("", "YAML: nested too deeply to read", where=source) from None
+    except (ValueError, TypeError, OverflowError, MemoryError) as err:  # PyYAML's constructors (int, float, date)
+        raise ScaledObjectError("", f"YAML: cannot be read ({type(err).__name__}: {err})", where=source) from None
 
 
 def _is_list(doc: Any) -> bool:
@@ -735,13 +860,8 @@ def load_documents(
     """
     out: list[Manifest] = []
     seen: dict[str, str] = {}
-    try:
-        docs = _documents(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        at = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "YAML"
-        problem = getattr(err, "problem", None) or str(err)
-        raise ScaledObjectError("", f"{at}: {problem}", where=source) from None
+    models: dict[str, Manifest] = {}
+    docs = _parse(text, source)
     for index, doc in enumerate(docs, start=1):
         if doc is None:
             continue
@@ -757,10 +877,48 @@ def load_documents(
                     "metadata.name", f"{record.key} is also defined by {seen[record.key]}", where=m.where
                 )
             seen[record.key] = m.where.removeprefix(f"{source} ")
+            _one_per_model(models, m)
             out.append(m)
     if not out and not allow_empty:
         raise ScaledObjectError("", "no ScaledObject in it (the file is empty)", where=source)
     return out
+
+
+_MODEL_FIELD: Final = "spec.triggers[0].metadata.model"
+
+
+def _one_per_model(models: dict[str, Manifest], m: Manifest) -> None:
+    """Record `m` as its model's ScaledObject in `models`; a second one of the model is refused naming the first
+    (the autoscaler serves one ScaledObject per model and would drop the other, `daemon.apply_scaler`)."""
+    model = m.record.spec.model
+    first = models.setdefault(model, m)
+    if first is not m and first.record.key != m.record.key:
+        first_where = first.where.removeprefix(f"{m.source} ") if first.source == m.source else first.where
+        raise ScaledObjectError(
+            _MODEL_FIELD,
+            f"{model} is also scaled by {first.record.key} ({first_where}); one ScaledObject per model: merge the "
+            "two or give each its own model",
+            where=m.where,
+        )
+
+
+def check_models(manifests: Sequence[Manifest], written: Iterable[ScalerRecord]) -> None:
+    """Refuse (before anything is written) a manifest whose model is scaled by another ScaledObject already in
+    `pulse_scalers` (`written`): the autoscaler serves the first and drops the second. A record that this same
+    apply rewrites does not count, so one apply may move a model from one ScaledObject to another."""
+    applying = {m.record.key for m in manifests}
+    owners = {r.spec.model: r.key for r in written if r.key not in applying}
+    for m in manifests:
+        owner = owners.get(m.record.spec.model)
+        if owner is None:
+            continue
+        namespace, _, name = owner.partition(".")
+        raise ScaledObjectError(
+            _MODEL_FIELD,
+            f"{m.record.spec.model} is already scaled by {owner} in {protocol.SCALERS_BUCKET}; one ScaledObject per "
+            f"model: delete {owner} first (pulsescale delete so {name} -n {namespace}), or change this one's model",
+            where=m.where,
+        )
 
 
 def _files(path: Path, *, recursive: bool) -> list[Path]:
@@ -787,8 +945,16 @@ def load_path(
     is_dir = root.is_dir()
     out: list[Manifest] = []
     first: dict[str, Manifest] = {}
+    models: dict[str, Manifest] = {}
     for file in _files(root, recursive=recursive):
         try:
+            if file.stat().st_size > MAX_TEXT_BYTES:  # refused before it is read into memory
+                raise ScaledObjectError(
+                    "",
+                    f"{file.stat().st_size} bytes: more than a ScaledObject file holds (at most "
+                    f"{MAX_TEXT_BYTES}); wrong file?",
+                    where=str(file),
+                )
             text = file.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as err:
             raise ScaledObjectError("", f"cannot read it: {err}", where=str(file)) from None
@@ -798,6 +964,7 @@ def load_path(
                 raise ScaledObjectError(
                     "metadata.name", f"{m.record.key} is also defined by {seen.where}", where=m.where
                 )
+            _one_per_model(models, m)
             out.append(m)
     if not out:
         more = "" if recursive else " (add -R for its subdirectories)"

@@ -276,3 +276,35 @@ def test_get_watch_prints_changes_and_ctrl_c_exits_quietly(nats_server: NatsServ
         if watch.poll() is None:
             watch.kill()
         watch.communicate()  # reaps it and closes the pipes
+
+
+async def test_apply_refuses_a_model_another_scaledobject_already_scales(cli, nc: Client) -> None:  # type: ignore[no-untyped-def]
+    """The autoscaler serves one ScaledObject per model and drops a second silently (daemon.apply_scaler logs
+    "already scaled by"): apply refuses it, names the one that scales the model, and writes nothing."""
+    assert (await cli("apply", "-f", "-", stdin=so("qwen-a", "qwen")))[0] == 0
+    for dry in ([], ["--dry-run"]):
+        code, out, err = await cli(
+            "apply", "-f", "-", *dry, stdin=so("llama", "llama") + "---\n" + so("qwen-b", "qwen")
+        )
+        assert (code, out) == (1, ""), err
+        assert err == (
+            "pulsescale apply: <stdin> doc 2: spec.triggers[0].metadata.model: qwen is already scaled by "
+            "default.qwen-a in pulse_scalers; one ScaledObject per model: delete default.qwen-a first "
+            "(pulsescale delete so qwen-a -n default), or change this one's model\n"
+        )
+    code, out, _ = await cli("get", "so", "-A", "-o", "name")
+    assert (code, out) == (0, "scaledobject.pulsescale.io/qwen-a\n")  # llama was not written either
+    # The same object again is fine, and so is moving the model in one apply (qwen-a leaves it, qwen-b takes it).
+    assert (await cli("apply", "-f", "-", stdin=so("qwen-a", "qwen", hi=6)))[1].startswith(
+        "scaledobject default.qwen-a configured"
+    )
+    moved = so("qwen-a", "mistral") + "---\n" + so("qwen-b", "qwen")
+    code, out, err = await cli("apply", "-f", "-", stdin=moved)
+    assert code == 0, err
+    assert [line.split()[1:3] for line in out.splitlines()] == [
+        ["default.qwen-a", "configured"],
+        ["default.qwen-b", "created"],
+    ]
+    # Another namespace is no escape: the model is one per autoscaler.
+    code, _, err = await cli("apply", "-f", "-", stdin=so("qwen-c", "qwen", namespace="prod"))
+    assert code == 1 and "qwen is already scaled by default.qwen-b" in err

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import io
 import json
+import random
+import re
 import textwrap
 from pathlib import Path
 
@@ -157,7 +160,7 @@ def _edit(old: str, new: str) -> str:
         ),
         (
             _edit("  name: qwen\n", '  name: qwen\n  annotations: {pulsescale.io/paused-replicas: "two"}\n'),
-            "paused-replicas]: must be a whole number of replicas, got 'two'",
+            "paused-replicas]: must be a whole number of replicas (ASCII digits 0-9), got 'two'",
         ),
         (GOOD + "---\n" + GOOD, "qwen.yaml doc 2: metadata.name: default.qwen is also defined by doc 1"),
         (GOOD + "---\n- just\n- a list\n", "qwen.yaml doc 2: a manifest is a mapping"),
@@ -233,7 +236,7 @@ def test_string_metadata_becomes_numbers_and_the_model_stays_a_string() -> None:
             '{model: qwen, activationQueueDepth: ""}',
             'spec.triggers[0].metadata.activationQueueDepth: "" is not a number',
         ),
-        ('{model: qwen, targetQueueDepth: "nan"}', 'targetQueueDepth: "nan" is not a finite number'),
+        ('{model: qwen, targetQueueDepth: "nan"}', 'targetQueueDepth: "nan" is not a number'),
         (
             '{model: qwen, targetQueueDepth: "0"}',
             "spec.triggers[0].metadata.targetQueueDepth: Expected `float` >= 0.001",
@@ -436,7 +439,10 @@ def test_paused_replicas_zero_parks_at_zero_and_keda_allows_any_count() -> None:
             'metadata.annotations[autoscaling.keda.sh/paused-replicas]: contradicts pulsescale.io/paused: "false"',
         ),
         ({"autoscaling.keda.sh/paused-scale-out": "yes"}, 'must be "true" or "false", got \'yes\''),
-        ({"autoscaling.keda.sh/paused-replicas": "-1"}, "must be a whole number of replicas, got '-1'"),
+        (
+            {"autoscaling.keda.sh/paused-replicas": "-1"},
+            "must be a whole number of replicas (ASCII digits 0-9), got '-1'",
+        ),
     ],
 )
 def test_contradicting_or_bad_annotations_are_refused_naming_both(annotations: dict[str, str], error: str) -> None:
@@ -494,7 +500,7 @@ def test_duplicate_keys_are_refused_with_line_and_column_at_any_depth() -> None:
 
 
 def test_a_kind_list_contributes_its_items() -> None:
-    other = GOOD.replace("name: qwen\nspec", "name: qwen-b\nspec")
+    other = GOOD.replace("name: qwen\nspec", "name: qwen-b\nspec").replace("model: qwen", "model: b")
     items = [yaml.safe_load(GOOD), yaml.safe_load(other)]
     text = yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": items})
     docs = scaledobject.load_documents(text, "list.yaml")
@@ -508,7 +514,8 @@ def test_a_kind_list_contributes_its_items() -> None:
 
 
 def _named(name: str) -> str:
-    return GOOD.replace("name: qwen\nspec", f"name: {name}\nspec")
+    """GOOD as another ScaledObject, of its own model (one model, one ScaledObject)."""
+    return GOOD.replace("name: qwen\nspec", f"name: {name}\nspec").replace("model: qwen", f"model: {name}")
 
 
 def test_load_path_reads_a_directory_as_kubectl_apply_does(tmp_path: Path) -> None:
@@ -643,3 +650,189 @@ def test_apply_same_object_in_two_files(tmp_path: Path, capsys: pytest.CaptureFi
     b.write_text(GOOD)
     assert apply("-f", str(a), "-f", str(b), "--dry-run") == 1
     assert f"default.qwen is also defined by {a} doc 1" in capsys.readouterr().err
+
+
+# --- review findings (issue 11): one model per ScaledObject, ASCII numbers, depth, KEDA fields ------------------
+
+
+def _two_of_one_model() -> str:
+    a = GOOD.replace("name: qwen\nspec", "name: qwen-a\nspec")
+    b = GOOD.replace("name: qwen\nspec", "name: qwen-b\nspec")
+    return a + "---\n" + b
+
+
+def test_two_scaledobjects_of_one_model_in_one_apply_are_refused_naming_both(tmp_path: Path) -> None:
+    """The autoscaler serves one ScaledObject per model and drops the other (daemon.apply_scaler): refuse it here,
+    where the user is still looking, instead of reporting both "created"."""
+    with pytest.raises(ScaledObjectError) as exc:
+        scaledobject.load_documents(_two_of_one_model(), "two.yaml")
+    assert str(exc.value) == (
+        "two.yaml doc 2: spec.triggers[0].metadata.model: qwen is also scaled by default.qwen-a (doc 1); "
+        "one ScaledObject per model: merge the two or give each its own model"
+    )
+    (tmp_path / "a.yaml").write_text(_two_of_one_model().split("---\n")[0])
+    (tmp_path / "b.yaml").write_text(_two_of_one_model().split("---\n")[1])
+    with pytest.raises(
+        ScaledObjectError, match=r"b.yaml doc 1: .*qwen is also scaled by default.qwen-a \(.*a.yaml doc 1\)"
+    ):
+        scaledobject.load_path(tmp_path)
+    # Two -f arguments (load_manifests), with --dry-run too: nothing is reported valid.
+    assert apply("-f", str(tmp_path / "a.yaml"), "-f", str(tmp_path / "b.yaml"), "--dry-run") == 1
+    assert apply("-f", "-", "--dry-run", stdin=_two_of_one_model()) == 1
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        ("²", "must be a whole number of replicas (ASCII digits 0-9), got '²'"),
+        ("٣", "must be a whole number of replicas (ASCII digits 0-9), got '٣'"),
+        ("1_0", "must be a whole number of replicas (ASCII digits 0-9), got '1_0'"),
+        ("-1", "must be a whole number of replicas (ASCII digits 0-9), got '-1'"),
+    ],
+)
+def test_paused_replicas_are_ascii_digits_only(value: str, error: str) -> None:
+    with pytest.raises(ScaledObjectError) as exc:
+        _annotated({"autoscaling.keda.sh/paused-replicas": value})
+    assert error in str(exc.value)
+    assert _annotated({"autoscaling.keda.sh/paused-replicas": " 3 "}).paused_replicas == 3
+
+
+@pytest.mark.parametrize("value", ["1_000", "١٢", "²", "0x10", "nan", "inf", "1e", "++1", "4 4"])
+def test_metadata_numbers_are_ascii_decimals_only(value: str) -> None:
+    with pytest.raises(ScaledObjectError, match=re.escape(f'targetQueueDepth: "{value}" is not a number')):
+        load(_edit("{model: qwen}", f'{{model: qwen, targetQueueDepth: "{value}"}}'))
+
+
+def test_metadata_numbers_keep_exponents_as_go_parsefloat_does() -> None:
+    [rec] = load(_edit("{model: qwen}", '{model: qwen, targetQueueDepth: "1e3", activationQueueDepth: ".5"}'))
+    assert rec.spec.triggers[0].metadata.target_queue_depth == 1000
+    assert rec.spec.triggers[0].metadata.activation_queue_depth == 0.5
+
+
+def test_max_replicas_from_env_is_ascii_digits_only() -> None:
+    for text in ("٣", "²", "1_000"):
+        with pytest.raises(ScaledObjectError, match="must be a whole number of replicas >= 1"):
+            scaledobject.max_replicas_from_env({scaledobject.MAX_REPLICAS_ENV: text})
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "a: " + "{a: " * 3000 + "1" + "}" * 3000 + "\n",
+        "[" * 5000 + "]" * 5000 + "\n",
+        "a:\n" + "".join(" " * i + "- \n" for i in range(1, 400)),
+    ],
+    ids=["mapping-3000", "list-5000", "block-400"],
+)
+def test_deep_nesting_is_a_named_error_not_a_traceback(text: str) -> None:
+    with pytest.raises(ScaledObjectError, match=r"^deep.yaml: line \d+, column \d+: nested too deeply \(more than 64"):
+        scaledobject.load_documents(text, "deep.yaml")
+
+
+def test_a_huge_text_is_refused_before_parsing() -> None:
+    text = GOOD + "#" + "x" * scaledobject.MAX_TEXT_BYTES
+    with pytest.raises(ScaledObjectError, match=r"^big.yaml: \d+ bytes: more than a ScaledObject file"):
+        scaledobject.load_documents(text, "big.yaml")
+
+
+def test_loader_errors_other_than_yaml_ones_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(text: str) -> list[object]:
+        raise ValueError("exponent too large")
+
+    monkeypatch.setattr(scaledobject, "_documents", boom)
+    with pytest.raises(ScaledObjectError, match=r"^x.yaml: YAML: cannot be read \(ValueError: exponent too large\)"):
+        scaledobject.load_documents(GOOD, "x.yaml")
+
+
+def test_env_source_container_name_is_admitted_with_a_note() -> None:
+    rec = _corpus("33-env-source-container-name.yaml")
+    assert rec.spec.scale_target_ref.env_source_container_name == "vllm"
+    assert [n for n in rec.notes if "envSourceContainerName" in n] == [scaledobject.NOTE_ENV_SOURCE]
+
+
+def test_fallback_failure_threshold_zero_reads_as_keda_s_first_failure() -> None:
+    """KEDA falls back when failures > failureThreshold, so 0 is "on the first failure"; here the first missed
+    interval is the first failure the autoscaler can see, which is failureThreshold 1."""
+    rec = _corpus("34-fallback-failure-threshold-zero.yaml")
+    assert rec.spec.fallback is not None and rec.spec.fallback.failure_threshold == 1
+    assert scaledobject.NOTE_FAILURE_THRESHOLD_ZERO in rec.notes
+    with pytest.raises(ScaledObjectError, match=r"spec.fallback.failureThreshold: -1: must be >= 0"):
+        load(GOOD.replace("  triggers:\n", "  fallback: {failureThreshold: -1, replicas: 2}\n  triggers:\n"))
+
+
+HPA_DEFAULT_SCALE_UP = """\
+  advanced:
+    horizontalPodAutoscalerConfig:
+      behavior:
+        scaleUp:
+          stabilizationWindowSeconds: 0
+          selectPolicy: Max
+          policies:
+            - {type: Percent, value: 100, periodSeconds: 15}
+            - {type: Pods, value: 4, periodSeconds: 15}
+"""
+
+
+def test_hpa_s_default_scale_up_is_refused_saying_removing_it_loses_nothing() -> None:
+    with pytest.raises(ScaledObjectError) as exc:
+        load(GOOD.replace("  triggers:\n", HPA_DEFAULT_SCALE_UP + "  triggers:\n"))
+    assert "scaleUp.policies: this is the HPA's default scale-up" in str(exc.value)
+    assert "removing it loses nothing" in str(exc.value)
+
+
+def test_more_triggers_than_the_crd_allows_are_refused() -> None:
+    trigger = "    - type: gateway-queue\n      metadata: {model: qwen}\n"
+    many = GOOD.replace(trigger, trigger * (scaledobject.MAX_TRIGGERS + 1))
+    assert many.count("gateway-queue") == 17
+    with pytest.raises(ScaledObjectError, match=r"spec.triggers: 17 triggers: at most 16"):
+        load(many)
+    assert len(load(GOOD.replace(trigger, trigger * scaledobject.MAX_TRIGGERS))[0].spec.triggers) == 16
+
+
+def test_apply_summary_shows_one_way_pauses(capsys: pytest.CaptureFixture[str]) -> None:
+    text = GOOD.replace(
+        "  name: qwen\n", '  name: qwen\n  annotations: {autoscaling.keda.sh/paused-scale-in: "true"}\n'
+    )
+    assert apply("-f", "-", "--dry-run", stdin=text) == 0
+    assert "paused scale-in)" in capsys.readouterr().out
+    up_disabled = GOOD.replace(
+        "  triggers:\n",
+        "  advanced:\n    horizontalPodAutoscalerConfig:\n      behavior:\n        scaleUp: {selectPolicy: Disabled}\n"
+        "  triggers:\n",
+    )
+    assert apply("-f", "-", "--dry-run", stdin=up_disabled) == 0
+    assert "paused scale-out (scaleUp.selectPolicy: Disabled))" in capsys.readouterr().out
+
+
+WEIRD_VALUES: list[object] = [None, [], {}, [1], {"a": 1}, "²", "٣", "1_000", 1e400, float("nan"), True, -1, 0,
+                              10**30, "", "x" * 300, 3.5, "true"]  # fmt: skip
+
+
+def test_any_corpus_document_with_odd_values_raises_only_scaledobjecterror() -> None:
+    """The operator runs the validator on whatever a CR holds: anything but a `ScaledObjectError` would crash its
+    handler. Corpus documents with 1-3 values replaced by odd ones (seeded; found a TypeError from a list as a
+    trigger type under keda.sh)."""
+    docs = [d for p in sorted(CORPUS.rglob("*.yaml")) if "duplicate" not in p.name
+            for d in yaml.safe_load_all(p.read_text()) if isinstance(d, dict)]  # fmt: skip
+    keda = yaml.safe_load(GOOD.replace("pulsescale.io/v1alpha1", "keda.sh/v1alpha1"))
+    keda["spec"]["triggers"][0]["type"] = ["gateway-queue"]  # was a TypeError (unhashable) in the apiVersion hint
+    with pytest.raises(ScaledObjectError, match=r"^apiVersion: expected pulsescale.io/v1alpha1"):
+        scaledobject.from_manifest(keda)
+    rng = random.Random(11)
+
+    def paths(v: object, pre: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
+        items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else []
+        return [pre] + [q for k, x in items for q in paths(x, (*pre, k))]
+
+    for _ in range(3000):
+        doc = copy.deepcopy(rng.choice(docs))
+        for _ in range(rng.randint(1, 3)):
+            *parents, last = rng.choice(paths(doc)[1:])
+            node = doc
+            for k in parents:
+                node = node[k]
+            node[last] = copy.deepcopy(rng.choice(WEIRD_VALUES))
+        try:
+            scaledobject.from_manifest(doc)
+        except ScaledObjectError:
+            pass
