@@ -22,10 +22,16 @@ Order of precedence, first match wins:
    unknown: since this policy state started), as KEDA's;
 4. panic: never down, up at once to the panic window's peak or the forecast, whichever is higher;
 5. normal: ``ceil(forecast / targetQueueDepth)`` up at once; down only to the highest recommendation of the
-   stabilisation window and by at most what the scale-down policies allow per ``scaleDownPeriodSeconds`` (HPA's):
-   ``scaleDownPercent`` % of the count at the period's start (at least one replica) and, when set,
-   ``scaleDownPods``; ``scaleDownSelectPolicy`` ``Max`` allows the larger removal, ``Min`` the smaller, and
-   ``Disabled`` none (the idle drop of rule 3 is KEDA's own, not the HPA's, and still applies);
+   stabilisation window and by at most what the scale-down policies allow per ``scaleDownPeriodSeconds``, exactly
+   as HPA's ``calculateScaleDownLimitWithBehaviors``: from the count at the period's start (the current count, less
+   the replicas added and plus those removed within the last period, so a step up within the period does not
+   raise it), the percent policy keeps ``int(start x (1 - scaleDownPercent / 100))``, rounded down as HPA's
+   ``int32()`` (50 % of 3 keeps 1; rounding down removes at least one replica per period, so no extra rule is
+   needed), and ``scaleDownPods``, when set, keeps ``start - scaleDownPods``; ``scaleDownSelectPolicy`` ``Max``
+   keeps the lower of the two (the larger removal), ``Min`` the higher, and ``Disabled`` never steps down (the idle
+   drop of rule 3 is KEDA's own, not the HPA's, and still applies). Only the policy's own steps count, as HPA
+   stores only its own rescales: an on-call override's steps (rule 1) are the person's, as a ``kubectl scale`` is
+   to an HPA;
 
 then the bounds ``[minReplicaCount (at least 1 while active), maxReplicaCount]``, and after a restart the count held
 at restart is a floor until the demand window has a full stable window of data (Knative's restart rule). A bound
@@ -108,6 +114,8 @@ class PolicyState:
     """Per-bucket max of the normal-mode recommendation, over the scale-down stabilisation window."""
     scale_downs: tuple[tuple[float, int], ...] = ()
     """``(when, replicas removed)`` within the last scale-down period, for the rate limit."""
+    scale_ups: tuple[tuple[float, int], ...] = ()
+    """``(when, replicas added)`` within the last scale-down period: HPA takes them off the period's start count."""
     last_fresh_at: float | None = None
     last_active_at: float | None = None
 
@@ -220,20 +228,26 @@ def _apply_override(override: Override, prev: int, bounds: _Bounds, now: float) 
     return desired, mode, f"{what}{by}, {left}{outside}"
 
 
-def _rate_floor(prev: int, scale_downs: tuple[tuple[float, int], ...], spec: ScaledObjectSpec, now: float) -> int:
-    """The lowest count the scale-down policies allow now (HPA's, counted from the period's start): the percent
-    policy (at least one replica), the pods policy when set, combined by ``scaleDownSelectPolicy``."""
+def _in_period(changes: tuple[tuple[float, int], ...], period_s: float, now: float) -> int:
+    """Replicas changed within the last `period_s` (HPA's ``getReplicasChangePerPeriod``: after now - period)."""
+    return sum(n for ts, n in changes if now - ts < period_s)
+
+
+def _rate_floor(prev: int, state: PolicyState, spec: ScaledObjectSpec, now: float) -> int:
+    """The lowest count the scale-down policies allow now, as HPA's ``calculateScaleDownLimitWithBehaviors``."""
     adv = spec.advanced
     if adv.scale_down_select_policy == "Disabled":
         return prev
-    removed = sum(n for ts, n in scale_downs if now - ts < adv.scale_down_period_seconds)
-    at_period_start = prev + removed
-    keep = math.ceil(at_period_start * (1 - adv.scale_down_percent / 100) - _ROUNDING)
-    keep = min(keep, at_period_start - 1)  # always at least one replica per period
+    period_s = adv.scale_down_period_seconds
+    at_period_start = prev - _in_period(state.scale_ups, period_s, now) + _in_period(state.scale_downs, period_s, now)
+    # HPA's int32(float64(start) * (1 - float64(value)/100)): the same float expression, truncated, so the count
+    # is HPA's bit for bit (a ceiling kept one replica more: 25 % of 10 kept 8 where HPA keeps 7).
+    keep = int(at_period_start * (1 - adv.scale_down_percent / 100))
     if adv.scale_down_pods is not None:
         by_pods = at_period_start - adv.scale_down_pods
         # Max: the policy that removes more (keeps fewer) wins; Min: the one that removes fewer.
         keep = min(keep, by_pods) if adv.scale_down_select_policy == "Max" else max(keep, by_pods)
+    # A limit above the count (steps down already used up) holds the count, as HPA's; never below zero.
     return min(prev, max(keep, 0))
 
 
@@ -343,7 +357,7 @@ def _scale(
         raw = rec
     else:
         want = min(prev, stabilised)
-        floor = _rate_floor(prev, state.scale_downs, spec, now)
+        floor = _rate_floor(prev, state, spec, now)
         raw = max(want, floor)
     desired = min(max(raw, bounds.active_floor), bounds.max)
     note = f" (bounds {bounds.active_floor}..{bounds.max})" if desired != raw else ""
@@ -477,16 +491,22 @@ def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: fl
         desired, mode, reason = _one_way(obs, prev, desired, mode, reason, bounds)
 
     override = obs.override
+    overridden = override is not None and _live(override, now)
     if override is not None:
-        if _live(override, now):
+        if overridden:
             desired, mode, reason = _apply_override(override, prev, bounds, now)
         else:
             reason = f"{_describe(override)} expired, policy resumed: {reason}"
 
     period_s = adv.scale_down_period_seconds
     scale_downs = tuple(entry for entry in state.scale_downs if now - entry[0] < period_s)
-    if desired < prev:
+    scale_ups = tuple(entry for entry in state.scale_ups if now - entry[0] < period_s)
+    # Only the policy's own steps, as HPA stores only its own rescales: an on-call override's count is the person's
+    # (as a `kubectl scale` is to an HPA), and the policy resumes from it with a fresh period start.
+    if not overridden and desired < prev:
         scale_downs += ((now, prev - desired),)
+    elif not overridden and desired > prev:
+        scale_ups += ((now, desired - prev),)
 
     decision = Decision(
         desired=desired,
@@ -505,6 +525,7 @@ def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: fl
         pulse=pulse_state,
         recommendations=recs,
         scale_downs=scale_downs,
+        scale_ups=scale_ups,
         last_fresh_at=last_fresh_at,
         last_active_at=last_active_at,
     )

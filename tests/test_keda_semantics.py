@@ -244,13 +244,14 @@ def test_scale_down_select_policy_over_both_policies_as_hpa(
 
 
 def test_scale_down_select_policy_counts_scale_ups_in_the_period() -> None:
-    # Both policies count from the period's start (10, before the step up to 12): Min keeps max(5, 10 - 1) = 9.
+    # Both policies count from the period's start (10, before the step up to 12 that a raised minReplicaCount
+    # made): Min keeps max(5, 10 - 1) = 9.
     adv = {"scale_down_stabilization_seconds": 0.0, "scale_down_pods": 1, "scale_down_select_policy": "Min"}
     spec = make_spec(advanced=adv)
-    twelve = protocol.Override(kind="scale", replicas=12)
+    raised = make_spec(min_replica_count=12, advanced=adv)
     run(
         spec,
-        [Row(0.1, 0, 10, override=twelve, want=12), Row(0.1, 0, 12, want=9, reason="rate-limited")],
+        [Row(0.1, 0, 10, spec=raised, want=12), Row(0.1, 0, 12, spec=spec, want=9, reason="rate-limited")],
         state=settled_at(spec, 10),
     )
 

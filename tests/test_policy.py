@@ -321,8 +321,9 @@ def test_scale_down_stabilisation_and_rate_limit() -> None:
             # The 10s leave the window over a few seconds as the trend falls: 10 -> 9 -> ... -> 5, where 50 % of
             # the count at the start of the period (10) is used up.
             Row(0.1, 8, 10, repeat=20, want=5, reason="steady at 5: scale-down rate 50 %/60 s used"),
-            Row(0.1, 8, 5, repeat=600, want=3),  # a period later: ceil(5 x 50 %)
-            Row(0.1, 8, 3, repeat=700, want=2),  # and the next: the need, ceil(8 / 4)
+            # A period later: int(5 x 50 %) = 2 (rounded down, as HPA's), which is the need, ceil(8 / 4).
+            Row(0.1, 8, 5, repeat=600, want=2),
+            Row(0.1, 8, 2, repeat=700, want=2),
         ],
     )
 
@@ -369,29 +370,30 @@ def test_scale_down_percent_rounds_the_kept_count_down_as_hpa(percent: float, st
 
 def test_scale_ups_within_the_period_do_not_raise_the_period_start() -> None:
     # HPA: periodStartReplicas = currentReplicas - replicasAddedInCurrentPeriod + replicasDeletedInCurrentPeriod.
-    # At 10, up to 14 (an override), then the override ends: the period began at 10, so 50 % keeps 5, not 7.
+    # At 10, a raised minReplicaCount steps up to 14 (the policy's own step, as HPA's clamp to minReplicas is its
+    # own rescale), then it is lowered again: the period began at 10, so 50 % keeps 5, not 7.
     spec = make_spec(advanced={"scale_down_stabilization_seconds": 0.0})
-    fourteen = Override(kind="scale", replicas=14)
+    raised = make_spec(min_replica_count=14, advanced={"scale_down_stabilization_seconds": 0.0})
     run(
         spec,
         [
-            Row(0.1, 0, 10, override=fourteen, want=14, mode="override"),
-            Row(0.1, 0, 14, want=5, reason="down 14 -> 5: forecast 0 / target 4, rate-limited"),
+            Row(0.1, 0, 10, spec=raised, want=14, reason="(bounds 14..50)"),
+            Row(0.1, 0, 14, spec=spec, want=5, reason="down 14 -> 5: forecast 0 / target 4, rate-limited"),
         ],
         state=settled_at(spec, 10),
     )
 
 
 def test_scale_ups_and_downs_within_the_period_both_count() -> None:
-    # 10 -> 5 (50 %), up to 8, then down again: the period still began at 10 (8 - 3 + 5), so 5 is the floor.
+    # 10 -> 5 (50 %), up to 8 (minReplicaCount), then down again: the period still began at 10 (8 - 3 + 5).
     spec = make_spec(advanced={"scale_down_stabilization_seconds": 0.0})
-    eight = Override(kind="scale", replicas=8)
+    raised = make_spec(min_replica_count=8, advanced={"scale_down_stabilization_seconds": 0.0})
     run(
         spec,
         [
             Row(0.1, 0, 10, want=5),
-            Row(0.1, 0, 5, override=eight, want=8),
-            Row(0.1, 0, 8, want=5, reason="rate-limited"),
+            Row(0.1, 0, 5, spec=raised, want=8),
+            Row(0.1, 0, 8, spec=spec, want=5, reason="rate-limited"),
             Row(0.1, 0, 5, repeat=10, want=5, reason="scale-down rate 50 %/60 s used"),
         ],
         state=settled_at(spec, 10),
@@ -401,12 +403,28 @@ def test_scale_ups_and_downs_within_the_period_both_count() -> None:
 def test_a_scale_up_a_period_ago_no_longer_counts() -> None:
     # The step up at +0.1 s is exactly one scaleDownPeriodSeconds old at +60.1 s: the period starts at 14 then.
     spec = make_spec(advanced={"scale_down_stabilization_seconds": 0.0})
-    fourteen = Override(kind="scale", replicas=14, expires_at=T0 + 60.1)
+    raised = make_spec(min_replica_count=14, advanced={"scale_down_stabilization_seconds": 0.0})
     run(
         spec,
         [
-            Row(0.1, 0, 10, override=fourteen, want=14),
-            Row(60.0, 0, 14, override=fourteen, want=7, reason="down 14 -> 7"),
+            Row(0.1, 0, 10, spec=raised, want=14),
+            Row(1.0, 0, 14, repeat=59, want=14),
+            Row(1.0, 0, 14, spec=spec, want=7, reason="down 14 -> 7"),
+        ],
+        state=settled_at(spec, 10),
+    )
+
+
+def test_an_on_call_overrides_steps_are_not_the_policys() -> None:
+    # As HPA counts only its own rescales (a `kubectl scale` is no scale event): after a `scale 14` override ends,
+    # the period starts at 14 and 50 % keeps 7, where counting the override's step up would allow 5.
+    spec = make_spec(advanced={"scale_down_stabilization_seconds": 0.0})
+    fourteen = Override(kind="scale", replicas=14, expires_at=T0 + 0.2)
+    run(
+        spec,
+        [
+            Row(0.1, 0, 10, override=fourteen, want=14, mode="override"),
+            Row(0.1, 0, 14, override=fourteen, want=7, reason="expired, policy resumed: down 14 -> 7"),
         ],
         state=settled_at(spec, 10),
     )
@@ -437,7 +455,8 @@ def test_scale_override_wins_unclamped_and_expires() -> None:
             SETTLED,
             Row(0.1, 8, 2, override=scale, want=80, mode="override", panic=False, reason="override scale=80 by alice"),
             Row(0.1, 8, 80, override=scale, want=80, reason="outside bounds 1..50"),
-            # Expiry: the policy resumes from 80 and steps down within the bounds at its own pace.
+            # Expiry: the policy resumes from 80 and steps down within the bounds at its own pace (the override's
+            # step up is not the policy's: it does not lower the period's start, which is 80).
             Row(10.0, 8, 80, override=scale, want=40, mode="normal", reason="override scale=80 by alice expired"),
         ],
     )
@@ -721,7 +740,7 @@ def test_scale_down_rate_period_ends_on_time() -> None:
             Row(0.5, 8, 2, override=ten, want=10),
             Row(0.5, 8, 10, override=ten, want=5, reason="rate-limited"),  # at +66 s: half of 10
             Row(1.0, 8, 5, repeat=59, want=5),  # the period's 50 % is used up
-            Row(1.0, 8, 5, want=3),  # at +126 s: a new period, half of 5
+            Row(1.0, 8, 5, want=2),  # at +126 s: a new period, half of 5 rounded down (HPA's), the need
         ],
     )
 
