@@ -1,0 +1,138 @@
+"""How many replicas the registry's buckets get: detected (1 on a single server, 3 on a cluster), or set by
+``PULSESCALE_KV_REPLICAS`` / ``pulsescale autoscaler --kv-replicas``; a bucket with fewer than asked is raised by
+the autoscaler and reported by everyone else; a count the servers cannot place is a named error. Real servers:
+the conftest's single nats-server, and the 3-node cluster of `tests.cluster_helpers`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import nats.errors
+import nats.js.errors
+import pytest
+from nats.aio.client import Client
+
+from tests.cluster_helpers import CLUSTER_SIZE, NatsCluster
+from tests.helpers import wait_for
+from warmpool import connect, protocol, registry
+from warmpool.registry import BucketSettings, KvReplicasError, ensure_buckets
+
+
+@pytest.fixture
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsCluster]:
+    with NatsCluster(tmp_path_factory.mktemp("cluster")) as c:
+        yield c
+
+
+@pytest.fixture(autouse=True)
+def no_replicas_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(registry.KV_REPLICAS_ENV, raising=False)
+
+
+async def replicas(nc: Client) -> dict[str, int]:
+    """Replicas of each bucket that exists."""
+    js, out = nc.jetstream(), {}
+    for bucket in protocol.BUCKETS:
+        try:
+            out[bucket] = (await js.stream_info(f"KV_{bucket}")).config.num_replicas or 1
+        except nats.js.errors.NotFoundError:
+            pass
+    return out
+
+
+def autoscaler_proc(url: str, *flags: str) -> subprocess.Popen[bytes]:
+    env = {k: v for k, v in os.environ.items() if k != registry.KV_REPLICAS_ENV}
+    return subprocess.Popen(
+        [sys.executable, "-m", "pulsescale", "autoscaler", "--nats", url, "--log-level", "WARNING", *flags],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+
+
+async def test_a_single_server_gets_one_replica(nc: Client) -> None:
+    await ensure_buckets(nc.jetstream(), harden=True)
+    assert set((await replicas(nc)).values()) == {1}
+
+
+async def test_a_cluster_gets_three_replicas_and_buckets_that_take_writes_at_once(cluster: NatsCluster) -> None:
+    nc = await connect.connect(connect.NatsOptions(servers=tuple(cluster.urls)))
+    try:
+        kv = await ensure_buckets(nc.jetstream(timeout=2.0))
+        # Straight after creation (each new bucket's stream leader is waited for).
+        assert await kv[protocol.AGENTS_BUCKET].put("n", b"x") > 0
+        assert set((await replicas(nc)).values()) == {CLUSTER_SIZE}
+    finally:
+        await nc.close()
+
+
+async def test_the_environment_and_the_settings_choose(cluster: NatsCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    nc = await connect.connect(connect.NatsOptions(servers=tuple(cluster.urls)))
+    try:
+        monkeypatch.setenv(registry.KV_REPLICAS_ENV, "1")
+        await ensure_buckets(nc.jetstream(), names=[protocol.SLOTS_BUCKET])
+        assert registry.replicas_for(nc, BucketSettings(replicas=2)) == 2  # the settings win over the environment
+        await ensure_buckets(nc.jetstream(), BucketSettings(replicas=2), names=[protocol.AGENTS_BUCKET])
+        got = await replicas(nc)
+        assert (got[protocol.SLOTS_BUCKET], got[protocol.AGENTS_BUCKET]) == (1, 2)
+    finally:
+        await nc.close()
+
+
+@pytest.mark.parametrize("text", ["0", "6", "three", "1.5"])
+def test_a_bad_count_names_the_variable_and_the_range(text: str) -> None:
+    with pytest.raises(KvReplicasError, match=rf"{registry.KV_REPLICAS_ENV}='{text}'.*from 1 to 5"):
+        registry.parse_replicas(text)
+
+
+async def test_more_replicas_than_servers_is_a_named_error(nc: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(registry.KV_REPLICAS_ENV, "3")
+    with pytest.raises(KvReplicasError, match=r"pulse_slots with 3 replicas.*--kv-replicas"):
+        await ensure_buckets(nc.jetstream(), names=[protocol.SLOTS_BUCKET])
+
+
+async def test_a_bucket_with_fewer_replicas_is_reported_then_raised_by_the_autoscaler(
+    cluster: NatsCluster, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    nc = await connect.connect(connect.NatsOptions(servers=tuple(cluster.urls)))
+    try:
+        monkeypatch.setenv(registry.KV_REPLICAS_ENV, "1")  # e.g. made before the cluster grew to three servers
+        kv = (await ensure_buckets(nc.jetstream(), names=[protocol.SLOTS_BUCKET]))[protocol.SLOTS_BUCKET]
+        rev = await kv.put("m.n.s0", b"kept")
+        monkeypatch.delenv(registry.KV_REPLICAS_ENV)
+        with caplog.at_level(logging.WARNING, logger="pulsescale.registry"):
+            await ensure_buckets(nc.jetstream(), names=[protocol.SLOTS_BUCKET])  # a role that may not update
+        assert "bucket pulse_slots has 1 replica(s), 3 asked" in caplog.text
+        assert (await replicas(nc))[protocol.SLOTS_BUCKET] == 1
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="pulsescale.registry"):
+            await ensure_buckets(nc.jetstream(), names=[protocol.SLOTS_BUCKET], harden=True)  # the autoscaler
+        assert "bucket pulse_slots had 1 replica(s): raised to 3" in caplog.text
+        assert (await replicas(nc))[protocol.SLOTS_BUCKET] == CLUSTER_SIZE
+        entry = await kv.get("m.n.s0")
+        assert (entry.value, entry.revision) == (b"kept", rev)
+    finally:
+        await nc.close()
+
+
+async def test_the_autoscaler_flag_sets_the_replicas_of_what_it_creates(cluster: NatsCluster) -> None:
+    proc = autoscaler_proc(cluster.url, "--kv-replicas", "1")
+    nc = await connect.connect(connect.NatsOptions(servers=tuple(cluster.urls)))
+    try:
+
+        async def made() -> int | None:
+            try:
+                info = await nc.jetstream().stream_info(f"KV_{protocol.LEASES_BUCKET}")  # the last one it makes
+            except (TimeoutError, nats.errors.Error):
+                return None
+            return info.config.num_replicas
+
+        await wait_for(made, what="the autoscaler to create its buckets")
+        assert await replicas(nc) == dict.fromkeys(protocol.BUCKETS, 1)
+    finally:
+        await nc.close()
+        proc.terminate()
+        _, err = proc.communicate(timeout=10)
+    assert proc.returncode == 0, err.decode()
