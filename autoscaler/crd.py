@@ -27,8 +27,13 @@ What the conversion decides, and why:
 - CEL ``x-kubernetes-validations`` repeat the cross-field rules of `ScaledObjectSpec.__post_init__` and the
   validator with the same wording: min <= max, idle < min (when min > 0), unique trigger names, one model, a
   pulsescale name in ``metadata.name``. ``metadata.namespace`` needs no rule: a namespace is a DNS label, always
-  a pulsescale name. ``spec.triggers`` gets ``maxItems`` (`MAX_TRIGGERS`) here only, because the API server
-  refuses a CEL rule whose worst-case cost over an unbounded list is too high.
+  a pulsescale name. ``spec.triggers`` gets ``maxItems`` (`MAX_TRIGGERS`, the validator's bound too), because the
+  API server refuses a CEL rule whose worst-case cost over an unbounded list is too high.
+- ``fallback.failureThreshold`` has ``minimum: 0`` here though the wire's is 1: KEDA's CRD allows 0 ("fall back
+  on the first failure") and the validator reads it as 1, which means that here (`_CRD_BOUNDS`).
+- The HPA ``behavior`` rules are one struct for ``scaleUp`` and ``scaleDown``, mapped differently (scale-down onto
+  the policy, scale-up mostly refused): `PATH_NOTES` describes each by its path, in the CRD and the docs, and
+  `REFUSED` lists what the validator refuses with the reason (tests/test_crd.py checks each against it).
 
 Pure: no I/O libraries. `main` (``pulsescale crd``) prints; it writes nothing.
 """
@@ -50,6 +55,7 @@ from typing import Annotated, Any, Final, Literal
 import msgspec
 import yaml
 
+from autoscaler import scaledobject
 from warmpool import protocol
 from warmpool.protocol import NAME_PATTERN, Count, ScaledObjectSpec
 
@@ -61,6 +67,8 @@ __all__ = [
     "GROUP",
     "MAX_LAST_DECISIONS",
     "MAX_TRIGGERS",
+    "PATH_NOTES",
+    "REFUSED",
     "SHORT_NAMES",
     "VERSION",
     "Condition",
@@ -157,8 +165,8 @@ CRD_NAME: Final = f"{PLURAL}.{GROUP}"
 SHORT_NAMES: Final = ("pso",)
 """Not KEDA's ``so``: with both CRDs installed (a migration), ``kubectl get so`` would pick one of the two
 silently. ``pso`` is free, and ``kubectl get scaledobjects.pulsescale.io`` always names ours."""
-MAX_TRIGGERS: Final = 16
-"""``spec.triggers`` maxItems in the CRD only: every trigger names the same model, so more than a few is a
+MAX_TRIGGERS: Final = scaledobject.MAX_TRIGGERS
+"""``spec.triggers`` maxItems, the validator's bound: every trigger names the same model, so more than a few is a
 mistake, and the API server refuses a CEL rule (unique names) whose cost over an unbounded list is too high."""
 MAX_NAME_LENGTH: Final = 63
 """Trigger names and the like are bounded so the CEL cost estimate stays small."""
@@ -278,6 +286,7 @@ FIELD_NOTES: Final[dict[str, tuple[str, str]]] = {
     "ScaledObjectSpec.warmPool": ("Standby slots kept staged for this model (pulsescale's; no KEDA field).", ""),
     "ScaledObjectSpec.pollingInterval": ("", "spec.pollingInterval (no effect: the trigger is pushed)"),
     "ScaledObjectSpec.initialCooldownPeriod": ("", "spec.initialCooldownPeriod"),
+    "ScaleTargetRef.envSourceContainerName": ("", "spec.scaleTargetRef.envSourceContainerName (no effect)"),
     "ScaleTargetRef.name": ("Name of the target workload in the ScaledObject's namespace.", "spec.scaleTargetRef.name"),
     "ScaleTargetRef.kind": ("Kind of the target (anything with a scale subresource).", "spec.scaleTargetRef.kind"),
     "ScaleTargetRef.apiVersion": ("API version of the target.", "spec.scaleTargetRef.apiVersion"),
@@ -374,6 +383,63 @@ FIELD_NOTES: Final[dict[str, tuple[str, str]]] = {
 }
 
 
+_HPA: Final = "spec.advanced.horizontalPodAutoscalerConfig.behavior"
+_REFUSED_WITH_POLICIES: Final = "Refused with `scaleUp.policies`."
+
+PATH_NOTES: Final[dict[str, str]] = {
+    # Full field path -> its meaning, where one struct means different things at different paths.
+    f"{_HPA}.scaleUp": "Scale-up rules. Only `selectPolicy` and a zero `stabilizationWindowSeconds` are accepted: "
+    "pulsescale scales out as fast as the demand asks.",
+    f"{_HPA}.scaleUp.stabilizationWindowSeconds": "Only `0` is accepted; a scale-up stabilization is refused "
+    "(scale-out follows `advanced.stableWindowSeconds` and panics on bursts).",
+    f"{_HPA}.scaleUp.selectPolicy": "`Disabled` pauses scale-out (what KEDA's `paused-scale-out` annotation does "
+    "to its HPA); `Max`/`Min` change nothing (no scale-up policy applies).",
+    f"{_HPA}.scaleUp.policies": "**Refused:** scale-up rate limits, HPA's default (Percent 100 and Pods 4 per 15 s) "
+    "included; pulsescale scales out faster without them, so removing them loses nothing.",
+    f"{_HPA}.scaleUp.policies[].type": _REFUSED_WITH_POLICIES,
+    f"{_HPA}.scaleUp.policies[].value": _REFUSED_WITH_POLICIES,
+    f"{_HPA}.scaleUp.policies[].periodSeconds": _REFUSED_WITH_POLICIES,
+    f"{_HPA}.scaleUp.tolerance": "**Refused:** HPA's dead band around the target has no counterpart (a quantity: "
+    "string or number).",
+    f"{_HPA}.scaleDown.tolerance": "**Refused:** HPA's dead band around the target has no counterpart; the stable "
+    "window and the scale-down stabilization smooth the demand instead.",
+    f"{_HPA}.scaleDown.stabilizationWindowSeconds": "Becomes `advanced.scaleDownStabilizationSeconds`.",
+    f"{_HPA}.scaleDown.selectPolicy": "Becomes `advanced.scaleDownSelectPolicy` (`Disabled`: never scale down).",
+    f"{_HPA}.scaleDown.policies": "`Percent` and/or `Pods` with one `periodSeconds` become "
+    "`advanced.scaleDownPercent`/`scaleDownPods`/`scaleDownPeriodSeconds`.",
+    f"{_HPA}.scaleDown.policies[].value": "Replicas, or percent of them, removed per period.",
+    "spec.fallback.failureThreshold": "Missed sample intervals (of `advanced.staleAfterSeconds`) before the fallback "
+    "count applies. `0` (KEDA's CRD allows it: fall back on the first failure) is read as `1`, with a note.",
+}
+
+_CRD_BOUNDS: Final[dict[tuple[str, str], dict[str, Any]]] = {
+    ("Fallback", "failureThreshold"): {"minimum": 0},  # KEDA's; the validator reads 0 as 1
+}
+
+REFUSED: Final[dict[str, str]] = {
+    # Field -> why the validator refuses it (docs/scaledobject.md "Refused, with the reason").
+    "apiVersion": f"`keda.sh/v1alpha1` with a `{scaledobject.TRIGGER_TYPE}` trigger: change it to "
+    f"`{scaledobject.API_VERSION}`; every other field reads as KEDA's.",
+    "spec.triggers[].type": f"any type but `{scaledobject.TRIGGER_TYPE}` (`prometheus`, `kafka`, `cpu`...): "
+    "pulsescale has one trigger, the demand the gateways push for `metadata.model`; keep those on KEDA.",
+    "spec.triggers[].metricType": "`Value` and `Utilization`: pulsescale's rule is `AverageValue` (desired replicas = "
+    "demand / `targetQueueDepth` per replica).",
+    "spec.triggers": f"more than {MAX_TRIGGERS} triggers (the CRD's `maxItems` too): all name the same model.",
+    "spec.triggers[].metadata.model": "a second ScaledObject of one model, in one apply or already in "
+    "`pulse_scalers`: the autoscaler serves one ScaledObject per model (delete the other first).",
+    "spec.advanced.scalingModifiers": "every trigger of a ScaledObject feeds the same model's demand, so there is "
+    "no second metric for a formula to combine.",
+    f"{_HPA}.scaleUp.policies": "scale-up rate limits: pulsescale scales out as fast as the demand asks, from warm "
+    "slots. HPA's default (Percent 100 and Pods 4 per 15 s, `Max`) is slower, so removing it loses nothing.",
+    f"{_HPA}.scaleUp.stabilizationWindowSeconds": "other than 0: scale-out follows `advanced.stableWindowSeconds` "
+    "and panics on bursts.",
+    f"{_HPA}.*.tolerance": "HPA's dead band around the target has no counterpart.",
+    f"{_HPA}.scaleDown.policies": "different `periodSeconds`, two policies of one type, or `Percent` over 100: the "
+    "policy has one `advanced.scaleDownPeriodSeconds` for both limits. Setting a mapped field both here and in "
+    "`advanced` is refused too (keep one).",
+}
+
+
 def _description(struct: str, camel: str, docs: dict[str, dict[str, str]]) -> str:
     note = FIELD_NOTES.get(f"{struct}.{camel}", ("", ""))[0]
     return docs.get(struct, {}).get(camel) or note
@@ -440,6 +506,7 @@ def structural(schema: dict[str, Any]) -> dict[str, Any]:
             out["exclusiveMaximum"] = True
         if node.get("default") is not None:
             out["default"] = node["default"]
+        out.update(_CRD_BOUNDS.get((owner or "", field or ""), {}))
         if kind == "object":
             struct = owner if owner in defs else None
             props: dict[str, Any] = {}
@@ -477,7 +544,22 @@ def spec_schema() -> dict[str, Any]:
     trigger = out["properties"]["triggers"]["items"]
     trigger["properties"]["name"]["maxLength"] = MAX_NAME_LENGTH
     out["x-kubernetes-validations"] = copy.deepcopy(CEL_RULES["spec"])
+    _path_descriptions(out, "spec")
     return out
+
+
+def _path_descriptions(node: dict[str, Any], path: str) -> None:
+    """`PATH_NOTES` as the descriptions of the structural schema's nodes at those paths."""
+    if path in PATH_NOTES:
+        node["description"] = _plain_markdown(PATH_NOTES[path])
+    for name, sub in node.get("properties", {}).items():
+        _path_descriptions(sub, f"{path}.{name}")
+    if "items" in node:
+        _path_descriptions(node["items"], f"{path}[]")
+
+
+def _plain_markdown(text: str) -> str:
+    return text.replace("**", "")  # bold is the page's; backticks stay, as in the other descriptions
 
 
 def status_schema() -> dict[str, Any]:
@@ -577,7 +659,7 @@ def spec_json_schema() -> dict[str, Any]:
         node = schema["$defs"][struct]["properties"][name]
         default = node.pop("default", None)
         schema["$defs"][struct]["properties"][name] = {
-            "anyOf": [node, {"type": "string", "pattern": r"^\s*[0-9]+(\.[0-9]*)?([eE][-+]?[0-9]+)?\s*$"}],
+            "anyOf": [node, {"type": "string", "pattern": scaledobject.NUMBER_PATTERN}],
             **({"default": default} if default is not None else {}),
         }
     del meta
@@ -591,6 +673,8 @@ NO_EFFECT: Final[dict[str, str]] = {
     "spec.triggers[].useCachedMetrics": "every pushed sample is used as it arrives; there is no metrics cache.",
     "spec.triggers[].authenticationRef": "a pushed trigger reads no external system, so it needs no credentials.",
     "spec.advanced.horizontalPodAutoscalerConfig.name": "no HPA is created; the autoscaler itself scales.",
+    "spec.scaleTargetRef.envSourceContainerName": "a pushed trigger reads no container environment; its "
+    "parameters are in `metadata`.",
 }
 """Fields accepted so a KEDA manifest applies, and why they change nothing (the record's notes say the same)."""
 
@@ -616,6 +700,7 @@ def _rows(schema: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         if (struct, field) in _STRING_OR_NUMBER:
             return "number or string"
         target, _ = resolve(node)
+        target = {**target, **_CRD_BOUNDS.get((struct or "", field), {})}
         if "anyOf" in target:
             return " or ".join(str(o.get("type")) for o in target["anyOf"] if o.get("type") != "null")
         if "enum" in target:
@@ -636,7 +721,7 @@ def _rows(schema: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         for name, sub in node.get("properties", {}).items():
             path = f"{prefix}.{name}"
             meaning, keda = FIELD_NOTES.get(f"{struct}.{name}", ("", ""))
-            meaning = docs.get(struct, {}).get(name) or meaning
+            meaning = PATH_NOTES.get(path) or docs.get(struct, {}).get(name) or meaning
             if path in NO_EFFECT and "no effect" not in meaning.lower():
                 meaning += f" **No effect:** {NO_EFFECT[path]}"
             if "default" in sub and sub["default"] is not None:
@@ -673,7 +758,8 @@ def docs_markdown() -> str:
         "",
         "One schema makes the CRD (`deploy/crd/`), what `pulsescale apply` and the operator accept, and this page.",
         "A KEDA ScaledObject applies with two changes: `apiVersion: pulsescale.io/v1alpha1` and a trigger of type",
-        "`gateway-queue`; every other field is read as KEDA's. Short name: `kubectl get pso` (KEDA owns `so`).",
+        "`gateway-queue`; every other field is read as KEDA's, or refused with the reason (see \"Refused, with the",
+        'reason" below). Short name: `kubectl get pso` (KEDA owns `so`).',
         "",
         "## Numbers written as strings",
         "",
@@ -683,7 +769,8 @@ def docs_markdown() -> str:
         'structural schema cannot say "string or number" otherwise. So the API server stores any value there; the',
         "shared validator (in `pulsescale apply` and in the operator, before anything is published) converts it and",
         "refuses a non-number naming the field, and the operator reports that in `status.conditions` (`Ready`) and",
-        "an Event.",
+        "an Event. A number is what KEDA's scalers read (Go's `strconv.ParseFloat`, decimal): ASCII digits, a",
+        'fraction, an exponent (`"1e3"`); `"1_000"`, `"nan"`, `"inf"` and other digits (`"٣"`) are refused.',
         "",
         "## Rules checked by the API server (CEL) and by the validator",
         "",
@@ -692,7 +779,7 @@ def docs_markdown() -> str:
         for rule in rules:
             out.append(f"- `{path or '(root)'}`: {rule['message']}")
     out += [
-        f"- `spec.triggers`: at most {MAX_TRIGGERS} (the CRD only; all triggers name the same model anyway).",
+        f"- `spec.triggers`: at most {MAX_TRIGGERS} (the CRD and the validator; all triggers name the same model).",
         "",
         "## `spec`",
         "",
@@ -703,6 +790,22 @@ def docs_markdown() -> str:
         out.append(f"| `{path}` | {kind} | {default} | {_cell(meaning)} | {keda} |")
     out += ["", "## Accepted, with no effect", ""]
     out += [f"- `{path}`: {why}" for path, why in NO_EFFECT.items()]
+    out += ["", "## Refused, with the reason", ""]
+    out += [f"- `{path}`: {why}" for path, why in REFUSED.items()]
+    out += [
+        "",
+        "## Pausing",
+        "",
+        "- Annotations, in KEDA's family (`autoscaling.keda.sh/`) and ours (`pulsescale.io/`), which must agree:",
+        '  `paused: "true"` holds the current count; `paused-replicas: "N"` holds N (with or without `paused`;',
+        '  `"0"` parks at zero whatever `minReplicaCount` says); `paused-scale-in`/`paused-scale-out: "true"` stop',
+        "  one direction.",
+        f"- `{_HPA}.scaleUp.selectPolicy: Disabled` pauses scale-out, as the `paused-scale-out` annotation does.",
+        f"- `{_HPA}.scaleDown.selectPolicy: Disabled` (or `spec.advanced.scaleDownSelectPolicy: Disabled`) never",
+        "  scales down.",
+        "- `pulsescale apply` prints each pause in its summary line (`paused at N`, `paused scale-in`, `paused",
+        "  scale-out`).",
+    ]
     out += [
         "",
         "## `status` (written by the operator)",

@@ -97,6 +97,7 @@ __all__ = [
     "MAX_TRIGGERS",
     "NOTE_ENV_SOURCE",
     "NOTE_FAILURE_THRESHOLD_ZERO",
+    "NUMBER_PATTERN",
     "PAUSED_ANNOTATION",
     "PAUSED_REPLICAS_ANNOTATION",
     "PAUSED_SCALE_IN_ANNOTATION",
@@ -143,10 +144,11 @@ CR body's ``managedFields`` ~15; PyYAML's composer recurses per level and dies w
 _ASCII_COUNT: Final = re.compile(r"[ \t]*[0-9]+[ \t]*")
 """A whole number as Kubernetes writes one: ASCII digits only (``str.isdigit`` admits "²" and "٣", and ``int``
 reads "٣" as 3 and raises on "²")."""
-_ASCII_NUMBER: Final = re.compile(r"[ \t]*[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?[ \t]*")
+NUMBER_PATTERN: Final = r"^[ \t]*[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?[ \t]*$"
+_ASCII_NUMBER: Final = re.compile(NUMBER_PATTERN)
 """A metadata number as KEDA's scalers read one (Go's ``strconv.ParseFloat``, decimal form): ASCII digits, an
 optional fraction and exponent (``"1e3"``). Not Python's ``float`` extras: ``"1_000"``, non-ASCII digits,
-``"nan"``/``"inf"``."""
+``"nan"``/``"inf"``. The editor schema (``pulsescale crd --schema``) uses the same pattern."""
 
 
 class ScaledObjectError(PulsescaleError):

@@ -44,6 +44,10 @@ VALIDATOR_ONLY: list[tuple[str, str]] = [
     ("scale-up rate limits", "not a CEL rule yet: the validator's refusal of HPA scaleUp policies (semantic mapping)"),
     ("over the limit", "the per-model replica limit is the autoscaler's setting ($PULSESCALE_MAX_REPLICAS)"),
     ("-replicas", "paused-replicas is an annotation (see above)"),
+    (
+        "one ScaledObject per model",
+        "two objects: the API server validates one at a time (the operator refuses the second as a duplicate target)",
+    ),
 ]
 
 
@@ -339,3 +343,81 @@ def test_the_refuse_corpus_is_refused_by_both(path: Path) -> None:
     except yaml.YAMLError:
         pytest.fail(f"{path.name}: unreadable YAML is not in VALIDATOR_ONLY")
     assert any(api_server_admits(d) is not None for d in docs), f"{path.name}: the CRD admits it ({expect})"
+
+
+# --- the reference page says what the validator does (review findings, issue 11) ---------------------------------
+
+
+def _row(docs: str, path: str) -> str:
+    [row] = [line for line in docs.splitlines() if line.startswith(f"| `{path}` |")]
+    return row
+
+
+HPA = "spec.advanced.horizontalPodAutoscalerConfig.behavior"
+
+
+def test_the_docs_rows_of_scale_up_and_tolerance_say_they_are_refused() -> None:
+    docs = crd.docs_markdown()
+    for field in ("stabilizationWindowSeconds", "policies", "selectPolicy"):
+        assert "becomes" not in _row(docs, f"{HPA}.scaleUp.{field}"), field
+    assert "refused" in _row(docs, f"{HPA}.scaleUp.stabilizationWindowSeconds").lower()
+    assert "HPA's default" in _row(docs, f"{HPA}.scaleUp.policies")
+    assert "pauses scale-out" in _row(docs, f"{HPA}.scaleUp.selectPolicy")
+    for rules in ("scaleUp", "scaleDown"):
+        assert "**Refused:**" in _row(docs, f"{HPA}.{rules}.tolerance")
+    assert "Becomes `advanced.scaleDownStabilizationSeconds`" in _row(
+        docs, f"{HPA}.scaleDown.stabilizationWindowSeconds"
+    )
+    assert "(>= 0)" in _row(docs, "spec.fallback.failureThreshold")
+    assert "no effect" in _row(docs, "spec.scaleTargetRef.envSourceContainerName").lower()
+    assert f"at most {crd.MAX_TRIGGERS} (the CRD and the validator" in docs
+
+
+REFUSAL_CASES: dict[str, dict[str, Any]] = {
+    # Each field the docs list under "Refused, with the reason", and a manifest the validator refuses there.
+    "spec.advanced.scalingModifiers": _minimal(advanced={"scalingModifiers": {"formula": "a + b"}}),
+    "spec.triggers[].metricType": _minimal(triggers=[{**TRIGGER, "metricType": "Utilization"}]),
+    "spec.triggers[].type": _minimal(triggers=[{"type": "kafka", "metadata": {"model": "qwen"}}]),
+    "apiVersion": {**_minimal(), "apiVersion": "keda.sh/v1alpha1"},
+    f"{HPA}.scaleUp.policies": _minimal(
+        advanced={
+            "horizontalPodAutoscalerConfig": {
+                "behavior": {"scaleUp": {"policies": [{"type": "Pods", "value": 4, "periodSeconds": 15}]}}
+            }
+        }
+    ),
+    f"{HPA}.scaleUp.stabilizationWindowSeconds": _minimal(
+        advanced={"horizontalPodAutoscalerConfig": {"behavior": {"scaleUp": {"stabilizationWindowSeconds": 30}}}}
+    ),
+    f"{HPA}.*.tolerance": _minimal(
+        advanced={"horizontalPodAutoscalerConfig": {"behavior": {"scaleDown": {"tolerance": "0.1"}}}}
+    ),
+    f"{HPA}.scaleDown.policies": _minimal(
+        advanced={
+            "horizontalPodAutoscalerConfig": {
+                "behavior": {
+                    "scaleDown": {
+                        "policies": [
+                            {"type": "Pods", "value": 1, "periodSeconds": 15},
+                            {"type": "Percent", "value": 10, "periodSeconds": 60},
+                        ]
+                    }
+                }
+            }
+        }
+    ),
+    "spec.triggers": _minimal(triggers=[TRIGGER] * (crd.MAX_TRIGGERS + 1)),
+    "spec.triggers[].metadata.model": {},  # two objects of one model: tested in test_scaledobject (one apply)
+}
+
+
+@pytest.mark.parametrize("field", sorted(REFUSAL_CASES))
+def test_every_refusal_the_docs_list_is_the_validators(field: str) -> None:
+    assert set(REFUSAL_CASES) == set(crd.REFUSED), "a refusal in the docs without a case here, or the reverse"
+    assert f"- `{field}`: {crd.REFUSED[field]}" in crd.docs_markdown()
+    if not REFUSAL_CASES[field]:
+        return
+    message = validator_admits(copy.deepcopy(REFUSAL_CASES[field]))
+    assert message is not None, f"{field}: the validator admits it"
+    where = field.replace("[]", "[0]").replace("*", "scaleDown")
+    assert where in message, message
