@@ -93,6 +93,7 @@ OPTIONAL_PARTS: Final = ("kube.standby", "kube.coldpath")  # each has register(r
 BACKGROUND: Final = "background"
 """``ctx.extra[BACKGROUND]``: a list of ``async (stop: asyncio.Event) -> None`` that `register` of a part may append
 to; `run_operator` runs each on the caller's loop beside kopf until the stop flag is set (e.g. a NATS watch)."""
+BACKGROUND_STOP_S: Final = 5.0  # how long run_operator waits for background work to end after the stop flag
 READY_POLL_S: Final = 0.05  # how often run_operator looks whether kopf (in its thread) is ready
 HPA_KINDS: Final = ("Deployment", "StatefulSet")  # scale targets the restore step knows how to patch
 
@@ -651,7 +652,10 @@ async def run_operator(
     thread = threading.Thread(target=kopf_thread, name=f"kopf-{ctx.identity}", daemon=True)
     thread.start()
     background = [so.run_loops, *ctx.extra.get(BACKGROUND, [])]
-    loops = asyncio.gather(*(work(stop_flag) for work in background))
+    loops = [
+        asyncio.create_task(work(stop_flag), name=f"operator-background-{getattr(work, '__qualname__', work)}")
+        for work in background
+    ]
     stopped: asyncio.Future[Any] = asyncio.ensure_future(stop_flag.wait())
 
     async def signal_ready() -> None:
@@ -670,4 +674,14 @@ async def run_operator(
         try:
             await asyncio.shield(done)
         finally:
-            await asyncio.gather(loops, stopped, readiness, return_exceptions=True)
+            await asyncio.gather(stopped, readiness, return_exceptions=True)
+            # Background work must end promptly once the stop flag is set (leadership may be moving on); one that
+            # does not is logged and left cancelled rather than holding the handover.
+            _, stuck = await asyncio.wait(loops, timeout=BACKGROUND_STOP_S)
+            for task in stuck:
+                log.error("%s did not stop within %.0f s of the stop flag; cancelled", task.get_name(),
+                          BACKGROUND_STOP_S)  # fmt: skip
+                task.cancel()
+            for task in loops:
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    log.error("%s failed: %r", task.get_name(), task.exception())

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import sys
+import traceback
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -131,7 +133,14 @@ async def operator(api: K8sApiDouble, nc: Client, *, create: bool = True, **sett
     finally:
         stop.set()
         try:
-            await asyncio.wait_for(task, 15)
+            await asyncio.wait_for(asyncio.shield(task), 15)
+        except TimeoutError:  # say where it hangs: every thread's stack and every task's
+            for ident, frame in sys._current_frames().items():
+                print(f"--- thread {ident}", file=sys.stderr)
+                traceback.print_stack(frame, file=sys.stderr)
+            for t in asyncio.all_tasks():
+                t.print_stack(file=sys.stderr)
+            raise
         finally:
             client.close()
 
