@@ -113,6 +113,8 @@ class LeaseElector:
         self.holder: str | None = None
         """The holder the last read or write saw."""
         self.transitions = 0
+        self.reached = False
+        """The last round got an answer from the API server (``/readyz`` of a standby replica)."""
 
     def leading(self) -> bool:
         """True while this replica holds the Lease and may still act (renewed within `act_window_s`)."""
@@ -150,6 +152,7 @@ class LeaseElector:
         try:
             lease = await apicall.call(self.api.read_namespaced_lease, s.name, s.namespace, _request_timeout=timeout)
         except ApiException as err:
+            self.reached = err.status < 500
             if err.status != 404:
                 raise
             body: dict[str, Any] = {
@@ -163,6 +166,7 @@ class LeaseElector:
                     return self._lost("another replica created the Lease first")
                 raise
             return self._won(sent_at, transitions=0, acquired=True)
+        self.reached = True
         meta, spec = lease.get("metadata") or {}, lease.get("spec") or {}
         rv = str(meta.get("resourceVersion") or "")
         holder = spec.get("holderIdentity") or ""
@@ -275,6 +279,7 @@ async def _attempt(elector: LeaseElector) -> bool:
     try:
         return await elector.try_acquire_or_renew()
     except (ApiException, OSError, apicall.ApiUnreachable) as err:
+        elector.reached = isinstance(err, ApiException) and err.status < 500
         log.warning("Lease %s/%s: %s", elector.settings.namespace, elector.settings.name, _short(err))
         return False
 
@@ -310,6 +315,7 @@ async def _lead(elector: LeaseElector, task: asyncio.Task[None], stop: asyncio.E
                 left = elector.act_until - clock()
                 ok = await asyncio.wait_for(elector.try_acquire_or_renew(), max(0.1, left))
             except (ApiException, OSError, apicall.ApiUnreachable, TimeoutError) as err:
+                elector.reached = isinstance(err, ApiException) and err.status < 500
                 log.warning("Lease renewal failed: %s", _short(err))
                 next_renew = clock() + s.retry_every_s
                 continue

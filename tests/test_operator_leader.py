@@ -11,14 +11,23 @@ import datetime
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
+import nats.js.errors
 import pytest
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
+from nats.aio.client import Client
+from nats.js.kv import KeyValue
 
 from kube import leader
+from kube.context import OperatorContext
+from kube.operator import run_operator
 from tests import k8s_api_double
 from tests.k8s_api_double import K8sApiDouble
+from warmpool import connect, protocol
+from warmpool.embedded import NatsServer
+from warmpool.registry import ensure_buckets
 
 k8s_api = k8s_api_double.k8s_api  # the fixture
 
@@ -193,3 +202,89 @@ def test_settings_refuse_a_nonsense_duration() -> None:
         leader.LeaseSettings(namespace=NS, identity="x", duration_s=0.1)
     with pytest.raises(ValueError, match="identity"):
         leader.LeaseSettings(namespace=NS, identity="")
+
+
+# --- two real operators ---------------------------------------------------------------------------------------------
+
+
+async def test_two_operators_one_acts_and_the_other_takes_over_when_the_leader_is_cut_off(
+    k8s_api: K8sApiDouble, nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """Two `run_operator`s behind two electors, each with its own token: the leader publishes a ScaledObject; its
+    Lease calls are then cut off (its operator could still reach the API server); the other takes over and
+    publishes a new ScaledObject, and the request log has no write of the old leader after the new one's first."""
+    stop = asyncio.Event()
+    conns: list[Client] = []
+    clients: list[k8s.ApiClient] = []
+    electors: dict[str, leader.LeaseElector] = {}
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        for identity in ("op-a", "op-b"):
+            nc = await connect.connect(connect.NatsOptions(servers=(nats_server.url,), name=identity))
+            conns.append(nc)
+            buckets = await ensure_buckets(nc.jetstream(), names=[protocol.SCALERS_BUCKET, protocol.SLOTS_BUCKET])
+            client = api_client(k8s_api, tmp_path, identity)
+            clients.append(client)
+            ctx = OperatorContext(
+                nc=nc, scalers=buckets[protocol.SCALERS_BUCKET], slots=buckets[protocol.SLOTS_BUCKET], api=client,
+                namespaces=(SO_NS,), identity=identity, status_every_s=0.3,
+            )  # fmt: skip
+            el = elector(k8s_api, tmp_path, identity)
+            ctx.extra["leading"] = el.leading
+            electors[identity] = el
+
+            async def act(stop_flag: asyncio.Event, ctx: OperatorContext = ctx) -> None:
+                await run_operator(ctx, stop_flag=stop_flag)
+
+            tasks.append(asyncio.create_task(leader.run_elected(el, act, stop=stop)))
+            if identity == "op-a":
+                await wait_until(el.leading, 5, "op-a to lead")
+        scalers = buckets[protocol.SCALERS_BUCKET]
+        k8s_api.create("scaledobjects", SO_NS, so_body("first"))
+        await wait_record(scalers, f"{SO_NS}.first")
+        assert not electors["op-b"].leading()
+        electors["op-a"].api = k8s.CoordinationV1Api(k8s.ApiClient(k8s.Configuration(host="http://127.0.0.1:9")))
+        await wait_until(electors["op-b"].leading, 15, "op-b to take over")
+        k8s_api.create("scaledobjects", SO_NS, so_body("second"))
+        await wait_record(scalers, f"{SO_NS}.second")
+        await asyncio.sleep(0.5)  # a straggler of op-a would show now
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
+        for c in clients:
+            c.close()
+        for nc in conns:
+            await nc.close()
+    writes = [(i, r.token) for i, r in enumerate(k8s_api.requests) if r.verb in ("create", "update", "patch", "delete")]
+    a_writes = [i for i, token in writes if token == "op-a"]
+    b_writes = [i for i, token in writes if token == "op-b"]
+    assert a_writes and b_writes
+    b_first_action = min(i for i in b_writes if k8s_api.requests[i].resource != "leases")
+    assert max(a_writes) < b_first_action, "the old leader wrote after the new one acted"
+    second = k8s_api.get("scaledobjects", SO_NS, "second")
+    assert {c["type"]: c["status"] for c in second["status"]["conditions"]}["Ready"] == "True"
+
+
+SO_NS = "inference"
+
+
+def so_body(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "pulsescale.io/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": {"name": name, "namespace": SO_NS},
+        "spec": {"scaleTargetRef": {"name": name}, "maxReplicaCount": 4,
+                 "triggers": [{"type": "gateway-queue", "metadata": {"model": name}}]},
+    }  # fmt: skip
+
+
+async def wait_record(scalers: KeyValue, key: str, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if (await scalers.get(key)).value:
+                return
+        except nats.js.errors.KeyNotFoundError:
+            pass
+        assert time.monotonic() < deadline, f"{key} never reached pulse_scalers"
+        await asyncio.sleep(0.05)

@@ -8,11 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
+import socket
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import aiohttp
+import nats.js.errors
 import pytest
 from kubernetes import client as k8s
 from nats.aio.client import Client
@@ -388,3 +395,114 @@ def _published(running: Running) -> dict[str, Any] | None:
 )
 def test_scale_to(current: int, needed: int, cap: int, episode: coldpath.Episode | None, to: int) -> None:
     assert coldpath.scale_to(current, needed, cap, episode)[0] == to
+
+
+# --- `pulsescale operator`, a real process ------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def operator_env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBE", "PULSESCALE_NATS", "POD_"))}
+    env["HOME"] = str(home)  # no ~/.kube/config of the machine running the tests
+    return env
+
+
+async def run_cli(*args: str, env: dict[str, str], timeout_s: float = 30.0) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "pulsescale", "operator", *args, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    return int(proc.returncode or 0), out.decode()
+
+
+async def test_pulsescale_operator_runs_as_a_process_and_stops_on_sigterm(
+    k8s_api: K8sApiDouble, nc: Client, nats_server: NatsServer, tmp_path: Path
+) -> None:
+    await ensure_buckets(nc.jetstream())  # as the autoscaler does at its start
+    kubeconfig = k8s_api.kubeconfig(tmp_path / "kubeconfig", namespace=NS, token="operator-process")
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "pulsescale", "operator", "--kubeconfig", str(kubeconfig), "--namespace", NS,
+        "--nats", nats_server.url, "--lease-namespace", NS, "--identity", "op-1", "--lease-duration", "2",
+        "--status-every", "0.3", "--health-port", str(port),
+        env=operator_env(tmp_path), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            async def healthy() -> bool:
+                try:
+                    async with http.get(f"http://127.0.0.1:{port}/readyz") as rsp:
+                        return rsp.status == 200
+                except aiohttp.ClientError:
+                    return False
+
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 20
+            while not await healthy():
+                assert proc.returncode is None, (await proc.stdout.read()).decode()  # type: ignore[union-attr]
+                assert loop.time() < deadline, "the operator never became ready"
+                await asyncio.sleep(0.1)
+        k8s_api.create(SO, NS, scaled_object(size=0))
+        scalers = (await ensure_buckets(nc.jetstream(), names=[protocol.SCALERS_BUCKET]))[protocol.SCALERS_BUCKET]
+
+        async def published() -> protocol.ScalerRecord | None:
+            try:
+                entry = await scalers.get(f"{NS}.qwen")
+            except nats.js.errors.KeyNotFoundError:
+                return None
+            return None if entry.value is None else protocol.decode(entry.value, protocol.ScalerRecord)
+
+        deadline = loop.time() + 20
+        while (record := await published()) is None:
+            assert loop.time() < deadline, "the ScaledObject never reached pulse_scalers"
+            await asyncio.sleep(0.1)
+        assert record.spec.model == "qwen"
+        assert k8s_api.get("leases", NS, "pulsescale-operator")["spec"]["holderIdentity"] == "op-1"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = await asyncio.wait_for(proc.communicate(), 20)
+        assert proc.returncode == 0, out.decode()[-3000:]
+        assert k8s_api.get("leases", NS, "pulsescale-operator")["spec"]["holderIdentity"] == ""  # released
+        assert all(r.token == "operator-process" for r in k8s_api.requests if r.verb)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_pulsescale_operator_without_credentials_says_how_to_give_them(tmp_path: Path) -> None:
+    rc, out = await run_cli("--nats", "nats://127.0.0.1:1", env=operator_env(tmp_path))
+    assert rc == 1
+    assert "no Kubernetes credentials: pass --kubeconfig FILE" in out and out.count("\n") == 1, out
+
+
+async def test_pulsescale_operator_without_the_crd_says_to_install_it(tmp_path: Path) -> None:
+    api = K8sApiDouble([r for r in k8s_api_double.RESOURCES if r.group != "pulsescale.io"])
+    await api.start()
+    try:
+        kubeconfig = api.kubeconfig(tmp_path / "kubeconfig", namespace=NS)
+        rc, out = await run_cli("--kubeconfig", str(kubeconfig), "--nats", "nats://127.0.0.1:1",
+                                env=operator_env(tmp_path))  # fmt: skip
+    finally:
+        await api.stop()
+    assert rc == 1
+    assert "the ScaledObject CRD is not installed" in out and "install it: kubectl apply -k deploy/crd" in out, out
+
+
+async def test_pulsescale_operator_with_nats_unreachable_says_so(k8s_api: K8sApiDouble, tmp_path: Path) -> None:
+    kubeconfig = k8s_api.kubeconfig(tmp_path / "kubeconfig", namespace=NS)
+    rc, out = await run_cli("--kubeconfig", str(kubeconfig), "--nats", f"nats://127.0.0.1:{free_port()}",
+                            "--nats-connect-timeout", "1", env=operator_env(tmp_path))  # fmt: skip
+    assert rc == 1
+    assert "cannot connect to NATS" in out and "nothing listens there" in out, out
