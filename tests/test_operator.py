@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import nats.js.errors
 import pytest
 from kubernetes import client as k8s
@@ -118,7 +119,7 @@ async def operator(api: K8sApiDouble, nc: Client, *, create: bool = True, **sett
     client = api_client(api)
     ctx = OperatorContext(
         nc=nc, scalers=buckets[protocol.SCALERS_BUCKET], slots=buckets[protocol.SLOTS_BUCKET], api=client,
-        namespaces=(NS,), status_every_s=settings.pop("status_every_s", 0.3), **settings,
+        namespaces=settings.pop("namespaces", (NS,)), status_every_s=settings.pop("status_every_s", 0.3), **settings,
     )  # fmt: skip
     stop, ready = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(run_operator(ctx, stop_flag=stop, ready_flag=ready))
@@ -452,3 +453,37 @@ async def test_the_operator_works_under_its_nats_role_without_a_violation(
                 await nc.close()
         violations = [line for line in server.log_path.read_text().splitlines() if "Violation" in line]
         assert violations == []
+
+
+async def test_a_restarted_operator_resumes_rewriting_only_what_is_missing(k8s_api: K8sApiDouble, nc: Client) -> None:  # noqa: F811
+    async with operator(k8s_api, nc) as running:
+        running.api.create(SO, NS, scaled_object())
+        running.api.create(SO, NS, scaled_object("other", model="llama", target="llama"))
+        await running.wait_condition("qwen", "Ready", "True")
+        await running.wait_condition("other", "Ready", "True")
+        kept = await revision(running, f"{NS}.other")
+    await running.scalers.delete(f"{NS}.qwen")  # lost while no operator ran (or written over by hand)
+    async with operator(k8s_api, nc) as running:
+        rec = await running.wait_record(f"{NS}.qwen", lambda r: r is not None)  # kopf's resume handler
+        assert rec is not None and rec.spec.model == "qwen"
+        assert await revision(running, f"{NS}.other") == kept  # unchanged: not written again
+
+
+def test_conditions_keep_their_transition_time_and_flips_become_events() -> None:
+    from kube import status as st
+
+    body: dict[str, Any] = {**scaled_object(), "status": {}}
+    body["metadata"]["generation"] = 3
+    verdict = st.Verdict(True, "ScalerPublished", "published")
+    row = protocol.StatusRow(model="qwen", scaler="inference.qwen", desired=2, ready=1, activating=1, warm=3,
+                             key="inference.qwen")  # fmt: skip
+    first = st.body_of(st.compose(body, verdict, row, now=1000.0))
+    assert first["currentReplicas"] == 2 and first["observedGeneration"] == 3 and first["warmSlots"] == 3
+    body["status"] = first
+    fallback = msgspec.structs.replace(row, fallback=True)
+    second = st.body_of(st.compose(body, verdict, fallback, now=2000.0), first)
+    times = {c["type"]: c["lastTransitionTime"] for c in second["conditions"]}
+    assert times["Ready"] == st.rfc3339(1000.0) and times["Fallback"] == st.rfc3339(2000.0)
+    [change] = st.mode_changes(first, second)
+    assert (change.type, change.event_type, change.reason) == ("Fallback", "Warning", "FallbackActivated")
+    assert not st.differs(second, {**first, **second})  # nothing new: no patch

@@ -64,7 +64,8 @@ async def test_every_request_of_the_operator_is_allowed_by_its_role(
     nc: Client,
     nats_server: NatsServer,
 ) -> None:
-    async with autoscaler(nats_server.url), operator(k8s_api, nc) as running:
+    # All namespaces, as deployed (kopf lists and watches cluster-wide).
+    async with autoscaler(nats_server.url), operator(k8s_api, nc, namespaces=()) as running:
         api = running.api
         api.create("deployments", NS, {"metadata": {"name": "qwen"}, "spec": {"replicas": 3}})
         api.create(SO, NS, scaled_object(advanced={"restoreToOriginalReplicaCount": True}))
