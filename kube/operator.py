@@ -324,7 +324,13 @@ class ScaledObjects:
         model = known.model or _model_of(plain)
         if withdrawn:
             await self.recorder.record(ref, "Normal", "Unpublished", f"removed {protocol.SCALERS_BUCKET}/{key}")
-        if model is not None and not await self._model_still_scaled(model, key):
+        # Only a published object's model holds slots on its behalf; an invalid or refused one never did. (Across
+        # retries and operator restarts the record is already gone: the status still says it was published.)
+        ready: dict[str, Any] = next(
+            (c for c in (plain.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), {}
+        )
+        published = withdrawn or known.model is not None or ready.get("reason") in ("ScalerPublished", "Deleting")
+        if published and model is not None and not await self._model_still_scaled(model, key):
             held = await self._held_slots(model)
             if held:
                 waited = runtime.total_seconds()

@@ -487,3 +487,12 @@ def test_conditions_keep_their_transition_time_and_flips_become_events() -> None
     [change] = st.mode_changes(first, second)
     assert (change.type, change.event_type, change.reason) == ("Fallback", "Warning", "FallbackActivated")
     assert not st.differs(second, {**first, **second})  # nothing new: no patch
+
+
+async def test_deleting_a_never_published_scaledobject_does_not_wait_for_slots(running: Running) -> None:
+    running.api.create(SO, NS, scaled_object("broken", minReplicaCount=5, maxReplicaCount=2))
+    await running.wait_condition("broken", "Ready", "False", "InvalidSpec")
+    await put_slot(running.nc, "qwen", "gpu-1", "s0", "ready")  # held for someone else (apply, another cluster)
+    running.api.delete(SO, NS, "broken")
+    await running.api.wait_for(lambda: running.api.try_get(SO, NS, "broken") is None, timeout_s=3, what="gone")
+    assert not running.events("broken", "WaitingForSlotRelease")
