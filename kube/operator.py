@@ -293,7 +293,9 @@ class ScaledObjects:
         body = known.body
         meta = body["metadata"]
         row = self.rows.get(_key(meta["namespace"], meta["name"])) if known.verdict.ready else None
-        composed = status_mod.compose(body, known.verdict, row, self.ctx.clock())
+        composed = status_mod.compose(
+            body, known.verdict, row, self.ctx.clock(), active_window_s=2 * self.ctx.status_every_s
+        )
         current = body.get("status") or {}
         patch = status_mod.body_of(composed, current)
         if not status_mod.differs(patch, current):

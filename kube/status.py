@@ -44,6 +44,9 @@ READY_REASONS: Final = (
     "Deleting",  # the finalizer runs: record removed, waiting for the model's slots
     "Pending",  # seen, not handled yet
 )
+DEFAULT_ACTIVE_WINDOW_S: Final = (
+    10.0  # demand above activation this recently makes Active=True (the operator: 2 rounds)
+)
 _OWNED: Final = (
     "conditions",
     "observedGeneration",
@@ -101,7 +104,13 @@ def _condition(
     )
 
 
-def compose(body: dict[str, Any], verdict: Verdict, row: StatusRow | None, now: float) -> ScaledObjectStatus:
+def compose(
+    body: dict[str, Any],
+    verdict: Verdict,
+    row: StatusRow | None,
+    now: float,
+    active_window_s: float = DEFAULT_ACTIVE_WINDOW_S,
+) -> ScaledObjectStatus:
     """The status the object should carry now (see the module docstring)."""
     meta = body.get("metadata") or {}
     spec = body.get("spec") or {}
@@ -127,10 +136,19 @@ def compose(body: dict[str, Any], verdict: Verdict, row: StatusRow | None, now: 
                        "paused by annotation" if paused else _one_way(verdict), generation, now)
         )  # fmt: skip
     else:
-        active = row.desired > 0 or row.ready > 0
+        # As KEDA's Active: the trigger's demand is above its activation threshold now, i.e. the autoscaler saw
+        # such demand within `active_window_s` (two status rounds), not "it has replicas" (minReplicaCount > 0).
+        seen = row.last_active_at
+        active = seen is not None and now - seen <= active_window_s
+        # Only what changes with the state: the policy's reason (with its ever-growing "stale 12 s") is in
+        # lastDecisions; here it would make every status round a patch.
         detail = f"desired {row.desired}, ready {row.ready}, activating {row.activating}, mode {row.mode}"
-        if row.reason:
-            detail += f": {row.reason}"
+        if seen is None:
+            detail = f"no demand above the activation threshold seen; {detail}"
+        elif active:
+            detail = f"demand above the activation threshold; {detail}"
+        else:
+            detail = f"no demand above the activation threshold since {rfc3339(seen)}; {detail}"
         conditions.append(
             _condition(previous, "Active", "True" if active else "False",
                        "ScalerActive" if active else "ScalerNotActive", detail, generation, now)

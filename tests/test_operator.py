@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import sys
+import time
 import traceback
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -96,6 +97,15 @@ class Running:
             return None
 
         return await self.api.wait_for(check, timeout_s, f"{name}: {kind}={status} {reason or ''}")
+
+    async def wait_reported(self, name: str, timeout_s: float = 10.0) -> dict[str, Any]:
+        """The status once it carries the autoscaler's row (replica counts)."""
+
+        def check() -> dict[str, Any] | None:
+            status = (self.api.try_get(SO, NS, name) or {}).get("status") or {}
+            return status if "desiredReplicas" in status else None
+
+        return await self.api.wait_for(check, timeout_s, f"{name}: the autoscaler's row in the status")
 
     def events(self, name: str, reason: str | None = None) -> list[dict[str, Any]]:
         return [
@@ -341,6 +351,20 @@ async def test_without_restore_the_workload_keeps_its_replicas(running: Running)
     assert not [r for r in running.api.requests if r.subresource == "scale"]
 
 
+async def send_demand(nc: Client, model: str, *, queue_depth: int, seconds: float, every_s: float = 0.1) -> None:
+    """A gateway's queue samples (as gateway/ publishes them) for `seconds`."""
+    loop = asyncio.get_running_loop()
+    end, seq = loop.time() + seconds, 0
+    while loop.time() < end:
+        seq += 1
+        sample = protocol.QueueSample(
+            gateway="test-gw", model=model, seq=seq, ts=time.time(), queue_depth=queue_depth, inflight=0,
+            arrivals_total=seq, completions_total=0, timeouts_total=0,
+        )  # fmt: skip
+        await nc.publish(protocol.queue_subject(model), protocol.encode(sample))
+        await asyncio.sleep(every_s)
+
+
 @contextlib.asynccontextmanager
 async def autoscaler(url: str, options: connect.NatsOptions | None = None) -> AsyncIterator[None]:
     """The real autoscaler daemon in this process, leading (a short lease so it leads at once)."""
@@ -373,15 +397,25 @@ async def test_the_status_subresource_follows_the_autoscaler(
 ) -> None:
     async with autoscaler(nats_server.url), operator(k8s_api, nc) as running:
         running.api.create(SO, NS, scaled_object())
-        await running.wait_condition("qwen", "Active", "True", "ScalerActive")
-        status = running.api.get(SO, NS, "qwen")["status"]
+        status = await running.wait_reported("qwen")
         # No node agent: the autoscaler wants minReplicaCount and has nothing warm to give.
         assert (status["desiredReplicas"], status["readyReplicas"], status["warmSlots"]) == (1, 0, 0), status
         assert status["currentReplicas"] == 0 and status["scaleTargetKind"] == "apps/v1.Deployment"
+        # As KEDA: replicas alone are not Active; no gateway has reported demand above the activation threshold.
+        await running.wait_condition("qwen", "Active", "False", "ScalerNotActive")
+        status = running.api.get(SO, NS, "qwen")["status"]
         assert {c["type"]: c["status"] for c in status["conditions"]} == {
-            "Ready": "True", "Active": "True", "Fallback": "False", "Paused": "False"
+            "Ready": "True", "Active": "False", "Fallback": "False", "Paused": "False"
         }  # fmt: skip
         assert all(c["lastTransitionTime"].endswith("Z") for c in status["conditions"])
+
+        # Demand from a gateway makes it Active (an Event says so), and its end makes it inactive again.
+        gateway = asyncio.create_task(send_demand(running.nc, "qwen", queue_depth=8, seconds=1.5))
+        await running.wait_condition("qwen", "Active", "True", "ScalerActive")
+        await running.api.wait_for(lambda: running.events("qwen", "Activated"), what="an Activated Event")
+        await gateway
+        await running.wait_condition("qwen", "Active", "False", "ScalerNotActive")
+        await running.api.wait_for(lambda: running.events("qwen", "Deactivated"), what="a Deactivated Event")
 
         # A pause annotation reaches the autoscaler through the record and comes back as the Paused condition.
         running.api.patch(SO, NS, "qwen", {"metadata": {"annotations": {"pulsescale.io/paused": "true"}}})
@@ -446,7 +480,7 @@ async def test_the_operator_works_under_its_nats_role_without_a_violation(
                 async with operator(k8s_api, nc, create=False) as running:
                     running.api.create(SO, NS, scaled_object())
                     await running.wait_record(f"{NS}.qwen", lambda r: r is not None)  # writes pulse_scalers
-                    await running.wait_condition("qwen", "Active", "True")  # asked pulse.cmd.status
+                    await running.wait_reported("qwen")  # asked pulse.cmd.status
                     running.api.delete(SO, NS, "qwen")  # reads pulse_slots, deletes its key
                     await running.api.wait_for(lambda: running.api.try_get(SO, NS, "qwen") is None, what="gone")
             finally:
@@ -496,3 +530,21 @@ async def test_deleting_a_never_published_scaledobject_does_not_wait_for_slots(r
     running.api.delete(SO, NS, "broken")
     await running.api.wait_for(lambda: running.api.try_get(SO, NS, "broken") is None, timeout_s=3, what="gone")
     assert not running.events("broken", "WaitingForSlotRelease")
+
+
+async def test_fallback_from_the_autoscaler_flips_the_condition_with_a_warning_event(
+    k8s_api: K8sApiDouble,  # noqa: F811
+    nc: Client,
+    nats_server: NatsServer,
+) -> None:
+    async with autoscaler(nats_server.url), operator(k8s_api, nc) as running:
+        running.api.create(SO, NS, scaled_object(advanced={"staleAfterSeconds": 0.2}))
+        await running.wait_condition("qwen", "Fallback", "False", "NoFallback")
+        # No gateway has ever reported this model: with a fallback section its count applies after one interval.
+        running.api.patch(SO, NS, "qwen", {"spec": {"fallback": {"failureThreshold": 1, "replicas": 2}}})
+        cond = await running.wait_condition("qwen", "Fallback", "True", "FallbackInForce")
+        assert "fallback.failureThreshold" in cond["message"]
+        [warning] = await running.api.wait_for(lambda: running.events("qwen", "FallbackActivated"), what="an Event")
+        assert warning["type"] == "Warning"
+        status = running.api.get(SO, NS, "qwen")["status"]
+        assert status["desiredReplicas"] == 2 and "fallback" in status["lastDecisions"][-1]["reason"]

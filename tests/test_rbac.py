@@ -69,7 +69,7 @@ async def test_every_request_of_the_operator_is_allowed_by_its_role(
         api = running.api
         api.create("deployments", NS, {"metadata": {"name": "qwen"}, "spec": {"replicas": 3}})
         api.create(SO, NS, scaled_object(advanced={"restoreToOriginalReplicaCount": True}))
-        await running.wait_condition("qwen", "Active", "True")
+        await running.wait_reported("qwen")
         api.patch(SO, NS, "qwen", {"metadata": {"annotations": {"autoscaling.keda.sh/paused": "true"}}})
         await running.wait_condition("qwen", "Paused", "True")
         api.create(SO, NS, scaled_object("second", model="llama", target="qwen"))
