@@ -21,6 +21,8 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import nats.errors
+import nats.js.errors
 import pytest
 from nats.aio.client import Client
 
@@ -42,6 +44,9 @@ CLAIM_PAUSE_S = 0.05
 """Each claimer's pause between claims: spreads the claims over the kill instead of taking the pool at once."""
 KILL_AFTER = 12
 """Acknowledged claims before the kill."""
+SETUP_TIMEOUT_S = 5.0
+"""Each JetStream call of the set-up (and the stores' KV calls): a fresh cluster on 2 busy cores has answered a
+stream info in over 2 s."""
 FAILOVER_BOUND_S = 20.0
 """How long the claims may take to get going again after the kill: a stream leader election is a few seconds."""
 
@@ -73,8 +78,8 @@ async def clients(cluster: NatsCluster) -> AsyncIterator[Clients]:
             nc = await connect_first_to(cluster, i, f"claimer-{i}")
             out.conns.append(nc)
             if i == 0:
-                await ensure_buckets(nc.jetstream())  # every bucket, as the autoscaler makes them
-            out.stores.append(await KvSlotStore.open(nc))
+                await ensure_buckets(nc.jetstream(timeout=SETUP_TIMEOUT_S))  # every bucket, as the autoscaler does
+            out.stores.append(await KvSlotStore.open(nc, timeout_s=SETUP_TIMEOUT_S))
         await asyncio.gather(*(s.start() for s in out.stores))
         yield out
     finally:
@@ -99,7 +104,9 @@ async def claim_through(stores: list[KvSlotStore], on_won: list[Won], slots: int
         while len(on_won) < slots:
             try:
                 on_won.append(Won(await s.claim(MODEL), time.monotonic()))
-            except (ClaimConflict, NoSlotAvailable) as err:  # the claim API's named refusals, nothing raw
+            # The claim API's refusals, and the broker's errors while a server is away or a leader is being
+            # elected (a timeout, "no response from stream"): retried, as the autoscaler's scaler does.
+            except (ClaimConflict, NoSlotAvailable, nats.errors.Error, TimeoutError) as err:
                 failures.append(err)
             await asyncio.sleep(CLAIM_PAUSE_S)
 
@@ -186,7 +193,17 @@ async def test_claims_and_watches_survive_a_server_kill(cluster: NatsCluster, cl
             view = clients.stores[i].slots
             silent = f"store {i}'s watch is silent (relists {view.relists}, current {view.current()})"
             raise AssertionError(silent) from None
-    await writer.heartbeat(AgentLease(node="late", slots=["s0"], heartbeat_at=time.time(), lease_s=60))
+
+    async def heartbeat() -> bool:
+        """One heartbeat, as an agent sends them: until the agents bucket has its leader back, one finds none."""
+        try:
+            await writer.heartbeat(AgentLease(node="late", slots=["s0"], heartbeat_at=time.time(), lease_s=60))
+        except (nats.js.errors.NoStreamResponseError, TimeoutError):
+            await asyncio.sleep(0.1)
+            return False
+        return True
+
+    await wait_for(heartbeat, timeout_s=FAILOVER_BOUND_S, what="a heartbeat to be taken")
     for i, store in enumerate(clients.stores):
         await wait_for(lambda s=store: s.lease("late") is not None, what=f"store {i}'s agents watch to see a lease")
     # Settled: every acknowledged claim is in the broker with its holder, nothing else is held.

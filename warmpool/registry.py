@@ -786,7 +786,12 @@ class KvSlotStore:
     # --- claims --------------------------------------------------------------------------------------------------
 
     async def claim(self, model: str, *, exclude: Iterable[str] = ()) -> Claim:
-        """Claim the best claimable slot of `model`, or raise `NoSlotAvailable` / `ClaimConflict`."""
+        """Claim the best claimable slot of `model`, or raise `NoSlotAvailable` / `ClaimConflict`.
+
+        While the bucket's stream has no leader (a cluster electing one after a server died, a few seconds),
+        the write has no taker and nats-py's `NoStreamResponseError` comes out at once: the write did not land,
+        and trying other slots cannot help, so it is not turned into a `ClaimConflict` (whose callers retry at
+        once); callers wait a moment as for any broker error."""
         skip = set(exclude)
         conflicts = 0
         while True:
@@ -845,9 +850,6 @@ class KvSlotStore:
         except nats.js.errors.KeyWrongLastSequenceError:
             await self._refresh(key)
             raise ClaimConflict(f"slot {key} changed under us") from None
-        except nats.js.errors.NoStreamResponseError:
-            # Nobody took the write (the bucket's stream has no leader: a cluster electing one): it did not land.
-            raise ClaimConflict(f"claim of {key} did not go through: its bucket has no leader right now") from None
         except (nats.errors.TimeoutError, nats.errors.ConnectionClosedError, nats.errors.NoRespondersError):
             # The broker may or may not have applied the write: ask it, never guess.
             resolved = await self._resolve(key, claim_id)
