@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import nats.errors
 import nats.js.errors
 import pytest
@@ -139,6 +140,24 @@ async def assert_claims_held(nc: Client, won: list[Won]) -> None:
         assert not orphans, f"slots held by claims nobody was told of: {orphans}"
 
 
+async def assert_one_claim_write_per_slot(nc: Client, won: list[Won]) -> None:
+    """The broker's history of every slot: one write took it from warm to claimed, at the revision its
+    acknowledged claim holds as its fencing token, by that claim (a second claim write would be a second
+    holder, acknowledged or not)."""
+    kv = await nc.jetstream(timeout=SETUP_TIMEOUT_S).key_value(protocol.SLOTS_BUCKET)
+    watcher = await kv.watchall(include_history=True)
+    claim_writes: dict[str, list[tuple[int, str | None]]] = {}
+    try:
+        while (entry := await watcher.updates(timeout=SETUP_TIMEOUT_S)) is not None:
+            rec = msgspec.json.decode(entry.value or b"{}")
+            if rec.get("state") == "claimed":
+                claim_writes.setdefault(entry.key, []).append((entry.revision or 0, rec.get("claim_id")))
+    finally:
+        await watcher.stop()
+    expected = {w.claim.key: [(w.claim.token, w.claim.claim_id)] for w in won}
+    assert claim_writes == expected
+
+
 @pytest.mark.parametrize("which", ["follower", "leader"])
 async def test_claims_and_watches_survive_a_server_kill(cluster: NatsCluster, clients: Clients, which: str) -> None:
     seeder = clients.stores[0]
@@ -213,6 +232,7 @@ async def test_claims_and_watches_survive_a_server_kill(cluster: NatsCluster, cl
     cluster.restart(victim)
     await cluster.wait_caught_up(f"KV_{protocol.SLOTS_BUCKET}")
     await assert_claims_held(clients.conns[victim], won)
+    await assert_one_claim_write_per_slot(clients.conns[victim], won)
     kinds = Counter(f"{type(f).__name__}: {str(f)[:50]}" for f in failures)
     print(f"{len(won)} claims, {len(after)} after the kill; {len(failures)} failed attempts (retried): {kinds}")
 
