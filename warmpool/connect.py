@@ -227,6 +227,16 @@ def _explain(servers: tuple[str, ...], err: BaseException | None) -> str:
 
 # --- connecting --------------------------------------------------------------------------------------------------
 
+MIN_ATTEMPT_S: Final = 1.0
+"""The least time one connection attempt gets (TCP, the server's INFO, TLS): a loaded server answers within it."""
+
+
+def attempt_timeout_s(opts: NatsOptions) -> float:
+    """How long one attempt on one server may take: a share of the first connection's deadline, so that a
+    server that swallows packets (a dead node's address in a cluster: nothing refuses, nothing answers) leaves
+    time to try the others in it, and a reconnect moves on from it as fast."""
+    return max(MIN_ATTEMPT_S, opts.connect_deadline_s / max(1, len(opts.servers)))
+
 
 async def connect(
     opts: NatsOptions,
@@ -275,7 +285,7 @@ async def connect(
         "error_cb": error_cb,
         "reconnected_cb": reconnected_cb,
         "disconnected_cb": disconnected_cb,
-        "connect_timeout": max(1.0, opts.connect_deadline_s),  # per attempt; also bounds each reconnect attempt
+        "connect_timeout": attempt_timeout_s(opts),
         "reconnect_time_wait": opts.reconnect_wait_s,
         "max_reconnect_attempts": -1,
         **opts.extra,
