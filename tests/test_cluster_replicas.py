@@ -136,3 +136,19 @@ async def test_the_autoscaler_flag_sets_the_replicas_of_what_it_creates(cluster:
         proc.terminate()
         _, err = proc.communicate(timeout=10)
     assert proc.returncode == 0, err.decode()
+
+
+async def test_a_cluster_of_two_gets_two_replicas_with_a_warning(
+    tmp_path_factory: pytest.TempPathFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Detected replicas (3 on any cluster) come down to what the servers can place, said in a warning. (A server
+    that is merely down does not count: JetStream places a bucket's third replica on it, and it catches up.)"""
+    with NatsCluster(tmp_path_factory.mktemp("pair"), size=2) as pair:
+        nc = await connect.connect(connect.NatsOptions(servers=tuple(pair.urls)))
+        try:
+            with caplog.at_level(logging.WARNING, logger="pulsescale.registry"):
+                await ensure_buckets(nc.jetstream(timeout=5.0), names=[protocol.SLOTS_BUCKET])
+            assert (await replicas(nc))[protocol.SLOTS_BUCKET] == 2
+            assert "bucket pulse_slots created with 2 replica(s), not 3" in caplog.text
+        finally:
+            await nc.close()

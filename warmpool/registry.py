@@ -257,8 +257,8 @@ async def _create(
             continue
         if n < replicas:
             log.warning(
-                "bucket %s created with %d replica(s), not %d: the cluster could not place more; the autoscaler "
-                "raises it when it next starts with the servers up",
+                "bucket %s created with %d replica(s), not %d: the cluster has room for no more; the autoscaler "
+                "raises it when it starts on a larger cluster",
                 bucket,
                 n,
                 replicas,
