@@ -299,7 +299,7 @@ async def test_delete_removes_the_record_and_waits_for_the_models_slots(running:
     await running.wait_record(f"{NS}.qwen", lambda r: r is None)
     cond = await running.wait_condition("qwen", "Ready", "False", "Deleting")
     assert "waiting for 1 slot(s) of model qwen" in cond["message"] and "qwen.gpu-1.s0" in cond["message"]
-    assert running.events("qwen", "WaitingForSlotRelease")
+    await running.api.wait_for(lambda: running.events("qwen", "WaitingForSlotRelease"), what="a Normal Event")
     await asyncio.sleep(0.6)
     obj = running.api.try_get(SO, NS, "qwen")
     assert obj is not None and FINALIZER in obj["metadata"]["finalizers"]  # still held by the finalizer
@@ -454,7 +454,7 @@ async def test_a_pulse_of_autoscaler_events_makes_a_few_aggregated_kubernetes_ev
     assert decision["type"] == "Normal" and decision["message"].startswith("desired ")
     assert decision["source"]["component"] == "pulsescale-operator"
     assert decision["involvedObject"]["uid"] == running.api.get(SO, NS, "qwen")["metadata"]["uid"]
-    [pool] = running.events("qwen", "PoolExhausted")
+    [pool] = await running.api.wait_for(lambda: running.events("qwen", "PoolExhausted"), what="PoolExhausted")
     assert pool["type"] == "Warning" and "no warm slot on any node" in pool["message"]
     assert not running.events("other", "ScaleDecision")  # another model's ScaledObject hears nothing
     writes = len([r for r in running.api.requests if r.resource == "events"]) - before
