@@ -93,6 +93,8 @@ OPTIONAL_PARTS: Final = ("kube.standby", "kube.coldpath")  # each has register(r
 BACKGROUND: Final = "background"
 """``ctx.extra[BACKGROUND]``: a list of ``async (stop: asyncio.Event) -> None`` that `register` of a part may append
 to; `run_operator` runs each on the caller's loop beside kopf until the stop flag is set (e.g. a NATS watch)."""
+RECHECKED_REASONS: Final = frozenset({"TargetConflict", "ModelConflict"})
+"""Refusals that end when another object goes: re-checked every status round."""
 BACKGROUND_STOP_S: Final = 5.0  # how long run_operator waits for background work to end after the stop flag
 READY_POLL_S: Final = 0.05  # how often run_operator looks whether kopf (in its thread) is ready
 HPA_KINDS: Final = ("Deployment", "StatefulSet")  # scale targets the restore step knows how to patch
@@ -212,6 +214,26 @@ class ScaledObjects:
                 )
         return None
 
+    async def _model_conflict(self, model: str, key: str) -> str | None:
+        """Another published record that scales `model`, as a message. The autoscaler runs one controller per model
+        and ignores a second record naming it (first seen wins), so this object would look Ready and do nothing.
+        Only asked while this object is not published: of two published ones the autoscaler keeps the first."""
+        try:
+            keys = await self.ctx.scalers.keys()
+        except nats.js.errors.NoKeysError:
+            return None
+        for other in sorted(keys):
+            if other == key:
+                continue
+            record = await self._read_record(other)
+            if record is not None and record.spec.model == model:
+                return (
+                    f"model {model} is already scaled by ScaledObject {record.namespace}/{record.name} "
+                    f"({protocol.SCALERS_BUCKET}/{other}); one ScaledObject per model: delete one of them, or name "
+                    "another model in this one's trigger"
+                )
+        return None
+
     async def reconcile(self, body: dict[str, Any]) -> status_mod.Verdict:
         """Validate, check the target, publish; record the verdict and patch the status. The handler of create,
         update, resume and annotation changes, and the re-check of refused objects."""
@@ -235,17 +257,19 @@ class ScaledObjects:
                 verdict = status_mod.Verdict(False, "InvalidSpec", f"{err}{kept}")
                 await self.recorder.record(ref, "Warning", "InvalidSpec", str(err))
             else:
-                conflict = await self._conflict(body, previous is not None)
+                reason, conflict = "TargetConflict", await self._conflict(body, previous is not None)
+                if conflict is None and previous is None:
+                    reason, conflict = "ModelConflict", await self._model_conflict(record.spec.model, key)
                 paused_by_annotation = record.paused  # one-way pauses are not Paused (as KEDA): noted in its message
                 one_way = ", ".join(
                     w for w, on in (("scale-in", record.paused_scale_in), ("scale-out", record.paused_scale_out)) if on
                 )
                 if conflict is not None:
-                    verdict = status_mod.Verdict(False, "TargetConflict", conflict)
+                    verdict = status_mod.Verdict(False, reason, conflict)
                     if previous is not None:
                         await self._withdraw(key)
                         known.model = None
-                    await self.recorder.record(ref, "Warning", "TargetConflict", conflict)
+                    await self.recorder.record(ref, "Warning", reason, conflict)
                 else:
                     created = _parse_time(meta.get("creationTimestamp"))
                     record = msgspec.structs.replace(record, created_at=created)
@@ -436,7 +460,7 @@ class ScaledObjects:
         if rows is not None:
             self.rows = {row.key: row for row in rows if row.key}
         for key, known in list(self.known.items()):
-            if known.verdict.reason == "TargetConflict":
+            if known.verdict.reason in RECHECKED_REASONS:
                 meta = known.body["metadata"]
                 fresh = await self._get(meta["namespace"], meta["name"])
                 if fresh is not None and not fresh["metadata"].get("deletionTimestamp"):

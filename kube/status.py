@@ -41,6 +41,7 @@ READY_REASONS: Final = (
     "ScalerPublished",  # the spec is in pulse_scalers
     "InvalidSpec",  # the shared validator refused it; the message is its error
     "TargetConflict",  # another ScaledObject or an HPA scales the same workload
+    "ModelConflict",  # another ScaledObject's record already scales the same model
     "Deleting",  # the finalizer runs: record removed, waiting for the model's slots
     "Pending",  # seen, not handled yet
 )

@@ -548,3 +548,15 @@ async def test_fallback_from_the_autoscaler_flips_the_condition_with_a_warning_e
         assert warning["type"] == "Warning"
         status = running.api.get(SO, NS, "qwen")["status"]
         assert status["desiredReplicas"] == 2 and "fallback" in status["lastDecisions"][-1]["reason"]
+
+
+async def test_a_second_scaledobject_for_the_same_model_is_refused_until_the_first_goes(running: Running) -> None:
+    running.api.create(SO, NS, scaled_object("chat", model="qwen", target="chat"))
+    await running.wait_record(f"{NS}.chat", lambda r: r is not None)
+    running.api.create(SO, NS, scaled_object("batch", model="qwen", target="batch"))
+    cond = await running.wait_condition("batch", "Ready", "False", "ModelConflict")
+    assert "model qwen is already scaled by ScaledObject inference/chat" in cond["message"], cond["message"]
+    assert await running.record(f"{NS}.batch") is None
+    running.api.delete(SO, NS, "chat")
+    rec = await running.wait_record(f"{NS}.batch", lambda r: r is not None)
+    assert rec is not None and rec.spec.model == "qwen"
