@@ -163,7 +163,7 @@ async def running(k8s_api: K8sApiDouble, nc: Client) -> AsyncIterator[Running]: 
 
 
 async def test_a_created_scaledobject_is_published_and_ready(running: Running) -> None:
-    running.api.create(SO, NS, scaled_object())
+    running.api.create(SO, NS, scaled_object(pollingInterval=30))  # accepted, with a note on why it does nothing
     rec = await running.wait_record(f"{NS}.qwen", lambda r: r is not None)
     assert rec is not None and rec.spec.model == "qwen" and rec.spec.max_replica_count == 4
     cond = await running.wait_condition("qwen", "Ready", "True", "ScalerPublished")
@@ -171,6 +171,7 @@ async def test_a_created_scaledobject_is_published_and_ready(running: Running) -
     obj = running.api.get(SO, NS, "qwen")
     assert FINALIZER in obj["metadata"]["finalizers"]
     assert obj["status"]["scaleTargetName"] == "qwen" and obj["status"]["observedGeneration"] == 1
+    assert rec.notes and obj["status"]["notes"] == rec.notes and "pollingInterval" in rec.notes[0]
 
 
 async def revision(running: Running, key: str) -> int:
@@ -414,6 +415,9 @@ async def test_the_status_subresource_follows_the_autoscaler(
         await running.wait_condition("qwen", "Active", "True", "ScalerActive")
         await running.api.wait_for(lambda: running.events("qwen", "Activated"), what="an Activated Event")
         await gateway
+        status = running.api.get(SO, NS, "qwen")["status"]
+        assert status["lastActiveTime"].endswith("Z") and status["lastDecisions"], status
+        assert {"time", "desired", "reason"} <= set(status["lastDecisions"][-1])
         await running.wait_condition("qwen", "Active", "False", "ScalerNotActive")
         await running.api.wait_for(lambda: running.events("qwen", "Deactivated"), what="a Deactivated Event")
 
