@@ -15,6 +15,7 @@ dies, be it a follower, or the meta leader that also leads the buckets' streams:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -225,7 +226,12 @@ async def test_claims_and_watches_survive_a_server_kill(cluster: NatsCluster, cl
     await assert_claims_held(clients.conns[victim], won)
     await assert_one_claim_write_per_slot(clients.conns[victim], won)
     kinds = Counter(f"{type(f).__name__}: {str(f)[:50]}" for f in failures)
-    print(f"{len(won)} claims, {len(after)} after the kill; {len(failures)} failed attempts (retried): {kinds}")
+    times = sorted(w.at for w in won)
+    gap = max(b - a for a, b in itertools.pairwise(times))
+    print(
+        f"{which}: longest pause between claims {gap:.2f} s; {len(won)} claims, {len(after)} after it; "
+        f"{len(failures)} failed attempts (retried): {kinds}"
+    )
 
 
 async def drain_to(q: asyncio.Queue[Any], key: str, state: str) -> SlotRecord:
