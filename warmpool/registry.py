@@ -9,6 +9,11 @@ A `KvSlotStore` keeps a view of both buckets from KV watches (snapshot, then del
 reconnect, since watches do not resume by themselves). Claims pick candidates from the view and let the
 compare-and-set say whether the view was current: reads are not read-your-writes, so no decision rests on one.
 `BucketView` is that view for any bucket of contract records; the autoscaler follows `pulse_scalers` with one.
+On a cluster a watch can also go silent with the connection up (its consumer lived on a server that died): a
+view silent for `WATCH_PROBE_S` asks whether its consumer still exists, and re-lists if not.
+
+Buckets get `replicas_for` replicas: ``--kv-replicas`` / ``$PULSESCALE_KV_REPLICAS``, else 1 on a single server
+and 3 on a cluster. The autoscaler raises an existing bucket that has fewer; other roles report it.
 
 Leases are judged by the reader's clock, and only on a current view: after a reconnect the agents' view is
 re-listed, and a lease is called lapsed only once its agent had two heartbeat intervals since to renew it
@@ -92,7 +97,7 @@ class KvReplicasError(PulsescaleError):
 class BucketSettings:
     replicas: int | None = None
     """JetStream replicas per bucket; None: ``$PULSESCALE_KV_REPLICAS``, else what the server supports
-    (`replicas_for`: 1 on a single server, 3 on a cluster of 3 or more)."""
+    (`replicas_for`: 1 on a single server, 3 on a cluster)."""
     slot_history: int = 5
     """Revisions kept per slot key: enough to read back how a slot got where it is, small enough to not matter."""
     storage: StorageType = StorageType.FILE
@@ -295,7 +300,7 @@ async def _reconcile(js: JetStreamContext, bucket: str, replicas: int) -> None:
     except nats.js.errors.APIError as err:
         if err.err_code not in _PLACEMENT_ERRORS:
             raise
-        log.error(
+        log.warning(
             "bucket %s has %d replica(s), %d asked, and the servers cannot place more: %s; it stays at %d",
             bucket,
             had,
