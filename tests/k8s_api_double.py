@@ -19,6 +19,8 @@ What it does, as the API server does:
 - subresources: ``status`` (a write there changes only ``.status``; a write to the object ignores ``.status``
   for resources that have the subresource) and ``scale`` for deployments and statefulsets (GET/PUT/PATCH as an
   ``autoscaling/v1`` Scale that reads and writes the workload's ``spec.replicas``);
+- with ``prune_with_crds``, custom resources lose the fields their CRD (deploy/crd/) does not declare, as the API
+  server prunes them (off by default);
 - one global, monotonic ``resourceVersion``; ``metadata.uid``, ``creationTimestamp`` and ``generation`` (bumped by
   a change of anything but metadata and status); errors are ``v1`` Status objects with ``reason`` and ``code``.
 
@@ -39,9 +41,11 @@ import socket
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Final
 
 import pytest
+import yaml
 from aiohttp import web
 
 __all__ = ["RESOURCES", "ApiRequest", "K8sApiDouble", "ResourceDef", "k8s_api"]
@@ -200,6 +204,45 @@ def field_matcher(selector: str) -> Callable[[Obj], bool]:
     return lambda obj: all(t(obj) for t in tests)
 
 
+CRD_DIR: Final = Path(__file__).resolve().parent.parent / "deploy" / "crd"
+
+
+def load_crd_schemas(directory: Path = CRD_DIR) -> dict[tuple[str, str], Obj]:
+    """(group, plural) -> the openAPIV3Schema of the storage version, for every CRD in `directory`."""
+    out: dict[tuple[str, str], Obj] = {}
+    for path in sorted(directory.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if not doc or doc.get("kind") != "CustomResourceDefinition":
+                continue
+            spec = doc["spec"]
+            for version in spec["versions"]:
+                if version.get("storage"):
+                    out[(spec["group"], spec["names"]["plural"])] = version["schema"]["openAPIV3Schema"]
+    return out
+
+
+def prune(value: Any, schema: Obj) -> Any:
+    """What the API server keeps of `value` under a structural schema: unknown object fields are dropped, unless
+    ``x-kubernetes-preserve-unknown-fields``; ``additionalProperties`` and ``items`` apply to every entry."""
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return value
+    if isinstance(value, dict):
+        props = schema.get("properties")
+        extra = schema.get("additionalProperties")
+        if props is None and not isinstance(extra, dict):
+            return value if schema.get("type") != "object" else {}
+        out = {}
+        for key, item in value.items():
+            if props is not None and key in props:
+                out[key] = prune(item, props[key])
+            elif isinstance(extra, dict):
+                out[key] = prune(item, extra)
+        return out
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [prune(item, schema["items"]) for item in value]
+    return value
+
+
 def merge_patch(target: Any, patch: Any) -> Any:
     """RFC 7386 JSON merge patch: maps merge, null deletes, anything else replaces."""
     if not isinstance(patch, dict):
@@ -283,8 +326,11 @@ class K8sApiDouble:
     """The store and the server. Direct helpers (`create`, `get`, `list`, `patch`, `delete`) go through the same
     code as HTTP requests, so watches see them; they do not appear in `requests` (that log is the clients')."""
 
-    def __init__(self, resources: Iterable[ResourceDef] = RESOURCES) -> None:
+    def __init__(self, resources: Iterable[ResourceDef] = RESOURCES, *, prune_with_crds: bool = False) -> None:
+        """`prune_with_crds`: custom resources are pruned by their CRD's structural schema from deploy/crd/, as
+        the API server drops fields a CRD does not declare (a status field missing from the schema is lost)."""
         self.resources = tuple(resources)
+        self._schemas: dict[tuple[str, str], Obj] = load_crd_schemas() if prune_with_crds else {}
         self._objects: dict[Key, dict[str, Obj]] = {}
         self._rv = 0
         self._history: list[tuple[int, ResourceDef, str, Obj]] = []  # (rv, resource, type, object)
@@ -384,6 +430,7 @@ class K8sApiDouble:
         meta.pop("deletionTimestamp", None)
         if "status" in r.subresources and r.group == "pulsescale.io":
             obj.pop("status", None)  # as a CRD with the status subresource: create ignores .status
+        obj = self._prune(r, obj)
         store[meta["name"]] = obj
         self._emit(r, "ADDED", obj)
         return copy.deepcopy(obj)
@@ -414,6 +461,7 @@ class K8sApiDouble:
             strip = lambda o: {k: v for k, v in o.items() if k not in ("metadata", "status")}  # noqa: E731
             if strip(result) != strip(old):
                 meta["generation"] = old["metadata"].get("generation", 1) + 1
+        result = self._prune(r, result)
         if result == {**old}:
             return old  # a no-op write changes nothing, not even the resourceVersion (as the API server)
         result["metadata"]["resourceVersion"] = self._next_rv()
@@ -500,6 +548,18 @@ class K8sApiDouble:
             return await asyncio.wait_for(loop(), timeout_s)
         except TimeoutError:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what or predicate}") from None
+
+    def prune_with_crds(self) -> None:
+        """From now on, prune custom resources by their CRD in deploy/crd/ (see `__init__`)."""
+        self._schemas = load_crd_schemas()
+
+    def _prune(self, r: ResourceDef, obj: Obj) -> Obj:
+        schema = self._schemas.get((r.group, r.plural))
+        if schema is None:
+            return obj
+        kept = {k: obj[k] for k in ("apiVersion", "kind", "metadata") if k in obj}
+        pruned = prune(obj, schema)
+        return {**pruned, **kept}
 
     # --- scale subresource ------------------------------------------------------------------------------------
 

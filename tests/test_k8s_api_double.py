@@ -129,3 +129,16 @@ async def test_a_watch_replays_from_a_resource_version_and_streams_changes(k8s_a
             event = json.loads(line)
             seen.append((event["type"], event["object"]["metadata"]["name"]))
     assert seen == [("MODIFIED", "a"), ("ADDED", "b"), ("DELETED", "a")]  # then closed after timeoutSeconds
+
+
+async def test_with_crds_a_custom_resource_loses_the_fields_its_schema_does_not_declare() -> None:
+    api = K8sApiDouble(prune_with_crds=True)
+    body = {"metadata": {"name": "qwen"}, "spec": {"scaleTargetRef": {"name": "qwen"}, "maxReplicaCount": 4,
+            "triggers": [{"type": "gateway-queue", "metadata": {"model": "qwen"}}], "typo": 1}}  # fmt: skip
+    api.create("scaledobjects", NS, body)
+    spec = api.get("scaledobjects", NS, "qwen")["spec"]
+    assert "typo" not in spec and spec["triggers"][0]["metadata"] == {"model": "qwen"}
+    api.patch(
+        "scaledobjects", NS, "qwen", {"status": {"desiredReplicas": 2, "invented": {"x": 1}}}, subresource="status"
+    )
+    assert api.get("scaledobjects", NS, "qwen")["status"] == {"desiredReplicas": 2}

@@ -126,6 +126,7 @@ async def operator(api: K8sApiDouble, nc: Client, *, create: bool = True, **sett
     if create:  # as the autoscaler does; the operator's own NATS user may not create buckets
         await ensure_buckets(nc.jetstream(), names=[protocol.SCALERS_BUCKET, protocol.SLOTS_BUCKET])
     buckets = await open_buckets(nc)
+    api.prune_with_crds()  # what the operator writes must survive the CRD's schema, as on a cluster
     client = api_client(api)
     ctx = OperatorContext(
         nc=nc, scalers=buckets[protocol.SCALERS_BUCKET], slots=buckets[protocol.SLOTS_BUCKET], api=client,
