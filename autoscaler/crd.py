@@ -71,6 +71,7 @@ __all__ = [
     "REFUSED",
     "SHORT_NAMES",
     "VERSION",
+    "ColdPathStatus",
     "Condition",
     "ConditionStatus",
     "ConditionType",
@@ -123,6 +124,20 @@ class LastDecision(_Camel, kw_only=True):
     reason: Annotated[str, msgspec.Meta(max_length=4096)]
 
 
+class ColdPathStatus(_Camel, kw_only=True):
+    """The cold path's current episode (kube/coldpath.py `Episode`): recorded before the scale patch so a repeated
+    request, or a new leader re-reading the status, does not patch the same shortfall twice."""
+
+    requested: Count
+    """Replicas the autoscaler asked for (the warm pool's shortfall) in this episode's last request."""
+    from_replicas: Count
+    """The target's replica count when the episode began: every request adds to this, not to the current count."""
+    to_replicas: Count
+    """The count patched to (at most ``maxReplicaCount``)."""
+    time: Rfc3339
+    """When the episode was last written."""
+
+
 class ScaledObjectStatus(_Camel, kw_only=True):
     """``status`` of a pulsescale ScaledObject: what the operator patches from the autoscaler's `StatusRow`.
 
@@ -154,6 +169,8 @@ class ScaledObjectStatus(_Camel, kw_only=True):
     """One line per accepted field that has no effect here, and why (the ScalerRecord's notes)."""
     original_replica_count: Count | None = None
     """The target's replica count before the first scale, for ``advanced.restoreToOriginalReplicaCount``."""
+    cold_path: ColdPathStatus | None = None
+    """The cold path's current episode; removed (merge patch ``null``) when the autoscaler's shortfall is met."""
 
 
 # --- the CRD ----------------------------------------------------------------------------------------------------

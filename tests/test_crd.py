@@ -218,6 +218,31 @@ def test_the_status_schema_is_the_operators_struct() -> None:
     assert body["status"]["currentReplicas"] == 2
 
 
+def test_the_status_schema_admits_the_cold_path_episode_the_operator_writes() -> None:
+    """kube/coldpath.py records its episode in ``status.coldPath`` so a new leader does not patch the same request
+    twice: a structural schema without the field would have the API server prune it. Built as coldpath builds it,
+    merged as its merge patch is, and cleared with its null."""
+    from kube.coldpath import COLD_PATH_STATUS, Episode
+
+    written = {COLD_PATH_STATUS: Episode(requested=3, from_replicas=1, to_replicas=4).to_status(1_800_000_000.0)}
+    body = {**_minimal(), "status": {"currentReplicas": 1, **written}}
+    assert api_server_admits(body) is None
+    stored = _prune_and_default(_schema(), body)
+    assert stored["status"][COLD_PATH_STATUS] == written[COLD_PATH_STATUS]  # kept, not pruned
+    episode = Episode.from_status(stored["status"])
+    assert episode == Episode(3, 1, 4)
+    schema = _schema()["properties"]["status"]["properties"][COLD_PATH_STATUS]
+    assert set(schema["properties"]) == set(written[COLD_PATH_STATUS])
+    assert schema["properties"]["time"]["format"] == "date-time"
+    # the end of the episode: a merge patch {"status": {"coldPath": null}} removes the key (RFC 7386)
+    cleared = {**stored, "status": {k: v for k, v in stored["status"].items() if k != COLD_PATH_STATUS}}
+    assert api_server_admits(cleared) is None
+    # a malformed episode is refused by the API server (a negative count)
+    bad = copy.deepcopy(body)
+    bad["status"][COLD_PATH_STATUS]["toReplicas"] = -1
+    assert api_server_admits(bad) is not None
+
+
 def test_printer_columns_are_keda_s_and_the_short_name_is_not() -> None:
     version = crd.crd()["spec"]["versions"][0]
     names = [c["name"] for c in version["additionalPrinterColumns"] if not c.get("priority")]
