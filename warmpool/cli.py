@@ -57,7 +57,7 @@ def run_nats(argv: list[str], prog: str) -> int:
         "--print-authorization",
         action="store_true",
         help="print the server's authorization block for --nodes, passwords as $PULSE_NATS_PASSWORD_<USER> "
-        "variables (deploy/nats/configmap.yaml auth.conf), and exit",
+        "variables (deploy/base/nats/configmap.yaml auth.conf), and exit",
     )
     args = p.parse_args(argv)
     nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
