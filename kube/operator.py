@@ -93,6 +93,7 @@ OPTIONAL_PARTS: Final = ("kube.standby", "kube.coldpath")  # each has register(r
 BACKGROUND: Final = "background"
 """``ctx.extra[BACKGROUND]``: a list of ``async (stop: asyncio.Event) -> None`` that `register` of a part may append
 to; `run_operator` runs each on the caller's loop beside kopf until the stop flag is set (e.g. a NATS watch)."""
+SILENT_ROUNDS: Final = 3  # unanswered status rounds before Active/Fallback say the autoscaler is not reporting
 RECHECKED_REASONS: Final = frozenset({"TargetConflict", "ModelConflict"})
 """Refusals that end when another object goes: re-checked every status round."""
 BACKGROUND_STOP_S: Final = 5.0  # how long run_operator waits for background work to end after the stop flag
@@ -142,6 +143,7 @@ class ScaledObjects:
         self.ctx = ctx
         self.known: dict[str, _Known] = {}
         self.rows: dict[str, protocol.StatusRow] = {}
+        self.rows_at: float | None = None  # when the autoscaler last answered `status`
         self.recorder = EventRecorder(ctx.api, component=FIELD_MANAGER, instance=ctx.identity, clock=ctx.clock)
 
     # --- Kubernetes reads and writes (the `kubernetes` client on a worker thread) ---------------------------------
@@ -317,9 +319,12 @@ class ScaledObjects:
         body = known.body
         meta = body["metadata"]
         row = self.rows.get(_key(meta["namespace"], meta["name"])) if known.verdict.ready else None
+        now = self.ctx.clock()
+        silent = self.rows_at is not None and now - self.rows_at > SILENT_ROUNDS * self.ctx.status_every_s
         composed = status_mod.compose(
-            body, known.verdict, row, self.ctx.clock(), active_window_s=2 * self.ctx.status_every_s
-        )
+            body, known.verdict, row, now, active_window_s=2 * self.ctx.status_every_s,
+            silent_since=self.rows_at if silent else None,
+        )  # fmt: skip
         current = body.get("status") or {}
         patch = status_mod.body_of(composed, current)
         if not status_mod.differs(patch, current):
@@ -459,6 +464,7 @@ class ScaledObjects:
             rows = None
         if rows is not None:
             self.rows = {row.key: row for row in rows if row.key}
+            self.rows_at = self.ctx.clock()
         for key, known in list(self.known.items()):
             if known.verdict.reason in RECHECKED_REASONS:
                 meta = known.body["metadata"]

@@ -24,6 +24,7 @@ import msgspec
 
 from autoscaler.crd import MAX_LAST_DECISIONS, Condition, ConditionStatus, ConditionType, LastDecision
 from autoscaler.crd import ScaledObjectStatus as ScaledObjectStatus
+from warmpool import protocol
 from warmpool.protocol import StatusRow
 
 __all__ = [
@@ -48,6 +49,7 @@ READY_REASONS: Final = (
 DEFAULT_ACTIVE_WINDOW_S: Final = (
     10.0  # demand above activation this recently makes Active=True (the operator: 2 rounds)
 )
+_UNKNOWABLE: Final[tuple[ConditionType, ...]] = ("Active", "Fallback")  # only the autoscaler can tell
 _OWNED: Final = (
     "conditions",
     "observedGeneration",
@@ -111,8 +113,10 @@ def compose(
     row: StatusRow | None,
     now: float,
     active_window_s: float = DEFAULT_ACTIVE_WINDOW_S,
+    silent_since: float | None = None,
 ) -> ScaledObjectStatus:
-    """The status the object should carry now (see the module docstring)."""
+    """The status the object should carry now (see the module docstring). `silent_since`: the autoscaler has not
+    answered since then; `row` is its last answer (counts kept), Active and Fallback become Unknown."""
     meta = body.get("metadata") or {}
     spec = body.get("spec") or {}
     current = body.get("status") or {}
@@ -128,13 +132,25 @@ def compose(
     ]  # fmt: skip
     if row is None:
         why = "the autoscaler has not reported this ScaledObject yet" if verdict.ready else verdict.message
-        for kind in ("Active", "Fallback"):
+        for kind in _UNKNOWABLE:
             conditions.append(_condition(previous, kind, "Unknown", "NotReported", why, generation, now))
         paused = verdict.paused_by_annotation
         conditions.append(
             _condition(previous, "Paused", "True" if paused else "False",
                        "PausedByAnnotation" if paused else "NotPaused",
                        "paused by annotation" if paused else _one_way(verdict), generation, now)
+        )  # fmt: skip
+    elif silent_since is not None:
+        why = (
+            f"the autoscaler has not answered {protocol.cmd_subject('status')} since {rfc3339(silent_since)}; "
+            "the replica counts are from then"
+        )
+        for kind in _UNKNOWABLE:
+            conditions.append(_condition(previous, kind, "Unknown", "AutoscalerNotReporting", why, generation, now))
+        conditions.append(
+            _condition(previous, "Paused", "True" if row.paused else "False",
+                       "PausedByAnnotation" if row.paused and verdict.paused_by_annotation else
+                       "PausedByCommand" if row.paused else "NotPaused", "", generation, now)
         )  # fmt: skip
     else:
         # As KEDA's Active: the trigger's demand is above its activation threshold now, i.e. the autoscaler saw

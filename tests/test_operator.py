@@ -565,3 +565,20 @@ async def test_a_second_scaledobject_for_the_same_model_is_refused_until_the_fir
     running.api.delete(SO, NS, "chat")
     rec = await running.wait_record(f"{NS}.batch", lambda r: r is not None)
     assert rec is not None and rec.spec.model == "qwen"
+
+
+async def test_a_silent_autoscaler_makes_active_and_fallback_unknown(
+    k8s_api: K8sApiDouble,  # noqa: F811
+    nc: Client,
+    nats_server: NatsServer,
+) -> None:
+    async with operator(k8s_api, nc) as running:
+        async with autoscaler(nats_server.url):
+            running.api.create(SO, NS, scaled_object())
+            await running.wait_reported("qwen")
+            await running.wait_condition("qwen", "Active", "False", "ScalerNotActive")
+        # The autoscaler is gone: after three unanswered rounds the conditions say so; the counts stay.
+        cond = await running.wait_condition("qwen", "Active", "Unknown", "AutoscalerNotReporting")
+        assert "has not answered pulse.cmd.status since" in cond["message"]
+        assert running.condition("qwen", "Fallback")["status"] == "Unknown"  # type: ignore[index]
+        assert "desiredReplicas" in running.api.get(SO, NS, "qwen")["status"]  # its last answer, kept
