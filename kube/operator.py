@@ -17,18 +17,21 @@ What it does with a ScaledObject (`ScaledObjects`):
   one): deleting it would drop the workload to zero for a typo. The condition says which generation is in force.
 - a second ScaledObject, or an HPA, targeting the same workload (namespace, kind, name): ``Ready=False
   TargetConflict`` naming the other object, a Warning Event, nothing published for it. Between ScaledObjects the
-  oldest (creationTimestamp, then name) keeps the target; an HPA always wins (the operator does not fight another
-  controller: its record is withdrawn). Refused objects are re-checked every status round, so deleting the other
-  object lets this one through.
+  published one keeps the target (else the oldest by creationTimestamp, then name); an HPA always wins (the operator
+  does not fight another controller: its record is withdrawn). Likewise one ScaledObject per model (``Ready=False
+  ModelConflict``): the autoscaler runs one controller per model and would silently ignore a second record. Refused
+  objects are re-checked every status round, so deleting the other object lets this one through.
 - delete (finalizer ``pulsescale.io/finalizer``): the record is removed from `pulse_scalers`; then, unless another
   record names the same model, the operator waits (up to `OperatorContext.delete_wait_s`, ``Ready=False
   Deleting`` and a Normal Event while it waits, a Warning if it gives up) until the model's slots in `pulse_slots`
-  are released (the autoscaler releases them when the record goes); then, with
-  ``advanced.restoreToOriginalReplicaCount``, the target's scale subresource goes back to
-  ``status.originalReplicaCount``; then the finalizer is removed.
+  are released (the autoscaler releases them when the record goes; only for an object that was published: an
+  invalid or refused one never held any); then, with ``advanced.restoreToOriginalReplicaCount``, the target's
+  scale subresource goes back to ``status.originalReplicaCount``; then the finalizer is removed.
 - status: every `OperatorContext.status_every_s` one ``pulse.cmd.status`` request to the autoscaler; each object's
-  row (`StatusRow.key`) is composed into the status (kube/status.py) and patched only when it changed. Active,
-  Fallback and Paused flips become Events.
+  row (`StatusRow.key`) is composed into the status (kube/status.py) and patched only when it changed. ``Active``
+  is KEDA's (demand above the activation threshold within two rounds), not "has replicas". After `SILENT_ROUNDS`
+  unanswered rounds Active and Fallback become Unknown (the last counts stay). Active, Fallback and Paused flips
+  become Events.
 - Events: ``pulse.events.>`` (scale.decision, pool.exhausted, cold.start) become Events on every ScaledObject of the
   model, aggregated and rate-limited (kube/events.py).
 """
@@ -98,7 +101,7 @@ RECHECKED_REASONS: Final = frozenset({"TargetConflict", "ModelConflict"})
 """Refusals that end when another object goes: re-checked every status round."""
 BACKGROUND_STOP_S: Final = 5.0  # how long run_operator waits for background work to end after the stop flag
 READY_POLL_S: Final = 0.05  # how often run_operator looks whether kopf (in its thread) is ready
-HPA_KINDS: Final = ("Deployment", "StatefulSet")  # scale targets the restore step knows how to patch
+RESTORABLE_KINDS: Final = ("Deployment", "StatefulSet")  # scale targets the restore step knows how to patch
 
 log = logging.getLogger("pulsescale.operator")
 
@@ -440,7 +443,7 @@ class ScaledObjects:
             call = self.ctx.apps.patch_namespaced_stateful_set_scale
         else:
             await self.recorder.record(
-                ref, "Warning", "RestoreSkipped", f"cannot restore {kind}/{name}: only {', '.join(HPA_KINDS)}"
+                ref, "Warning", "RestoreSkipped", f"cannot restore {kind}/{name}: only {', '.join(RESTORABLE_KINDS)}"
             )
             return
         try:
