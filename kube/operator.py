@@ -248,6 +248,8 @@ class ScaledObjects:
         ref = ObjectRef.of(body)
         known = self.known.setdefault(key, _Known(body=body, verdict=status_mod.Verdict(False, "Pending", "")))
         async with known.lock:
+            if known.verdict.reason == "Deleting":
+                return known.verdict  # the finalizer owns it now
             known.body = body
             previous = await self._read_record(key)
             try:
@@ -353,8 +355,11 @@ class ScaledObjects:
         key = _key(namespace, name)
         ref = ObjectRef.of(plain)
         known = self.known.setdefault(key, _Known(body=plain, verdict=status_mod.Verdict(False, "Deleting", "")))
-        known.body = plain
-        withdrawn = await self._withdraw(key)
+        async with known.lock:  # from here on, a re-check (status round) cannot publish it again
+            known.body = plain
+            if known.verdict.reason != "Deleting":
+                known.verdict = status_mod.Verdict(False, "Deleting", "the ScaledObject is being deleted")
+            withdrawn = await self._withdraw(key)
         model = known.model or _model_of(plain)
         if withdrawn:
             await self.recorder.record(ref, "Normal", "Unpublished", f"removed {protocol.SCALERS_BUCKET}/{key}")
