@@ -219,12 +219,12 @@ def test_pods_meet_the_profile_their_namespace_enforces(target: str) -> None:
 # --- RBAC -----------------------------------------------------------------------------------------------------------
 
 OPERATOR_RULES = {
-    ("pulsescale.io", "scaledobjects"): {"get", "list", "watch", "patch", "update"},
+    ("pulsescale.io", "scaledobjects"): {"get", "list", "watch", "patch"},
     ("pulsescale.io", "scaledobjects/status"): {"patch"},
     ("pulsescale.io", "scaledobjects/finalizers"): {"update"},
-    ("", "pods"): {"get", "list", "watch", "create", "delete", "patch"},
-    ("apps", "deployments"): {"get", "list", "watch"},
-    ("apps", "statefulsets"): {"get", "list", "watch"},
+    ("", "pods"): {"list", "watch", "create", "delete", "patch"},
+    ("apps", "deployments"): {"get"},
+    ("apps", "statefulsets"): {"get"},
     ("apps", "deployments/scale"): {"get", "patch"},
     ("apps", "statefulsets/scale"): {"get", "patch"},
     ("autoscaling", "horizontalpodautoscalers"): {"list"},
@@ -249,6 +249,78 @@ def test_the_operator_has_exactly_the_verbs_it_uses() -> None:
     assert flatten(find(docs, "ClusterRole", "pulsescale-operator")) == OPERATOR_RULES
     leader = find(docs, "Role", "pulsescale-operator-leader")
     assert leader["metadata"]["namespace"] == "pulsescale" and flatten(leader) == OPERATOR_LEADER_RULES
+
+
+KUBE = Path(__file__).resolve().parent.parent / "kube"
+_CLIENT_CALL = re.compile(r"\b(read|get|list|create|patch|replace|delete)_namespaced_([a-z_]+?)(_status|_scale)?\b")
+_CLIENT_VERB = {"read": "get", "get": "get", "list": "list", "create": "create", "patch": "patch",
+                "replace": "update", "delete": "delete"}  # fmt: skip
+_CLIENT_RESOURCE = {
+    # kubernetes client name -> (API group, resource). Custom objects are always ours (kube/ passes GROUP, PLURAL).
+    "custom_object": ("pulsescale.io", "scaledobjects"),
+    "pod": ("", "pods"),
+    "event": ("", "events"),
+    "deployment": ("apps", "deployments"),
+    "stateful_set": ("apps", "statefulsets"),
+    "horizontal_pod_autoscaler": ("autoscaling", "horizontalpodautoscalers"),
+    "lease": ("coordination.k8s.io", "leases"),
+}
+NOT_IN_THE_CODE = {
+    # What no kubernetes-client call in kube/ shows, with the reason.
+    ("pulsescale.io", "scaledobjects"): {"list", "watch", "patch"},  # kopf watches them, patches finalizer/progress
+    ("", "pods"): {"list", "watch"},  # kopf watches standby pods (kube/standby.py `kopf.on.event`)
+    ("pulsescale.io", "scaledobjects/finalizers"): {"update"},  # ownerReference with blockOwnerDeletion
+}
+
+
+def calls_in_kube() -> dict[tuple[str, str], set[str]]:
+    """(group, resource[/subresource]) -> verbs, from every kubernetes-client call written in kube/*.py."""
+    out: dict[tuple[str, str], set[str]] = {}
+    for source in sorted(KUBE.glob("*.py")):
+        for verb, name, sub in _CLIENT_CALL.findall(source.read_text()):
+            assert name in _CLIENT_RESOURCE, f"{source.name}: {verb}_namespaced_{name}: add it to _CLIENT_RESOURCE"
+            group, resource = _CLIENT_RESOURCE[name]
+            out.setdefault((group, resource + sub.replace("_", "/")), set()).add(_CLIENT_VERB[verb])
+    return out
+
+
+def test_the_operator_s_roles_grant_what_kube_calls_and_nothing_more() -> None:
+    """Derived from the code (not from the list above): a call added to or removed from kube/ changes this."""
+    needed = calls_in_kube()
+    for key, verbs in NOT_IN_THE_CODE.items():
+        needed.setdefault(key, set()).update(verbs)
+    docs = build("base")
+    cluster = flatten(find(docs, "ClusterRole", "pulsescale-operator"))
+    leader = flatten(find(docs, "Role", "pulsescale-operator-leader"))
+    assert set(cluster) & set(leader) == set(), "a resource in both roles"
+    granted = {**cluster, **leader}
+    missing = {k: sorted(v - granted.get(k, set())) for k, v in needed.items() if v - granted.get(k, set())}
+    extra = {k: sorted(v - needed.get(k, set())) for k, v in granted.items() if v - needed.get(k, set())}
+    assert not missing, f"kube/ calls what its roles do not grant: {missing}"
+    assert not extra, f"the roles grant what kube/ never calls: {extra}"
+    assert set(leader) == {("coordination.k8s.io", "leases")}  # the Lease only in the operator's namespace
+
+
+def test_the_operator_leads_through_a_lease_in_its_namespace_and_is_probed_on_its_pod_ip() -> None:
+    docs = build("base")
+    deployment = find(docs, "Deployment", "pulsescale-operator")
+    (c,) = pod_spec(deployment)["containers"]
+    env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in c["env"]}
+    assert env["POD_NAME"] == "metadata.name" and env["POD_NAMESPACE"] == "metadata.namespace"
+    assert env["POD_IP"] == "status.podIP"
+    assert flag(c["args"], "--lease-namespace") == "$(POD_NAMESPACE)"
+    assert flag(c["args"], "--identity") == "$(POD_NAME)"
+    assert flag(c["args"], "--health-host") == "$(POD_IP)"  # loopback by default: the kubelet could not reach it
+    # the Role that grants the Lease is bound in the namespace the pod runs in ($(POD_NAMESPACE))
+    role = find(docs, "Role", "pulsescale-operator-leader")
+    binding = find(docs, "RoleBinding", "pulsescale-operator-leader")
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == deployment["metadata"]["namespace"]
+    port = int(flag(c["args"], "--health-port"))
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz" and c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    for probe in (c["livenessProbe"], c["readinessProbe"]):
+        named = probe["httpGet"]["port"]
+        assert ports.get(named, named) == port
 
 
 def test_no_wildcards_no_secrets_no_cluster_admin() -> None:
