@@ -53,7 +53,7 @@ from nats.aio.subscription import Subscription
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 
 from autoscaler import scaledobject
-from warmpool import protocol
+from warmpool import protocol, registry
 from warmpool.errors import BadMessage, DuplicateRequest
 from warmpool.protocol import (
     AuditRecord,
@@ -117,8 +117,9 @@ class CommandSettings:
     archive, not on the broker's disk."""
     audit_max_bytes: int = 1 << 30
     """Size cap of the audit stream (oldest dropped first), so a misbehaving client cannot fill the broker's disk."""
-    audit_replicas: int = 1
-    """JetStream replicas of the audit stream: 1 on a laptop, 3 in production (as the registry's buckets)."""
+    audit_replicas: int | None = None
+    """JetStream replicas of the audit stream; None: as the registry's buckets (`registry.replicas_for`: 1 on a
+    single server, 3 on a cluster, or ``$PULSESCALE_KV_REPLICAS``)."""
     audit_timeout_s: float = 1.0
     """How long the audit write may take before the reply goes out anyway (logged): well under the CLI's 5 s."""
     ledger_entries: int = 10_000
@@ -152,7 +153,7 @@ async def ensure_audit_stream(nc: Client, settings: CommandSettings = CommandSet
         max_age=settings.audit_max_age_s,
         max_bytes=settings.audit_max_bytes,
         discard=DiscardPolicy.OLD,
-        num_replicas=settings.audit_replicas,
+        num_replicas=settings.audit_replicas or registry.replicas_for(nc),
     )
     try:
         await js.add_stream(config)
