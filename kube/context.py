@@ -107,8 +107,10 @@ async def open_buckets(
 
 def kopf_connection(api: k8s.ApiClient) -> kopf.ConnectionInfo:
     """kopf's login from the `kubernetes` client's configuration (kubeconfig or in-cluster), so both clients
-    talk to the same server as the same user."""
+    talk to the same server as the same user. kopf calls it again on a 401, so a rotated token is picked up."""
     cfg: k8s.Configuration = api.configuration
+    if cfg.refresh_api_key_hook is not None:
+        cfg.refresh_api_key_hook(cfg)  # in-cluster: re-read the projected token, which the kubelet rotates
     auth = (cfg.api_key or {}).get("authorization") or (cfg.api_key or {}).get("BearerToken") or ""
     prefix = (cfg.api_key_prefix or {}).get("authorization", "")
     scheme, token = None, None

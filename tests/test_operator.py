@@ -582,3 +582,25 @@ async def test_a_silent_autoscaler_makes_active_and_fallback_unknown(
         assert "has not answered pulse.cmd.status since" in cond["message"]
         assert running.condition("qwen", "Fallback")["status"] == "Unknown"  # type: ignore[index]
         assert "desiredReplicas" in running.api.get(SO, NS, "qwen")["status"]  # its last answer, kept
+
+
+def test_kopf_logs_in_as_the_kubernetes_client_does_and_rereads_a_rotated_token() -> None:
+    from kube.context import kopf_connection
+
+    cfg = k8s.Configuration()
+    cfg.host = "https://10.0.0.1:443"
+    cfg.ssl_ca_cert = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
+    tokens = iter(["first", "second"])
+
+    def refresh(c: k8s.Configuration) -> None:  # what load_incluster_config installs
+        c.api_key = {"authorization": f"bearer {next(tokens)}"}
+
+    cfg.refresh_api_key_hook = refresh
+    client = k8s.ApiClient(cfg)
+    try:
+        info = kopf_connection(client)
+        assert (info.server, info.scheme, info.token, info.ca_path) == (cfg.host, "bearer", "first", cfg.ssl_ca_cert)
+        assert info.insecure is False
+        assert kopf_connection(client).token == "second"
+    finally:
+        client.close()
