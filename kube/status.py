@@ -8,7 +8,8 @@ Pure (no I/O): `compose` builds an `autoscaler.crd.ScaledObjectStatus` from
   it), which gives ``Active``, ``Fallback``, ``Paused``, the replica counts, warm slots, the cold path, times and
   the last decisions;
 - the status the object carries now, so a condition keeps its ``lastTransitionTime`` while its status does not
-  change, and fields this module does not own (``originalReplicaCount``, written by the cold path) are kept.
+  change. Fields this module does not own (``originalReplicaCount`` and the cold path's own) are left out of the
+  patch, so they keep what their writer put there.
 
 `body_of` turns it into the JSON body of a merge patch of the status subresource; the operator patches only when
 that body differs from the object's current status (`differs`), so a quiet ScaledObject costs no API writes.
@@ -206,7 +207,8 @@ def compose(
         last_scale_time=None if row is None or row.last_scale_at is None else rfc3339(row.last_scale_at),
         last_decisions=decisions,
         notes=list(verdict.notes) or None,
-        original_replica_count=current.get("originalReplicaCount"),
+        # originalReplicaCount is the cold path's (kube/coldpath.py): never in this patch, so a stale copy of the
+        # object here cannot write an old value back.
     )
 
 

@@ -511,13 +511,14 @@ async def test_a_restarted_operator_resumes_rewriting_only_what_is_missing(k8s_a
 def test_conditions_keep_their_transition_time_and_flips_become_events() -> None:
     from kube import status as st
 
-    body: dict[str, Any] = {**scaled_object(), "status": {}}
+    body: dict[str, Any] = {**scaled_object(), "status": {"originalReplicaCount": 3}}
     body["metadata"]["generation"] = 3
     verdict = st.Verdict(True, "ScalerPublished", "published")
     row = protocol.StatusRow(model="qwen", scaler="inference.qwen", desired=2, ready=1, activating=1, warm=3,
                              key="inference.qwen")  # fmt: skip
     first = st.body_of(st.compose(body, verdict, row, now=1000.0))
     assert first["currentReplicas"] == 2 and first["observedGeneration"] == 3 and first["warmSlots"] == 3
+    assert "originalReplicaCount" not in first  # the cold path's field: never written back from a stale copy
     body["status"] = first
     fallback = msgspec.structs.replace(row, fallback=True)
     second = st.body_of(st.compose(body, verdict, fallback, now=2000.0), first)
