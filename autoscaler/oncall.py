@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import getpass
 import os
+import re
 import socket
 import sys
 import time
@@ -104,14 +105,19 @@ def _override_duration_arg(text: str) -> float:
     return seconds
 
 
+# ASCII digits only: `str.isdigit` and `int` also read other scripts' digits ("\u0663" as 3), a count that one
+# terminal shows differently from another; kubectl and KEDA (Go's strconv) read ASCII digits only.
+_COUNT: Final = re.compile(r"[0-9]+")
+
+
 def _replicas_arg(text: str) -> int:
-    if not text.isdigit():
+    if not _COUNT.fullmatch(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not a replica count (a whole number >= 0)")
     return int(text)
 
 
 def _positive_int_arg(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
+    if not _COUNT.fullmatch(text) or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
     return int(text)
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import re
@@ -154,6 +155,37 @@ def test_bad_model_name_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> 
     with pytest.raises(SystemExit):
         oncall.pause(["Qwen.7B"], "pulsescale pause")
     assert "'Qwen.7B' is not a model name" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("command", "argv", "flag"),
+    [
+        (oncall.scale, ["qwen", "--replicas", "\u0663"], "--replicas"),  # ARABIC-INDIC DIGIT THREE
+        (oncall.scale, ["qwen", "--replicas", "\uff13"], "--replicas"),  # FULLWIDTH DIGIT THREE
+        (oncall.pause, ["qwen", "--replicas", "\u0663"], "--replicas"),
+        (oncall.apply, ["-f", "x.yaml", "--max-replicas", "\u0663"], "--max-replicas"),
+        (oncall.apply, ["-f", "x.yaml", "--max-replicas", "+3"], "--max-replicas"),
+        (oncall.scale, ["qwen", "--replicas", "3", "--for", "\u0663m"], "--for"),
+        (oncall.scale, ["qwen", "--replicas", "3", "--for", "\u0663"], "--for"),
+    ],
+)
+def test_counts_and_durations_are_ascii_digits_only(
+    command: Callable[[list[str], str], int], argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`str.isdigit` and `float` read other scripts' digits ("\u0663" as 3): a count that looks right in one
+    terminal and is not what another shows. Go's strconv, kubectl and KEDA read ASCII digits only."""
+    with pytest.raises(SystemExit) as exc:
+        command(argv, "pulsescale x")
+    assert exc.value.code == 2
+    assert f"argument {flag}:" in capsys.readouterr().err
+
+
+def test_ascii_counts_are_still_read() -> None:
+    assert oncall._replicas_arg("0") == 0 and oncall._replicas_arg("12") == 12
+    assert oncall._positive_int_arg("3") == 3
+    with pytest.raises(argparse.ArgumentTypeError, match="whole number >= 1"):
+        oncall._positive_int_arg("0")
+    assert durations.parse_duration("1h30m") == 5400
 
 
 # --- round trips ----------------------------------------------------------------------------------------------

@@ -36,8 +36,9 @@ EXAMPLES: Final = "500ms, 90s, 2m, 1.5h, 1h30m or plain seconds (600)"
 
 _UNIT_S: Final = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
 _ORDER: Final = ("h", "m", "s", "ms")
-_PART: Final = re.compile(r"(\d+(?:\.\d+)?|\.\d+)(ms|h|m|s)")
-_PLAIN: Final = re.compile(r"\d+(?:\.\d+)?|\.\d+")
+# [0-9], not \d: in a str pattern \d matches every script's digits, and float() reads them ("\u0663" as 3).
+_PART: Final = re.compile(r"([0-9]+(?:\.[0-9]+)?|\.[0-9]+)(ms|h|m|s)")
+_PLAIN: Final = re.compile(r"[0-9]+(?:\.[0-9]+)?|\.[0-9]+")
 
 
 class DurationError(ValueError):
@@ -75,7 +76,7 @@ def _parse_units(text: str, raw: str) -> float:
         if pos == len(raw) and raw:
             return seconds
     hint = ""
-    if re.fullmatch(r"\d+(?:\.\d+)?d", raw):
+    if re.fullmatch(r"[0-9]+(?:\.[0-9]+)?d", raw):
         hint = f" (days are not a unit: write {float(raw[:-1]) * 24:g}h)"
     elif raw.startswith("-"):
         hint = " (a duration cannot be negative)"
