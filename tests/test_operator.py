@@ -403,6 +403,9 @@ async def test_the_status_subresource_follows_the_autoscaler(
         # No node agent: the autoscaler wants minReplicaCount and has nothing warm to give.
         assert (status["desiredReplicas"], status["readyReplicas"], status["warmSlots"]) == (1, 0, 0), status
         assert status["currentReplicas"] == 0 and status["scaleTargetKind"] == "apps/v1.Deployment"
+        # The autoscaler's own pulse.events reach the object: with no warm slot it asked the cold path.
+        [cold] = await running.api.wait_for(lambda: running.events("qwen", "ColdStart"), what="a ColdStart Event")
+        assert "asked the cold path for 1 replica(s) of model qwen" in cold["message"], cold["message"]
         # As KEDA: replicas alone are not Active; no gateway has reported demand above the activation threshold.
         await running.wait_condition("qwen", "Active", "False", "ScalerNotActive")
         status = running.api.get(SO, NS, "qwen")["status"]
