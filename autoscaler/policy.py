@@ -9,8 +9,10 @@ Order of precedence, first match wins:
 1. a live on-call override (``scale`` or ``pause``): exactly its count, not clamped to the bounds (KEDA's
    paused-replicas is not clamped either: the person asked for that count); an expired one is ignored and the
    reason says the policy resumed;
-2. no fresh demand (missing or stale gateways): never scale down; after ``fallback.failureThreshold`` missed
-   intervals of ``advanced.staleAfterSeconds``, the fallback count clamped to the bounds, chosen by
+2. no fresh demand (missing or stale gateways): never scale down; once more than ``fallback.failureThreshold``
+   intervals of ``advanced.staleAfterSeconds`` passed without fresh demand since the last decision that had it
+   (KEDA's ``NumberOfFailures > FailureThreshold``, a missed interval being KEDA's failed poll: threshold N
+   tolerates N, 0 none), the fallback count clamped to the bounds, chosen by
    ``fallback.behavior`` as KEDA's: ``static`` is ``fallback.replicas`` (the operator's explicit count for flying
    blind, the one way stale metrics can lower the count), ``currentReplicas`` the current desired count,
    ``currentReplicasIfHigher``/``IfLower`` the current count when it is higher/lower than ``fallback.replicas``,
@@ -287,14 +289,25 @@ def _blind(spec: ScaledObjectSpec, state: PolicyState, bounds: _Bounds, now: flo
     missed = math.floor(stale_s / spec.advanced.stale_after_seconds + _ROUNDING)
     fallback = spec.fallback
     what = "no fresh metrics since restart" if state.last_fresh_at is None else "metrics stale"
-    if fallback is not None and missed >= fallback.failure_threshold:
+    # KEDA's rule (pkg/fallback): NumberOfFailures > FailureThreshold. A failure is a missed interval, as KEDA's
+    # is a failed poll one polling period after the last good one: threshold N tolerates N, 0 none.
+    if fallback is not None and missed > fallback.failure_threshold:
         count, how = _fallback_count(spec, prev)
         desired = min(max(count, bounds.min), bounds.max)
-        note = f" ({how})"
-        return desired, "fallback", f"fallback {desired}{note}: {what} {_n(stale_s)} s, {missed} missed intervals"
+        return (
+            desired,
+            "fallback",
+            (
+                f"fallback {desired} ({how}): {what} {_n(stale_s)} s, {missed} missed intervals > failureThreshold "
+                f"{fallback.failure_threshold}"
+            ),
+        )
     desired = bounds.clamp(prev)
     mode: Mode = "hold" if state.hold_replicas is not None else "stale"
-    return desired, mode, f"{what} {_n(stale_s)} s: holding {desired}"
+    tolerated = (
+        "" if fallback is None else f", {missed} missed intervals of failureThreshold {fallback.failure_threshold}"
+    )
+    return desired, mode, f"{what} {_n(stale_s)} s{tolerated}: holding {desired}"
 
 
 def _fresh(

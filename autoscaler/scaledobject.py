@@ -31,9 +31,10 @@ reason. What is checked, and why it is stricter than the wire decoder:
   status): ``pollingInterval``, ``useCachedMetrics`` (a pushed trigger is read as samples arrive, never polled),
   ``authenticationRef`` (nothing to authenticate to), ``horizontalPodAutoscalerConfig.name`` (no HPA is made),
   ``scaleTargetRef.envSourceContainerName`` (a pushed trigger reads no container environment).
-- ``fallback.failureThreshold: 0``, which KEDA's CRD allows: KEDA falls back when failures > threshold, so 0 is
-  "on the first failure"; the wire's (and the policy's) 1 is that here (missed intervals >= 1), so 0 is read as
-  1 with a note.
+- ``fallback.failureThreshold``: KEDA's meaning, in the policy too (falls back when failures > threshold; a
+  failure is a missed interval of ``advanced.staleAfterSeconds``). ``0`` ("on the first failure"), which KEDA's
+  CRD allows, is below the wire's minimum (`protocol.Fallback`, ``ge=1``), so it is read as 1 with a note saying
+  the fallback comes one interval later than KEDA's; until the wire admits 0.
 - One ScaledObject per model: the autoscaler serves the first and drops a second (``daemon.apply_scaler``), so
   two of one model in one apply are refused naming both (`load_documents`, `load_path`), and `check_models`
   refuses one whose model another key of ``pulse_scalers`` already scales (``apply`` runs it before writing).
@@ -294,8 +295,8 @@ NOTE_ENV_SOURCE: Final = (
     "(KEDA reads trigger parameters from it; pulsescale's come from metadata)"
 )
 NOTE_FAILURE_THRESHOLD_ZERO: Final = (
-    "spec.fallback.failureThreshold 0 is read as 1: KEDA falls back when failures > failureThreshold (0: on the "
-    "first failure); here the first failure seen is one missed sample interval (advanced.staleAfterSeconds)"
+    "spec.fallback.failureThreshold 0 is read as 1 (this version's least): the fallback applies after the second "
+    "missed interval of advanced.staleAfterSeconds, not the first as KEDA's 0 would (failures > failureThreshold)"
 )
 _NOTE_HPA_NAME: Final = (
     "spec.advanced.horizontalPodAutoscalerConfig.name has no effect: pulsescale makes no HPA; it scales the "
@@ -387,7 +388,7 @@ def _keda_triggers(raw_spec: Mapping[str, Any], notes: list[str]) -> dict[str, A
                 f"{threshold}: must be >= 0 (the failures tolerated before the fallback count applies; 0: fall "
                 "back on the first, as KEDA)",
             )
-        # KEDA gives 0 a meaning (failures > 0: the first failure); the wire's 1 is the same here.
+        # KEDA gives 0 a meaning (failures > 0: the first failure); the wire's least is 1, one interval later.
         spec["fallback"] = {**fallback, "failureThreshold": 1}
         notes.append(NOTE_FAILURE_THRESHOLD_ZERO)
     advanced = raw_spec.get("advanced")

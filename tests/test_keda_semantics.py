@@ -123,6 +123,30 @@ def test_an_on_call_override_beats_the_scale_in_pause() -> None:
 # --- fallback.behavior --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("threshold", [1, 3])
+def test_fallback_when_failures_exceed_the_threshold(threshold: int) -> None:
+    """KEDA (pkg/fallback/fallback.go): ``NumberOfFailures > FailureThreshold``, so threshold N tolerates N failures
+    and falls back on failure N+1. A failure here: an interval of `advanced.staleAfterSeconds`, counted from the
+    last decision that had fresh demand, that passed without it (KEDA's failed poll, one per polling period)."""
+    spec = make_spec(fallback=(threshold, 9), advanced={"stale_after_seconds": 1.0})
+    run(
+        spec,
+        [
+            Row(0.1, 20, 5, repeat=650, want=5),
+            Row(threshold + 0.5, None, 5, want=5, mode="stale"),  # N failures: tolerated
+            Row(0.4, None, 5, want=5, mode="stale", reason=f"{threshold} missed intervals"),
+            Row(
+                0.1,
+                None,
+                5,
+                want=9,
+                mode="fallback",
+                reason=f"{threshold + 1} missed intervals > failureThreshold {threshold}",
+            ),
+        ],
+    )
+
+
 @pytest.mark.parametrize(
     ("behavior", "current", "want"),
     [
@@ -145,7 +169,7 @@ def test_fallback_behavior(behavior: str, current: int, want: int) -> None:
         spec,
         [
             Row(0.1, 4 * current, current, repeat=650, want=current),
-            Row(3.0, None, current, want=want, mode="fallback", reason=f"fallback {want} ({behavior}"),
+            Row(4.0, None, current, want=want, mode="fallback", reason=f"fallback {want} ({behavior}"),
             Row(30.0, None, want, want=want, mode="fallback"),
         ],
     )

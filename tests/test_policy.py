@@ -243,13 +243,15 @@ def test_fallback_after_n_missed_intervals() -> None:
             Row(0.1, 20, 5, repeat=650, want=5),
             Row(0.5, None, 5, want=5, mode="stale"),
             Row(2.4, None, 5, want=5, mode="stale"),  # 2.9 s: two intervals missed
+            Row(0.1, None, 5, want=5, mode="stale", reason="3 missed intervals of failureThreshold 3"),  # tolerated
+            Row(0.9, None, 5, want=5, mode="stale"),  # 3.9 s
             Row(
                 0.1,
                 None,
                 5,
                 want=7,
                 mode="fallback",
-                reason="fallback 7 (static): metrics stale 3 s, 3 missed intervals",
+                reason="fallback 7 (static): metrics stale 4 s, 4 missed intervals > failureThreshold 3",
             ),
             Row(30.0, None, 5, want=7, mode="fallback"),
             # Metrics back: the fallback count is left through the stabilisation window, like any other.
@@ -260,14 +262,14 @@ def test_fallback_after_n_missed_intervals() -> None:
 
 def test_fallback_applies_to_a_lower_count_too() -> None:
     # KEDA's static fallback: the operator's explicit blind count, the one way stale metrics lower the count.
-    run(make_spec(fallback=(2, 2)), [Row(0.1, 40, 10, repeat=650, want=10), Row(2.0, None, 10, want=2)])
+    run(make_spec(fallback=(2, 2)), [Row(0.1, 40, 10, repeat=650, want=10), Row(3.0, None, 10, want=2)])
 
 
 def test_fallback_without_any_data_after_restart() -> None:
     run(
         make_spec(fallback=(3, 4)),
         [
-            Row(1.0, None, 2, repeat=2, want=2, mode="hold", reason="no fresh metrics since restart"),
+            Row(1.0, None, 2, repeat=3, want=2, mode="hold", reason="no fresh metrics since restart"),
             Row(1.0, None, 2, want=4, mode="fallback"),
         ],
         current=2,
@@ -592,8 +594,8 @@ def test_missed_intervals_count_in_the_specs_stale_after_seconds() -> None:
         spec,
         [
             Row(0.1, 20, 5, repeat=650, want=5),
-            Row(1.4, None, 5, want=5, mode="stale"),  # two intervals of 0.5 s missed
-            Row(0.1, None, 5, want=7, mode="fallback", reason="3 missed intervals"),
+            Row(1.9, None, 5, want=5, mode="stale"),  # three intervals of 0.5 s missed: tolerated
+            Row(0.1, None, 5, want=7, mode="fallback", reason="4 missed intervals > failureThreshold 3"),
         ],
     )
 
