@@ -29,8 +29,8 @@ What the conversion decides, and why:
   pulsescale name in ``metadata.name``. ``metadata.namespace`` needs no rule: a namespace is a DNS label, always
   a pulsescale name. ``spec.triggers`` gets ``maxItems`` (`MAX_TRIGGERS`, the validator's bound too), because the
   API server refuses a CEL rule whose worst-case cost over an unbounded list is too high.
-- ``fallback.failureThreshold`` has ``minimum: 0`` here though the wire's is 1: KEDA's CRD allows 0 ("fall back
-  on the first failure"); the validator reads it as 1 (one interval later) with a note (`_CRD_BOUNDS`).
+- `_CRD_BOUNDS` adds bounds the CRD needs beyond the wire's (none today: ``fallback.failureThreshold`` 0 is the
+  wire's own minimum since revision 5).
 - The HPA ``behavior`` rules are one struct for ``scaleUp`` and ``scaleDown``, mapped differently (scale-down onto
   the policy, scale-up mostly refused): `PATH_NOTES` describes each by its path, in the CRD and the docs, and
   `REFUSED` lists what the validator refuses with the reason (tests/test_crd.py checks each against it).
@@ -427,12 +427,10 @@ PATH_NOTES: Final[dict[str, str]] = {
     f"{_HPA}.scaleDown.policies[].value": "Replicas, or percent of them, removed per period.",
     "spec.fallback.failureThreshold": "Missed intervals (of `advanced.staleAfterSeconds`, counted from the last "
     "decision with fresh demand) tolerated: the fallback count applies at the next one, as KEDA's failures > "
-    "failureThreshold. `0` (KEDA's CRD allows it: fall back on the first) is read as `1`, with a note.",
+    "failureThreshold; `0` falls back at the first.",
 }
 
-_CRD_BOUNDS: Final[dict[tuple[str, str], dict[str, Any]]] = {
-    ("Fallback", "failureThreshold"): {"minimum": 0},  # KEDA's; the validator reads 0 as 1, with a note
-}
+_CRD_BOUNDS: Final[dict[tuple[str, str], dict[str, Any]]] = {}
 
 REFUSED: Final[dict[str, str]] = {
     # Field -> why the validator refuses it (docs/scaledobject.md "Refused, with the reason").

@@ -32,9 +32,7 @@ reason. What is checked, and why it is stricter than the wire decoder:
   ``authenticationRef`` (nothing to authenticate to), ``horizontalPodAutoscalerConfig.name`` (no HPA is made),
   ``scaleTargetRef.envSourceContainerName`` (a pushed trigger reads no container environment).
 - ``fallback.failureThreshold``: KEDA's meaning, in the policy too (falls back when failures > threshold; a
-  failure is a missed interval of ``advanced.staleAfterSeconds``). ``0`` ("on the first failure"), which KEDA's
-  CRD allows, is below the wire's minimum (`protocol.Fallback`, ``ge=1``), so it is read as 1 with a note saying
-  the fallback comes one interval later than KEDA's; until the wire admits 0.
+  failure is a missed interval of ``advanced.staleAfterSeconds``); ``0`` falls back at the first, as KEDA's.
 - One ScaledObject per model: the autoscaler serves the first and drops a second (``daemon.apply_scaler``), so
   two of one model in one apply are refused naming both (`load_documents`, `load_path`), and `check_models`
   refuses one whose model another key of ``pulse_scalers`` already scales (``apply`` runs it before writing).
@@ -97,7 +95,6 @@ __all__ = [
     "MAX_TEXT_BYTES",
     "MAX_TRIGGERS",
     "NOTE_ENV_SOURCE",
-    "NOTE_FAILURE_THRESHOLD_ZERO",
     "NUMBER_PATTERN",
     "PAUSED_ANNOTATION",
     "PAUSED_REPLICAS_ANNOTATION",
@@ -294,10 +291,6 @@ NOTE_ENV_SOURCE: Final = (
     "spec.scaleTargetRef.envSourceContainerName has no effect: a pushed trigger reads no container environment "
     "(KEDA reads trigger parameters from it; pulsescale's come from metadata)"
 )
-NOTE_FAILURE_THRESHOLD_ZERO: Final = (
-    "spec.fallback.failureThreshold 0 is read as 1 (this version's least): the fallback applies after the second "
-    "missed interval of advanced.staleAfterSeconds, not the first as KEDA's 0 would (failures > failureThreshold)"
-)
 _NOTE_HPA_NAME: Final = (
     "spec.advanced.horizontalPodAutoscalerConfig.name has no effect: pulsescale makes no HPA; it scales the "
     "target itself (warm slots, else the scale subresource)"
@@ -381,16 +374,12 @@ def _keda_triggers(raw_spec: Mapping[str, Any], notes: list[str]) -> dict[str, A
     raw_fallback = raw_spec.get("fallback")
     fallback: Mapping[str, Any] = raw_fallback if isinstance(raw_fallback, Mapping) else {}
     threshold = fallback.get("failureThreshold")
-    if isinstance(threshold, int) and not isinstance(threshold, bool) and threshold <= 0:
-        if threshold < 0:
-            raise ScaledObjectError(
-                "spec.fallback.failureThreshold",
-                f"{threshold}: must be >= 0 (the failures tolerated before the fallback count applies; 0: fall "
-                "back on the first, as KEDA)",
-            )
-        # KEDA gives 0 a meaning (failures > 0: the first failure); the wire's least is 1, one interval later.
-        spec["fallback"] = {**fallback, "failureThreshold": 1}
-        notes.append(NOTE_FAILURE_THRESHOLD_ZERO)
+    if isinstance(threshold, int) and not isinstance(threshold, bool) and threshold < 0:
+        raise ScaledObjectError(
+            "spec.fallback.failureThreshold",
+            f"{threshold}: must be >= 0 (the failures tolerated before the fallback count applies; 0: fall "
+            "back on the first, as KEDA)",
+        )
     advanced = raw_spec.get("advanced")
     if isinstance(advanced, Mapping) and "scalingModifiers" in advanced:
         raise ScaledObjectError(

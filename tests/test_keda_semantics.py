@@ -123,7 +123,7 @@ def test_an_on_call_override_beats_the_scale_in_pause() -> None:
 # --- fallback.behavior --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("threshold", [1, 3])
+@pytest.mark.parametrize("threshold", [0, 1, 3])
 def test_fallback_when_failures_exceed_the_threshold(threshold: int) -> None:
     """KEDA (pkg/fallback/fallback.go): ``NumberOfFailures > FailureThreshold``, so threshold N tolerates N failures
     and falls back on failure N+1. A failure here: an interval of `advanced.staleAfterSeconds`, counted from the

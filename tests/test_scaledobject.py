@@ -750,13 +750,12 @@ def test_env_source_container_name_is_admitted_with_a_note() -> None:
     assert [n for n in rec.notes if "envSourceContainerName" in n] == [scaledobject.NOTE_ENV_SOURCE]
 
 
-def test_fallback_failure_threshold_zero_is_admitted_and_reads_as_the_wire_s_least() -> None:
-    """KEDA falls back when failures > failureThreshold, so 0 is "on the first failure"; the policy now reads the
-    threshold as KEDA does, and the wire's least is 1 (one interval later): the note says so."""
+def test_fallback_failure_threshold_zero_is_admitted_as_keda_s_first_failure() -> None:
+    """KEDA falls back when failures > failureThreshold, so 0 is "on the first failure"; the wire (revision 5) and
+    the policy read it so, without a note."""
     rec = _corpus("34-fallback-failure-threshold-zero.yaml")
-    assert rec.spec.fallback is not None and rec.spec.fallback.failure_threshold == 1
-    assert scaledobject.NOTE_FAILURE_THRESHOLD_ZERO in rec.notes
-    assert "second missed interval" in scaledobject.NOTE_FAILURE_THRESHOLD_ZERO
+    assert rec.spec.fallback is not None and rec.spec.fallback.failure_threshold == 0
+    assert not [n for n in rec.notes if "failureThreshold" in n]
     with pytest.raises(ScaledObjectError, match=r"spec.fallback.failureThreshold: -1: must be >= 0"):
         load(GOOD.replace("  triggers:\n", "  fallback: {failureThreshold: -1, replicas: 2}\n  triggers:\n"))
 

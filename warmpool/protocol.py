@@ -618,8 +618,9 @@ FallbackBehavior = Literal["static", "currentReplicas", "currentReplicasIfHigher
 
 
 class Fallback(_Spec, kw_only=True):
-    failure_threshold: Annotated[int, msgspec.Meta(ge=1)]
-    """Missed sample intervals (of `advanced.staleAfterSeconds`) before the fallback count applies."""
+    failure_threshold: Annotated[int, msgspec.Meta(ge=0)]
+    """Missed intervals (of `advanced.staleAfterSeconds`) tolerated; the fallback applies at the next, as KEDA's
+    failures > failureThreshold (revision 5: 0 admitted, falling back at the first missed interval)."""
     replicas: Count
     behavior: FallbackBehavior = "static"
     """Revision 5, as KEDA: ``static`` uses `replicas`; ``currentReplicas`` keeps the current count;
