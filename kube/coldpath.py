@@ -38,7 +38,7 @@ import kopf
 import nats.errors
 
 from autoscaler.crd import GROUP, PLURAL, VERSION
-from kube import apicall, operator
+from kube import aio, apicall, operator
 from kube.context import OperatorContext
 from kube.events import ObjectRef
 from kube.status import rfc3339
@@ -92,6 +92,8 @@ class ColdPath:
     episodes: dict[str, Episode] = field(default_factory=dict)
     """Per ScaledObject key, the episode as last written (the status is the record; this saves a read)."""
     patches: int = 0
+    rounds: int = 0
+    """Reconciliations from status rows done (each one asks every outstanding request again)."""
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
@@ -129,6 +131,7 @@ class ColdPath:
                 await self._guarded(k.body, row.cold_requested, row.reason)
             elif key in self.episodes or Episode.from_status(k.body.get("status")) is not None:
                 await self._end(k.body)
+        self.rounds += 1
 
     async def _guarded(self, body: Obj, needed: int, reason: str) -> None:
         try:
@@ -251,8 +254,7 @@ class ColdPath:
                     await self.reconcile()
                 except Exception:  # one failed round must not end the cold path; it is logged
                     log.exception("cold path reconciliation failed")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self.ctx.status_every_s)
+                await aio.wait_event(stop, self.ctx.status_every_s)
 
         tasks = [asyncio.create_task(events()), asyncio.create_task(rounds())]
         try:

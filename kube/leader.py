@@ -39,7 +39,7 @@ from typing import Any, Final
 from kubernetes.client import CoordinationV1Api
 from kubernetes.client.exceptions import ApiException
 
-from kube import apicall
+from kube import aio, apicall
 
 __all__ = ["LeaseElector", "LeaseSettings", "default_identity", "run_elected"]
 
@@ -253,21 +253,22 @@ async def run_elected(elector: LeaseElector, act: Act, *, stop: asyncio.Event) -
             why = await _lead(elector, task, stop)
         except BaseException:  # cancelled (or worse): the acting side must not outlive its leader
             elector.give_up()
+            acting_stop.set()  # as well as the cancel, which the acting side may lose (kube/aio.py)
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             raise
         acting_stop.set()
         hard_deadline = elector.lease_lost_at() - s.stop_margin_s
         elector.give_up()  # our own writes check `leading()`: none from here on
-        try:
-            await asyncio.wait_for(asyncio.shield(task), max(0.0, hard_deadline - clock()))
-        except TimeoutError:
+        # asyncio.wait, not wait_for: a cancellation of this task must never be lost (kube/aio.py)
+        await asyncio.wait({task}, timeout=max(0.0, hard_deadline - clock()))
+        if not task.done():
             log.error("the operator did not stop within the lease; cancelling it so two replicas never act at once")
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        except Exception as err:  # noqa: BLE001 - the acting side failed; say so and stand again
-            log.error("the operator stopped with an error: %s", err)
+        elif not task.cancelled() and task.exception() is not None:
+            log.error("the operator stopped with an error: %s", task.exception())
         if why in ("stop", "returned"):
             await elector.release()
         if why == "returned" and not stop.is_set():
@@ -313,7 +314,8 @@ async def _lead(elector: LeaseElector, task: asyncio.Task[None], stop: asyncio.E
                 continue
             try:
                 left = elector.act_until - clock()
-                ok = await asyncio.wait_for(elector.try_acquire_or_renew(), max(0.1, left))
+                async with asyncio.timeout(max(0.1, left)):  # not wait_for, which can lose a cancel (kube/aio.py)
+                    ok = await elector.try_acquire_or_renew()
             except (ApiException, OSError, apicall.ApiUnreachable, TimeoutError) as err:
                 elector.reached = isinstance(err, ApiException) and err.status < 500
                 log.warning("Lease renewal failed: %s", _short(err))
@@ -327,5 +329,4 @@ async def _lead(elector: LeaseElector, task: asyncio.Task[None], stop: asyncio.E
 
 
 async def _sleep_unless(stop: asyncio.Event, seconds: float) -> None:
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(stop.wait(), seconds)
+    await aio.wait_event(stop, seconds)

@@ -44,7 +44,7 @@ from typing import Any, Final
 import kopf
 
 from autoscaler.crd import GROUP, PLURAL, VERSION
-from kube import apicall, operator
+from kube import aio, apicall, operator
 from kube.context import OperatorContext
 from warmpool import protocol
 from warmpool.protocol import SlotRecord
@@ -300,7 +300,9 @@ class StandbyKeeper:
         try:
             await stop.wait()
         finally:
+            # `closed` and a wake-up stop the loop even if the cancellation below is lost (kube/aio.py)
             self.view.closed = True
+            self._wake.set()
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
@@ -311,15 +313,18 @@ class StandbyKeeper:
         try:
             loop = asyncio.get_running_loop()
             next_resync = loop.time()
-            while True:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), max(0.0, next_resync - loop.time()))
+            while not view.closed:
+                await aio.wait_event(self._wake, next_resync - loop.time())
                 self._wake.clear()
+                if view.closed:
+                    break
                 if loop.time() >= next_resync:
                     self.dirty.update(self.bodies)
                     next_resync = loop.time() + self.resync_s
                 work, self.dirty = self.dirty, set()
                 for key in sorted(work):
+                    if view.closed:
+                        break
                     if not self.leading():
                         self.dirty.add(key)  # kept for when (if) this replica leads
                         continue

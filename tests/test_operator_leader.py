@@ -20,7 +20,7 @@ from kubernetes import config as k8s_config
 from nats.aio.client import Client
 from nats.js.kv import KeyValue
 
-from kube import leader
+from kube import aio, leader
 from kube.context import OperatorContext
 from kube.operator import run_operator
 from tests import k8s_api_double
@@ -59,8 +59,7 @@ def writer(api: K8sApiDouble, tmp_path: Path, identity: str, log: list[tuple[str
             await asyncio.to_thread(core.create_namespaced_event, NS, body)
             log.append((identity, time.monotonic()))
             n += 1
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop_flag.wait(), 0.05)
+            await aio.wait_event(stop_flag, 0.05)  # not wait_for: it can lose the "kill" (ta.cancel())
 
     return act
 

@@ -27,7 +27,7 @@ from nats.aio.client import Client
 from autoscaler import daemon
 from autoscaler.leader import LeaseSettings
 from autoscaler.metrics import AutoscalerMetrics
-from kube import coldpath, standby
+from kube import aio, coldpath, standby
 from kube.context import OperatorContext
 from kube.operator import run_operator
 from tests import k8s_api_double
@@ -101,6 +101,7 @@ def api_client(api: K8sApiDouble) -> k8s.ApiClient:
 
 @contextlib.asynccontextmanager
 async def operator(api: K8sApiDouble, nc: Client) -> AsyncIterator[Running]:
+    api.prune_with_crds()  # what the parts write (status.coldPath) must survive the CRD's schema, as on a cluster
     buckets = await ensure_buckets(nc.jetstream(), names=[protocol.SCALERS_BUCKET, protocol.SLOTS_BUCKET])
     client = api_client(api)
     ctx = OperatorContext(
@@ -155,7 +156,12 @@ async def test_standby_pods_are_made_from_the_target_template_to_size(running: R
         assert pod["spec"]["containers"][0]["image"] == "vllm/vllm-openai:v0.9"
         (owner,) = pod["metadata"]["ownerReferences"]
         assert owner["kind"] == "ScaledObject" and owner["uid"] == so["metadata"]["uid"] and owner["controller"]
-    await asyncio.sleep(0.5)
+    # Two more whole reconciles (the second starts only after the first has finished) add no pod.
+    keeper = running.ctx.extra["standby"]
+    for _ in range(2):
+        seen = keeper.reconciles
+        keeper.mark((NS, "qwen"))
+        await running.api.wait_for(lambda: keeper.reconciles > seen, 10, "another reconcile")  # noqa: B023
     assert len(running.standby_pods()) == 2, "more pods than the size"
 
 
@@ -299,6 +305,25 @@ def test_serving_changes_follow_ready_slots() -> None:
     assert flips == []  # already serving it
 
 
+async def test_a_cancel_that_meets_the_wake_up_is_not_lost() -> None:
+    """The keeper's loop ends only by its stop flag or a cancel. On Python 3.11 asyncio.wait_for returns normally when
+    the cancel comes in the same loop iteration as the event it waits for (a slot change as the operator stops), and
+    such a loop ran on: shutdown hung. `aio.wait_event` keeps the cancel (asyncio.wait_for fails this test on 3.11)."""
+    event = asyncio.Event()
+
+    async def loop_until_cancelled() -> None:
+        while True:
+            await aio.wait_event(event, 10)
+            event.clear()
+
+    task = asyncio.create_task(loop_until_cancelled())
+    await asyncio.sleep(0.01)
+    event.set()
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=1)
+    assert done and task.cancelled(), "the cancel was lost: the loop runs on"
+
+
 # --- the cold path --------------------------------------------------------------------------------------------------
 
 
@@ -345,7 +370,9 @@ async def test_the_cold_path_patches_the_scale_subresource_as_an_hpa_once_per_re
         assert "from 1 to 3 replicas" in event["message"]
         # The shortfall lasts (the autoscaler still counts no warm replica): its status rows keep asking for the
         # same 2 every round, and the event may come again; the workload is patched once.
-        await asyncio.sleep(1.5)
+        cold = running.ctx.extra["coldpath"]
+        seen = cold.rounds
+        await running.api.wait_for(lambda: cold.rounds >= seen + 3, 10, "three more cold-path rounds")
         assert len(scale_writes(running.api)) == 1
 
 
