@@ -62,6 +62,7 @@ from kubernetes.client.exceptions import ApiException
 
 from autoscaler import scaledobject
 from autoscaler.crd import GROUP, PLURAL, VERSION
+from kube import aio
 from kube import status as status_mod
 from kube.context import FIELD_MANAGER, OperatorContext, kopf_connection
 from kube.events import EventRecorder, ObjectRef
@@ -282,7 +283,14 @@ class ScaledObjects:
                     record = msgspec.structs.replace(record, created_at=created)
                     changed = previous is None or not scaledobject.same_content(previous, record)
                     if changed:
-                        await self.ctx.scalers.put(key, protocol.encode(record))
+                        # The model first: the autoscaler's first events for it (cold.start) can arrive before
+                        # the put below returns, and `on_nats_event` posts only for objects with a model.
+                        prior_model, known.model = known.model, record.spec.model
+                        try:
+                            await self.ctx.scalers.put(key, protocol.encode(record))
+                        except BaseException:
+                            known.model = prior_model
+                            raise
                         action = "created" if previous is None else "configured"
                         await self.recorder.record(
                             ref, "Normal", "Published",
@@ -516,7 +524,9 @@ class ScaledObjects:
                 "provide them)" + (f": {event.reason}" if event.reason else "")
             )
         for known in list(self.known.values()):
-            if known.model == event.model and known.verdict.ready:
+            # Every object whose published record names the model (also one whose last edit was invalid: its
+            # previous record is in force) but a deleting one; not `verdict.ready`, set only after the put.
+            if known.model == event.model and known.verdict.reason != "Deleting":
                 await self.recorder.record(ObjectRef.of(known.body), event_type, reason, message)  # type: ignore[arg-type]
 
     async def run_loops(self, stop: asyncio.Event) -> None:
@@ -533,8 +543,7 @@ class ScaledObjects:
                     await work()
                 except Exception:
                     log.exception("operator loop round failed")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), period)
+                await aio.wait_event(stop, period)
 
         tasks = [
             asyncio.create_task(events()),

@@ -98,12 +98,14 @@ class Running:
 
         return await self.api.wait_for(check, timeout_s, f"{name}: {kind}={status} {reason or ''}")
 
-    async def wait_reported(self, name: str, timeout_s: float = 10.0) -> dict[str, Any]:
-        """The status once it carries the autoscaler's row (replica counts)."""
+    async def wait_reported(self, name: str, timeout_s: float = 10.0, desired: int | None = None) -> dict[str, Any]:
+        """The status once it carries the autoscaler's row (replica counts), with `desired` replicas if given."""
 
         def check() -> dict[str, Any] | None:
             status = (self.api.try_get(SO, NS, name) or {}).get("status") or {}
-            return status if "desiredReplicas" in status else None
+            if "desiredReplicas" not in status or desired not in (None, status["desiredReplicas"]):
+                return None
+            return status
 
         return await self.api.wait_for(check, timeout_s, f"{name}: the autoscaler's row in the status")
 
@@ -399,8 +401,9 @@ async def test_the_status_subresource_follows_the_autoscaler(
 ) -> None:
     async with autoscaler(nats_server.url), operator(k8s_api, nc) as running:
         running.api.create(SO, NS, scaled_object())
-        status = await running.wait_reported("qwen")
-        # No node agent: the autoscaler wants minReplicaCount and has nothing warm to give.
+        # No node agent: the autoscaler wants minReplicaCount and has nothing warm to give. (Its rows before its
+        # first decision say 0.)
+        status = await running.wait_reported("qwen", desired=1)
         assert (status["desiredReplicas"], status["readyReplicas"], status["warmSlots"]) == (1, 0, 0), status
         assert status["currentReplicas"] == 0 and status["scaleTargetKind"] == "apps/v1.Deployment"
         # The autoscaler's own pulse.events reach the object: with no warm slot it asked the cold path.
