@@ -12,7 +12,8 @@ Start-up checks, each a named error that says what to do (the dispatcher prints 
 Then one replica of possibly several: a candidate for the Lease (kube/leader.py), and while it leads, the operator
 (kube/operator.py `run_operator`). SIGTERM/SIGINT: the operator stops, the Lease is released, exit 0.
 
-``--health-port`` serves ``/healthz`` (200 while the process runs its loop with NATS connected) and ``/readyz``
+``--health-port`` serves ``/healthz`` (200 while the process runs its loop with NATS connected and no background
+loop of the operator has died: `OperatorContext.died`) and ``/readyz``
 (200 while NATS is connected and the last Lease round reached the API server: a standby replica is ready to take
 over); both on 127.0.0.1 unless ``--health-host`` says otherwise (in a pod: its IP from the downward API).
 """
@@ -133,19 +134,23 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-async def _health(settings: OperatorSettings, nc: Client, elector: leader.LeaseElector) -> web.AppRunner | None:
+async def _health(
+    settings: OperatorSettings, nc: Client, elector: leader.LeaseElector, ctx: OperatorContext
+) -> web.AppRunner | None:
     if settings.health_port is None:
         return None
 
     def state() -> dict[str, Any]:
         return {"nats": nc.is_connected, "leading": elector.leading(), "holder": elector.holder,
-                "identity": elector.settings.identity}  # fmt: skip
+                "identity": elector.settings.identity, "died": list(ctx.died),
+                "failures": dict(ctx.failures)}  # fmt: skip
 
     async def healthz(_: web.Request) -> web.Response:
-        return web.json_response(state(), status=200 if nc.is_connected else 503)
+        # A background loop that died (kube/operator.py) leaves the replica doing nothing while it looks fine.
+        return web.json_response(state(), status=200 if nc.is_connected and not ctx.died else 503)
 
     async def readyz(_: web.Request) -> web.Response:
-        ok = nc.is_connected and elector.reached
+        ok = nc.is_connected and elector.reached and not ctx.died
         return web.json_response(state(), status=200 if ok else 503)
 
     app = web.Application()
@@ -178,7 +183,7 @@ async def serve(settings: OperatorSettings, *, stop: asyncio.Event, ready: async
                 namespaces=settings.namespaces, identity=lease.identity, status_every_s=settings.status_every_s,
             )  # fmt: skip
             ctx.extra["leading"] = elector.leading
-            health = await _health(settings, nc, elector)
+            health = await _health(settings, nc, elector, ctx)
             from kube.operator import run_operator as run_kopf  # kopf's import is heavy: after the checks
 
             async def act(stop_flag: asyncio.Event) -> None:

@@ -140,6 +140,9 @@ class ColdPath:
             meta = body.get("metadata") or {}
             log.warning("cold path for %s/%s failed: %s (asked again with the next status)", meta.get("namespace"),
                         meta.get("name"), err)  # fmt: skip
+        except Exception:  # noqa: BLE001 - logged with its traceback by count_failure; a bug met on one object: logged and counted, the others go on
+            meta = body.get("metadata") or {}
+            self.ctx.count_failure("coldpath", f"{meta.get('namespace')}/{meta.get('name')}")
 
     # --- one request ----------------------------------------------------------------------------------------
 
@@ -246,7 +249,10 @@ class ColdPath:
 
         async def events() -> None:
             async for msg in sub.messages:
-                await self.on_event(msg.data)
+                try:
+                    await self.on_event(msg.data)
+                except Exception:  # noqa: BLE001 - logged with its traceback by count_failure; one bad event must not end the subscription
+                    self.ctx.count_failure("coldpath", f"event on {msg.subject}")
 
         async def rounds() -> None:
             while not stop.is_set():

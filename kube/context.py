@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -61,6 +62,17 @@ class OperatorContext:
     max_replicas: int | None = None  # None: the validator's default (or $PULSESCALE_MAX_REPLICAS)
     clock: Callable[[], float] = time.time
     extra: dict[str, Any] = field(default_factory=dict)  # per-part state (kube.standby, kube.coldpath) by name
+    failures: dict[str, int] = field(default_factory=dict)
+    """Unexpected errors survived, per place (e.g. ``standby``): a bug met on one object is logged and counted, and
+    the loop goes on with the others (`count_failure`)."""
+    died: list[str] = field(default_factory=list)
+    """Background work (`kube.operator.BACKGROUND`) that ended with an error before the stop flag: ``/healthz``
+    answers 503 while this is not empty, so the kubelet restarts the replica instead of it idling as if fine."""
+
+    def count_failure(self, where: str, what: str) -> None:
+        """Logs the exception being handled (with its traceback) and counts it under `where`."""
+        self.failures[where] = self.failures.get(where, 0) + 1
+        logging.getLogger("pulsescale.operator").exception("%s: unexpected error on %s; going on", where, what)
 
     @property
     def clusterwide(self) -> bool:

@@ -79,6 +79,7 @@ __all__ = [
     "build_registry",
     "bridge",
     "build_settings",
+    "model_of",
     "run_operator",
 ]
 
@@ -368,7 +369,7 @@ class ScaledObjects:
             if known.verdict.reason != "Deleting":
                 known.verdict = status_mod.Verdict(False, "Deleting", "the ScaledObject is being deleted")
             withdrawn = await self._withdraw(key)
-        model = known.model or _model_of(plain)
+        model = known.model or model_of(plain)
         if withdrawn:
             await self.recorder.record(ref, "Normal", "Unpublished", f"removed {protocol.SCALERS_BUCKET}/{key}")
         # Only a published object's model holds slots on its behalf; an invalid or refused one never did. (Across
@@ -535,7 +536,10 @@ class ScaledObjects:
 
         async def events() -> None:
             async for msg in sub.messages:
-                await self.on_nats_event(msg.data)
+                try:
+                    await self.on_nats_event(msg.data)
+                except Exception:  # noqa: BLE001 - logged with its traceback by count_failure; one bad event must not end the subscription
+                    self.ctx.count_failure("events", f"event on {msg.subject}")
 
         async def every(period: float, work: Callable[[], Awaitable[None]]) -> None:
             while not stop.is_set():
@@ -565,12 +569,16 @@ def _plain(body: Any) -> dict[str, Any]:
     return msgspec.json.decode(msgspec.json.encode(dict(body)))  # type: ignore[no-any-return]
 
 
-def _model_of(body: dict[str, Any]) -> str | None:
-    triggers = (body.get("spec") or {}).get("triggers") or []
-    if triggers and isinstance(triggers[0], dict):
-        model = (triggers[0].get("metadata") or {}).get("model")
-        return model if isinstance(model, str) else None
-    return None
+def model_of(body: Any) -> str | None:
+    """The model a ScaledObject body names (first trigger's ``metadata.model``), None if it names none. Reads any
+    shape without raising: a body here may never have passed the validator (a list for ``metadata``, a string for
+    ``triggers``), and a bug on one object must not stop the loops for every other one."""
+    spec = body.get("spec") if isinstance(body, dict) else None
+    triggers = spec.get("triggers") if isinstance(spec, dict) else None
+    first = triggers[0] if isinstance(triggers, list) and triggers else None
+    metadata = first.get("metadata") if isinstance(first, dict) else None
+    model = metadata.get("model") if isinstance(metadata, dict) else None
+    return model if isinstance(model, str) else None
 
 
 def build_settings(ctx: OperatorContext) -> kopf.OperatorSettings:
@@ -711,6 +719,18 @@ async def run_operator(
         asyncio.create_task(work(stop_flag), name=f"operator-background-{getattr(work, '__qualname__', work)}")
         for work in background
     ]
+
+    def died(task: asyncio.Task[Any]) -> None:
+        # Background work ends only on the stop flag; one that ends otherwise is a bug: said at once, and kept in
+        # ctx.died for /healthz (the replica is restarted rather than idle with a dead loop).
+        if stop_flag.is_set() or task.cancelled():
+            return
+        err = task.exception()
+        ctx.died.append(f"{task.get_name()}: {err!r}" if err is not None else f"{task.get_name()}: returned")
+        log.error("%s ended before the stop flag: %r", task.get_name(), err, exc_info=err)
+
+    for task in loops:
+        task.add_done_callback(died)
     stopped: asyncio.Future[Any] = asyncio.ensure_future(stop_flag.wait())
 
     async def signal_ready() -> None:

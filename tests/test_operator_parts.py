@@ -29,7 +29,7 @@ from autoscaler.leader import LeaseSettings
 from autoscaler.metrics import AutoscalerMetrics
 from kube import aio, coldpath, standby
 from kube.context import OperatorContext
-from kube.operator import run_operator
+from kube.operator import BACKGROUND, FINALIZER, run_operator
 from tests import k8s_api_double
 from tests.k8s_api_double import K8sApiDouble
 from warmpool import connect, protocol
@@ -163,6 +163,49 @@ async def test_standby_pods_are_made_from_the_target_template_to_size(running: R
         keeper.mark((NS, "qwen"))
         await running.api.wait_for(lambda: keeper.reconciles > seen, 10, "another reconcile")  # noqa: B023
     assert len(running.standby_pods()) == 2, "more pods than the size"
+
+
+async def test_a_malformed_scaledobject_neither_stops_the_others_standby_pods_nor_hangs_its_delete(
+    running: Running,
+) -> None:
+    # A trigger `metadata` that is a list: the validator refuses it; the keeper and the finalizer must not trip on
+    # it (they did: an AttributeError ended the standby loop for every object, and the delete retried forever).
+    running.api.create("deployments", NS, deployment())
+    bad = scaled_object("bad", size=1)
+    bad["spec"]["triggers"] = [{"type": "gateway-queue", "metadata": ["model", "g3"]}]
+    bad["spec"]["scaleTargetRef"] = {"name": "other"}
+    running.api.create(SO, NS, bad)
+    await running.api.wait_for(
+        lambda: FINALIZER in (running.api.get(SO, NS, "bad")["metadata"].get("finalizers") or []), 10, "bad handled"
+    )
+    running.api.create(SO, NS, scaled_object(size=2))
+    await running.wait_pods(lambda ps: len(ps) == 2, "two standby pods for the valid object")
+    running.api.delete(SO, NS, "bad")
+    await running.api.wait_for(lambda: running.api.try_get(SO, NS, "bad") is None, 10, "the malformed object gone")
+    assert running.ctx.died == [], "a background loop died"
+
+
+async def test_background_work_that_dies_is_kept_for_healthz(k8s_api: K8sApiDouble, nc: Client) -> None:
+    async with operator(k8s_api, nc) as r:
+        pass  # the parts' loops ran and stopped on the stop flag: none counts as died
+    assert r.ctx.died == []
+
+    async def boom(stop: asyncio.Event) -> None:
+        raise RuntimeError("a bug")
+
+    buckets = await ensure_buckets(nc.jetstream(), names=[protocol.SCALERS_BUCKET, protocol.SLOTS_BUCKET])
+    client = api_client(k8s_api)
+    ctx = OperatorContext(nc=nc, scalers=buckets[protocol.SCALERS_BUCKET], slots=buckets[protocol.SLOTS_BUCKET],
+                          api=client, namespaces=(NS,), extra={BACKGROUND: [boom]})  # fmt: skip
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_operator(ctx, stop_flag=stop))
+    try:
+        await k8s_api.wait_for(lambda: ctx.died, 10, "the dead loop noticed")
+        assert "RuntimeError('a bug')" in ctx.died[0]
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
+        client.close()
 
 
 async def test_a_deleted_or_failed_standby_pod_is_replaced(running: Running) -> None:
