@@ -260,19 +260,25 @@ class ScaledObjects:
                     kwargs["max_replicas"] = self.ctx.max_replicas
                 record = scaledobject.from_manifest(body, **kwargs)
             except scaledobject.ScaledObjectError as err:
-                kept = ""
-                if previous is not None:
-                    kept = f"; generation {previous.generation} (the last valid spec) stays in force"
-                verdict = status_mod.Verdict(False, "InvalidSpec", f"{err}{kept}")
+                if previous is None:
+                    verdict = status_mod.Verdict(False, "InvalidSpec", str(err))
+                else:
+                    # The last valid record runs on: the status keeps describing it (its pause, notes, the
+                    # autoscaler's row for it), only Ready says the edit was refused.
+                    known.model = previous.spec.model
+                    verdict = status_mod.Verdict(
+                        False, "InvalidSpec",
+                        f"{err}; generation {previous.generation} (the last valid spec) stays in force",
+                        paused_by_annotation=previous.paused, notes=tuple(previous.notes),
+                        one_way_pause=_one_way_pause(previous), in_force=True,
+                    )  # fmt: skip
                 await self.recorder.record(ref, "Warning", "InvalidSpec", str(err))
             else:
                 reason, conflict = "TargetConflict", await self._conflict(body, previous is not None)
                 if conflict is None and previous is None:
                     reason, conflict = "ModelConflict", await self._model_conflict(record.spec.model, key)
                 paused_by_annotation = record.paused  # one-way pauses are not Paused (as KEDA): noted in its message
-                one_way = ", ".join(
-                    w for w, on in (("scale-in", record.paused_scale_in), ("scale-out", record.paused_scale_out)) if on
-                )
+                one_way = _one_way_pause(record)
                 if conflict is not None:
                     verdict = status_mod.Verdict(False, reason, conflict)
                     if previous is not None:
@@ -332,7 +338,8 @@ class ScaledObjects:
         """Composes the status and patches it if it differs from what the object carries; Events for mode flips."""
         body = known.body
         meta = body["metadata"]
-        row = self.rows.get(_key(meta["namespace"], meta["name"])) if known.verdict.ready else None
+        in_force = known.verdict.ready or known.verdict.in_force
+        row = self.rows.get(_key(meta["namespace"], meta["name"])) if in_force else None
         now = self.ctx.clock()
         silent = self.rows_at is not None and now - self.rows_at > SILENT_ROUNDS * self.ctx.status_every_s
         composed = status_mod.compose(
@@ -562,6 +569,11 @@ class ScaledObjects:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _one_way_pause(record: protocol.ScalerRecord) -> str:
+    ways = (("scale-in", record.paused_scale_in), ("scale-out", record.paused_scale_out))
+    return ", ".join(way for way, on in ways if on)
 
 
 def _plain(body: Any) -> dict[str, Any]:

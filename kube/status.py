@@ -83,12 +83,28 @@ class Verdict:
     paused_by_annotation: bool = False
     one_way_pause: str = ""  # "scale-in", "scale-out": KEDA's one-way pauses (Paused stays False, as in KEDA)
     notes: tuple[str, ...] = ()
+    in_force: bool = False  # not ready, but an earlier valid record still runs (InvalidSpec of an edit)
 
 
 def _one_way(verdict: Verdict) -> str:
-    return (
-        f"{verdict.one_way_pause} paused by annotation (scaling the other way goes on)" if verdict.one_way_pause else ""
-    )
+    """The Paused=False message: not paused, and a one-way pause if one is on (KEDA's is not Paused either)."""
+    if verdict.one_way_pause:
+        return f"not paused; {verdict.one_way_pause} is paused by annotation (scaling the other way goes on)"
+    return "not paused"
+
+
+def _paused(verdict: Verdict, row: StatusRow) -> tuple[str, str]:
+    """Reason and message of the Paused condition from the autoscaler's row. Paused by an on-call command only
+    when the row carries a ``pause`` override (`pulsescale pause`); otherwise the pause is the annotation's, even in
+    the round where the autoscaler has the new record and this verdict does not (or the reverse)."""
+    if not row.paused:
+        return "NotPaused", _one_way(verdict)
+    override = row.override
+    if override is not None and override.kind == "pause":
+        holding = f" (holding {override.replicas})" if override.replicas is not None else ""
+        by = f" by {override.by}" if override.by else ""
+        return "PausedByCommand", f"paused by an on-call command{holding}{by}"
+    return "PausedByAnnotation", "paused by annotation"
 
 
 def _condition(
@@ -149,9 +165,8 @@ def compose(
         for kind in _UNKNOWABLE:
             conditions.append(_condition(previous, kind, "Unknown", "AutoscalerNotReporting", why, generation, now))
         conditions.append(
-            _condition(previous, "Paused", "True" if row.paused else "False",
-                       "PausedByAnnotation" if row.paused and verdict.paused_by_annotation else
-                       "PausedByCommand" if row.paused else "NotPaused", "", generation, now)
+            _condition(previous, "Paused", "True" if row.paused else "False", *_paused(verdict, row), generation,
+                       now)
         )  # fmt: skip
     else:
         # As KEDA's Active: the trigger's demand is above its activation threshold now, i.e. the autoscaler saw
@@ -177,13 +192,7 @@ def compose(
                        "metrics are stale beyond fallback.failureThreshold; holding the fallback count"
                        if row.fallback else "", generation, now)
         )  # fmt: skip
-        if row.paused:
-            how = "PausedByAnnotation" if verdict.paused_by_annotation else "PausedByCommand"
-            message = "paused by annotation" if verdict.paused_by_annotation else "paused by an on-call command"
-            if row.override is not None:
-                message += f" (holding {row.override.replicas})" if row.override.replicas is not None else ""
-        else:
-            how, message = "NotPaused", _one_way(verdict)
+        how, message = _paused(verdict, row)
         conditions.append(
             _condition(previous, "Paused", "True" if row.paused else "False", how, message, generation, now)
         )
@@ -257,13 +266,15 @@ _CHANGE_EVENTS: Final[dict[tuple[str, str], tuple[str, str]]] = {
 
 def mode_changes(before: dict[str, Any] | None, after: dict[str, Any]) -> list[ModeChange]:
     """The Active/Fallback/Paused conditions whose status changed from `before` to `after` (status bodies), except
-    from or to Unknown (no news)."""
+    from or to Unknown (no news); and Paused=True on the first status (created paused)."""
     old = {c.get("type"): c for c in (before or {}).get("conditions") or []}
     out = []
     for cond in after.get("conditions") or []:
         kind, status = cond.get("type"), cond.get("status")
         prior = (old.get(kind) or {}).get("status")
-        if (kind, status) in _CHANGE_EVENTS and prior not in (None, "Unknown", status):
+        # A first status that is already paused is news too (an object created paused); other first values not.
+        first_pause = prior is None and (kind, status) == ("Paused", "True")
+        if (kind, status) in _CHANGE_EVENTS and (first_pause or prior not in (None, "Unknown", status)):
             event_type, reason = _CHANGE_EVENTS[(kind, status)]
             out.append(ModeChange(kind, status, event_type, reason, cond.get("message") or reason))
     return out

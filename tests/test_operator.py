@@ -252,7 +252,7 @@ async def test_kedas_pause_annotations_republish_the_record(running: Running) ->
     # As KEDA: a one-way pause is not Paused; the condition's message says what is held.
     await running.api.wait_for(
         lambda: (c := running.condition("qwen", "Paused")) and c["status"] == "False"
-        and c["message"].startswith("scale-in paused by annotation"), what="Paused=False naming the scale-in pause",
+        and "scale-in is paused by annotation" in c["message"], what="Paused=False naming the scale-in pause",
     )  # fmt: skip
     patch = {"metadata": {"annotations": {"autoscaling.keda.sh/paused-scale-in": None,
                                           "autoscaling.keda.sh/paused-scale-out": "true"}}}  # fmt: skip
@@ -533,6 +533,61 @@ def test_conditions_keep_their_transition_time_and_flips_become_events() -> None
     [change] = st.mode_changes(first, second)
     assert (change.type, change.event_type, change.reason) == ("Fallback", "Warning", "FallbackActivated")
     assert not st.differs(second, {**first, **second})  # nothing new: no patch
+
+
+def test_pause_events_name_who_paused_and_a_resume_says_it_resumed() -> None:
+    from kube import status as st
+
+    body: dict[str, Any] = scaled_object()
+    row = protocol.StatusRow(
+        model="qwen", scaler="inference.qwen", desired=2, ready=2, activating=0, warm=0, key="inference.qwen",
+        paused=True,
+    )  # fmt: skip
+    # The autoscaler paused by the record's annotation, in the round before this verdict knows it: not on-call.
+    plain = st.Verdict(True, "ScalerPublished", "published")
+    created = st.body_of(st.compose(body, plain, row, now=1000.0))
+    paused = {c["type"]: c for c in created["conditions"]}["Paused"]
+    assert (paused["reason"], paused["message"]) == ("PausedByAnnotation", "paused by annotation"), paused
+    # Created already paused: the first status is news (a Paused Event).
+    [change] = st.mode_changes(None, created)
+    assert (change.reason, change.message) == ("Paused", "paused by annotation")
+    # An on-call pause is the one with a pause override.
+    command = protocol.Override(kind="pause", replicas=3, by="alice")
+    by_command = st.compose(body, plain, msgspec.structs.replace(row, override=command), now=1000.0)
+    assert {c.type: c.message for c in by_command.conditions}[
+        "Paused"
+    ] == "paused by an on-call command (holding 3) by alice"
+    # Resumed, with a one-way pause left: the message says it is resumed first.
+    one_way = st.Verdict(True, "ScalerPublished", "published", one_way_pause="scale-in")
+    body["status"] = created
+    resumed = st.body_of(st.compose(body, one_way, msgspec.structs.replace(row, paused=False), now=1001.0), created)
+    [change] = st.mode_changes(created, resumed)
+    assert change.reason == "Resumed" and change.message.startswith("not paused; scale-in is paused"), change
+
+
+async def test_an_invalid_edit_keeps_the_status_of_the_record_in_force(running: Running) -> None:
+    so = scaled_object()
+    so["metadata"]["annotations"] = {"pulsescale.io/paused": "true"}
+    running.api.create(SO, NS, so)
+    await running.wait_condition("qwen", "Ready", "True", "ScalerPublished")
+    operator_so = running.ctx.extra["scaledobjects"]
+    # The autoscaler's row for it (no autoscaler runs here: the status round keeps the rows it has).
+    operator_so.rows["inference.qwen"] = protocol.StatusRow(
+        model="qwen", scaler="inference.qwen", desired=2, ready=2, activating=0, warm=0, key="inference.qwen",
+        paused=True,
+    )  # fmt: skip
+    operator_so.rows_at = None
+    await running.api.wait_for(
+        lambda: (running.api.get(SO, NS, "qwen").get("status") or {}).get("desiredReplicas") == 2, what="desired 2"
+    )
+    running.api.patch(SO, NS, "qwen", {"spec": {"maxReplicaCount": 0}})
+    await running.wait_condition("qwen", "Ready", "False", "InvalidSpec")
+    await asyncio.sleep(0.7)  # two status rounds
+    status = running.api.get(SO, NS, "qwen")["status"]
+    conditions = {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+    assert conditions["Paused"] == ("True", "PausedByAnnotation"), conditions
+    assert conditions["Active"] == ("False", "ScalerNotActive"), conditions
+    assert (status.get("desiredReplicas"), status.get("readyReplicas")) == (2, 2), status
 
 
 async def test_deleting_a_never_published_scaledobject_does_not_wait_for_slots(running: Running) -> None:
