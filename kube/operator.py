@@ -15,6 +15,10 @@ What it does with a ScaledObject (`ScaledObjects`):
 - an invalid body: ``Ready=False InvalidSpec`` with the validator's message, a Warning Event, nothing published.
   A previously published valid version stays in force (as ``kubectl apply`` refusing a bad edit leaves the running
   one): deleting it would drop the workload to zero for a typo. The condition says which generation is in force.
+- a scale target that does not exist, or of a kind other than Deployment/StatefulSet (no pod template, no scale
+  subresource here): ``Ready=False ScaleTargetNotFound`` / ``ScaleTargetUnsupported`` and a Warning Event, as KEDA
+  keeps such an object not Ready; the record is published all the same (its warm slots serve without the
+  workload; only standby pods and the cold path need it). A missing target is re-checked every status round.
 - a second ScaledObject, or an HPA, targeting the same workload (namespace, kind, name): ``Ready=False
   TargetConflict`` naming the other object, a Warning Event, nothing published for it. Between ScaledObjects the
   published one keeps the target (else the oldest by creationTimestamp, then name); an HPA always wins (the operator
@@ -99,8 +103,8 @@ BACKGROUND: Final = "background"
 """``ctx.extra[BACKGROUND]``: a list of ``async (stop: asyncio.Event) -> None`` that `register` of a part may append
 to; `run_operator` runs each on the caller's loop beside kopf until the stop flag is set (e.g. a NATS watch)."""
 SILENT_ROUNDS: Final = 3  # unanswered status rounds before Active/Fallback say the autoscaler is not reporting
-RECHECKED_REASONS: Final = frozenset({"TargetConflict", "ModelConflict"})
-"""Refusals that end when another object goes: re-checked every status round."""
+RECHECKED_REASONS: Final = frozenset({"TargetConflict", "ModelConflict", "ScaleTargetNotFound"})
+"""Refusals that end when another object goes (or the target comes): re-checked every status round."""
 BACKGROUND_STOP_S: Final = 5.0  # how long run_operator waits for background work to end after the stop flag
 READY_POLL_S: Final = 0.05  # how often run_operator looks whether kopf (in its thread) is ready
 RESTORABLE_KINDS: Final = ("Deployment", "StatefulSet")  # scale targets the restore step knows how to patch
@@ -305,15 +309,45 @@ class ScaledObjects:
                             f"{record.spec.model})",
                         )  # fmt: skip
                     known.model = record.spec.model
+                    published = f"published to {protocol.SCALERS_BUCKET} as {key} (model {record.spec.model})"
+                    missing = await self._target_problem(body)
                     verdict = status_mod.Verdict(
-                        True, "ScalerPublished",
-                        f"published to {protocol.SCALERS_BUCKET} as {key} (model {record.spec.model})",
+                        missing is None, "ScalerPublished" if missing is None else missing[0],
+                        published if missing is None else f"{missing[1]}; {published}: its warm slots still serve",
                         paused_by_annotation=paused_by_annotation, notes=tuple(record.notes),
-                        one_way_pause=one_way,
+                        one_way_pause=one_way, in_force=missing is not None,
                     )  # fmt: skip
+                    if missing is not None and known.verdict.reason != missing[0]:
+                        await self.recorder.record(ref, "Warning", missing[0], missing[1])
             known.verdict = verdict
             await self._write_status(known)
             return verdict
+
+    async def _target_problem(self, body: dict[str, Any]) -> tuple[str, str] | None:
+        """(reason, message) when the scale target cannot be scaled: absent, or a kind with no pod template and no
+        scale subresource here (KEDA keeps such a ScaledObject not Ready). The record is published anyway: the warm
+        pool serves the model without the workload, only standby pods and the cold path need it."""
+        target = _target(body)
+        if target is None:
+            return None
+        kind, name = target
+        namespace = body["metadata"]["namespace"]
+        # Its scale subresource: what the cold path and the restore write (and a small read).
+        read = {"Deployment": self.ctx.apps.read_namespaced_deployment_scale,
+                "StatefulSet": self.ctx.apps.read_namespaced_stateful_set_scale}.get(kind)  # fmt: skip
+        if read is None:
+            return ("ScaleTargetUnsupported",
+                    f"scaleTargetRef kind {kind} has no pod template and no scale subresource pulsescale can use: "
+                    f"point it at a {' or '.join(RESTORABLE_KINDS)}")  # fmt: skip
+        try:
+            await self.ctx.call(read, name, namespace)
+        except ApiException as err:
+            if err.status == 404:
+                return ("ScaleTargetNotFound",
+                        f"scaleTargetRef {kind}/{name} does not exist in {namespace}: create it or fix the name; "
+                        "no standby pods and no cold path until then")  # fmt: skip
+            log.debug("reading %s/%s/%s: %s", namespace, kind, name, err)  # unknown: not held against the object
+        return None
 
     async def _read_record(self, key: str) -> protocol.ScalerRecord | None:
         try:

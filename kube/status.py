@@ -44,6 +44,8 @@ READY_REASONS: Final = (
     "InvalidSpec",  # the shared validator refused it; the message is its error
     "TargetConflict",  # another ScaledObject or an HPA scales the same workload
     "ModelConflict",  # another ScaledObject's record already scales the same model
+    "ScaleTargetNotFound",  # published, but the scaleTargetRef workload does not exist (KEDA: not Ready)
+    "ScaleTargetUnsupported",  # published, but the target's kind is not a Deployment or StatefulSet
     "Deleting",  # the finalizer runs: record removed, waiting for the model's slots
     "Pending",  # seen, not handled yet
 )

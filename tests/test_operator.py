@@ -39,6 +39,9 @@ NS = "inference"
 SO = "scaledobjects"
 
 
+TARGETS = ("qwen", "other", "llama", "chat", "batch")  # the Deployments the tests' ScaledObjects scale
+
+
 def scaled_object(name: str = "qwen", *, model: str = "qwen", target: str = "qwen", **spec: Any) -> dict[str, Any]:
     body: dict[str, Any] = {
         "apiVersion": "pulsescale.io/v1alpha1",
@@ -129,6 +132,9 @@ async def operator(api: K8sApiDouble, nc: Client, *, create: bool = True, **sett
         await ensure_buckets(nc.jetstream(), names=[protocol.SCALERS_BUCKET, protocol.SLOTS_BUCKET])
     buckets = await open_buckets(nc)
     api.prune_with_crds()  # what the operator writes must survive the CRD's schema, as on a cluster
+    for target in settings.pop("targets", TARGETS):  # a missing scale target makes Ready=False ScaleTargetNotFound
+        if api.try_get("deployments", NS, target) is None:
+            api.create("deployments", NS, {"metadata": {"name": target, "namespace": NS}, "spec": {"replicas": 1}})
     client = api_client(api)
     ctx = OperatorContext(
         nc=nc, scalers=buckets[protocol.SCALERS_BUCKET], slots=buckets[protocol.SLOTS_BUCKET], api=client,
@@ -323,8 +329,7 @@ async def test_delete_gives_up_waiting_after_the_bound_and_says_so(k8s_api: K8sA
 
 
 async def test_delete_restores_the_original_replica_count(running: Running) -> None:
-    running.api.create("deployments", NS, {
-        "metadata": {"name": "qwen"},
+    running.api.patch("deployments", NS, "qwen", {
         "spec": {"replicas": 5, "selector": {"matchLabels": {"app": "qwen"}},
                  "template": {"metadata": {"labels": {"app": "qwen"}},
                               "spec": {"containers": [{"name": "vllm", "image": "vllm"}]}}},
@@ -335,7 +340,7 @@ async def test_delete_restores_the_original_replica_count(running: Running) -> N
     running.api.delete(SO, NS, "qwen")
     await running.api.wait_for(lambda: running.api.try_get(SO, NS, "qwen") is None, what="the CR to go")
     assert running.api.get("deployments", NS, "qwen")["spec"]["replicas"] == 2
-    [scale] = [r for r in running.api.requests if r.subresource == "scale"]
+    [scale] = [r for r in running.api.requests if r.subresource == "scale" and r.method == "PATCH"]
     assert (scale.method, scale.path, scale.body) == (
         "PATCH",
         f"/apis/apps/v1/namespaces/{NS}/deployments/qwen/scale",
@@ -345,14 +350,14 @@ async def test_delete_restores_the_original_replica_count(running: Running) -> N
 
 
 async def test_without_restore_the_workload_keeps_its_replicas(running: Running) -> None:
-    running.api.create("deployments", NS, {"metadata": {"name": "qwen"}, "spec": {"replicas": 5}})
+    running.api.patch("deployments", NS, "qwen", {"spec": {"replicas": 5}})
     running.api.create(SO, NS, scaled_object())
     await running.wait_condition("qwen", "Ready", "True")
     running.api.patch(SO, NS, "qwen", {"status": {"originalReplicaCount": 2}}, subresource="status")
     running.api.delete(SO, NS, "qwen")
     await running.api.wait_for(lambda: running.api.try_get(SO, NS, "qwen") is None, what="the CR to go")
     assert running.api.get("deployments", NS, "qwen")["spec"]["replicas"] == 5
-    assert not [r for r in running.api.requests if r.subresource == "scale"]
+    assert not [r for r in running.api.requests if r.subresource == "scale" and r.method == "PATCH"]
 
 
 async def send_demand(nc: Client, model: str, *, queue_depth: int, seconds: float, every_s: float = 0.1) -> None:
@@ -588,6 +593,25 @@ async def test_an_invalid_edit_keeps_the_status_of_the_record_in_force(running: 
     assert conditions["Paused"] == ("True", "PausedByAnnotation"), conditions
     assert conditions["Active"] == ("False", "ScalerNotActive"), conditions
     assert (status.get("desiredReplicas"), status.get("readyReplicas")) == (2, 2), status
+
+
+async def test_a_missing_or_unsupported_scale_target_is_not_ready_and_says_so(running: Running) -> None:
+    # Published (warm slots serve without the workload) but not Ready, as KEDA keeps such an object, with an Event.
+    running.api.create(SO, NS, scaled_object("ghost", model="ghost", target="nowhere"))
+    cond = await running.wait_condition("ghost", "Ready", "False", "ScaleTargetNotFound")
+    assert "Deployment/nowhere does not exist" in cond["message"], cond["message"]
+    assert await running.record(f"{NS}.ghost") is not None
+    await running.api.wait_for(lambda: running.events("ghost", "ScaleTargetNotFound"), what="a Warning Event")
+    # The workload comes: Ready within a status round.
+    running.api.create("deployments", NS, {"metadata": {"name": "nowhere", "namespace": NS}, "spec": {"replicas": 1}})
+    await running.wait_condition("ghost", "Ready", "True", "ScalerPublished")
+
+    pod = scaled_object("pod", model="pod", target="p")
+    pod["spec"]["scaleTargetRef"] = {"apiVersion": "v1", "kind": "Pod", "name": "p"}
+    running.api.create(SO, NS, pod)
+    cond = await running.wait_condition("pod", "Ready", "False", "ScaleTargetUnsupported")
+    assert "kind Pod" in cond["message"], cond["message"]
+    await running.api.wait_for(lambda: running.events("pod", "ScaleTargetUnsupported"), what="a Warning Event")
 
 
 async def test_deleting_a_never_published_scaledobject_does_not_wait_for_slots(running: Running) -> None:

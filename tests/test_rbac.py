@@ -67,7 +67,7 @@ async def test_every_request_of_the_operator_is_allowed_by_its_role(
     # All namespaces, as deployed (kopf lists and watches cluster-wide).
     async with autoscaler(nats_server.url), operator(k8s_api, nc, namespaces=()) as running:
         api = running.api
-        api.create("deployments", NS, {"metadata": {"name": "qwen"}, "spec": {"replicas": 3}})
+        api.patch("deployments", NS, "qwen", {"spec": {"replicas": 3}})  # made by operator() (tests/test_operator.py)
         api.create(SO, NS, scaled_object(advanced={"restoreToOriginalReplicaCount": True}))
         await running.wait_reported("qwen")
         api.patch(SO, NS, "qwen", {"metadata": {"annotations": {"autoscaling.keda.sh/paused": "true"}}})
@@ -94,6 +94,7 @@ async def test_every_request_of_the_operator_is_allowed_by_its_role(
         ("list", "autoscaling", "horizontalpodautoscalers", ""),
         ("create", "", "events", ""),
         ("patch", "apps", "deployments", "scale"),
+        ("get", "apps", "deployments", "scale"),  # the scale target is checked (Ready=False ScaleTargetNotFound)
     ]:
         assert needed in made, f"the scenario never made {needed}"
     refused = sorted({f"{r.verb} {r.group or 'core'}/{r.resource}{'/' + r.subresource if r.subresource else ''} "
