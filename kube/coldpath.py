@@ -20,9 +20,14 @@ For each ScaledObject of the model (published, ``Ready``), one request of `neede
 - says what it did in a Kubernetes Event on the ScaledObject (``ColdPathScaled``, or ``ColdPathAtMax`` when the
   cap holds it back).
 
-Writes are made only while this replica leads (``ctx.extra["leading"]``). The cold path only adds replicas: the
-workload keeps them until the ScaledObject is deleted (and restored) or someone scales it; the warm pool serves
-the next pulse.
+Writes are made only while this replica leads (``ctx.extra["leading"]``).
+
+The cold path only ever raises the target; nothing here lowers it. The workload keeps the replicas it was given
+when the shortfall ends, when the autoscaler's desired count falls, and when a pause (``paused-replicas: "0"``
+included) holds the model lower: the pause holds pulsescale's slots, not the Deployment. They go only when someone
+scales the workload, or when the ScaledObject is deleted with ``advanced.restoreToOriginalReplicaCount``. So a new
+episode counts from ``status.originalReplicaCount`` (`scale_to`), not from the replicas an earlier episode left:
+``max(current, min(original + needed, maxReplicaCount))``, so successive shortfalls do not stack.
 """
 
 from __future__ import annotations
@@ -78,9 +83,16 @@ class Episode:
             return None
 
 
-def scale_to(current: int, needed: int, max_replicas: int, episode: Episode | None) -> tuple[int, Episode]:
-    """The replica count to patch to (== `current`: no patch) and the episode after this request. Pure."""
-    base = episode.from_replicas if episode is not None else current
+def scale_to(
+    current: int, needed: int, max_replicas: int, episode: Episode | None, original: int | None = None
+) -> tuple[int, Episode]:
+    """The replica count to patch to (== `current`: no patch) and the episode after this request. Pure.
+
+    A new episode counts from `original` (``status.originalReplicaCount``, the count before the cold path first
+    raised it) when there is one, not from `current`: replicas an earlier episode added are still there, and
+    stacking each shortfall on top of them climbed 1 -> 4 -> 6 -> 8 while the autoscaler wanted 2."""
+    start = current if original is None else min(original, current)  # scaled below it since: from there
+    base = episode.from_replicas if episode is not None else start
     target = min(base + needed, max_replicas)
     target = max(target, current)  # the cold path only adds
     return target, Episode(needed, base, target)
@@ -171,7 +183,8 @@ class ColdPath:
             cap = int(spec.get("maxReplicaCount") or _MAX_DEFAULT)
             if self.ctx.max_replicas is not None:
                 cap = min(cap, self.ctx.max_replicas)
-            to, episode = scale_to(current, needed, cap, episode)
+            original = status.get("originalReplicaCount")
+            to, episode = scale_to(current, needed, cap, episode, original if isinstance(original, int) else None)
             status_patch: Obj = {COLD_PATH_STATUS: episode.to_status(self.ctx.clock())}
             if to > current and status.get("originalReplicaCount") is None:
                 status_patch["originalReplicaCount"] = current  # before the first change

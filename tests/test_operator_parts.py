@@ -467,6 +467,16 @@ def test_scale_to(current: int, needed: int, cap: int, episode: coldpath.Episode
     assert coldpath.scale_to(current, needed, cap, episode)[0] == to
 
 
+def test_a_new_cold_path_episode_counts_from_the_original_replicas_not_the_last_episodes() -> None:
+    # originalReplicaCount 1; an earlier episode took the workload to 4 and ended. Another shortfall of 2 needs
+    # 1 + 2 = 3 replicas: the 4 there already cover it (it climbed to 6 before).
+    to, episode = coldpath.scale_to(4, 2, 10, None, original=1)
+    assert to == 4 and episode.from_replicas == 1
+    # A larger one raises to original + needed; never below what is there.
+    assert coldpath.scale_to(4, 5, 10, None, original=1)[0] == 6
+    assert coldpath.scale_to(4, 5, 5, None, original=1)[0] == 5
+
+
 # --- `pulsescale operator`, a real process ------------------------------------------------------------------------
 
 
