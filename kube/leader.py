@@ -47,6 +47,9 @@ log = logging.getLogger("pulsescale.operator.leader")
 
 DEFAULT_LEASE_NAME: Final = "pulsescale-operator"
 DEFAULT_LEASE_DURATION_S: Final = 15.0
+RELEASE_TIMEOUT_S: Final = 5.0
+"""Per request of the release on stop: generous (a loaded API server; the pod's grace period is 30 s), as a missed
+release costs the other replica a whole lease duration."""
 _MICROTIME: Final = "%Y-%m-%dT%H:%M:%S.%fZ"  # metav1.MicroTime, as the API server writes it
 
 
@@ -220,13 +223,14 @@ class LeaseElector:
         s = self.settings
         self.give_up()
         try:
-            lease = await apicall.call(self.api.read_namespaced_lease, s.name, s.namespace, _request_timeout=2.0)
+            timeout = RELEASE_TIMEOUT_S
+            lease = await apicall.call(self.api.read_namespaced_lease, s.name, s.namespace, _request_timeout=timeout)
             spec = lease.get("spec") or {}
             if spec.get("holderIdentity") != s.identity:
                 return
             body = {**lease, "spec": {**spec, "holderIdentity": "", "leaseDurationSeconds": 1,
                                       "renewTime": _microtime(self._wall())}}  # fmt: skip
-            await apicall.call(self.api.replace_namespaced_lease, s.name, s.namespace, body, _request_timeout=2.0)
+            await apicall.call(self.api.replace_namespaced_lease, s.name, s.namespace, body, _request_timeout=timeout)
             log.info("released Lease %s/%s", s.namespace, s.name)
         except (ApiException, OSError, apicall.ApiUnreachable) as err:
             log.warning("could not release Lease %s/%s (it expires by itself): %s", s.namespace, s.name, err)
@@ -269,7 +273,9 @@ async def run_elected(elector: LeaseElector, act: Act, *, stop: asyncio.Event) -
                 await task
         elif not task.cancelled() and task.exception() is not None:
             log.error("the operator stopped with an error: %s", task.exception())
-        if why in ("stop", "returned"):
+        # Stopping releases whatever ended the leadership: SIGTERM can come while an overdue (or lost) one is
+        # being stopped (under load, with a short lease), and `release` touches the Lease only if it is still ours.
+        if why in ("stop", "returned") or stop.is_set():
             await elector.release()
         if why == "returned" and not stop.is_set():
             await _sleep_unless(stop, s.retry_every_s)

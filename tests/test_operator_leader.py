@@ -178,6 +178,26 @@ async def test_a_leader_cut_off_from_its_lease_stops_acting_before_the_other_sta
     assert b_first > a_last
 
 
+async def test_a_stop_during_an_overdue_renewal_still_releases_the_lease(k8s_api: K8sApiDouble, tmp_path: Path) -> None:
+    # Under load a renewal can be overdue when SIGTERM comes: the release was skipped then (a flake of the
+    # process test: holderIdentity still "op-1" after SIGTERM).
+    a = elector(k8s_api, tmp_path, "op-a")
+    now = [1000.0]
+    a._clock = lambda: now[0]  # moved by hand: the renewal becomes overdue at once
+    stop = asyncio.Event()
+
+    async def act(stop_flag: asyncio.Event) -> None:
+        await stop_flag.wait()  # stopped for the overdue renewal...
+        stop.set()  # ...and SIGTERM meanwhile
+
+    task = asyncio.create_task(leader.run_elected(a, act, stop=stop))
+    async with running(task):
+        await wait_until(a.leading, 5, "a to lead")
+        now[0] += 100
+        await asyncio.wait_for(task, 5)
+    assert k8s_api.get("leases", NS, "pulsescale-operator")["spec"]["holderIdentity"] == ""
+
+
 async def test_a_clean_stop_releases_the_lease_for_an_immediate_handover(k8s_api: K8sApiDouble, tmp_path: Path) -> None:
     acts: list[tuple[str, float]] = []
     a, b = elector(k8s_api, tmp_path, "op-a"), elector(k8s_api, tmp_path, "op-b")
