@@ -849,11 +849,20 @@ def main(argv: Sequence[str] | None = None, prog: str = "pulsescale crd") -> int
         description="Print the ScaledObject CustomResourceDefinition (kubectl apply -f -), generated from the "
         "same types that pulsescale apply and the operator validate with.",
     )
+    from warmpool import output as out  # -o/--json as every printing command has them (issue 11)
+
     what = parser.add_mutually_exclusive_group()
     what.add_argument("--schema", action="store_true", help="print the JSON Schema of spec instead (for editors)")
     what.add_argument("--docs", action="store_true", help="print the Markdown reference (docs/scaledobject.md)")
+    out.add_output_argument(parser)
     args = parser.parse_args(argv)
-    if args.schema:
+    fmt = out.machine(args)
+    if fmt is not None and (args.schema or args.docs):
+        parser.error("-o/--json print the CRD object; --schema and --docs print something else (JSON, Markdown)")
+    if fmt is not None:
+        # The CRD object alone, without render()'s comment header: `-o json` for jq, `-o yaml` for kubectl.
+        sys.stdout.write(out.dump(crd(), fmt) + "\n")
+    elif args.schema:
         sys.stdout.write(json.dumps(spec_json_schema(), indent=2) + "\n")
     elif args.docs:
         sys.stdout.write(docs_markdown())

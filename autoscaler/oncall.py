@@ -95,6 +95,18 @@ def _duration_arg(text: str) -> float:
     return durations.duration_arg()(text)
 
 
+def _timeout_arg(text: str) -> float:
+    """--timeout is also the request's lifetime: the autoscaler refuses one that expires more than
+    `protocol.MAX_REQUEST_TTL_S` ahead (``too_late``), so a longer one is a usage error here, named."""
+    seconds = _duration_arg(text)
+    if seconds > protocol.MAX_REQUEST_TTL_S:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is longer than a request may live ({format_duration(protocol.MAX_REQUEST_TTL_S)}, the "
+            "autoscaler refuses longer ones); give a shorter --timeout"
+        )
+    return seconds
+
+
 def _override_duration_arg(text: str) -> float:
     seconds = _duration_arg(text)
     if seconds > MAX_OVERRIDE_S:
@@ -149,18 +161,24 @@ def default_by(env: dict[str, str] | None = None) -> str:
     return f"{user}@{socket.gethostname()}"[:128]
 
 
-def parser(prog: str, description: str, *, output_extra: Sequence[str] = ()) -> argparse.ArgumentParser:
-    """The options every command sent to the autoscaler shares: --timeout, --by, -o/--json, the NATS flags."""
-    p = argparse.ArgumentParser(prog=prog, description=description)
+def parser(
+    prog: str, description: str, *, output_extra: Sequence[str] = (), by: bool = True
+) -> argparse.ArgumentParser:
+    """The options every command sent to the autoscaler shares: --timeout, --by, -o/--json, the NATS flags.
+    `by` False hides --by (a read-only command has no audit trail to write; still accepted, and still sent)."""
+    p = argparse.ArgumentParser(prog=prog, description=description, epilog=out.TIMES_RULE)
     p.add_argument(
         "--timeout",
-        type=_duration_arg,
+        type=_timeout_arg,
         default=DEFAULT_TIMEOUT_S,
         metavar="DURATION",
         help=f"wait this long for the autoscaler (5s, 500ms, plain seconds); the request expires then too "
         f"[{DEFAULT_TIMEOUT_S:g}s]",
     )
-    p.add_argument("--by", help="who is acting, for the audit trail [$PULSESCALE_USER or user@host]")
+    p.add_argument(
+        "--by",
+        help="who is acting, for the audit trail [$PULSESCALE_USER or user@host]" if by else argparse.SUPPRESS,
+    )
     out.add_output_argument(p, extra=output_extra)
     nats_connect.add_nats_arguments(p)
     return p
@@ -446,14 +464,24 @@ def load_manifests(
     paths: Sequence[str], *, recursive: bool, stdin: TextIO, now: float, max_replicas: int
 ) -> list[scaledobject.Manifest]:
     """Every ScaledObject of ``-f`` (files, directories, ``-`` for stdin; multi-document streams), all checked
-    before any is written; a ``<namespace>.<name>`` defined twice anywhere is refused (the second would win)."""
+    before any is written; a ``<namespace>.<name>`` defined twice anywhere is refused (the second would win).
+    Documents of other kinds (the Deployment and Service beside a ScaledObject) are skipped, one stderr line
+    each: kubectl applies them, `apply` writes only ScaledObjects."""
     manifests: list[scaledobject.Manifest] = []
+    skipped: list[str] = []
     for path in paths:
         if path == "-":
             text = _read_stdin(stdin)
-            manifests += scaledobject.load_documents(text, "<stdin>", updated_at=now, max_replicas=max_replicas)
+            manifests += scaledobject.load_documents(
+                text, "<stdin>", updated_at=now, max_replicas=max_replicas, skipped=skipped
+            )
         else:  # a file or a directory (-R: its subdirectories), read as kubectl apply -f does
-            manifests += scaledobject.load_path(path, recursive=recursive, updated_at=now, max_replicas=max_replicas)
+            manifests += scaledobject.load_path(
+                path, recursive=recursive, updated_at=now, max_replicas=max_replicas, skipped=skipped
+            )
+        for line in skipped:
+            print(line, file=sys.stderr)
+        skipped.clear()
     first: dict[str, scaledobject.Manifest] = {}
     models: dict[str, scaledobject.Manifest] = {}
     for m in manifests:

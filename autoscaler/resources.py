@@ -41,7 +41,7 @@ from warmpool import output as out
 from warmpool.errors import BadMessage, PermissionDenied
 from warmpool.protocol import PoolCommand, PoolReply, PoolSlot, ScalerRecord, StatusCommand, StatusReply, StatusRow
 
-__all__ = ["KINDS", "delete", "describe", "get", "manifest", "scaledobject_rows"]
+__all__ = ["KINDS", "Deleted", "delete", "describe", "get", "manifest", "scaledobject_rows"]
 
 KINDS: Final = {
     "scaledobjects": "scaledobject",
@@ -420,6 +420,7 @@ def _get_parser(prog: str) -> argparse.ArgumentParser:
         "List ScaledObjects (from pulse_scalers, with the autoscaler's status), slots (the warm pool) or models "
         "(the autoscaler's status), as kubectl get does.",
         output_extra=("wide", "name"),
+        by=False,
     )
     p.add_argument("kind", type=_kind_arg, metavar="KIND", help="scaledobjects (so), slots or models")
     p.add_argument("name", nargs="?", metavar="NAME", help="only this one (a slot by its key)")
@@ -597,7 +598,10 @@ def describe_model(row: StatusRow, now: float) -> str:
 
 
 async def _describe(nc: Client, args: argparse.Namespace) -> int:
+    """The text view, or with -o json|yaml the object itself: a ScaledObject as its manifest (what `get so NAME
+    -o` prints), a slot or a model as the autoscaler's reply has it."""
     now = time.time()
+    fmt = out.machine(args)
     if args.kind == "scaledobject":
         key = f"{args.namespace}.{args.name}"
         records = [r for r in await read_scalers(nc) if r.key == key]
@@ -609,44 +613,55 @@ async def _describe(nc: Client, args: argparse.Namespace) -> int:
             )
         rows = await read_status(nc, args, required=False)
         rec = records[0]
-        print(describe_scaledobject(rec, row_for(rec, rows or []), rows is not None, now))
+        row = row_for(rec, rows or [])
+        if fmt is not None:
+            print(out.dump(manifest(rec, row, rows is not None, now), fmt))
+        else:
+            print(describe_scaledobject(rec, row, rows is not None, now))
     elif args.kind == "slot":
         pool = await read_pool(nc, args)
         slots = [s for s in pool.slots if s.key == args.name]
         if not slots:
             raise oncall.CommandFailed(f'slot "{args.name}" not found (`pulsescale get slots` lists them)', 1)
-        print(describe_slot(slots[0]))
+        print(out.dump(slots[0], fmt) if fmt is not None else describe_slot(slots[0]))
     else:
         rows = [r for r in await read_status(nc, args, required=True) or [] if r.model == args.name]
         if not rows:
             raise oncall.CommandFailed(f'model "{args.name}" not found (`pulsescale get models` lists them)', 1)
-        print(describe_model(rows[0], now))
+        print(out.dump(rows[0], fmt) if fmt is not None else describe_model(rows[0], now))
     return 0
 
 
 def describe(argv: list[str], prog: str) -> int:
+    # Its own parser: get's -A, -w, wide and name mean nothing for one object.
     p = oncall.parser(prog, "Show one ScaledObject, slot or model in detail: every field, conditions, notes, "
-                      "pause state and the last decisions with their times.")  # fmt: skip
+                      "pause state and the last decisions with their times; -o json|yaml prints the object.",
+                      by=False)  # fmt: skip
     p.add_argument("kind", type=_kind_arg, metavar="KIND", help="scaledobject (so), slot or model")
-    p.add_argument("name", metavar="NAME")
+    p.add_argument("name", metavar="NAME", help="the ScaledObject's or model's name, or the slot's key")
     p.add_argument("-n", "--namespace", default=scaledobject.DEFAULT_NAMESPACE, help="the ScaledObject's [default]")
     args = p.parse_args(argv)
-    if args.output in out.MACHINE_FORMATS:
-        # The full object is what `get KIND NAME -o` prints; one way to get it.
-        return get([{"scaledobject": "so", "slot": "slots", "model": "models"}[args.kind], *argv], prog)
     return _client(prog, args, "pulsescale-describe", lambda nc: _describe(nc, args))
 
 
 # --- delete --------------------------------------------------------------------------------------------------------
 
 
-async def _delete(nc: Client, keys: list[str], args: argparse.Namespace) -> list[str]:
+class Deleted(msgspec.Struct, kw_only=True):
+    """One ScaledObject as `delete -o json|yaml` reports it."""
+
+    key: str
+    action: str
+    """``deleted``, or ``exists`` with --dry-run (nothing written)."""
+
+
+async def _delete(nc: Client, keys: list[str], args: argparse.Namespace) -> list[Deleted]:
     js = nc.jetstream(timeout=KV_TIMEOUT_S)
     try:
         kv = await js.key_value(protocol.SCALERS_BUCKET)
     except nats.js.errors.BucketNotFoundError:
         kv = None
-    lines = []
+    done: list[Deleted] = []
     for key in keys:
         entry = None
         if kv is not None:
@@ -664,13 +679,13 @@ async def _delete(nc: Client, keys: list[str], args: argparse.Namespace) -> list
                 oncall.EXIT_REFUSED,
             )
         if args.dry_run:
-            lines.append(f"scaledobject {key} deleted (dry run: nothing written)")
+            done.append(Deleted(key=key, action="exists"))
             continue
         assert kv is not None
         # CAS on the revision read: a ScaledObject re-applied meanwhile is not deleted unseen.
         await kv.delete(key, last=entry.revision)
-        lines.append(f"scaledobject {key} deleted")
-    return lines
+        done.append(Deleted(key=key, action="deleted"))
+    return done
 
 
 def delete(argv: list[str], prog: str, *, stdin: Any = None) -> int:
@@ -686,6 +701,7 @@ def delete(argv: list[str], prog: str, *, stdin: Any = None) -> int:
     p.add_argument("-R", "--recursive", action="store_true", help="with -f DIR: its subdirectories too")
     p.add_argument("--ignore-not-found", action="store_true", help="a missing ScaledObject is not an error")
     p.add_argument("--dry-run", action="store_true", help="check that they exist, delete nothing")
+    out.add_output_argument(p)
     nats_connect.add_nats_arguments(p)
     args = p.parse_args(argv)
     if args.filename:
@@ -711,7 +727,7 @@ def delete(argv: list[str], prog: str, *, stdin: Any = None) -> int:
         keys = [f"{args.namespace}.{name}" for name in args.names]
     opts = nats_connect.options_from_args(args, name="pulsescale-delete")
     try:
-        lines = asyncio.run(nats_connect.run_client(opts, lambda nc: _delete(nc, keys, args)))
+        done = asyncio.run(nats_connect.run_client(opts, lambda nc: _delete(nc, keys, args)))
     except oncall.CommandFailed as err:
         print(f"{prog}: {err}", file=sys.stderr)
         return err.code
@@ -722,6 +738,10 @@ def delete(argv: list[str], prog: str, *, stdin: Any = None) -> int:
     except (nats.errors.Error, TimeoutError) as err:
         print(f"{prog}: deleting from {protocol.SCALERS_BUCKET} failed: {err}", file=sys.stderr)
         return oncall.EXIT_REFUSED
-    if lines:
-        print("\n".join(lines))
+    fmt = out.machine(args)
+    if fmt is not None:
+        print(out.dump(done, fmt))  # a list, [] when --ignore-not-found found none
+    elif done:
+        tail = " (dry run: nothing written)"
+        print("\n".join(f"scaledobject {d.key} deleted{tail if d.action == 'exists' else ''}" for d in done))
     return 0

@@ -55,6 +55,10 @@ reason. What is checked, and why it is stricter than the wire decoder:
 - YAML: a mapping with the same key twice is refused with its line (PyYAML would keep the last one silently);
   multi-document streams and a ``kind: List`` with ``items`` read as with kubectl; `load_path` reads a
   directory's ``*.yaml``/``*.yml``/``*.json`` in name order (``-R``: recursively), as ``kubectl apply -f DIR``.
+  Documents of other APIs (a Namespace, Deployment or Service beside the ScaledObject, as deploy/examples/ has)
+  are skipped, each said in `skipped` (kubectl applies them, `pulsescale apply` writes only ScaledObjects); a
+  ScaledObject of any apiVersion, and any kind of the pulsescale.io group, is still checked (a keda.sh one is
+  refused with its hint), and a text or directory where nothing is left is refused.
   A text over `MAX_TEXT_BYTES` is refused before parsing, nesting deeper than `MAX_DEPTH` before composing
   (PyYAML's composer recurses per level: 3,000 levels were a RecursionError traceback), and any other failure of
   the loader is a `ScaledObjectError` too: the operator must never see another exception from here.
@@ -107,6 +111,7 @@ __all__ = [
     "check_models",
     "from_manifest",
     "load_documents",
+    "other_kind",
     "load_path",
     "max_replicas_from_env",
     "same_content",
@@ -276,7 +281,7 @@ _METADATA_NUMBERS: Final = frozenset(f.encode_name for f in _METADATA_INFO.field
 # --- KEDA's fields: what reads as KEDA's, what is refused, what is noted -----------------------------------------
 
 _NOTE_POLLING: Final = (
-    "spec.pollingInterval has no effect: the gateway-queue trigger is pushed by the gateways (every ~300 ms), "
+    "spec.pollingInterval has no effect: the gateway-queue trigger is pushed by the gateways (every 100 ms), "
     "never polled"
 )
 _NOTE_CACHED: Final = (
@@ -830,6 +835,31 @@ def _parse(text: str, source: str) -> list[Any]:
         raise ScaledObjectError("", f"YAML: cannot be read ({type(err).__name__}: {err})", where=source) from None
 
 
+_GROUP: Final = API_VERSION.partition("/")[0]
+
+
+def other_kind(doc: Any) -> str | None:
+    """``Kind namespace/name`` of a document of another API (not ours to write: kubectl applies it), or None for
+    what is checked as a ScaledObject: kind ScaledObject of any apiVersion, any kind of the pulsescale.io group,
+    and a document without a string kind and apiVersion (broken, not foreign)."""
+    if not isinstance(doc, Mapping):
+        return None
+    kind, api = doc.get("kind"), doc.get("apiVersion")
+    if not isinstance(kind, str) or not kind or kind in (KIND, "List") or not isinstance(api, str):
+        return None
+    if api.partition("/")[0] == _GROUP:
+        return None
+    meta = doc.get("metadata")
+    meta = meta if isinstance(meta, Mapping) else {}
+    name, namespace = meta.get("name"), meta.get("namespace")
+    ident = "/".join(str(x) for x in (namespace, name) if isinstance(x, str) and x)
+    return f"{kind} {ident}".rstrip()
+
+
+def _skipped_text(skipped: Sequence[str]) -> str:
+    return f" ({len(skipped)} document(s) of other kinds skipped)" if skipped else ""
+
+
 def _is_list(doc: Any) -> bool:
     return isinstance(doc, Mapping) and doc.get("kind") == "List" and isinstance(doc.get("items"), list)
 
@@ -841,6 +871,7 @@ def load_documents(
     updated_at: float = 0.0,
     max_replicas: int = DEFAULT_MAX_REPLICAS,
     allow_empty: bool = False,
+    skipped: list[str] | None = None,
 ) -> list[Manifest]:
     """Every ScaledObject in a (multi-document) YAML or JSON text; empty documents are skipped but counted; a
     ``kind: List`` document contributes its ``items``.
@@ -848,8 +879,10 @@ def load_documents(
     Raises `ScaledObjectError` for the first bad document, located as ``<source> doc <n>`` (``... items[<i>]``),
     or for YAML that does not parse or repeats a key, located by line and column. Two documents with the same
     ``<namespace>.<name>`` are refused: the second would silently win. A text without any ScaledObject is refused
-    unless `allow_empty`.
+    unless `allow_empty`. Documents of other APIs (`other_kind`) are skipped, each appended to `skipped` as
+    ``skipped <Kind> <namespace>/<name> (<source> doc <n>): not a ScaledObject (kubectl applies it)``.
     """
+    here: list[str] = []
     out: list[Manifest] = []
     seen: dict[str, str] = {}
     models: dict[str, Manifest] = {}
@@ -859,6 +892,12 @@ def load_documents(
             continue
         entries = list(enumerate(doc["items"])) if _is_list(doc) else [(None, doc)]
         for item, body in entries:
+            foreign = other_kind(body)
+            if foreign is not None:
+                here.append(
+                    f"skipped {foreign} ({_where(source, index, item)}): not a ScaledObject (kubectl applies it)"
+                )
+                continue
             try:
                 record = from_manifest(body, updated_at=updated_at, max_replicas=max_replicas)
             except ScaledObjectError as err:
@@ -871,8 +910,11 @@ def load_documents(
             seen[record.key] = m.where.removeprefix(f"{source} ")
             _one_per_model(models, m)
             out.append(m)
+    if skipped is not None:
+        skipped += here
     if not out and not allow_empty:
-        raise ScaledObjectError("", "no ScaledObject in it (the file is empty)", where=source)
+        why = _skipped_text(here) if here else " (the file is empty)"
+        raise ScaledObjectError("", f"no ScaledObject in it{why}", where=source)
     return out
 
 
@@ -926,13 +968,16 @@ def load_path(
     recursive: bool = False,
     updated_at: float = 0.0,
     max_replicas: int = DEFAULT_MAX_REPLICAS,
+    skipped: list[str] | None = None,
 ) -> list[Manifest]:
     """The ScaledObjects of ``-f PATH`` as ``kubectl apply -f`` reads it: a file's documents, or a directory's
     `MANIFEST_SUFFIXES` files in name order (with `recursive`, its subdirectories' too), empty files skipped.
 
     Errors are `ScaledObjectError` located ``<file> doc <n>``; an unreadable file, a directory without any
-    ScaledObject and one ``<namespace>.<name>`` in two files are refused.
+    ScaledObject and one ``<namespace>.<name>`` in two files are refused. Documents of other APIs are skipped
+    and said in `skipped` (`load_documents`).
     """
+    here: list[str] = []
     root = Path(path)
     is_dir = root.is_dir()
     out: list[Manifest] = []
@@ -950,7 +995,10 @@ def load_path(
             text = file.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as err:
             raise ScaledObjectError("", f"cannot read it: {err}", where=str(file)) from None
-        for m in load_documents(text, str(file), updated_at=updated_at, max_replicas=max_replicas, allow_empty=is_dir):
+        found = load_documents(
+            text, str(file), updated_at=updated_at, max_replicas=max_replicas, allow_empty=is_dir, skipped=here
+        )
+        for m in found:
             seen = first.setdefault(m.record.key, m)
             if seen is not m:
                 raise ScaledObjectError(
@@ -958,10 +1006,14 @@ def load_path(
                 )
             _one_per_model(models, m)
             out.append(m)
+    if skipped is not None:
+        skipped += here
     if not out:
         more = "" if recursive else " (add -R for its subdirectories)"
         raise ScaledObjectError(
-            "", f"no ScaledObject in its {', '.join(MANIFEST_SUFFIXES)} files{more}", where=str(root)
+            "",
+            f"no ScaledObject in its {', '.join(MANIFEST_SUFFIXES)} files{more}{_skipped_text(here)}",
+            where=str(root),
         )
     return out
 

@@ -403,8 +403,8 @@ class _Shown:
         print(progress.describe(self.p, time.monotonic()), file=sys.stderr, flush=True)
 
 
-def _verify(args: argparse.Namespace) -> int:
-    """Check a model directory the way staging will, without staging it."""
+def _verify(args: argparse.Namespace, prog: str) -> int:
+    """Check a model directory the way staging will, without staging it; errors are prefixed `prog`."""
     bad = 0
     fmt = out.machine(args)
     results: list[dict[str, object]] = []
@@ -417,7 +417,7 @@ def _verify(args: argparse.Namespace) -> int:
     try:
         sums = modelformat.read_manifest(args.dir)
     except BadModel as err:
-        print(f"verify: {err}", file=sys.stderr)
+        print(f"{prog}: {err}", file=sys.stderr)
         return 1
     sizes = {name: Path(args.dir, name).stat().st_size if Path(args.dir, name).is_file() else 0 for name in sums}
     shown = _Shown(f"verifying {args.dir}", sum(sizes.values()))
@@ -440,7 +440,8 @@ def _verify(args: argparse.Namespace) -> int:
         except (BadWeights, OSError) as err:
             bad += 1
             shown.clear()
-            said(name, False, str(err))
+            # The line already names the file: BadWeights' reason alone, not "name: name: reason".
+            said(name, False, err.reason if isinstance(err, BadWeights) else str(err))
     shown.done()
     if fmt is not None:
         print(out.dump({"dir": str(args.dir), "ok": not bad, "files": results}, fmt))
@@ -533,4 +534,4 @@ def model(argv: list[str], prog: str) -> int:
         return _make_tiny(args)
     if args.cmd == "stage":
         return _stage(args)
-    return _verify(args)
+    return _verify(args, f"{prog} verify")

@@ -97,7 +97,11 @@ def test_model_tools_print_json_and_yaml_on_stdout_only(tmp_path) -> None:  # ty
     r = pulsescale("model", "verify", str(m), "-o", "yaml")
     bad = yaml.safe_load(r.stdout)
     assert r.returncode == 1 and bad["ok"] is False
-    assert [f["detail"] for f in bad["files"] if not f["ok"]] == [f"{shard.name}: sha256 mismatch with the manifest"]
+    assert [f["detail"] for f in bad["files"] if not f["ok"]] == ["sha256 mismatch with the manifest"]
+    r = pulsescale("model", "verify", str(m))  # text: the file named once
+    assert r.returncode == 1 and f"BAD   {shard.name}: sha256 mismatch with the manifest\n" in r.stdout
+    r = pulsescale("model", "verify", str(tmp_path / "nowhere"))
+    assert r.returncode == 1 and r.stderr.startswith("pulsescale model verify: "), r.stderr
 
 
 def test_slots_and_sample_print_json_and_take_durations(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -138,3 +142,23 @@ def test_daemons_take_durations_and_refuse_bad_ones_by_flag() -> None:
     assert r.returncode == 2 and "argument --timeout-s: '1d' is not a duration" in r.stderr and "write 24h" in r.stderr
     r = pulsescale("agent", "--model", ".", "--node", "n", "--lease-s=-3s")
     assert r.returncode == 2 and "argument --lease-s: '-3s' is not a duration" in r.stderr
+
+
+def test_crd_prints_its_object_as_json_or_yaml() -> None:
+    import json
+
+    import yaml
+
+    r = pulsescale("crd", "-o", "json")
+    assert r.returncode == 0, r.stderr
+    crd = json.loads(r.stdout)
+    assert (crd["kind"], crd["metadata"]["name"]) == ("CustomResourceDefinition", "scaledobjects.pulsescale.io")
+    r = pulsescale("crd", "-o", "yaml")
+    assert r.returncode == 0 and yaml.safe_load(r.stdout) == crd
+    r = pulsescale("crd", "--json", "--schema")
+    assert r.returncode == 2 and "--schema and --docs print something else" in r.stderr
+
+
+def test_nats_help_cites_what_ships() -> None:
+    r = pulsescale("nats", "--help")
+    assert r.returncode == 0 and "DESIGN.md" not in r.stdout and "README, 'Security'" in " ".join(r.stdout.split())

@@ -15,10 +15,11 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from autoscaler import oncall
+from autoscaler import oncall, resources
 from autoscaler.commands import CommandService
 from pulsescale import cli as dispatcher
 from tests.test_commands import ControlPlaneDouble, make_spec
+from warmpool import cli as warmpool_cli
 from warmpool import durations
 from warmpool.embedded import NatsServer, free_port
 from warmpool.protocol import AuditRecord, DecisionRow, Override, StatusRow
@@ -96,6 +97,8 @@ def test_durations_parse(text: str, seconds: float) -> None:
         ("0s", "no time at all"),
         ("0h0m", "no time at all"),
         ("0", "no time at all"),
+        ("0.0001ms", "rounds to 0ms, no time at all; the shortest duration is 1ms"),
+        ("0.0004", "rounds to 0ms"),
     ],
 )
 def test_bad_durations_are_refused_clearly(text: str, says: str) -> None:
@@ -142,6 +145,34 @@ def test_timeout_takes_a_duration(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         oncall.status(["--timeout", "5min"], "pulsescale status")
     assert "argument --timeout: '5min' is not a duration such as 500ms" in capsys.readouterr().err
+
+
+def test_timeout_over_a_requests_lifetime_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """The autoscaler refuses a request that expires over an hour ahead (`too_late`, "check the sender's clock"):
+    the parser says the real reason instead."""
+    with pytest.raises(SystemExit) as exc:
+        oncall.scale(["qwen", "--replicas", "3", "--timeout", "2h"], "pulsescale scale")
+    assert exc.value.code == 2
+    assert "argument --timeout: '2h' is longer than a request may live (1h" in capsys.readouterr().err
+    assert oncall.parser("p", "d").parse_args(["--timeout", "1h"]).timeout == 3600
+
+
+def test_help_says_the_time_rule_and_get_hides_by(capsys: pytest.CaptureFixture[str]) -> None:
+    for verb in (oncall.status, oncall.scale, oncall.pool):
+        with pytest.raises(SystemExit):
+            verb(["--help"], "pulsescale x")
+        assert "times are Unix seconds" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit):
+        warmpool_cli.slots(["--help"], "pulsescale slots")
+    assert "times are Unix seconds" in " ".join(capsys.readouterr().out.split())
+    for verb in (resources.get, resources.describe):
+        with pytest.raises(SystemExit):
+            verb(["--help"], "pulsescale x")
+        text = capsys.readouterr().out
+        assert "--by" not in text and "audit" not in text
+    with pytest.raises(SystemExit):
+        oncall.scale(["--help"], "pulsescale scale")
+    assert "--by" in capsys.readouterr().out
 
 
 def test_bad_for_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -45,6 +45,9 @@ metadata:
 """
 
 
+EXAMPLES = Path(__file__).resolve().parent.parent / "deploy" / "examples"
+
+
 @pytest.fixture
 def control() -> ControlPlaneDouble:
     c = ControlPlaneDouble({"qwen": make_spec("qwen", 1, 8), "llama": make_spec("llama", 0, 4)})
@@ -204,6 +207,61 @@ async def test_describe_shows_pause_conditions_and_decisions(cli, service: Comma
     assert code == 0 and any(line.split() == ["State:", "warm"] for line in out.splitlines())
     code, _, err = await cli("describe", "so", "nope")
     assert code == 1 and 'scaledobject "nope" not found in namespace default' in err
+
+
+async def test_describe_prints_json_and_yaml_of_each_kind(cli, service: CommandService) -> None:  # type: ignore[no-untyped-def]
+    """`describe KIND NAME -o json|yaml` (and --json) print the one object; describe's own usage has no -A/-w."""
+    assert (await cli("apply", "-f", "-", stdin=so("qwen", "qwen")))[0] == 0
+    code, out, err = await cli("describe", "so", "qwen", "-o", "json")
+    assert (code, err) == (0, ""), err
+    obj = json.loads(out)
+    assert (obj["kind"], obj["metadata"]["name"], obj["spec"]["maxReplicaCount"]) == ("ScaledObject", "qwen", 8)
+    assert obj["metadata"]["creationTimestamp"].endswith("Z")  # a manifest: RFC 3339, as Kubernetes objects
+    code, out, _ = await cli("describe", "so", "qwen", "--json")
+    assert code == 0 and json.loads(out)["metadata"]["namespace"] == "default"
+    code, out, _ = await cli("describe", "slot", "qwen.node-0.s0", "-o", "yaml")
+    assert code == 0 and yaml.safe_load(out)["key"] == "qwen.node-0.s0"
+    code, out, _ = await cli("describe", "models", "qwen", "-o", "json")
+    row = json.loads(out)
+    assert code == 0 and row["model"] == "qwen" and isinstance(row["decisions"][0]["ts"], float)  # wire: Unix s
+    code, _, err = await cli("describe", "so", "qwen", "-A")
+    assert code == 2 and err.startswith("usage: pulsescale describe") and "-w" not in err.splitlines()[0]
+    code, _, err = await cli("describe", "so", "nope", "-o", "yaml")
+    assert code == 1 and 'scaledobject "nope" not found' in err
+
+
+async def test_apply_and_delete_skip_documents_of_other_kinds(cli, nc: Client, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """README: `pulsescale apply -f deploy/examples/`; its inference-qwen.yaml holds a Namespace, a Deployment and
+    a Service, which kubectl applies: skipped, one stderr line each."""
+    examples = EXAMPLES
+    code, out, err = await cli("apply", "-f", str(examples), "--dry-run")
+    assert code == 0, err
+    assert sorted(line.split()[1] for line in out.splitlines()) == ["default.tiny", "inference.qwen-chat"]
+    skipped = [line for line in err.splitlines() if line.startswith("skipped ")]
+    assert [line.split(" (")[0] for line in skipped] == [
+        "skipped Namespace inference",
+        "skipped Deployment inference/qwen-chat",
+        "skipped Service inference/qwen-chat",
+    ]
+    assert all(line.endswith(": not a ScaledObject (kubectl applies it)") for line in skipped)
+    code, out, err = await cli("apply", "-f", str(examples / "inference-qwen.yaml"))
+    assert (code, out) == (1, "") and "no ScaledObject in it (3 document(s) of other kinds skipped)" in err
+    both = "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n---\n" + so("qwen", "qwen")
+    code, out, err = await cli("apply", "-f", "-", stdin=both)
+    assert code == 0 and out.startswith("scaledobject default.qwen created")
+    assert err == "skipped ConfigMap c (<stdin> doc 1): not a ScaledObject (kubectl applies it)\n"
+    code, out, err = await cli("delete", "-f", "-", "-o", "json", stdin=both)
+    assert code == 0 and json.loads(out) == [{"key": "default.qwen", "action": "deleted"}]
+
+
+async def test_delete_prints_json_and_yaml(cli, service: CommandService, manifests: Path) -> None:  # type: ignore[no-untyped-def]
+    assert (await cli("apply", "-f", str(manifests)))[0] == 0
+    code, out, err = await cli("delete", "so", "qwen", "--dry-run", "-o", "yaml")
+    assert (code, err) == (0, "") and yaml.safe_load(out) == [{"key": "default.qwen", "action": "exists"}]
+    code, out, _ = await cli("delete", "so", "qwen", "llama", "--json")
+    assert code == 0 and [d["key"] for d in json.loads(out)] == ["default.qwen", "default.llama"]
+    code, out, _ = await cli("delete", "so", "qwen", "--ignore-not-found", "-o", "json")
+    assert (code, json.loads(out)) == (0, [])
 
 
 async def test_delete_by_name_and_by_file(cli, service: CommandService, manifests: Path) -> None:  # type: ignore[no-untyped-def]

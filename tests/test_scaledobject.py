@@ -513,6 +513,60 @@ def test_a_kind_list_contributes_its_items() -> None:
         scaledobject.load_documents(yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": items}), "list.yaml")
 
 
+DEPLOYMENT = """\
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: qwen, namespace: inference}
+spec: {replicas: 1}
+"""
+NAMESPACE = "apiVersion: v1\nkind: Namespace\nmetadata: {name: inference}\n"
+
+
+def test_documents_of_other_kinds_are_skipped_and_said() -> None:
+    """deploy/examples/ holds a Namespace, a Deployment and a Service beside the ScaledObjects: kubectl applies
+    those; `apply` skips them, one line each, and still checks every ScaledObject."""
+    skipped: list[str] = []
+    text = NAMESPACE + "---\n" + DEPLOYMENT + "---\n" + GOOD
+    [m] = scaledobject.load_documents(text, "all.yaml", skipped=skipped)
+    assert m.record.key == "default.qwen" and m.where == "all.yaml doc 3"
+    assert skipped == [
+        "skipped Namespace inference (all.yaml doc 1): not a ScaledObject (kubectl applies it)",
+        "skipped Deployment inference/qwen (all.yaml doc 2): not a ScaledObject (kubectl applies it)",
+    ]
+    # Nothing left: refused, saying what was skipped.
+    with pytest.raises(ScaledObjectError, match=r"^d.yaml: no ScaledObject in it \(2 document\(s\) of other kinds"):
+        scaledobject.load_documents(NAMESPACE + "---\n" + DEPLOYMENT, "d.yaml")
+    # A keda.sh ScaledObject, a broken one and an unknown kind of our group are still errors, not skipped.
+    keda = GOOD.replace("pulsescale.io/v1alpha1", "keda.sh/v1alpha1")
+    with pytest.raises(ScaledObjectError, match=r"^k.yaml doc 2: apiVersion: expected pulsescale.io/v1alpha1"):
+        scaledobject.load_documents(DEPLOYMENT + "---\n" + keda, "k.yaml")
+    with pytest.raises(ScaledObjectError, match=r"^b.yaml doc 2: spec.maxReplicaCount"):
+        scaledobject.load_documents(
+            DEPLOYMENT + "---\n" + GOOD.replace("maxReplicaCount: 4", "maxReplicaCount: 0"), "b.yaml"
+        )
+    with pytest.raises(ScaledObjectError, match=r"^j.yaml doc 1: kind: expected ScaledObject, got 'ScaledJob'"):
+        scaledobject.load_documents(GOOD.replace("kind: ScaledObject", "kind: ScaledJob"), "j.yaml")
+    with pytest.raises(ScaledObjectError, match=r"^n.yaml doc 1: kind: expected ScaledObject, got None"):
+        scaledobject.load_documents(GOOD.replace("kind: ScaledObject\n", ""), "n.yaml")
+
+
+def test_the_examples_directory_loads_its_scaledobjects() -> None:
+    skipped: list[str] = []
+    found = scaledobject.load_path(EXAMPLE.parent, skipped=skipped)
+    assert {m.record.key for m in found} == {"inference.qwen-chat", "default.tiny"}
+    assert [line.split(" (")[0] for line in skipped] == [
+        "skipped Namespace inference",
+        "skipped Deployment inference/qwen-chat",
+        "skipped Service inference/qwen-chat",
+    ]
+    with pytest.raises(ScaledObjectError, match=r"no ScaledObject in it \(3 document\(s\) of other kinds skipped\)"):
+        scaledobject.load_path(EXAMPLE.parent / "inference-qwen.yaml")
+
+
+def test_the_polling_note_says_the_gateways_push_interval() -> None:
+    assert "(every 100 ms)" in scaledobject._NOTE_POLLING  # gateway/publisher.py, README: every 100 ms
+
+
 def _named(name: str) -> str:
     """GOOD as another ScaledObject, of its own model (one model, one ScaledObject)."""
     return GOOD.replace("name: qwen\nspec", f"name: {name}\nspec").replace("model: qwen", f"model: {name}")

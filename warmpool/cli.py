@@ -35,7 +35,7 @@ def run_nats(argv: list[str], prog: str) -> int:
     p.add_argument(
         "--secure",
         action="store_true",
-        help="the production layout: a NATS user per role with its permissions (DESIGN.md, 'Trust boundaries'), "
+        help="the production layout: a NATS user per role with its permissions (README, 'Security'), "
         "TLS with a fresh local CA; credentials files under STORE-DIR/secure/credentials (0600)",
     )
     p.add_argument(
@@ -150,7 +150,9 @@ async def _slots(nc: Client, model: str | None, fmt: str | None) -> None:
 
 
 def slots(argv: list[str], prog: str) -> int:
-    p = argparse.ArgumentParser(prog=prog, description="List slots straight from the pulse_slots bucket.")
+    p = argparse.ArgumentParser(
+        prog=prog, description="List slots straight from the pulse_slots bucket.", epilog=out.TIMES_RULE
+    )
     p.add_argument("model", nargs="?", help="only this model's slots")
     out.add_output_argument(p)
     nats_connect.add_nats_arguments(p)

@@ -53,7 +53,8 @@ def parse_duration(text: str, *, allow_zero: bool = False) -> float:
     """``500ms`` → 0.5, ``1.5h`` → 5400, ``1h30m`` → 5400, ``600`` → 600 (plain numbers are seconds).
 
     Units go from the largest down, each at most once (``30m1h`` is refused: it is a typo more often than not).
-    Negative, infinite and (unless `allow_zero`) zero durations are refused.
+    Negative, infinite and (unless `allow_zero`) zero durations are refused, and so are those under half a
+    millisecond: they print as ``0ms`` and act as no time at all.
     """
     raw = text.strip()
     seconds = float(raw) if _PLAIN.fullmatch(raw) else _parse_units(text, raw)
@@ -61,6 +62,8 @@ def parse_duration(text: str, *, allow_zero: bool = False) -> float:
         raise DurationError(f"{text!r} is too long a duration")
     if seconds <= 0 and not allow_zero:
         raise DurationError(f"{text!r} is no time at all; give a duration > 0 such as {EXAMPLES}")
+    if seconds > 0 and round(seconds * 1000) == 0 and not allow_zero:
+        raise DurationError(f"{text!r} rounds to 0ms, no time at all; the shortest duration is 1ms")
     return seconds
 
 

@@ -6,6 +6,10 @@ result's full object on stdout and nothing else there (progress and warnings go 
 list resources (``get``). Tables are kubectl's: upper-case headers, columns left-aligned three spaces apart, no
 colour (nothing here colours, so a pipe or a log gets plain text).
 
+Times in ``-o json|yaml`` follow one rule (`TIMES_RULE`, in the --help of the commands that print them): a wire
+reply or record keeps the wire's Unix seconds, which scripts compare and subtract; a Kubernetes object (a
+ScaledObject manifest) has RFC 3339, as the Kubernetes API prints it.
+
 It lives in warmpool because the node agent's and the gateway's commands print too and may not import the
 autoscaler (the import-linter contracts). Pure: no I/O beyond returning strings.
 """
@@ -20,9 +24,15 @@ from typing import Any, Final
 import msgspec
 import yaml
 
-__all__ = ["MACHINE_FORMATS", "add_output_argument", "dump", "machine", "table"]
+__all__ = ["MACHINE_FORMATS", "TIMES_RULE", "add_output_argument", "dump", "machine", "table"]
 
 MACHINE_FORMATS: Final = ("json", "yaml")
+TIMES_RULE: Final = (
+    "With -o json|yaml, times are Unix seconds (UTC, fractional) as the wire carries them, so scripts compare "
+    "them; only a ScaledObject manifest (`get so -o yaml`, `describe so -o yaml`) has RFC 3339, as Kubernetes "
+    "objects do."
+)
+"""The one rule for times in machine output, said in the --help of every command that prints times."""
 COLUMN_GAP: Final = "   "
 """kubectl's three spaces between columns."""
 
