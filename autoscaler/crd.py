@@ -685,7 +685,7 @@ def spec_json_schema() -> dict[str, Any]:
 # --- the reference page -----------------------------------------------------------------------------------------
 
 NO_EFFECT: Final[dict[str, str]] = {
-    "spec.pollingInterval": "the gateways push a sample every ~300 ms; nothing is polled.",
+    "spec.pollingInterval": "the gateways push a sample every 100 ms; nothing is polled.",
     "spec.triggers[].useCachedMetrics": "every pushed sample is used as it arrives; there is no metrics cache.",
     "spec.triggers[].authenticationRef": "a pushed trigger reads no external system, so it needs no credentials.",
     "spec.advanced.horizontalPodAutoscalerConfig.name": "no HPA is created; the autoscaler itself scales.",

@@ -667,7 +667,7 @@ class Advanced(_Spec, kw_only=True):
     """At most this share of the replicas (and at least one) is removed per `scaleDownPeriodSeconds`."""
     scale_down_period_seconds: Seconds = 60.0
     stale_after_seconds: Seconds = 1.0
-    """A gateway silent this long leaves the demand sum (3 sample intervals of ~300 ms)."""
+    """A gateway silent this long leaves the demand sum (ten of the gateways' 100 ms sample intervals)."""
     lead_time_seconds: Seconds = 2.5
     """Forecast horizon until measured claim -> ready times exist (DESIGN: p90, default 2.5 s)."""
     scale_down_pods: Count | None = None
