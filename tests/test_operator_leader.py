@@ -259,6 +259,9 @@ async def test_two_operators_one_acts_and_the_other_takes_over_when_the_leader_i
             if identity == "op-a":
                 await wait_until(el.leading, 5, "op-a to lead")
         scalers = buckets[protocol.SCALERS_BUCKET]
+        for name in ("first", "second"):  # the scale targets (a missing one is Ready=False ScaleTargetNotFound)
+            workload = {"metadata": {"name": name, "namespace": SO_NS}, "spec": {"replicas": 1}}
+            k8s_api.create("deployments", SO_NS, workload)
         k8s_api.create("scaledobjects", SO_NS, so_body("first"))
         await wait_record(scalers, f"{SO_NS}.first")
         assert not electors["op-b"].leading()
