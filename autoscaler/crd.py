@@ -91,6 +91,19 @@ MAX_LAST_DECISIONS: Final = 10
 """Decisions kept in ``status.lastDecisions`` (newest last): enough to explain the last minutes, small enough that
 the object stays far below etcd's 1.5 MiB."""
 
+ACTIVE_WINDOW_S: Final = 10.0
+"""`scaler_active`'s default: demand above the activation threshold this recently is Active (the operator's two
+status rounds at 5 s; `pulsescale get so` polls once)."""
+
+
+def scaler_active(last_active_at: float | None, now: float, window_s: float = ACTIVE_WINDOW_S) -> bool:
+    """KEDA's ``Active``: the trigger's demand was above its activation threshold within `window_s` (the
+    autoscaler's `StatusRow.last_active_at`), not "it has replicas" (minReplicaCount > 0 is not activity). The one
+    rule of the CR's condition (kube/status.py) and `pulsescale get so` (autoscaler/resources.py); no report of
+    demand yet is not Active."""
+    return last_active_at is not None and now - last_active_at <= window_s
+
+
 ConditionType = Literal["Ready", "Active", "Fallback", "Paused"]
 CONDITION_TYPES: Final[tuple[ConditionType, ...]] = ("Ready", "Active", "Fallback", "Paused")
 ConditionStatus = Literal["True", "False", "Unknown"]

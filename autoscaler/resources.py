@@ -34,7 +34,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
 
-from autoscaler import oncall, scaledobject
+from autoscaler import crd, oncall, scaledobject
 from warmpool import connect as nats_connect
 from warmpool import durations, protocol
 from warmpool import output as out
@@ -58,9 +58,10 @@ KEDA_PAUSED_SCALE_IN: Final = "autoscaling.keda.sh/paused-scale-in"
 KEDA_PAUSED_SCALE_OUT: Final = "autoscaling.keda.sh/paused-scale-out"
 KEDA_PAUSED: Final = "autoscaling.keda.sh/paused"
 KEDA_PAUSED_REPLICAS: Final = "autoscaling.keda.sh/paused-replicas"
-ACTIVE_WITHIN_S: Final = 10.0
-"""ACTIVE is True when demand was above the activation threshold this recently: a few sample intervals (~300 ms
-each) and one status poll, so a live trigger never flickers to False between two reads."""
+ACTIVE_WITHIN_S: Final = crd.ACTIVE_WINDOW_S
+"""ACTIVE is True when demand was above the activation threshold this recently (`crd.scaler_active`, the rule of
+the operator's Active condition too): a few sample intervals (~300 ms each) and one status poll, so a live
+trigger never flickers to False between two reads."""
 DEFAULT_WATCH_EVERY_S: Final = 1.0
 """How often ``-w`` polls: a status request is cheap, and a second is as fast as a person reads rows."""
 KV_TIMEOUT_S: Final = 5.0
@@ -132,9 +133,8 @@ def _tf(value: bool | None) -> str:
 
 
 def _active(row: StatusRow, now: float) -> bool:
-    if row.last_active_at is not None:
-        return now - row.last_active_at <= ACTIVE_WITHIN_S
-    return row.desired > 0  # an autoscaler that does not report it yet: scaled up means active
+    # KEDA's rule, as the CR's condition: replicas (desired > 0) are not activity.
+    return crd.scaler_active(row.last_active_at, now, ACTIVE_WITHIN_S)
 
 
 @dataclass(frozen=True)

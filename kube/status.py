@@ -23,7 +23,15 @@ from typing import Any, Final
 
 import msgspec
 
-from autoscaler.crd import MAX_LAST_DECISIONS, Condition, ConditionStatus, ConditionType, LastDecision
+from autoscaler.crd import (
+    ACTIVE_WINDOW_S,
+    MAX_LAST_DECISIONS,
+    Condition,
+    ConditionStatus,
+    ConditionType,
+    LastDecision,
+    scaler_active,
+)
 from autoscaler.crd import ScaledObjectStatus as ScaledObjectStatus
 from warmpool import protocol
 from warmpool.protocol import StatusRow
@@ -49,9 +57,7 @@ READY_REASONS: Final = (
     "Deleting",  # the finalizer runs: record removed, waiting for the model's slots
     "Pending",  # seen, not handled yet
 )
-DEFAULT_ACTIVE_WINDOW_S: Final = (
-    10.0  # demand above activation this recently makes Active=True (the operator: 2 rounds)
-)
+DEFAULT_ACTIVE_WINDOW_S: Final = ACTIVE_WINDOW_S  # demand above activation this recently: Active (2 rounds)
 _UNKNOWABLE: Final[tuple[ConditionType, ...]] = ("Active", "Fallback")  # only the autoscaler can tell
 _OWNED: Final = (
     "conditions",
@@ -174,7 +180,7 @@ def compose(
         # As KEDA's Active: the trigger's demand is above its activation threshold now, i.e. the autoscaler saw
         # such demand within `active_window_s` (two status rounds), not "it has replicas" (minReplicaCount > 0).
         seen = row.last_active_at
-        active = seen is not None and now - seen <= active_window_s
+        active = scaler_active(seen, now, active_window_s)  # the rule `pulsescale get so` uses too
         # Only what changes with the state: the policy's reason (with its ever-growing "stale 12 s") is in
         # lastDecisions; here it would make every status round a patch.
         detail = f"desired {row.desired}, ready {row.ready}, activating {row.activating}, mode {row.mode}"

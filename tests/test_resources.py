@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import yaml
 from nats.aio.client import Client
@@ -107,9 +108,10 @@ async def test_apply_a_directory_then_get_scaledobjects(cli, service: CommandSer
     assert (code, err) == (0, "")
     lines = out.splitlines()
     assert lines[0].split() == ["NAME", "TARGET", "MIN", "MAX", "READY", "ACTIVE", "FALLBACK", "PAUSED", "AGE"]
-    # qwen is held at 1 (its min): scaled up, so active; llama at 0: not active. Ages are seconds old.
+    # qwen is held at 1 (its min): replicas, but no demand above activation reported, so not active (KEDA's rule,
+    # the CR's Active condition too); llama at 0: not active. Ages are seconds old.
     assert lines[1].split()[:8] == ["llama", "Deployment/llama-server", "0", "4", "True", "False", "False", "False"]
-    assert lines[2].split()[:8] == ["qwen", "Deployment/qwen-server", "1", "8", "True", "True", "False", "False"]
+    assert lines[2].split()[:8] == ["qwen", "Deployment/qwen-server", "1", "8", "True", "False", "False", "False"]
     assert lines[1].split()[8].endswith("s") and len(lines) == 3  # mistral is in another namespace
     # Columns line up as kubectl's: three spaces apart, every row's READY under the header's.
     col = lines[0].index("READY")
@@ -143,7 +145,7 @@ async def test_get_so_yaml_round_trips_through_apply(cli, service: CommandServic
     assert doc["metadata"]["creationTimestamp"].endswith("Z") and "T" in doc["metadata"]["creationTimestamp"]
     assert doc["spec"]["maxReplicaCount"] == 8 and doc["spec"]["triggers"][0]["metadata"]["model"] == "qwen"
     conditions = {c["type"]: c["status"] for c in doc["status"]["conditions"]}
-    assert conditions == {"Ready": "True", "Active": "True", "Fallback": "False", "Paused": "True"}
+    assert conditions == {"Ready": "True", "Active": "False", "Fallback": "False", "Paused": "True"}
     [decision] = doc["status"]["lastDecisions"]
     assert decision["time"].endswith("Z") and decision["desiredReplicas"] == 2
     # What get printed, apply takes back as the same object: nothing to write.
@@ -366,3 +368,20 @@ async def test_apply_refuses_a_model_another_scaledobject_already_scales(cli, nc
     # Another namespace is no escape: the model is one per autoscaler.
     code, _, err = await cli("apply", "-f", "-", stdin=so("qwen-c", "qwen", namespace="prod"))
     assert code == 1 and "qwen is already scaled by default.qwen-b" in err
+
+
+def test_active_is_the_crs_rule_demand_above_activation_not_replicas() -> None:
+    from autoscaler import resources
+    from kube import status as kube_status
+    from warmpool.protocol import StatusRow
+
+    now = 1000.0
+    scaled_up = StatusRow(model="qwen", scaler="default.qwen", desired=3, ready=3, activating=0, warm=0)
+    recent = msgspec.structs.replace(scaled_up, desired=0, last_active_at=now - 2)
+    old = msgspec.structs.replace(scaled_up, last_active_at=now - 60)
+    verdict = kube_status.Verdict(True, "ScalerPublished", "published")
+    for row, expected in ((scaled_up, False), (recent, True), (old, False)):
+        assert resources._active(row, now) is expected, row
+        composed = kube_status.compose({"metadata": {}, "spec": {}}, verdict, row, now)
+        active = {c.type: c.status for c in composed.conditions}["Active"]
+        assert active == ("True" if expected else "False"), row
