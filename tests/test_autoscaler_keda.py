@@ -121,7 +121,10 @@ async def test_deleting_a_scaled_object_releases_its_slots(
 
             await kv.delete(rec.key)
             await wait_for(lambda: not any(r.state in HELD for r in store.records("m")), 5, "m's slots released")
-            assert all(r.state == "warm" and r.claim_id is None for r in store.records("m"))
+            # Released is written first; the agent's write of `warm` (its slot ready again) follows it.
+            await wait_for(
+                lambda: all(r.state == "warm" and r.claim_id is None for r in store.records("m")), 5, "m's slots warm"
+            )
             await wait_for(lambda: sum(e.type == "slot.released" for e in events) == 3, 5, "3 slot.released events")
             released = [e for e in events if e.type == "slot.released"]
             assert all(e.reason == "ScaledObject team.so-m deleted" for e in released)
