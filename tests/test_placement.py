@@ -1,18 +1,27 @@
-"""Placement: which warm slot a claim tries first (`rank` over records, `pick` over the registry's indexes).
+"""Placement: which warm slot a claim tries first (`rank` over records, `pick` a scan over all nodes, `Pool` the
+index the registry keeps so that a claim costs O(1) amortised).
 
-`tests/test_registry.py::test_placement_pick_matches_rank` checks that the two agree on random pools; these
-tables pin what each preference is for.
+`tests/test_registry.py::test_placement_pick_matches_rank` checks that `pick` and `rank` agree on random pools;
+`test_pool_picks_as_the_scan_does` that `Pool` and `pick` agree on random pools as they change; the tables pin what
+each preference is for, and run against both `pick` and `Pool`.
 """
 
 from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Collection
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from nats.aio.client import Client
 
+from tests.helpers import wait_for
 from warmpool import placement
 from warmpool.protocol import SlotRecord, SlotState
+from warmpool.registry import KvSlotStore
+from warmpool.seed import seed_pool
 
 
 def rec(
@@ -105,13 +114,21 @@ def _pick(
     rack_of: dict[str, str] | None = None,
     stale: set[str] | frozenset[str] = frozenset(),
     skip: set[str] | frozenset[str] = frozenset(),
+    pool: bool = False,
 ) -> str | None:
+    def usable(node: str, keys: Collection[str]) -> Collection[str]:
+        return () if node in stale else keys
+
+    if pool:
+        return _pool(warm, node_load or {}, rack_load or {}, rack_of or {}).pick(
+            usable=usable, skip=skip, rng=random.Random(seed)
+        )
     return placement.pick(
         warm,
         rack_of=rack_of or {},
         node_load=node_load or {},
         rack_load=rack_load or {},
-        usable=lambda node, keys: () if node in stale else keys,
+        usable=usable,
         skip=skip,
         rng=random.Random(seed),
     )
@@ -166,12 +183,157 @@ def _pick(
         ("an empty pool", {}, {}, {None}),
     ],
 )
-def test_pick(name: str, warm: dict[int, dict[str, set[str]]], kw: dict[str, object], want: set[str | None]) -> None:
+@pytest.mark.parametrize("pool", [False, True], ids=["scan", "pool"])
+def test_pick(
+    name: str, warm: dict[int, dict[str, set[str]]], kw: dict[str, object], want: set[str | None], pool: bool
+) -> None:
     for seed in range(10):  # whatever the tie-break draws
-        assert _pick(warm, seed=seed, **kw) in want, name  # type: ignore[arg-type]
+        assert _pick(warm, seed=seed, pool=pool, **kw) in want, name  # type: ignore[arg-type]
 
 
-def test_pick_spreads_over_equal_nodes_and_their_slots() -> None:
+@pytest.mark.parametrize("pool", [False, True], ids=["scan", "pool"])
+def test_pick_spreads_over_equal_nodes_and_their_slots(pool: bool) -> None:
     warm = {0: {"a": {"a.1", "a.2"}, "b": {"b.1", "b.2"}}}
-    picked = {_pick(warm, seed=seed) for seed in range(60)}
+    picked = {_pick(warm, seed=seed, pool=pool) for seed in range(60)}
     assert picked == {"a.1", "a.2", "b.1", "b.2"}
+
+
+def _pool(
+    warm: dict[int, dict[str, set[str]]],
+    node_load: dict[str, int],
+    rack_load: dict[str, int],
+    rack_of: dict[str, str],
+) -> placement.Pool:
+    pool = placement.Pool()
+    for t, by_node in warm.items():
+        for node, keys in by_node.items():
+            for key in keys:
+                pool.add_warm(key, t, node, rack_of.get(node, ""))
+    for node, n in node_load.items():
+        pool.node_held(node, n)
+    for rack, n in rack_load.items():
+        pool.rack_held(rack, n)
+    return pool
+
+
+def test_a_stale_node_is_parked_until_its_lease_changes() -> None:
+    pool = _pool({0: {"a": {"a.1"}, "b": {"b.1"}}}, {"b": 3}, {}, {})
+    parked: list[str] = []
+    pool = placement.Pool(on_park=parked.append)
+    pool.add_warm("a.1", 0, "a", "")
+    pool.add_warm("b.1", 0, "b", "")
+    pool.node_held("b", 3)
+    stale = {"a"}
+    asked: list[str] = []
+
+    def usable(node: str, keys: Collection[str]) -> Collection[str]:
+        asked.append(node)
+        return () if node in stale else keys
+
+    assert pool.pick(usable=usable, skip=(), rng=random.Random(0)) == "b.1"
+    assert parked == ["a"]
+    asked.clear()
+    assert pool.pick(usable=usable, skip=(), rng=random.Random(0)) == "b.1"
+    assert asked == ["b"]  # the parked node is not asked again ...
+    stale.clear()
+    pool.unpark("a")  # ... until its lease changes
+    assert pool.pick(usable=usable, skip=(), rng=random.Random(0)) == "a.1"
+
+
+# One step on a model's pool: a warm slot added or removed, a slot held or let go, a node's lease lapsing or renewed.
+_step = st.one_of(
+    st.tuples(st.just("warm"), st.integers(0, 5), st.integers(0, 3), st.integers(0, 3)),  # node, slot, tier
+    st.tuples(st.just("unwarm"), st.integers(0, 5), st.integers(0, 3), st.integers(0, 3)),
+    st.tuples(st.just("hold"), st.integers(0, 5), st.just(0), st.just(0)),
+    st.tuples(st.just("unhold"), st.integers(0, 5), st.just(0), st.just(0)),
+    st.tuples(st.just("lapse"), st.integers(0, 5), st.just(0), st.just(0)),
+    st.tuples(st.just("renew"), st.integers(0, 5), st.just(0), st.just(0)),
+    st.tuples(st.just("pick"), st.integers(0, 5), st.integers(0, 2**16), st.just(0)),  # skip up to this many
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_step, max_size=60), st.integers(1, 3))
+def test_pool_picks_as_the_scan_does(steps: list[tuple[str, int, int, int]], racks: int) -> None:
+    """On random pools changing at random, `Pool.pick` gives a key of the same score as the scan (`pick`), and
+    None exactly when the scan does."""
+    rack_of = {f"n{n}": f"r{n % racks}" for n in range(6)}
+    warm: dict[int, dict[str, set[str]]] = {}
+    tier_of: dict[str, int] = {}
+    node_load: Counter[str] = Counter()
+    rack_load: Counter[str] = Counter()
+    stale: set[str] = set()
+    pool = placement.Pool()
+
+    def usable(node: str, keys: Collection[str]) -> Collection[str]:
+        return () if node in stale else keys
+
+    for op, n, a, b in steps:
+        node = f"n{n}"
+        if op == "warm":
+            key = f"{node}.s{a}"
+            if key in tier_of:
+                continue
+            tier_of[key] = b
+            warm.setdefault(b, {}).setdefault(node, set()).add(key)
+            pool.add_warm(key, b, node, rack_of[node])
+        elif op == "unwarm":
+            key = f"{node}.s{a}"
+            if key not in tier_of:
+                continue
+            t = tier_of.pop(key)
+            warm[t][node].discard(key)
+            pool.remove_warm(key, t, node)
+        elif op == "hold" or (op == "unhold" and node_load[node] > 0):
+            d = 1 if op == "hold" else -1
+            node_load[node] += d
+            rack_load[rack_of[node]] += d
+            pool.held(node, rack_of[node], d)
+        elif op == "lapse":
+            stale.add(node)
+        elif op == "renew":
+            stale.discard(node)
+            pool.unpark(node)
+        elif op == "pick":
+            skip = set(sorted(tier_of)[: a % (len(tier_of) + 1)])
+            want = placement.pick(
+                warm,
+                rack_of=rack_of,
+                node_load=node_load,
+                rack_load=rack_load,
+                usable=usable,
+                skip=skip,
+                rng=random.Random(a),
+            )
+            got = pool.pick(usable=usable, skip=skip, rng=random.Random(a))
+            if want is None:
+                assert got is None
+                continue
+            assert got is not None and got not in skip and got.split(".")[0] not in stale
+
+            def score(key: str) -> tuple[int, int, int]:
+                node = key.split(".")[0]
+                return (tier_of[key], node_load[node], rack_load[rack_of[node]])
+
+            assert score(got) == score(want)
+
+
+async def test_the_echo_of_our_own_claim_is_not_decoded(nc: Client, store: KvSlotStore) -> None:
+    """Our claim is applied to the view when the broker acknowledges it; its echo through the watch carries a
+    revision the view already has, and is skipped before its value is decoded (decoding is the cost)."""
+    await seed_pool(store, "m", nodes=2, slots_per_node=1)
+    decoded: list[str] = []
+    decode = store.slots.decode
+
+    def counting(key: str, data: bytes) -> SlotRecord | None:
+        decoded.append(key)
+        return decode(key, data)
+
+    store.slots.decode = counting  # type: ignore[method-assign]
+    claim = await store.claim("m")
+    other = next(k for k in ("m.node-0.s0", "m.node-1.s0") if k != claim.key)
+    # A write by someone else, after ours: once the view has it, the watch has delivered our echo too.
+    async with await KvSlotStore.open(nc) as peer:
+        await peer.claim_slot(other)
+    await wait_for(lambda: (e := store.entry(other)) is not None and e[0].state == "claimed", what="the peer's claim")
+    assert decoded == [other]

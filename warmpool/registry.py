@@ -30,7 +30,6 @@ import os
 import random
 import secrets
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -548,6 +547,9 @@ class BucketView(Generic[V]):
                 continue
             heard = time.monotonic()
             if isinstance(entry, KeyValue.Entry):
+                rev = entry.revision or 0
+                if snapshot is None and (cur := self._items.get(entry.key)) is not None and cur[1] >= rev:
+                    continue  # our own write, already applied and published by `apply_local`: not decoded again
                 value = None
                 if entry.operation not in ("DEL", "PURGE") and entry.value is not None:
                     value = self.decode(entry.key, entry.value)
@@ -557,7 +559,6 @@ class BucketView(Generic[V]):
                             kept_bad.add(entry.key)
                         continue  # counted; the last good record stands
                 kept_bad.discard(entry.key)
-                rev = entry.revision or 0
                 if snapshot is not None:
                     if value is None:
                         snapshot.pop(entry.key, None)
@@ -565,8 +566,6 @@ class BucketView(Generic[V]):
                         snapshot[entry.key] = (value, rev)
                     continue
                 cur = self._items.get(entry.key)
-                if cur is not None and cur[1] >= rev:
-                    continue  # our own write, already applied and published by `apply_local`
                 if value is None and cur is None:
                     continue  # nothing to remove
                 self._set(entry.key, value, rev)
@@ -633,10 +632,9 @@ class KvSlotStore:
         # Indexes kept in step with the view, so a claim looks only at the model's warm and held slots.
         self._by_model: dict[str, set[str]] = {}
         self._warm: dict[str, dict[int, dict[str, set[str]]]] = {}  # model -> tier -> node -> keys
-        self._node_load: dict[str, Counter[str]] = {}  # model -> node -> slots held
-        self._rack_load: dict[str, Counter[str]] = {}  # model -> rack -> slots held
-        self._rack_of: dict[str, str] = {}
         self._offered: dict[str, frozenset[str]] = {}  # node -> slot names its lease lists
+        self._pools: dict[str, placement.Pool] = {}  # model -> its warm slots filed for `placement.Pool.pick`
+        self._parked_in: dict[str, set[str]] = {}  # node -> models whose pool parked it (refiled on a lease change)
         self.slots._on_change = self._index
         self.agents._on_change = self._index_lease
         self._tasks: list[asyncio.Task[None]] = []
@@ -659,24 +657,38 @@ class KvSlotStore:
             m = rec.model
             if delta > 0:
                 self._by_model.setdefault(m, set()).add(key)
-                self._rack_of[rec.node] = rec.rack
             else:
                 self._by_model[m].discard(key)
             if rec.state == "warm" and not rec.drain:
-                keys = self._warm.setdefault(m, {}).setdefault(placement.tier(rec), {}).setdefault(rec.node, set())
+                t = placement.tier(rec)
+                keys = self._warm.setdefault(m, {}).setdefault(t, {}).setdefault(rec.node, set())
                 if delta > 0:
                     keys.add(key)
+                    self._pool(m).add_warm(key, t, rec.node, rec.rack)
                 else:
                     keys.discard(key)
+                    self._pool(m).remove_warm(key, t, rec.node)
             elif rec.state in slots.HELD_STATES:
-                self._node_load.setdefault(m, Counter())[rec.node] += delta
-                self._rack_load.setdefault(m, Counter())[rec.rack] += delta
+                self._pool(m).held(rec.node, rec.rack, delta)
+
+    def _pool(self, model: str) -> placement.Pool:
+        pool = self._pools.get(model)
+        if pool is None:
+
+            def parked(node: str, model: str = model) -> None:
+                self._parked_in.setdefault(node, set()).add(model)
+
+            pool = self._pools[model] = placement.Pool(on_park=parked)
+        return pool
 
     def _index_lease(self, node: str, _old: AgentLease | None, new: AgentLease | None) -> None:
         if new is None:
             self._offered.pop(node, None)
         else:
             self._offered[node] = frozenset(new.slots)
+        for model in self._parked_in.pop(node, ()):
+            if (pool := self._pools.get(model)) is not None:
+                pool.unpark(node)
 
     def _usable(self, model: str, node: str, keys: Collection[str], now: float) -> list[str]:
         """The keys among `keys` (warm slots of `model` on `node`) that a claim may take at `now`: none unless the
@@ -805,15 +817,8 @@ class KvSlotStore:
             def usable(node: str, keys: Collection[str], now: float = now) -> list[str]:
                 return self._usable(model, node, keys, now)
 
-            key = placement.pick(
-                self._warm.get(model, {}),
-                rack_of=self._rack_of,
-                node_load=self._node_load.get(model, {}),
-                rack_load=self._rack_load.get(model, {}),
-                usable=usable,
-                skip=skip,
-                rng=self.rng,
-            )
+            pool = self._pools.get(model)
+            key = pool.pick(usable=usable, skip=skip, rng=self.rng) if pool is not None else None
             if key is None:
                 raise NoSlotAvailable(f"no claimable slot of model {model}")
             try:
