@@ -3,9 +3,15 @@
 Besides its own series the registry carries the default process, platform and GC collectors and
 ``pulsescale_build_info{version}``, so one scrape says which build runs and what it costs. The daemon serves it on
 ``/metrics`` (see `autoscaler.daemon`).
+
+`labels(...)` costs a lock and a dict lookup keyed by a tuple of the label values on every call; the paths that run
+per sample or per decision take their series from `model(name)` (one `ModelSeries` per model, its children looked
+up once) and `sample(outcome)` instead. `forget(name)` drops a model's series when it is no longer autoscaled.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from prometheus_client import (
     GC_COLLECTOR,
@@ -18,13 +24,30 @@ from prometheus_client import (
     ProcessCollector,
 )
 
+from warmpool import protocol
 from warmpool.build import build_version
 
-__all__ = ["AutoscalerMetrics", "build_version"]
+__all__ = ["AutoscalerMetrics", "ModelSeries", "build_version"]
 
 # Decisions live in milliseconds-to-seconds territory; activation stages in tens of ms to seconds.
 _DECISION_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 _ACTIVATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSeries:
+    """One model's label children, looked up once (`AutoscalerMetrics.model`)."""
+
+    desired: Gauge
+    ready: Gauge
+    activating: Gauge
+    panic: Gauge
+    demand: Gauge
+    cold_starts: Counter
+    activations_ready: Counter
+    activations_failed: Counter
+    slots: dict[str, Gauge]
+    """Slot state -> ``pulsescale_slots{model,state}``, for every state in `protocol.SLOT_STATES`."""
 
 
 class AutoscalerMetrics:
@@ -83,3 +106,40 @@ class AutoscalerMetrics:
             "pulsescale_internal_errors_total", "Bugs caught and survived (see the log for the traceback)", registry=r
         )
         self.leader = Gauge("pulsescale_leader", "1 while this replica holds the leader lease", registry=r)
+        self._models: dict[str, ModelSeries] = {}
+        self._samples: dict[str, Counter] = {}
+
+    def model(self, model: str) -> ModelSeries:
+        """The model's series, made on first use and cached (no `labels()` lookup per sample)."""
+        series = self._models.get(model)
+        if series is None:
+            series = self._models[model] = ModelSeries(
+                desired=self.desired.labels(model),
+                ready=self.ready.labels(model),
+                activating=self.activating.labels(model),
+                panic=self.panic.labels(model),
+                demand=self.demand.labels(model),
+                cold_starts=self.cold_starts.labels(model),
+                activations_ready=self.activations.labels(model, "ready"),
+                activations_failed=self.activations.labels(model, "failed"),
+                slots={state: self.slots.labels(model, state) for state in protocol.SLOT_STATES},
+            )
+        return series
+
+    def sample(self, outcome: str) -> Counter:
+        """``pulsescale_samples_total{outcome}``, cached by outcome."""
+        child = self._samples.get(outcome)
+        if child is None:
+            child = self._samples[outcome] = self.samples.labels(outcome)
+        return child
+
+    def forget(self, model: str) -> None:
+        """Drop the model's series (it is no longer autoscaled here): a scrape stops showing its last values."""
+        if self._models.pop(model, None) is None:
+            return
+        for family in (self.desired, self.ready, self.activating, self.panic, self.demand, self.cold_starts):
+            family.remove(model)
+        for outcome in ("ready", "failed"):
+            self.activations.remove(model, outcome)
+        for state in protocol.SLOT_STATES:
+            self.slots.remove(model, state)
