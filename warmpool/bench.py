@@ -1,25 +1,35 @@
-"""`pulsescale bench claims`: claim latency and throughput against a real nats-server.
+"""`pulsescale bench claims`: claim latency and throughput against a real nats-server, next to the floor.
 
-Starts an embedded nats-server (or uses `--nats URL`), seeds a warm pool, and claims it empty with
-`--concurrency` claimers sharing one registry client; slots are released between rounds, untimed.
-Figures are printed, not asserted: these machines are shared and noisy.
+Starts an embedded nats-server (or uses `--nats URL`), seeds a warm pool of `--nodes` x `--slots-per-node` slots
+of one model, and claims it with `--concurrency` claimers sharing one registry client; slots are released between
+rounds, untimed. Before each level it measures the floor in the same run and conditions: bare nats-py doing the one
+write a claim does, ``kv.update(key, value, last=rev)`` on keys of the same shape and a value of the same size
+(a scratch bucket made like the slots bucket, deleted at the end), by as many concurrent writers. The ratio is
+claim p99 over floor p99. Figures are printed, not asserted: these machines are shared and noisy.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import time
 
+import msgspec
 import numpy as np
+from nats.js.api import KeyValueConfig
+from nats.js.kv import KeyValue
 
 from warmpool import connect as nats_connect
+from warmpool import protocol
 from warmpool.embedded import NatsServer
 from warmpool.errors import ClaimConflict, NoSlotAvailable
-from warmpool.registry import Claim, KvSlotStore
+from warmpool.registry import BucketSettings, Claim, KvSlotStore
 from warmpool.seed import seed_pool
 
 MODEL = "bench"
+FLOOR_BUCKET = "pulse_bench_floor"
+"""Scratch bucket for the bare KV-update floor; never one the system uses."""
 
 
 async def _round(store: KvSlotStore, concurrency: int, budget: int) -> tuple[list[float], list[Claim], int, float]:
@@ -50,6 +60,33 @@ async def _round(store: KvSlotStore, concurrency: int, budget: int) -> tuple[lis
     return latencies, held, conflicts, time.perf_counter() - t0
 
 
+async def _floor(
+    kv: KeyValue, keys: list[str], value: bytes, concurrency: int, count: int
+) -> tuple[list[float], float]:
+    """Bare nats-py: `count` updates by `concurrency` writers, each on its own keys, each on the revision it
+    last wrote (as a claim writes on the revision its view holds). Latencies (s) and the wall time."""
+    keys = keys[: max(concurrency, min(len(keys), count))]
+    revs = {k: await kv.put(k, value) for k in keys}
+    latencies: list[float] = []
+
+    async def writer(mine: list[str], n: int) -> None:
+        for i in range(n):
+            key = mine[i % len(mine)]
+            t0 = time.perf_counter()
+            revs[key] = await kv.update(key, value, last=revs[key])
+            latencies.append(time.perf_counter() - t0)
+
+    per = [count // concurrency + (1 if w < count % concurrency else 0) for w in range(concurrency)]
+    t0 = time.perf_counter()
+    await asyncio.gather(*(writer(keys[w::concurrency], per[w]) for w in range(concurrency) if per[w]))
+    return latencies, time.perf_counter() - t0
+
+
+def _ms(lat: list[float]) -> tuple[float, float]:
+    a = np.array(lat) * 1e3
+    return float(np.percentile(a, 50)), float(np.percentile(a, 99))
+
+
 async def _bench(args: argparse.Namespace) -> None:
     server = None
     if args.nats_url:
@@ -59,15 +96,33 @@ async def _bench(args: argparse.Namespace) -> None:
         server = NatsServer(sync_always=args.sync_always).start()
         opts = nats_connect.NatsOptions(servers=(server.url,), name="pulsescale-bench")
         where = f"embedded nats-server {server.url}" + (" (sync_interval: always)" if args.sync_always else "")
+    per_node = args.slots // args.nodes if args.slots else args.slots_per_node
     try:
         nc = await nats_connect.connect(opts)
         store = await KvSlotStore.open(nc)
         await store.start()
-        keys = await seed_pool(store, MODEL, nodes=args.nodes, slots_per_node=args.slots // args.nodes, racks=4)
-        print(f"claims bench: {len(keys)} warm slots on {args.nodes} nodes, {where}")
-        head = ("concurrency", "claims", "p50 ms", "p99 ms", "max ms", "claims/s", "conflicts")
-        print(" ".join(f"{h:>{w}}" for h, w in zip(head, (11, 7, 8, 8, 8, 9, 9), strict=True)))
+        keys = await seed_pool(store, MODEL, nodes=args.nodes, slots_per_node=per_node, racks=4)
+        js = nc.jetstream(timeout=5.0)
+        with contextlib.suppress(Exception):
+            await js.delete_key_value(FLOOR_BUCKET)
+        settings = BucketSettings()
+        floor_kv = await js.create_key_value(
+            KeyValueConfig(bucket=FLOOR_BUCKET, history=settings.slot_history, storage=settings.storage)
+        )
+        sample = store.record(keys[0])
+        assert sample is not None
+        value = protocol.encode(msgspec.structs.replace(sample, state="claimed", claim_id="0" * 16))
+        print(f"claims bench: {len(keys)} warm slots on {args.nodes} nodes x {per_node}, {where}")
+        head = ("claimers", "claims", "p50 ms", "p99 ms", "max ms", "claims/s", "conflicts")
+        floor_head = ("floor p50", "floor p99", "updates/s", "p99/floor")
+        widths = (8, 7, 8, 8, 8, 9, 9)
+        print(
+            " ".join(f"{h:>{w}}" for h, w in zip(head, widths, strict=True))
+            + " | "
+            + " ".join(f"{h:>9}" for h in floor_head)
+        )
         for conc in args.concurrency:
+            floor_lat, floor_wall = await _floor(floor_kv, keys, value, conc, args.claims)
             lat_all: list[float] = []
             wall = 0.0
             conflicts = 0
@@ -77,11 +132,19 @@ async def _bench(args: argparse.Namespace) -> None:
                 wall += secs
                 conflicts += conf
                 await asyncio.gather(*(store.release(c) for c in held))
-            ms = np.array(lat_all) * 1e3
+            p50, p99 = _ms(lat_all)
+            f50, f99 = _ms(floor_lat)
             print(
-                f"{conc:>11} {len(ms):>7} {np.percentile(ms, 50):>8.2f} {np.percentile(ms, 99):>8.2f} "
-                f"{ms.max():>8.2f} {len(ms) / wall:>9.0f} {conflicts:>9}"
+                f"{conc:>8} {len(lat_all):>7} {p50:>8.2f} {p99:>8.2f} {max(lat_all) * 1e3:>8.2f} "
+                f"{len(lat_all) / wall:>9.0f} {conflicts:>9} | "
+                f"{f50:>9.2f} {f99:>9.2f} {len(floor_lat) / floor_wall:>9.0f} {p99 / f99:>8.2f}x"
             )
+        print(
+            "floor: bare nats-py kv.update(key, value, last=rev), same key shape and value size, as many writers, "
+            "measured just before each row"
+        )
+        with contextlib.suppress(Exception):
+            await js.delete_key_value(FLOOR_BUCKET)
         await store.close()
         await nc.close()
     finally:
@@ -91,8 +154,9 @@ async def _bench(args: argparse.Namespace) -> None:
 
 def claims(argv: list[str], prog: str) -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--slots", type=int, default=1000, help="warm slots in the pool [1000]")
-    p.add_argument("--nodes", type=int, default=20, help="nodes they are spread over [20]")
+    p.add_argument("--nodes", type=int, default=20, help="nodes in the pool [20]")
+    p.add_argument("--slots-per-node", type=int, default=8, help="warm slots on each node [8]")
+    p.add_argument("--slots", type=int, default=None, help="total warm slots instead (spread over --nodes)")
     p.add_argument("--claims", type=int, default=3000, help="claims measured per concurrency level [3000]")
     p.add_argument(
         "--concurrency", type=int, nargs="+", default=[1, 16], help="concurrent claimers; several levels allowed [1 16]"
