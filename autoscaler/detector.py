@@ -10,6 +10,7 @@ The arrays of a stored window are read-only; recording copies them (copy-on-writ
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Final, Literal
 
@@ -42,15 +43,182 @@ _KEY_SLACK: Final = 1e-3  # of a bucket: `t0 + 0.1 * i` must land in bucket i de
 
 _Keys = npt.NDArray[np.int64]
 _Values = npt.NDArray[np.float64]
+_FIXED_BITS: Final = 1074
+"""Running sums are exact integers in units of 2**-1074 (every finite float is a whole number of those): adding
+and later subtracting a value leaves no drift, and a reading depends only on the buckets held, never on the order
+they came and went in (a replayed state decides exactly as the original did)."""
 
 
-def _read_only(array: npt.NDArray[np.generic]) -> None:
-    array.flags.writeable = False
+def _fixed(value: float) -> int:
+    num, den = value.as_integer_ratio()  # den is a power of two
+    return num << (_FIXED_BITS - den.bit_length() + 1)
+
+
+class _Track:
+    """Running aggregates of the buckets with data in ``(anchor - m, anchor]``, anchor being the ring's newest key.
+
+    `present` holds those buckets' keys in order (its length is the count, its head the oldest key), `peaks` is a
+    monotonic deque of ``(key, value)`` with decreasing values (its head is the peak), and the sums serve the mean
+    and the least-squares line: exact integers (`_fixed`), keys relative to `origin`. Every write is O(1)
+    amortised; a write into the past or a lowered newest bucket marks it `dirty`, and the next read rebuilds it
+    from the ring (rare: late records, several decisions in one bucket with falling demand).
+    """
+
+    __slots__ = ("dirty", "m", "origin", "peaks", "present", "su", "suu", "suy", "sy")
+
+    def __init__(self, m: int) -> None:
+        self.m = m
+        self.dirty = True
+        self.present: deque[int] = deque()
+        self.peaks: deque[tuple[int, float]] = deque()
+        self.origin = 0
+        self.su = self.suu = self.sy = self.suy = 0
+
+    def rebuild(self, ring: _Ring) -> None:
+        self.present.clear()
+        self.peaks.clear()
+        self.origin = ring.last
+        self.su = self.suu = self.sy = self.suy = 0
+        self.dirty = False
+        if ring.last == _EMPTY_KEY:
+            return
+        n = ring.n
+        for key in range(ring.last - self.m + 1, ring.last + 1):
+            if ring.keys[key % n] == key:
+                self._append(key, ring.values[key % n])
+
+    def _append(self, key: int, value: float) -> None:
+        self.present.append(key)
+        u = key - self.origin
+        self.su += u
+        self.suu += u * u
+        y = _fixed(value)
+        self.sy += y
+        self.suy += u * y
+        peaks = self.peaks
+        while peaks and peaks[-1][1] <= value:
+            peaks.pop()
+        peaks.append((key, value))
+
+    def advance(self, key: int, value: float, ring: _Ring) -> None:
+        """`key` is newer than every key held: the window slides to end at it, and it enters."""
+        floor = key - self.m
+        present, n = self.present, ring.n
+        while present and present[0] <= floor:
+            old = present.popleft()
+            v = _fixed(ring.values[old % n])
+            u = old - self.origin
+            self.su -= u
+            self.suu -= u * u
+            self.sy -= v
+            self.suy -= u * v
+        peaks = self.peaks
+        while peaks and peaks[0][0] <= floor:
+            peaks.popleft()
+        self._append(key, value)
+
+    def replace_newest(self, key: int, old: float, value: float) -> None:
+        """The newest bucket's value changes from `old` to `value`."""
+        u = key - self.origin
+        dy = _fixed(value) - _fixed(old)
+        self.sy += dy
+        self.suy += u * dy
+        peaks = self.peaks
+        if value >= old:
+            while peaks and peaks[-1][1] <= value:
+                peaks.pop()
+            peaks.append((key, value))
+        else:
+            self.dirty = True  # values it had hidden may be the peak again
+
+
+class _Ring:
+    """The mutable buckets behind the newest `TimeWindow` of one lineage (lists: scalar access is what it does)."""
+
+    __slots__ = ("exact", "keys", "last", "n", "owner", "tracks", "values")
+
+    def __init__(self, keys: list[int], values: list[float], last: int, owner: _Cell) -> None:
+        self.keys, self.values, self.last, self.owner = keys, values, last, owner
+        self.n = len(keys)
+        self.tracks: dict[int, _Track] = {}
+        self.exact = all(math.isfinite(v) for v in values)
+
+    def put(self, key: int, value: float, undo: list[tuple[int, int, float]]) -> None:
+        pos = key % self.n
+        if not math.isfinite(value):
+            self.exact = False  # no exact sum of an infinity or NaN: this ring reads by the general path
+            self.tracks.clear()
+        old_key, old_value = self.keys[pos], self.values[pos]
+        undo.append((pos, old_key, old_value))
+        last = self.last
+        if last == _EMPTY_KEY or key > last:
+            for t in self.tracks.values():
+                if not t.dirty:
+                    t.advance(key, value, self)
+            self.last = key
+        elif key == last and old_key == key:
+            for t in self.tracks.values():
+                if not t.dirty:
+                    t.replace_newest(key, old_value, value)
+        else:
+            for t in self.tracks.values():
+                t.dirty = True
+        self.keys[pos] = key
+        self.values[pos] = value
+
+    def track(self, m: int) -> _Track:
+        t = self.tracks.get(m)
+        if t is None:
+            t = self.tracks[m] = _Track(m)
+        if t.dirty:
+            t.rebuild(self)
+        return t
+
+
+class _Cell:
+    """One version's handle on the buckets (Baker's persistent arrays): the newest version owns the ring and writes
+    it in place; an older one keeps the writes that turn the next version's buckets back into its own, and
+    rebuilds a ring of its own only when it is read or written again (tests and replays do that; the policy never
+    does). The chain points from old to new, so a version nobody holds is freed."""
+
+    __slots__ = ("next", "ring", "undo")
+
+    def __init__(self) -> None:
+        self.ring: _Ring | None = None
+        self.next: _Cell | None = None
+        self.undo: list[tuple[int, int, float]] = []
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __eq__(self, other: object) -> bool:
+        """Versions are equal when their buckets are (what a frozen window's `==` always meant)."""
+        if not isinstance(other, _Cell):
+            return NotImplemented
+        a, b = self.own(), other.own()
+        return a.keys == b.keys and a.values == b.values
+
+    def own(self) -> _Ring:
+        ring = self.ring
+        if ring is not None and ring.owner is self:
+            return ring
+        chain: list[_Cell] = []
+        cell: _Cell | None = self
+        while cell is not None and (cell.ring is None or cell.ring.owner is not cell):
+            chain.append(cell)
+            cell = cell.next
+        assert cell is not None and cell.ring is not None  # the newest version of a lineage owns its ring
+        keys, values = list(cell.ring.keys), list(cell.ring.values)
+        for c in reversed(chain):
+            for pos, key, value in reversed(c.undo):
+                keys[pos], values[pos] = key, value
+        last = max(keys)
+        self.ring, self.next, self.undo = _Ring(keys, values, last, self), None, []
+        return self.ring
 
 
 @dataclass(frozen=True, slots=True)
 class TimeWindow:
-    """A ring of `len(keys)` time buckets of `bucket_s` seconds covering `span_s` seconds.
+    """A ring of `n_buckets` time buckets of `bucket_s` seconds covering `span_s` seconds.
 
     `keys[i]` is the absolute bucket index slot `i` holds (so a slot left over from an earlier lap of the ring is
     recognised as old by its key, not by clearing it). `combine` says what one bucket keeps when several values land
@@ -58,12 +226,16 @@ class TimeWindow:
     (recommendations, where the stabilisation window wants the highest). Over a gap between records of up to
     `carry_s` the previous value is carried forward (a level holds until the next sample says otherwise); a longer
     gap stays empty, which queries treat as "no data", never as zero.
+
+    Persistent: `record` returns a new window and leaves this one as it was. The newest window writes the shared
+    ring in place and keeps running aggregates per queried span (`_Track`), so recording and reading at the newest
+    bucket are O(1) amortised, whatever the window's length. Reading at another time (no sample this bucket, a
+    clock that stepped back) takes the general path: a pass over the ring.
     """
 
     span_s: float
     bucket_s: float
-    keys: _Keys
-    values: _Values
+    _cell: _Cell
     last_key: int = _EMPTY_KEY
     first_ts: float | None = None
     carry_s: float = 0.0
@@ -82,11 +254,27 @@ class TimeWindow:
         n = math.ceil(span_s / bucket_s - 1e-9)
         if n > MAX_BUCKETS:
             n, bucket_s = MAX_BUCKETS, span_s / MAX_BUCKETS
-        keys = np.full(n, _EMPTY_KEY, dtype=np.int64)
-        values = np.zeros(n, dtype=np.float64)
-        _read_only(keys)
-        _read_only(values)
-        return cls(span_s, bucket_s, keys, values, carry_s=carry_s, combine=combine)
+        cell = _Cell()
+        cell.ring = _Ring([_EMPTY_KEY] * n, [0.0] * n, _EMPTY_KEY, cell)
+        return cls(span_s, bucket_s, cell, carry_s=carry_s, combine=combine)
+
+    @property
+    def n_buckets(self) -> int:
+        return self._cell.own().n
+
+    @property
+    def keys(self) -> _Keys:
+        """The bucket keys, slot by slot (a read-only copy)."""
+        keys = np.array(self._cell.own().keys, dtype=np.int64)
+        keys.flags.writeable = False
+        return keys
+
+    @property
+    def values(self) -> _Values:
+        """The bucket values, slot by slot (a read-only copy)."""
+        values = np.array(self._cell.own().values, dtype=np.float64)
+        values.flags.writeable = False
+        return values
 
     def key(self, ts: float) -> int:
         return math.floor(ts / self.bucket_s + _KEY_SLACK)
@@ -97,59 +285,77 @@ class TimeWindow:
 
     def record(self, ts: float, value: float) -> TimeWindow:
         """A new window with `value` recorded at `ts`; this one is unchanged."""
-        n = len(self.keys)
+        ring = self._cell.own()
+        n = ring.n
         k = self.key(ts)
         last = self.last_key
         if last != _EMPTY_KEY and k <= last - n:
             return self  # older than the whole ring: nothing it could still change
-        keys = self.keys.copy()
-        values = self.values.copy()
+        undo: list[tuple[int, int, float]] = []
         if last != _EMPTY_KEY and k > last + 1 and self.carry_s > 0:
-            carried = float(values[last % n])
+            carried = ring.values[last % n]
             fill_to = min(k - 1, last + math.floor(self.carry_s / self.bucket_s + _KEY_SLACK))
             fill_from = max(last + 1, k - n + 1)  # buckets that stay inside the ring
-            if fill_to >= fill_from:
-                filled = np.arange(fill_from, fill_to + 1, dtype=np.int64)
-                keys[filled % n] = filled
-                values[filled % n] = carried
+            for f in range(fill_from, fill_to + 1):
+                ring.put(f, carried, undo)
         pos = k % n
-        if keys[pos] == k and self.combine == "max":
-            values[pos] = max(float(values[pos]), value)
-        elif keys[pos] != k or k >= last:  # a late value never overwrites a newer one in its bucket
-            keys[pos] = k
-            values[pos] = value
-        _read_only(keys)
-        _read_only(values)
+        if ring.keys[pos] == k and self.combine == "max":
+            ring.put(k, max(ring.values[pos], value), undo)
+        elif ring.keys[pos] != k or k >= last:  # a late value never overwrites a newer one in its bucket
+            ring.put(k, value, undo)
+        cell = _Cell()
+        cell.ring, ring.owner = ring, cell
+        old = self._cell
+        old.ring, old.next, old.undo = None, cell, undo
         return TimeWindow(
             self.span_s,
             self.bucket_s,
-            keys,
-            values,
+            cell,
             max(last, k),
             ts if self.first_ts is None else min(self.first_ts, ts),
             self.carry_s,
             self.combine,
         )
 
+    def _track(self, now: float, span_s: float) -> _Track | None:
+        """The running aggregates for `span_s` when reading at the newest bucket (the O(1) path); else None."""
+        if self.last_key == _EMPTY_KEY or self.key(now) != self.last_key:
+            return None
+        ring = self._cell.own()
+        m = math.ceil(span_s / self.bucket_s - 1e-9)
+        return ring.track(m) if m <= ring.n and ring.exact else None
+
     def select(self, now: float, span_s: float) -> tuple[_Keys, _Values]:
         """Keys and values of the buckets with data in ``(now - span_s, now]``."""
+        ring = self._cell.own()
+        keys = np.array(ring.keys, dtype=np.int64)
+        values = np.array(ring.values, dtype=np.float64)
         k_now = self.key(now)
         m = math.ceil(span_s / self.bucket_s - 1e-9)
-        mask = self.keys > k_now - m
+        mask = keys > k_now - m
         if k_now < self.last_key:  # only after the clock stepped back; usually nothing is newer than now
-            mask &= self.keys <= k_now
-        return self.keys[mask], self.values[mask]
+            mask &= keys <= k_now
+        return keys[mask], values[mask]
 
     def mean(self, now: float, span_s: float) -> float | None:
+        t = self._track(now, span_s)
+        if t is not None:
+            return t.sy / (len(t.present) << _FIXED_BITS) if t.present else None
         _, values = self.select(now, span_s)
         return float(values.sum()) / values.size if values.size else None
 
     def peak(self, now: float, span_s: float) -> float | None:
+        t = self._track(now, span_s)
+        if t is not None:
+            return t.peaks[0][1] if t.peaks else None
         _, values = self.select(now, span_s)
         return float(values.max()) if values.size else None
 
     def trend(self, now: float, span_s: float) -> tuple[float, float] | None:
         """Least-squares line over the buckets in the window: ``(level at now, slope per second)``."""
+        t = self._track(now, span_s)
+        if t is not None:
+            return _track_line(t, self._cell.own(), self.key(now), self.bucket_s)
         keys, values = self.select(now, span_s)
         return _line(keys, values, self.key(now), self.bucket_s)
 
@@ -166,6 +372,20 @@ def _line(keys: _Keys, values: _Values, k_now: int, bucket_s: float) -> tuple[fl
     dx = x - x_mean
     slope = float(dx @ (values - y_mean)) / float(dx @ dx)
     return y_mean - slope * x_mean, slope
+
+
+def _track_line(t: _Track, ring: _Ring, k_now: int, bucket_s: float) -> tuple[float, float] | None:
+    """`_line` from a track's running sums: the same fit, O(1)."""
+    c = len(t.present)
+    if c == 0:
+        return None
+    if c == 1:
+        return ring.values[t.present[0] % ring.n], 0.0
+    one = 1 << _FIXED_BITS
+    den = c * t.suu - t.su * t.su
+    slope = (c * t.suy - t.su * t.sy) / (den * one) / bucket_s
+    x_mean = (t.su / c + (t.origin - k_now)) * bucket_s
+    return t.sy / (c * one) - slope * x_mean, slope
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,15 +479,27 @@ def observe(
     if demand is not None:
         window = window.record(now, demand)
     stable = window.mean(now, config.stable_window_s)
-    keys, values = window.select(now, config.panic_window_s)  # one selection serves the peak and the trend
-    panic_demand = float(values.max()) if values.size else None
     k_now = window.key(now)
     slope = 0.0
     forecast: float | None = None
-    if keys.size and (k_now - int(keys.min())) * window.bucket_s < config.panic_window_s * TREND_MIN_COVER:
+    line: tuple[float, float] | None
+    track = window._track(now, config.panic_window_s)
+    if track is not None:  # read at the newest bucket: the running aggregates, O(1)
+        ring = window._cell.own()
+        panic_demand = track.peaks[0][1] if track.peaks else None
+        oldest = track.present[0] if track.present else None
+        newest = ring.values[k_now % ring.n] if track.present else 0.0  # the newest key held is k_now
+    else:
+        keys, values = window.select(now, config.panic_window_s)  # one selection serves the peak and the trend
+        panic_demand = float(values.max()) if values.size else None
+        oldest = int(keys.min()) if keys.size else None
+        newest = float(values[keys.argmax()]) if keys.size else 0.0
+    if oldest is not None and (k_now - oldest) * window.bucket_s < config.panic_window_s * TREND_MIN_COVER:
         # Too little history for a slope (two samples 0.1 s apart would extrapolate 0 -> 3 into 78): the level.
-        forecast = float(demand) if demand is not None else float(values[keys.argmax()])
+        forecast = float(demand) if demand is not None else newest
         line = None
+    elif track is not None:
+        line = _track_line(track, window._cell.own(), k_now, window.bucket_s)
     else:
         line = _line(keys, values, k_now, window.bucket_s)
     if line is not None:
