@@ -10,9 +10,12 @@ Its seams: `decide` runs the pure policy (`policy.decide`) and returns an `Evalu
 `add_lead_time`; the controller (`autoscaler.controller`) joins the two and owns the one timer that fires a
 deferred decision at `due_at`.
 
-Debounce. Every accepted sample asks for a decision, at most one per `debounce_s`: a burst of samples is one
-decision, never a polling period. A sample above the largest single-gateway demand seen at the last decision may
-be a pulse, and is decided at once.
+Debounce. An accepted sample that changes the model's demand (its gateway's queue + in-flight differs from what
+that gateway last said, or the gateway was new or stale) asks for a decision, at most one per `debounce_s`: a burst
+of samples is one decision, never a polling period. A sample above the largest single-gateway demand seen at the last
+decision may be a pulse, and is decided at once. A sample that changes nothing asks for nothing: what time alone
+changes (the windows, stale gateways, cooldowns, an override's expiry) is decided by the controller's housekeeping,
+which re-decides every model on its own period.
 """
 
 from __future__ import annotations
@@ -115,14 +118,20 @@ class ModelDecider:
         return self.request(now)
 
     def on_sample(self, sample: QueueSample, now: float) -> Accepted:
-        """Fold one gateway sample into the demand; an accepted one asks for a decision (`due_at`)."""
+        """Fold one gateway sample into the demand; an accepted one that changes the demand asks for a decision
+        (`due_at`)."""
+        last = self.demand.gateways.get(sample.gateway)
+        # This gateway's part of the model's demand before the sample: None when it counted for nothing (new, or
+        # stale, which `ModelDemand.observe` judges the same way).
+        fresh = last is not None and now - last.received_at <= self.demand.stale_after_s
+        before = last.queue_depth + last.inflight if last is not None and fresh else None
         outcome = self.demand.add(sample, now)
-        if outcome in ("accepted", "restart"):
+        value = sample.queue_depth + sample.inflight
+        if outcome in ("accepted", "restart") and value != before:
             if self._sample_at is None:
                 self._sample_at = now
-            # Rising demand is a possible pulse: decide now. Flat or falling demand can wait for the debounce.
-            rising = sample.queue_depth + sample.inflight > self._decided_demand
-            self.request(now, urgent=rising)
+            # Rising demand is a possible pulse: decide now. Falling demand can wait for the debounce.
+            self.request(now, urgent=value > self._decided_demand)
         return outcome
 
     def request(self, now: float, *, urgent: bool = False) -> float:

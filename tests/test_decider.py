@@ -53,10 +53,10 @@ def test_a_burst_of_samples_is_one_decision_and_rising_demand_decides_at_once() 
     assert len(feed.evaluations) == 1, "the first sample (demand rising from nothing) is decided at once"
     assert feed.evaluations[0].sample_at == t0
     burst_start = clock.advance(0.001)
-    for _ in range(10):  # flat demand, 10 samples within the debounce
-        feed.sample(4)
+    for i in range(10):  # demand moving below the last decision's, 10 samples within the debounce
+        feed.sample(3 - i % 2)
         clock.advance(0.004)
-    assert len(feed.evaluations) == 1, "flat samples inside the debounce decide nothing yet"
+    assert len(feed.evaluations) == 1, "falling samples inside the debounce decide nothing yet"
     assert feed.decider.due_at == pytest.approx(t0 + 0.05)
     clock.advance(0.05 - (clock() - t0))
     feed.tick()
@@ -71,6 +71,38 @@ def test_a_burst_of_samples_is_one_decision_and_rising_demand_decides_at_once() 
     assert len(feed.evaluations) == 3
     feed.tick()
     assert len(feed.evaluations) == 3
+
+
+def test_a_sample_that_does_not_change_the_demand_asks_for_no_decision() -> None:
+    clock = HandClock()
+    feed = Feed(ModelDecider(record(), DeciderSettings(debounce_s=0.05), now=clock()), clock)
+    feed.sample(4)
+    assert len(feed.evaluations) == 1
+    for _ in range(20):  # flat demand at the gateways' pace, well past the debounce
+        clock.advance(0.1)
+        feed.sample(4)
+        assert feed.decider.due_at is None, "an unchanged sample asks for nothing: time is housekeeping's"
+    assert len(feed.evaluations) == 1
+    feed.decider.request(clock())  # housekeeping's periodic re-decision still decides
+    feed.tick()
+    assert len(feed.evaluations) == 2 and feed.evaluations[1].sample_at is None
+    clock.advance(0.1)
+    feed.sample(2)  # falling: a change, decided after the debounce (which has passed)
+    assert len(feed.evaluations) == 3 and feed.evaluations[2].sample_at == clock()
+
+
+def test_a_gateway_back_from_stale_with_the_same_demand_is_a_change() -> None:
+    clock = HandClock()
+    decider = ModelDecider(record(), DeciderSettings(debounce_s=0.05), now=clock())
+    feed = Feed(decider, clock)
+    feed.sample(4)
+    clock.advance(decider.demand.stale_after_s + 1)  # silent: its demand no longer counts
+    feed.decider.request(clock())
+    feed.tick()
+    assert feed.evaluations[-1].demand is None
+    clock.advance(0.1)
+    feed.sample(4)
+    assert feed.evaluations[-1].demand == 4, "the same figure from a gateway that was stale changes the demand"
 
 
 def test_no_decision_is_due_without_a_sample_or_a_request() -> None:
