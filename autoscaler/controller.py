@@ -140,10 +140,10 @@ class ModelController:
     def evaluate(self, now: float) -> policy.Decision:
         """Decide on what is known now; publish a changed target and hand it to the scaler (leader only)."""
         ev = self.decider.decide(now, ready=self.scaler.ready)
-        d, m, model = ev.decision, self.deps.metrics, self.model
-        m.desired.labels(model).set(d.desired)
-        m.panic.labels(model).set(1 if d.panic else 0)
-        m.demand.labels(model).set(ev.demand or 0)
+        d, series, model = ev.decision, self.scaler.series, self.model
+        series.desired.set(d.desired)
+        series.panic.set(1 if d.panic else 0)
+        series.demand.set(ev.demand or 0)
         if ev.changed:
             log.info("%s: desired %d (%s)", model, d.desired, d.reason)
             self.events.publish(

@@ -193,6 +193,8 @@ class Autoscaler:
             c = self.by_scaler.pop(key, None)
             if c is not None:
                 self.by_model.pop(c.model, None)
+                # Its series go from the scrape now; the retiring controller's last writes land on detached children.
+                self.metrics.forget(c.model)
                 log.info("ScaledObject %s removed: %s is no longer autoscaled; releasing its slots", key, c.model)
                 task = asyncio.ensure_future(c.retire(f"ScaledObject {key} deleted"))
                 self._retiring.add(task)
@@ -269,15 +271,15 @@ class Autoscaler:
             if msg.subject != protocol.QUEUE_PREFIX + sample.model:
                 raise BadMessage("subject_mismatch", f"sample for {sample.model} published on {msg.subject}")
         except BadMessage as err:
-            self.metrics.samples.labels("rejected").inc()
+            self.metrics.sample("rejected").inc()
             self.rejections(err, source=msg.subject)
             return
         c = self.by_model.get(sample.model)
         if c is None:
-            self.metrics.samples.labels("no_scaler").inc()
+            self.metrics.sample("no_scaler").inc()
             return
         with self._contained(f"a sample of {sample.model}"):
-            self.metrics.samples.labels(c.on_sample(sample, now)).inc()
+            self.metrics.sample(c.on_sample(sample, now)).inc()
 
     # --- slots ------------------------------------------------------------------------------------------------
 
@@ -302,9 +304,9 @@ class Autoscaler:
         counts: dict[tuple[str, str], int] = {}
         for rec in self.store.records():
             counts[(rec.model, rec.state)] = counts.get((rec.model, rec.state), 0) + 1
-        for model in self.by_model:
-            for state in protocol.SLOT_STATES:
-                self.metrics.slots.labels(model, state).set(counts.get((model, state), 0))
+        for model, c in self.by_model.items():
+            for state, gauge in c.scaler.series.slots.items():
+                gauge.set(counts.get((model, state), 0))
 
     async def housekeeping(self, stop: asyncio.Event) -> None:
         every = self.settings.housekeeping_every_s

@@ -181,6 +181,8 @@ class ModelScaler:
         self.agents = agents
         self.events = events
         self.metrics = metrics
+        self.series = metrics.model(self.model)
+        """The model's label children, looked up once (a sample or a decision costs no `labels()` lookup)."""
         self.cold_path = cold_path
         self.is_leader = is_leader
         self.settings = settings
@@ -241,9 +243,9 @@ class ModelScaler:
         desired = self.desired
         current = self.ready + self.activating
         trigger, self._trigger = self._trigger, None
-        m = self.metrics
-        m.ready.labels(self.model).set(self.ready)
-        m.activating.labels(self.model).set(self.activating)
+        series = self.series
+        series.ready.set(self.ready)
+        series.activating.set(self.activating)
         if desired > current and not self.exhausted and not self._stopping:
             for _ in range(self._bring_ups_to_start(desired - current)):
                 self.claiming += 1
@@ -374,7 +376,7 @@ class ModelScaler:
             code, why = "not_ready", f"replied ready, but the registry holds no ready write of claim {claim.claim_id}"
         else:
             code, why = _failure(reply)
-        self.metrics.activations.labels(self.model, "failed").inc()
+        self.series.activations_failed.inc()
         self.events.publish("slot.failed", node=claim.node, slot=claim.slot, reason=why)
         if code in CLAIM_GONE:
             log.warning("%s: activation of %s refused: %s; a newer claim holds it, claiming the next", self.model,
@@ -390,7 +392,7 @@ class ModelScaler:
         claim = held.claim
         held.phase = "ready"
         m = self.metrics
-        m.activations.labels(self.model, "ready").inc()
+        self.series.activations_ready.inc()
         if measured:
             took = self.clock() - held.since
             self.target.add_lead_time(took)
@@ -423,7 +425,7 @@ class ModelScaler:
         if needed and needed != self.cold_requested:
             reason = f"no warm slot of {self.model} is claimable; asking the cold path for {needed} more"
             log.warning("%s: %s", self.model, reason)
-            self.metrics.cold_starts.labels(self.model).inc()
+            self.series.cold_starts.inc()
             self.events.publish("pool.exhausted", reason=reason, desired=self.desired, ready=self.ready)
             self.events.publish("cold.start", reason=reason, desired=needed)
             try:
