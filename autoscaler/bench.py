@@ -6,6 +6,10 @@
    and we time *sample published -> first claim written* by watching `pulse_slots`. A stand-in agent in this
    process answers `activate` at once (writing `activating` and `ready` as a holder's agent does), so the figure
    is the autoscaler's own and not an engine's.
+   Next to it, the floor measured in the same run and conditions (the background samples flowing): bare nats-py
+   doing the path's irreducible work, *sample published -> a subscriber on its own connection does one
+   kv.update(key, value, last=rev) -> a KV watcher sees it*, one pulse per model like the timed ones; and the
+   ratio of the two.
 3. Ingest throughput through NATS: samples published as fast as one publisher can, counted by the
    autoscaler's `pulsescale_samples_total` metric.
 Figures are printed, not asserted: these machines are shared and noisy.
@@ -24,6 +28,7 @@ import urllib.request
 
 import msgspec
 import numpy as np
+from nats.js.api import KeyValueConfig
 
 from autoscaler.controller import Deps, LocalColdPath, ModelController
 from autoscaler.metrics import AutoscalerMetrics
@@ -31,7 +36,7 @@ from warmpool import connect, protocol
 from warmpool.embedded import NatsServer, free_port
 from warmpool.errors import PulsescaleError
 from warmpool.protocol import QueueSample, ScaledObjectSpec, ScalerRecord
-from warmpool.registry import Changed, KvSlotStore, ensure_buckets
+from warmpool.registry import BucketSettings, Changed, KvSlotStore, ensure_buckets
 from warmpool.seed import seed_pool
 
 
@@ -128,6 +133,64 @@ async def _stand_in_agent(nc, store: KvSlotStore) -> None:  # type: ignore[no-un
     await nc.subscribe("pulse.agent.*.deactivate", cb=deactivate)
 
 
+FLOOR_BUCKET = "pulse_bench_decide_floor"
+"""Scratch bucket for the bare nats-py floor; never one the system uses."""
+FLOOR_PREFIX = "bench.decide.floor."
+
+
+async def _floor(nc, url: str, models: list[str], value: bytes) -> list[float]:  # type: ignore[no-untyped-def]
+    """Bare nats-py, the decide path's irreducible work: a sample published -> a subscriber on its own connection
+    (as the autoscaler has) decodes it and does one kv.update on the revision it last wrote -> our KV watcher sees
+    the update. One pulse per model, one at a time, as the timed pulses. Latencies (s)."""
+    js = nc.jetstream(timeout=5.0)
+    with contextlib.suppress(Exception):
+        await js.delete_key_value(FLOOR_BUCKET)
+    settings = BucketSettings()
+    kv = await js.create_key_value(
+        KeyValueConfig(bucket=FLOOR_BUCKET, history=settings.slot_history, storage=settings.storage)
+    )
+    keys = {m: f"{m}.floor.s0" for m in models}
+    revs = {m: await kv.put(keys[m], value) for m in models}
+    responder = await connect.connect(connect.NatsOptions(servers=(url,), name="bench-decide-floor"))
+    rkv = await responder.jetstream(timeout=5.0).key_value(FLOOR_BUCKET)
+
+    async def on_sample(msg) -> None:  # type: ignore[no-untyped-def]
+        sample = protocol.decode(msg.data, QueueSample)
+        revs[sample.model] = await rkv.update(keys[sample.model], value, last=revs[sample.model])
+
+    sub = await responder.subscribe(FLOOR_PREFIX + "*", cb=on_sample)
+    await responder.flush()
+    seen: dict[str, asyncio.Event] = {k: asyncio.Event() for k in keys.values()}
+    watcher = await kv.watchall()
+
+    async def follow() -> None:
+        async for entry in watcher:
+            if entry is not None and entry.key in seen:
+                seen[entry.key].set()
+
+    follower = asyncio.create_task(follow())
+    await asyncio.sleep(0.2)  # the watcher's initial listing goes by
+    latencies: list[float] = []
+    try:
+        for seq, m in enumerate(models, 1):
+            event = seen[keys[m]]
+            event.clear()
+            t0 = time.perf_counter()
+            await nc.publish(FLOOR_PREFIX + m, _sample(m, seq, 16))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), 2.0)
+                latencies.append(time.perf_counter() - t0)
+            await asyncio.sleep(0.02)
+    finally:
+        follower.cancel()
+        await watcher.stop()
+        await sub.unsubscribe()
+        await responder.close()
+        with contextlib.suppress(Exception):
+            await js.delete_key_value(FLOOR_BUCKET)
+    return latencies
+
+
 def _metric(port: int, name: str) -> float:
     total = 0.0
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
@@ -190,6 +253,8 @@ async def _end_to_end(args: argparse.Namespace) -> None:
         stop = asyncio.Event()
         bg = asyncio.create_task(background(stop))
         await asyncio.sleep(1.5)  # windows see steady traffic first
+        floor_value = protocol.encode(store.records()[0]) if store.records() else b"x" * 200
+        floor = await _floor(nc, server.url, models[: args.pulses], floor_value)
         latencies = []
         for m in models[: args.pulses]:
             pulsed.add(m)
@@ -208,6 +273,14 @@ async def _end_to_end(args: argparse.Namespace) -> None:
               f"{len(ms)}/{args.pulses} pulses answered):")  # fmt: skip
         if len(ms):
             print(f"  p50 {np.percentile(ms, 50):.2f} ms   p99 {np.percentile(ms, 99):.2f} ms   max {ms.max():.2f} ms")
+        fs = np.array(floor) * 1e3
+        print(f"floor, bare nats-py in the same run: sample published -> one kv.update -> watcher sees it "
+              f"({len(fs)}/{len(models[: args.pulses])} answered):")  # fmt: skip
+        if len(fs):
+            print(f"  p50 {np.percentile(fs, 50):.2f} ms   p99 {np.percentile(fs, 99):.2f} ms   max {fs.max():.2f} ms")
+        if len(ms) and len(fs):
+            print(f"ratio to the floor: p50 {np.percentile(ms, 50) / np.percentile(fs, 50):.2f}x   "
+                  f"p99 {np.percentile(ms, 99) / np.percentile(fs, 99):.2f}x")  # fmt: skip
         # Ingest throughput through NATS into the autoscaler process.
         before = _metric(port, "pulsescale_samples_total")
         n = args.samples
