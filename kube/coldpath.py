@@ -33,14 +33,12 @@ episode counts from ``status.originalReplicaCount`` (`scale_to`), not from the r
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 import kopf
-import nats.errors
 
 from autoscaler.crd import GROUP, PLURAL, VERSION
 from kube import aio, apicall, operator
@@ -48,7 +46,6 @@ from kube.context import OperatorContext
 from kube.events import ObjectRef
 from kube.status import rfc3339
 from warmpool import protocol
-from warmpool.errors import BadMessage
 
 __all__ = ["COLD_PATH_STATUS", "ColdPath", "Episode", "register", "scale_to"]
 
@@ -120,11 +117,8 @@ class ColdPath:
 
     # --- inputs -------------------------------------------------------------------------------------------
 
-    async def on_event(self, data: bytes) -> None:
-        try:
-            event = protocol.decode(data, protocol.Event)
-        except BadMessage:
-            return
+    async def on_event(self, event: protocol.Event) -> None:
+        """A ``cold.start`` from the operator's ``pulse.events.>`` subscription (`operator.EVENT_LISTENERS`)."""
         if event.type != "cold.start" or not event.desired:
             return
         for body in self._scaledobjects(event.model):
@@ -257,33 +251,13 @@ class ColdPath:
     # --- the loop -------------------------------------------------------------------------------------------
 
     async def run_until(self, stop: asyncio.Event) -> None:
-        """Follow ``pulse.events.>`` and reconcile every status round, until `stop`."""
-        sub = await self.ctx.nc.subscribe(f"{protocol.EVENTS_PREFIX}>")
-
-        async def events() -> None:
-            async for msg in sub.messages:
-                try:
-                    await self.on_event(msg.data)
-                except Exception:  # noqa: BLE001 - logged with its traceback by count_failure; one bad event must not end the subscription
-                    self.ctx.count_failure("coldpath", f"event on {msg.subject}")
-
-        async def rounds() -> None:
-            while not stop.is_set():
-                try:
-                    await self.reconcile()
-                except Exception:  # one failed round must not end the cold path; it is logged
-                    log.exception("cold path reconciliation failed")
-                await aio.wait_event(stop, self.ctx.status_every_s)
-
-        tasks = [asyncio.create_task(events()), asyncio.create_task(rounds())]
-        try:
-            await stop.wait()
-        finally:
-            with contextlib.suppress(nats.errors.Error):
-                await sub.unsubscribe()
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        """Reconcile every status round, until `stop` (events arrive through `on_event`)."""
+        while not stop.is_set():
+            try:
+                await self.reconcile()
+            except Exception:  # one failed round must not end the cold path; it is logged
+                log.exception("cold path reconciliation failed")
+            await aio.wait_event(stop, self.ctx.status_every_s)
 
 
 def register(registry: kopf.OperatorRegistry, ctx: OperatorContext) -> None:
@@ -293,3 +267,4 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext) -> None:
     cold = ColdPath(ctx)
     ctx.extra["coldpath"] = cold
     ctx.extra.setdefault(operator.BACKGROUND, []).append(cold.run_until)
+    ctx.extra.setdefault(operator.EVENT_LISTENERS, []).append(cold.on_event)

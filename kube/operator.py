@@ -75,6 +75,7 @@ from warmpool.errors import BadMessage
 
 __all__ = [
     "BACKGROUND",
+    "EVENT_LISTENERS",
     "EVENT_TYPES_POSTED",
     "FINALIZER",
     "HELD_SLOT_STATES",
@@ -105,6 +106,9 @@ to; `run_operator` runs each on the caller's loop beside kopf until the stop fla
 SILENT_ROUNDS: Final = 3  # unanswered status rounds before Active/Fallback say the autoscaler is not reporting
 RECHECKED_REASONS: Final = frozenset({"TargetConflict", "ModelConflict", "ScaleTargetNotFound"})
 """Refusals that end when another object goes (or the target comes): re-checked every status round."""
+EVENT_LISTENERS: Final = "event_listeners"
+"""``ctx.extra[EVENT_LISTENERS]``: a list of ``async (event: protocol.Event) -> None`` that `register` of a part may
+append: the operator's one ``pulse.events.>`` subscription decodes each event once and hands it to each of them."""
 BACKGROUND_STOP_S: Final = 5.0  # how long run_operator waits for background work to end after the stop flag
 READY_POLL_S: Final = 0.05  # how often run_operator looks whether kopf (in its thread) is ready
 RESTORABLE_KINDS: Final = ("Deployment", "StatefulSet")  # scale targets the restore step knows how to patch
@@ -547,11 +551,7 @@ class ScaledObjects:
             raise BadMessage("internal", f"status refused: {reply.error}")
         return reply.models
 
-    async def on_nats_event(self, data: bytes) -> None:
-        try:
-            event = protocol.decode(data, protocol.Event)
-        except BadMessage:
-            return
+    async def on_nats_event(self, event: protocol.Event) -> None:
         posted = EVENT_TYPES_POSTED.get(event.type)
         if posted is None:
             return
@@ -575,12 +575,22 @@ class ScaledObjects:
         """The status loop, the Events flush and the pulse.events subscription, until `stop` is set."""
         sub = await self.ctx.nc.subscribe(f"{protocol.EVENTS_PREFIX}>")
 
+        listeners: list[tuple[str, Callable[[protocol.Event], Awaitable[None]]]] = [
+            ("events", self.on_nats_event),
+            *(("listener", fn) for fn in self.ctx.extra.get(EVENT_LISTENERS, [])),
+        ]
+
         async def events() -> None:
             async for msg in sub.messages:
                 try:
-                    await self.on_nats_event(msg.data)
-                except Exception:  # noqa: BLE001 - logged with its traceback by count_failure; one bad event must not end the subscription
-                    self.ctx.count_failure("events", f"event on {msg.subject}")
+                    event = protocol.decode(msg.data, protocol.Event)
+                except BadMessage:
+                    continue
+                for what, listener in listeners:
+                    try:
+                        await listener(event)
+                    except Exception:  # noqa: BLE001 - logged with its traceback by count_failure; one bad event must not end the subscription
+                        self.ctx.count_failure(what, f"event on {msg.subject}")
 
         async def every(period: float, work: Callable[[], Awaitable[None]]) -> None:
             while not stop.is_set():
