@@ -33,6 +33,11 @@ Revisions of v1 (each only adds fields or tightens a request only our own autosc
   annotations of those names), `notes` (why an accepted field has no effect) and `created_at`; `StatusRow` adds the
   ScaledObject's key, `fallback`, `paused`, `cold_requested`, `last_active_at` and `last_scale_at`, for the operator's
   status subresource.
+- revision 6 (fleet scale, sharding): models are split into `SHARDS` shards by `shard_of`; each shard is a lease
+  (`LeaderLease` under ``shard.<n>`` in `pulse_leases`) held by one autoscaler replica at a time, and each replica
+  announces itself with a `ReplicaRecord` under ``replica.<identity>``. On-call commands reach any replica, which
+  hands a model's command to the replica owning its shard on ``pulse.autoscaler.<identity>.cmd.<verb>``.
+  `StatusRow` adds `owner` and `shard`; `StatusReply` adds `replicas`.
 
 Pure: no I/O, no NATS import; `now` is passed in where time matters.
 """
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import math
 import re
+import zlib
 from collections import OrderedDict
 from typing import Annotated, Any, Final, Literal, TypeVar, get_args
 
@@ -61,6 +67,17 @@ __all__ = [
     "LEADER_LEASE_KEY",
     "LEASES_BUCKET",
     "OVERRIDE_KEY_PREFIX",
+    "IDENTITY_PATTERN",
+    "REPLICA_KEY_PREFIX",
+    "REPLICA_PREFIX",
+    "SHARDS",
+    "SHARD_KEY_PREFIX",
+    "ReplicaRecord",
+    "is_identity",
+    "replica_key",
+    "replica_subject",
+    "shard_key",
+    "shard_of",
     "MAX_CLOCK_SKEW_S",
     "MAX_LEASE_S",
     "MAX_MESSAGE_BYTES",
@@ -148,7 +165,7 @@ __all__ = [
 ]
 
 VERSION: Final = 1
-CONTRACT_REVISION: Final = 5
+CONTRACT_REVISION: Final = 6
 """Revision of wire contract v1 this code speaks (see the module doc for what each revision changed)."""
 MAX_MESSAGE_BYTES: Final = 64 * 1024
 MAX_LEASE_S: Final = 300.0
@@ -206,6 +223,18 @@ EventType = Literal[
 
 LEADER_LEASE_KEY: Final = "autoscaler"
 """Key of the autoscaler replicas' leader lease in `pulse_leases`."""
+SHARDS: Final = 32
+"""Models are split into this many shards (`shard_of`); each is a lease one autoscaler replica holds at a time.
+Part of the contract because every replica must map a model to the same shard: 32 spreads evenly over up to ~10
+replicas, and renewing 32 leases every half second costs a broker little."""
+SHARD_KEY_PREFIX: Final = "shard."
+"""Keys ``shard.<n>`` in `pulse_leases` hold the lease (`LeaderLease`) of shard n (revision 6)."""
+REPLICA_KEY_PREFIX: Final = "replica."
+"""Keys ``replica.<identity>`` in `pulse_leases` hold each live autoscaler replica's `ReplicaRecord` (revision 6)."""
+REPLICA_PREFIX: Final = "pulse.autoscaler."
+"""``pulse.autoscaler.<identity>.cmd.<verb>``: a command handed to the replica that owns the model (revision 6)."""
+IDENTITY_PATTERN: Final = r"^[A-Za-z0-9_-]{1,128}$"
+"""An autoscaler replica's identity: one subject token and one key token (no dots, no wildcards)."""
 OVERRIDE_KEY_PREFIX: Final = "override."
 """Keys ``override.<model>`` in `pulse_leases` hold on-call overrides, so a new leader keeps them."""
 
@@ -819,6 +848,52 @@ def override_key(model: str) -> str:
     return _check(OVERRIDE_KEY_PREFIX + model, "model", model)
 
 
+def shard_of(model: str, shards: int = SHARDS) -> int:
+    """The shard a model belongs to: CRC-32 of its name, so every replica (and every version) agrees."""
+    return zlib.crc32(model.encode()) % shards
+
+
+def shard_key(shard: int) -> str:
+    if not 0 <= shard < SHARDS:
+        raise ValueError(f"shard {shard} is not in [0, {SHARDS})")
+    return f"{SHARD_KEY_PREFIX}{shard}"
+
+
+def is_identity(identity: str) -> bool:
+    return re.fullmatch(IDENTITY_PATTERN, identity) is not None
+
+
+def replica_key(identity: str) -> str:
+    if not is_identity(identity):
+        raise ValueError(f"replica identity {identity!r} does not match {IDENTITY_PATTERN}")
+    return REPLICA_KEY_PREFIX + identity
+
+
+def replica_subject(identity: str, verb: str) -> str:
+    """Where a command for a model the replica `identity` owns is handed to it."""
+    if not is_identity(identity):
+        raise ValueError(f"replica identity {identity!r} does not match {IDENTITY_PATTERN}")
+    return f"{REPLICA_PREFIX}{identity}.cmd.{verb}"
+
+
+class ReplicaRecord(Message, kw_only=True):
+    """The value under ``replica.<identity>`` in `pulse_leases` (revision 6): a live autoscaler replica, judged by
+    ``renewed_at + lease_s`` like a lease. Shards are assigned over the live replicas; `shards` is what it holds."""
+
+    identity: Annotated[str, msgspec.Meta(pattern=IDENTITY_PATTERN)]
+    renewed_at: float
+    lease_s: float
+    started_at: float
+    shards: list[Annotated[int, msgspec.Meta(ge=0, lt=SHARDS)]] = []
+    models: Count = 0
+    """ScaledObjects in the shards it holds."""
+
+    def _validate(self) -> None:
+        _finite(self, "renewed_at", "lease_s", "started_at")
+        if not 0 < self.lease_s <= MAX_LEASE_S:
+            raise ValueError(f"[bad_value] `lease_s` must be in (0, {MAX_LEASE_S:.0f}]")
+
+
 # --- replies ----------------------------------------------------------------------------------------------------------
 
 
@@ -896,10 +971,16 @@ class StatusRow(msgspec.Struct, kw_only=True):
     """Revision 5: last time demand was above the activation threshold (Unix s)."""
     last_scale_at: float | None = None
     """Revision 5: last time the desired count changed (Unix s)."""
+    owner: str | None = None
+    """Revision 6: identity of the autoscaler replica that owns the model's shard; None while none does."""
+    shard: int | None = None
+    """Revision 6: the model's shard (`shard_of`)."""
 
 
 class StatusReply(CommandReply, kw_only=True):
     models: list[StatusRow] = []
+    replicas: list[ReplicaRecord] = []
+    """Revision 6: the live autoscaler replicas and the shards each holds."""
 
 
 class PoolSlot(msgspec.Struct, kw_only=True):
