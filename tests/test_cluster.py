@@ -37,7 +37,8 @@ from warmpool.protocol import AgentLease, SlotRecord
 from warmpool.registry import Changed, Claim, KvSlotStore, Snapshot, ensure_buckets
 from warmpool.seed import seed_pool
 
-pytestmark = pytest.mark.slow
+# A 3-server cluster's elections and failovers are bounded in wall-clock time: run alone (tests/conftest.py).
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 MODEL = "m"
 NODES, SLOTS_PER_NODE = 6, 8  # 48 slots: enough claims to span a failover

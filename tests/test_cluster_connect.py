@@ -12,6 +12,9 @@ import pytest
 from tests.cluster_helpers import NatsCluster
 from warmpool import connect
 
+# A 3-server cluster's elections and failovers are bounded in wall-clock time: run alone (tests/conftest.py).
+pytestmark = pytest.mark.serial
+
 DEADLINE_S = 3.0
 
 

@@ -21,6 +21,9 @@ from tests.helpers import wait_for
 from warmpool import connect, protocol, registry
 from warmpool.registry import BucketSettings, KvReplicasError, ensure_buckets
 
+# A 3-server cluster's elections and failovers are bounded in wall-clock time: run alone (tests/conftest.py).
+pytestmark = pytest.mark.serial
+
 
 @pytest.fixture
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsCluster]:

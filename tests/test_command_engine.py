@@ -221,6 +221,7 @@ async def test_a_standby_server_that_dies_while_idle_is_restarted_and_the_slot_c
         assert out["choices"][0]["text"] == f" pid{engine.pid}"  # type: ignore[index]
 
 
+@pytest.mark.serial  # the servers must go within a bound of the agent's exit: run alone (tests/conftest.py)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 async def test_a_stopped_or_killed_agent_leaves_no_server_process(
     nats_server: NatsServer, store: KvSlotStore, model_dir: Path, shm_dir: Path, sig: signal.Signals

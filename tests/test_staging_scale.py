@@ -203,6 +203,7 @@ def test_a_model_is_staged_from_a_url_verified_and_reused(http_model: Served, mo
         raise
 
 
+@pytest.mark.serial  # a stalled read's 5 s timeout decides the resume: run alone (tests/conftest.py)
 def test_a_dropped_connection_resumes_with_a_range_request(http_model: Served, model_dir: Path, shm_dir: Path) -> None:
     shard = _shards(model_dir)[0]
     size = (model_dir / shard).stat().st_size
@@ -214,6 +215,7 @@ def test_a_dropped_connection_resumes_with_a_range_request(http_model: Served, m
     assert http_model.sent[shard] == size  # every byte sent once: continued, not started again
 
 
+@pytest.mark.serial  # a stalled read's 5 s timeout decides the resume: run alone (tests/conftest.py)
 def test_a_download_cut_off_by_an_agent_restart_continues_from_its_partial_file(
     http_model: Served, model_dir: Path, shm_dir: Path
 ) -> None:
