@@ -21,10 +21,14 @@ import argparse
 import asyncio
 import contextlib
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -35,9 +39,10 @@ from autoscaler.metrics import AutoscalerMetrics
 from warmpool import connect, protocol
 from warmpool.embedded import NatsServer, free_port
 from warmpool.errors import PulsescaleError
-from warmpool.protocol import QueueSample, ScaledObjectSpec, ScalerRecord
-from warmpool.registry import BucketSettings, Changed, KvSlotStore, ensure_buckets
+from warmpool.protocol import QueueSample, ScaledObjectSpec, ScalerRecord, SlotRecord
+from warmpool.registry import BucketSettings, Changed, KvSlotStore, Snapshot, ensure_buckets
 from warmpool.seed import seed_pool
+from warmpool.slots import HELD_STATES
 
 
 def _spec(model: str) -> ScaledObjectSpec:
@@ -92,23 +97,21 @@ async def _ingest_in_process(nc, store: KvSlotStore, models: int, samples: int) 
     return samples / (time.perf_counter() - t0)
 
 
-async def _stand_in_agent(nc, store: KvSlotStore) -> None:  # type: ignore[no-untyped-def]
+async def _stand_in_agent(nc, store: KvSlotStore, held: dict[tuple[str, str, str], str]) -> None:  # type: ignore[no-untyped-def]
     """Answers for every node at once, as the holder's agent would: `activating`, then `ready` with the endpoint
-    (the autoscaler reads the endpoint from that fenced write), then the reply; `deactivate` gives the slot back."""
-
-    def key_of(subject: str, slot: str, claim_id: str) -> str | None:
-        node = subject.split(".")[2]
-        held = [r for r in store.records() if r.node == node and r.slot == slot and r.claim_id == claim_id]
-        return held[0].key if held else None
+    (the autoscaler reads the endpoint from that fenced write), then the reply; `deactivate` gives the slot back.
+    `held` maps (node, slot, claim_id) to the slot's key (kept by the run's slot watch), so an activation finds
+    its slot in O(1) instead of scanning every record."""
 
     async def activate(msg) -> None:  # type: ignore[no-untyped-def]
         req = protocol.decode(msg.data, protocol.ActivateRequest)
-        key = key_of(msg.subject, req.slot, req.claim_id)
+        node = msg.subject.split(".")[2]
+        key = held.get((node, req.slot, req.claim_id))
         for _ in range(100):  # the claim's watch echo may still be on its way to this process
             if key is not None:
                 break
             await asyncio.sleep(0.002)
-            key = key_of(msg.subject, req.slot, req.claim_id)
+            key = held.get((node, req.slot, req.claim_id))
         try:
             if key is None:
                 raise PulsescaleError(f"no slot {req.slot} held by {req.claim_id}")
@@ -122,7 +125,7 @@ async def _stand_in_agent(nc, store: KvSlotStore) -> None:  # type: ignore[no-un
 
     async def deactivate(msg) -> None:  # type: ignore[no-untyped-def]
         req = protocol.decode(msg.data, protocol.DeactivateRequest)
-        key = key_of(msg.subject, req.slot, req.claim_id)
+        key = held.get((msg.subject.split(".")[2], req.slot, req.claim_id))
         claim = store.adopt(key) if key is not None else None
         if claim is not None:
             with contextlib.suppress(PulsescaleError):
@@ -191,98 +194,339 @@ async def _floor(nc, url: str, models: list[str], value: bytes) -> list[float]: 
     return latencies
 
 
-def _metric(port: int, name: str) -> float:
-    total = 0.0
+def _metric(port: int, name: str) -> float | None:
+    """Sum of a metric's series on one autoscaler's /metrics; None when it exports no such metric."""
+    total, seen = 0.0, False
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
         for line in r.read().decode().splitlines():
             if line.startswith(name + "{") or line.startswith(name + " "):
                 total += float(line.rsplit(" ", 1)[1])
-    return total
+                seen = True
+    return total if seen else None
+
+
+def _metric_or(port: int, name: str, default: float = 0.0) -> float:
+    with contextlib.suppress(OSError):
+        got = _metric(port, name)
+        if got is not None:
+            return got
+    return default
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of a process, from /proc/<pid>/stat (fields 14 and 15); None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+LOST_LINE = "no longer the leader"
+"""What an autoscaler logs (WARNING) when it loses a lease; counted while it exports no lease-lost metric."""
+LOST_METRIC = "pulsescale_lease_lost_total"
+SAMPLES = "pulsescale_samples_total"
+
+
+@dataclass
+class _Replica:
+    identity: str
+    port: int
+    proc: subprocess.Popen[bytes]
+    stderr: Any  # the file its stderr goes to
+    cpu_s: float = 0.0
+    lost_metric: float | None = None  # the last scrape of LOST_METRIC; None while it exports none
+    killed: bool = False
+
+    def sample(self) -> None:
+        """Refresh the CPU seconds and the lease-lost count while the process lives."""
+        if self.killed or self.proc.poll() is not None:
+            return
+        if (cpu := _cpu_s(self.proc.pid)) is not None:
+            self.cpu_s = cpu
+        with contextlib.suppress(OSError):
+            self.lost_metric = _metric(self.port, LOST_METRIC)
+
+    def lost(self) -> int:
+        if self.lost_metric is not None:
+            return int(self.lost_metric)
+        self.stderr.flush()
+        with open(self.stderr.name, errors="replace") as f:
+            return sum(LOST_LINE in line for line in f)
+
+
+class _Leases:
+    """Our view of KV `pulse_leases`: the shard leases (revision 6) when there are any, else the one leader lease.
+    A model's owner is the holder of its shard's lease (or of the leader lease) while ``renewed_at + lease_s`` has
+    not passed by our clock; an expired or unreadable lease owns nothing."""
+
+    def __init__(self) -> None:
+        self.leases: dict[str, protocol.LeaderLease] = {}
+        self.replicas: dict[str, protocol.ReplicaRecord] = {}
+
+    def apply(self, key: str, value: bytes | None) -> None:
+        self.leases.pop(key, None)
+        self.replicas.pop(key, None)
+        if not value:
+            return
+        with contextlib.suppress(Exception):  # something else in the bucket (overrides) or a broken record
+            if key.startswith(protocol.REPLICA_KEY_PREFIX):
+                self.replicas[key] = protocol.decode(value, protocol.ReplicaRecord)
+            elif key == protocol.LEADER_LEASE_KEY or key.startswith(protocol.SHARD_KEY_PREFIX):
+                self.leases[key] = protocol.decode(value, protocol.LeaderLease)
+
+    @property
+    def sharded(self) -> bool:
+        return any(k.startswith(protocol.SHARD_KEY_PREFIX) for k in self.leases)
+
+    def lease_s(self) -> float | None:
+        return max((lease.lease_s for lease in self.leases.values()), default=None)
+
+    def owner_of_shard(self, now: float) -> dict[int, str | None]:
+        def holder(key: str) -> str | None:
+            lease = self.leases.get(key)
+            return lease.holder if lease is not None and now <= lease.renewed_at + lease.lease_s else None
+
+        if self.sharded:
+            return {s: holder(protocol.shard_key(s)) for s in range(protocol.SHARDS)}
+        leader = holder(protocol.LEADER_LEASE_KEY)
+        return dict.fromkeys(range(protocol.SHARDS), leader)
+
+    def ownership(self, shard_of_model: dict[str, int], live: set[str]) -> tuple[dict[str, list[str]], int]:
+        """(models per live owner, models with no live owner)."""
+        owners = self.owner_of_shard(time.time())
+        per: dict[str, list[str]] = {}
+        orphans = 0
+        for m, s in shard_of_model.items():
+            who = owners[s]
+            if who is None or who not in live:
+                orphans += 1
+            else:
+                per.setdefault(who, []).append(m)
+        return per, orphans
+
+
+async def _follow_leases(kv, leases: _Leases) -> None:  # type: ignore[no-untyped-def]
+    watcher = await kv.watchall()
+    try:
+        async for entry in watcher:
+            if entry is not None:
+                leases.apply(entry.key, None if entry.operation in ("DEL", "PURGE") else entry.value)
+    finally:
+        with contextlib.suppress(Exception):
+            await watcher.stop()
+
+
+class _SlotWatch:
+    """Every write to `pulse_slots` through the run, as the store's watch delivers them (each revision once).
+
+    The double-claim check: a key whose record is written in a held state (claimed, activating, ready,
+    releasing) with a claim_id different from the claim_id of its previous record while that previous record
+    was itself held: a second claim while the first was still held, with no release (a record in a free state,
+    claim_id cleared) between them. Each such write is counted."""
+
+    def __init__(self) -> None:
+        self.holder: dict[str, str] = {}  # key -> claim_id of the claim holding it now
+        self.held: dict[tuple[str, str, str], str] = {}  # (node, slot, claim_id) -> key, for the stand-in agent
+        self.first_claim: dict[str, float] = {}  # model -> perf_counter of its first claim seen
+        self.claims_after: dict[str, float] = {}  # model -> first claim seen after `since`
+        self.since = float("inf")
+        self.double_claims = 0
+        self.writes = 0
+
+    def on(self, event: Any) -> None:
+        if isinstance(event, Snapshot):
+            for key, rec in event.records.items():
+                self._seen(key, rec, snapshot=True)
+        elif isinstance(event, Changed):
+            self._seen(event.key, event.record, snapshot=False)
+
+    def _seen(self, key: str, rec: SlotRecord, *, snapshot: bool) -> None:
+        self.writes += not snapshot
+        prev = self.holder.get(key)
+        if rec.state in HELD_STATES and rec.claim_id is not None:
+            if prev is not None and prev != rec.claim_id and not snapshot:
+                self.double_claims += 1
+            if prev is not None and prev != rec.claim_id:
+                self.held.pop((rec.node, rec.slot, prev), None)
+            self.holder[key] = rec.claim_id
+            self.held[(rec.node, rec.slot, rec.claim_id)] = key
+            if rec.state == "claimed" and prev != rec.claim_id and not snapshot:
+                now = time.perf_counter()
+                self.first_claim.setdefault(rec.model, now)
+                if now >= self.since:
+                    self.claims_after.setdefault(rec.model, now)
+        elif prev is not None:
+            del self.holder[key]
+            self.held.pop((rec.node, rec.slot, prev), None)
+
+
+def _pct(xs: list[float]) -> str:
+    ms = np.array(xs) * 1e3
+    return f"p50 {np.percentile(ms, 50):.2f} ms   p99 {np.percentile(ms, 99):.2f} ms   max {ms.max():.2f} ms"
+
+
+SEED_BATCH = 100
+"""Models seeded at once (their slots, agent leases and ScaledObjects written concurrently)."""
+PULSE_TIMEOUT_S = 2.0
+"""A timed pulse with no claim after this long counts as unanswered."""
+READY_TIMEOUT_S = 60.0
+"""The replicas must own every model (and the ownership settle) within this long of starting."""
+TAKEOVER_GRACE_S = 10.0
+"""After a SIGKILL, the killed replica's models are pulsed until claimed, at most lease_s + this long."""
+TAKEOVER_SAMPLE = 100
+"""Models of the killed replica pulsed (a sample, so the phase stays short at 1,000s of models)."""
 
 
 async def _end_to_end(args: argparse.Namespace) -> None:
+    t_start = time.perf_counter()
     server = NatsServer().start()
-    proc = None
+    replicas: list[_Replica] = []
+    tasks: list[asyncio.Task[None]] = []
     try:
         nc = await connect.connect(connect.NatsOptions(servers=(server.url,), name="bench-decide"))
         store = await KvSlotStore.open(nc)
         await store.start()
-        scalers = (await ensure_buckets(nc.jetstream()))[protocol.SCALERS_BUCKET]
+        buckets = await ensure_buckets(nc.jetstream())
+        scalers = buckets[protocol.SCALERS_BUCKET]
         models = [f"m{i}" for i in range(args.models)]
-        for i, m in enumerate(models):
+        shard_of_model = {m: protocol.shard_of(m) for m in models}
+
+        async def seed(i: int, m: str) -> None:
             await seed_pool(store, m, nodes=2, slots_per_node=2, node_prefix=f"n{i}")
             rec = ScalerRecord(namespace="bench", name=m, spec=_spec(m))
             await scalers.put(rec.key, protocol.encode(rec))
-        await _stand_in_agent(nc, store)
+
+        for lo in range(0, len(models), SEED_BATCH):
+            await asyncio.gather(*(seed(i, models[i]) for i in range(lo, min(lo + SEED_BATCH, len(models)))))
+        slots = _SlotWatch()
+
+        async def watch_slots() -> None:
+            async for ev in store.watch():
+                slots.on(ev)
+
+        tasks.append(asyncio.create_task(watch_slots()))
+        leases = _Leases()
+        tasks.append(asyncio.create_task(_follow_leases(buckets[protocol.LEASES_BUCKET], leases)))
+        await _stand_in_agent(nc, store, slots.held)
+        t_seeded = time.perf_counter()
+        print(f"setup: {args.models} models x 4 warm slots seeded in {t_seeded - t_start:.1f} s")
         rate = await _ingest_in_process(nc, store, args.models, args.samples)
         print(f"ingest in process (decode + fold + debounced decide, one core): {rate:,.0f} samples/s")
-        port = free_port()
+
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen(  # noqa: ASYNC220 - one start in a benchmark harness
-            [sys.executable, "-m", "pulsescale", "autoscaler", "--nats", server.url, "--metrics-port", str(port),
-             "--log-level", "WARNING"],
-            env=env,
-        )  # fmt: skip
-        # Wait until it leads and follows every model.
-        for _ in range(200):
-            with contextlib.suppress(OSError):
-                if _metric(port, "pulsescale_leader") == 1:
-                    break
-            await asyncio.sleep(0.05)
+        for idx in range(args.replicas):
+            port = free_port()
+            identity = f"bench-r{idx}"
+            err = tempfile.NamedTemporaryFile("w+", prefix=f"bench-decide-{identity}-", suffix=".log")  # noqa: SIM115
+            proc = subprocess.Popen(  # noqa: ASYNC220 - a few starts in a benchmark harness
+                [sys.executable, "-m", "pulsescale", "autoscaler", "--nats", server.url, "--metrics-port", str(port),
+                 "--identity", identity, "--log-level", "WARNING"],
+                env=env, stderr=err,
+            )  # fmt: skip
+            replicas.append(_Replica(identity=identity, port=port, proc=proc, stderr=err))
+        by_identity = {r.identity: r for r in replicas}
+
+        def live() -> set[str]:
+            return {r.identity for r in replicas if not r.killed and r.proc.poll() is None}
+
+        checks: list[bool] = []
+
+        def check_owners(when: str) -> dict[str, list[str]]:
+            per, orphans = leases.ownership(shard_of_model, live())
+            ok = orphans == 0
+            checks.append(ok)
+            spread = "  ".join(f"{who} {len(per.get(who, []))}" for who in sorted(by_identity) if who in live())
+            mode = "shard leases" if leases.sharded else f"the {protocol.LEADER_LEASE_KEY!r} leader lease"
+            print(f"ownership {when} (from {mode}): models per replica: {spread};"
+                  f" models without a live owner: {orphans}")  # fmt: skip
+            return per
+
+        # Ready: every model has a live owner, and the spread has not changed for a second (replicas joining
+        # rebalance the shards).
+        deadline = time.perf_counter() + READY_TIMEOUT_S
+        last, stable_since = None, time.perf_counter()
+        while time.perf_counter() < deadline:
+            per, orphans = leases.ownership(shard_of_model, live())
+            spread = sorted((w, len(ms)) for w, ms in per.items())
+            if spread != last:
+                last, stable_since = spread, time.perf_counter()
+            leading = leases.sharded or any(_metric_or(r.port, "pulsescale_leader") == 1 for r in replicas)
+            if orphans == 0 and leading and time.perf_counter() - stable_since >= 1.0:
+                break
+            if any(r.proc.poll() is not None for r in replicas):
+                raise PulsescaleError("an autoscaler exited during start-up")
+            await asyncio.sleep(0.1)
+        t_ready = time.perf_counter()
+        print(f"replicas: {args.replicas} autoscaler processes ready in {t_ready - t_seeded:.1f} s")
         seq = [1]
+        quiet: set[str] = set()  # models the background leaves alone (pulsed ones: their last word stands)
 
         async def background(stop: asyncio.Event) -> None:
             # Every model's gateway speaks every 100 ms (the contract's pace): 10 samples/s x models.
             while not stop.is_set():
                 t0 = time.perf_counter()
                 for m in models:
-                    if m not in pulsed:
+                    if m not in quiet:
                         await nc.publish(protocol.queue_subject(m), _sample(m, seq[0], 0))
                 seq[0] += 1
                 await asyncio.sleep(max(0.0, 0.1 - (time.perf_counter() - t0)))
 
-        pulsed: set[str] = set()
-        claimed: dict[str, float] = {}
-
-        async def watch_claims() -> None:
-            async for ev in store.watch():
-                if isinstance(ev, Changed) and ev.record.state == "claimed":
-                    claimed.setdefault(ev.record.model, time.perf_counter())
-
-        watcher = asyncio.create_task(watch_claims())
         stop = asyncio.Event()
         bg = asyncio.create_task(background(stop))
         await asyncio.sleep(1.5)  # windows see steady traffic first
+        check_owners("before the pulses")
+        # The pulsed models are spread over all models, so every replica's share is exercised.
+        n_pulses = min(args.pulses, len(models))
+        pulse_models = [models[i * len(models) // n_pulses] for i in range(n_pulses)]
         floor_value = protocol.encode(store.records()[0]) if store.records() else b"x" * 200
-        floor = await _floor(nc, server.url, models[: args.pulses], floor_value)
+        floor = await _floor(nc, server.url, pulse_models, floor_value)
         latencies = []
-        for m in models[: args.pulses]:
-            pulsed.add(m)
+        pulse_deadline = time.perf_counter() + args.pulse_budget_s
+        for k, m in enumerate(pulse_models):
+            if time.perf_counter() > pulse_deadline:
+                print(f"pulse budget of {args.pulse_budget_s:.0f} s spent after {k} pulses")
+                break
+            if k == n_pulses // 2:
+                check_owners("mid-pulses")
+            quiet.add(m)
+            seq[0] += 1
             t0 = time.perf_counter()
-            await nc.publish(protocol.queue_subject(m), _sample(m, seq[0], 16))
-            while m not in claimed and time.perf_counter() - t0 < 2.0:
+            # Demand 4 (= targetQueueDepth): one replica wanted, so the model's other slots stay free for the
+            # takeover pulses.
+            await nc.publish(protocol.queue_subject(m), _sample(m, seq[0], 4))
+            while m not in slots.first_claim and time.perf_counter() - t0 < PULSE_TIMEOUT_S:
                 await asyncio.sleep(0.0005)
-            if m in claimed:
-                latencies.append(claimed[m] - t0)
+            if m in slots.first_claim:
+                latencies.append(slots.first_claim[m] - t0)
             await asyncio.sleep(0.02)
+        for r in replicas:
+            r.sample()
+        per = check_owners("after the pulses")
+        print(f"decision latency, sample published -> first claim written ({args.models} models active over "
+              f"{args.replicas} replica(s), {len(latencies)}/{n_pulses} pulses answered):")  # fmt: skip
+        if latencies:
+            print(f"  {_pct(latencies)}")
+        print(f"floor, bare nats-py in the same run: sample published -> one kv.update -> watcher sees it "
+              f"({len(floor)}/{n_pulses} answered):")  # fmt: skip
+        if floor:
+            print(f"  {_pct(floor)}")
+        if latencies and floor:
+            print(f"ratio to the floor: p50 {np.percentile(latencies, 50) / np.percentile(floor, 50):.2f}x   "
+                  f"p99 {np.percentile(latencies, 99) / np.percentile(floor, 99):.2f}x")  # fmt: skip
+
+        if args.kill and args.replicas >= 2:
+            await _takeover(args, nc, replicas, per, leases, slots, quiet, seq, check_owners, live)
+
         stop.set()
         await bg
-        watcher.cancel()
-        ms = np.array(latencies) * 1e3
-        print(f"decision latency, sample published -> first claim written ({args.models} models active, "
-              f"{len(ms)}/{args.pulses} pulses answered):")  # fmt: skip
-        if len(ms):
-            print(f"  p50 {np.percentile(ms, 50):.2f} ms   p99 {np.percentile(ms, 99):.2f} ms   max {ms.max():.2f} ms")
-        fs = np.array(floor) * 1e3
-        print(f"floor, bare nats-py in the same run: sample published -> one kv.update -> watcher sees it "
-              f"({len(fs)}/{len(models[: args.pulses])} answered):")  # fmt: skip
-        if len(fs):
-            print(f"  p50 {np.percentile(fs, 50):.2f} ms   p99 {np.percentile(fs, 99):.2f} ms   max {fs.max():.2f} ms")
-        if len(ms) and len(fs):
-            print(f"ratio to the floor: p50 {np.percentile(ms, 50) / np.percentile(fs, 50):.2f}x   "
-                  f"p99 {np.percentile(ms, 99) / np.percentile(fs, 99):.2f}x")  # fmt: skip
-        # Ingest throughput through NATS into the autoscaler process.
-        before = _metric(port, "pulsescale_samples_total")
+        # Ingest throughput through NATS into the autoscaler processes.
+        alive = [r for r in replicas if not r.killed]
+        before = [_metric_or(r.port, SAMPLES) for r in alive]
         n = args.samples
         t0 = time.perf_counter()
         for i in range(n):
@@ -290,32 +534,122 @@ async def _end_to_end(args: argparse.Namespace) -> None:
             await nc.publish(protocol.queue_subject(m), _sample(m, seq[0] + i, 0, gateway="flood"))
         await nc.flush()
         deadline = time.perf_counter() + 30
-        got = 0.0
+        counts = [0.0] * len(alive)
+        t_moved = time.perf_counter()
         while time.perf_counter() < deadline:
-            got = _metric(port, "pulsescale_samples_total") - before
-            if got >= n:
-                break
+            now_counts = [
+                _metric_or(r.port, "pulsescale_samples_total") - b for r, b in zip(alive, before, strict=True)
+            ]
+            if now_counts != counts:
+                counts, t_moved = now_counts, time.perf_counter()
+            elif time.perf_counter() - t_moved > 0.5:
+                break  # every replica has taken what it will take
             await asyncio.sleep(0.05)
-        secs = time.perf_counter() - t0
-        print(f"ingest through NATS into the autoscaler process: {got:.0f}/{n} samples in {secs:.2f} s "
-              f"= {got / secs:,.0f} samples/s")  # fmt: skip
+        secs = t_moved - t0
+        each = "  ".join(f"{r.identity} {c:.0f}" for r, c in zip(alive, counts, strict=True))
+        print(f"ingest through NATS into the autoscaler processes: {n} samples published, counted: {each};"
+              f" {max(counts):.0f} in {secs:.2f} s = {max(counts) / secs:,.0f} samples/s (the busiest)")  # fmt: skip
+        for r in replicas:
+            r.sample()
+        print(f"leases lost during the run: {sum(r.lost() for r in replicas)}"
+              f" (from {LOST_METRIC} where exported, else {LOST_LINE!r} lines in stderr)")  # fmt: skip
+        print(
+            "CPU seconds per replica (/proc/<pid>/stat utime+stime): "
+            + "  ".join(f"{r.identity} {r.cpu_s:.1f}{' (killed)' if r.killed else ''}" for r in replicas)
+        )
+        print(
+            f"slot writes watched: {slots.writes}; slots claimed twice without a release between "
+            f"(a held record's claim_id replaced by another while the first was still held): {slots.double_claims}"
+        )
+        print(f"every model has exactly one owner: {'yes' if all(checks) else 'no'} "
+              f"({sum(checks)}/{len(checks)} checks during the run)")  # fmt: skip
+        print(f"run length: {time.perf_counter() - t_start:.1f} s (bounded: setup, start-up <= "
+              f"{READY_TIMEOUT_S:.0f} s, pulses <= {args.pulse_budget_s:.0f} s, takeover <= lease_s + "
+              f"{TAKEOVER_GRACE_S:.0f} s, ingest <= 30 s)")  # fmt: skip
+        for t in tasks:
+            t.cancel()
         await store.close()
         await nc.close()
     finally:
-        if proc is not None:
-            proc.terminate()
+        for t in tasks:
+            t.cancel()
+        for r in replicas:
+            if r.proc.poll() is None:
+                r.proc.terminate()
+        for r in replicas:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(10)
-            if proc.poll() is None:
-                proc.kill()
+                r.proc.wait(10)
+            if r.proc.poll() is None:
+                r.proc.kill()
+                r.proc.wait()
+            r.stderr.close()
         server.stop()
+
+
+async def _takeover(  # type: ignore[no-untyped-def]
+    args, nc, replicas, per, leases, slots, quiet, seq, check_owners, live
+) -> None:
+    """SIGKILL the replica owning the most models; pulse a sample of its models with rising demand every 100 ms
+    until each is claimed again (by whoever owns it now); the takeover time is kill -> first claim."""
+    victim = max((r for r in replicas if r.identity in per), key=lambda r: len(per[r.identity]), default=None)
+    if victim is None:
+        print("takeover: no replica owns a model; nothing to kill")
+        return
+    owned = per[victim.identity]
+    sample = [m for m in owned if m not in quiet] + [m for m in owned if m in quiet]
+    sample = sample[:TAKEOVER_SAMPLE]
+    lease_s = leases.lease_s() or 2.0
+    bar = lease_s + 1.0
+    victim.sample()
+    quiet.update(sample)
+    slots.since = time.perf_counter()
+    os.kill(victim.proc.pid, signal.SIGKILL)
+    victim.killed = True
+    t_kill = slots.since
+    print(f"takeover: SIGKILL {victim.identity} (owned {len(owned)} models); pulsing {len(sample)} of them "
+          f"(demand 16) every 100 ms until claimed")  # fmt: skip
+    waiting = set(sample)
+    deadline = t_kill + lease_s + TAKEOVER_GRACE_S
+    while waiting and time.perf_counter() < deadline:
+        seq[0] += 1
+        for m in list(waiting):
+            if m in slots.claims_after:
+                waiting.discard(m)
+            else:
+                await nc.publish(protocol.queue_subject(m), _sample(m, seq[0], 16))
+        await asyncio.sleep(0.1)
+    took = [slots.claims_after[m] - t_kill for m in sample if m in slots.claims_after]
+    line = f"takeover time, SIGKILL -> first claim ({len(took)}/{len(sample)} models claimed again)"
+    if took:
+        p50, worst = np.percentile(took, 50), max(took)
+        print(f"{line}: p50 {p50 * 1e3:.0f} ms   max {worst * 1e3:.0f} ms   bar lease_s + 1 s = {bar * 1e3:.0f} ms"
+              f" ({'met' if worst <= bar and not waiting else 'NOT met'})")  # fmt: skip
+    else:
+        print(f"{line}: bar lease_s + 1 s = {bar * 1e3:.0f} ms (NOT met)")
+    await asyncio.sleep(0.5)  # let the survivors' leases settle before looking
+    check_owners("after the takeover")
 
 
 def decide(argv: list[str], prog: str) -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", type=int, default=100, help="models active at once [100]")
-    p.add_argument("--pulses", type=int, default=100, help="pulses timed, one model each [100]")
+    p.add_argument("--replicas", type=int, default=1, help="autoscaler processes sharing the models [1]")
+    p.add_argument("--pulses", type=int, default=100, help="pulses timed, spread over the models [100]")
     p.add_argument("--samples", type=int, default=50_000, help="samples for the throughput runs [50000]")
+    p.add_argument(
+        "--kill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --replicas >= 2, SIGKILL the replica owning the most models mid-run and time the takeover "
+        "[on with --replicas >= 2]",
+    )
+    p.add_argument(
+        "--pulse-budget-s", type=float, default=300.0, help="the timed pulses stop after this many seconds [300]"
+    )
     args = p.parse_args(argv)
+    if args.models < 1 or args.replicas < 1 or args.pulses < 1:
+        p.error("--models, --replicas and --pulses must be >= 1")
+    if args.kill is None:
+        args.kill = args.replicas >= 2
     asyncio.run(_end_to_end(args))
     return 0

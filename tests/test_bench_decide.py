@@ -1,6 +1,7 @@
 """`pulsescale bench decide` runs end to end with a few models and prints the decision latency next to the bare
-nats-py floor of the same run and their ratio (the numbers themselves are not asserted: a benchmark, on a shared
-machine)."""
+nats-py floor of the same run and their ratio; with `--replicas 2` it also prints the ownership (every model one
+owner, checked during the run), the SIGKILL takeover section, the leases lost, CPU per replica and the
+double-claim count (the numbers themselves are not asserted beyond sanity: a benchmark, on a shared machine)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,42 @@ import subprocess
 import sys
 
 
-def test_bench_decide_prints_the_decision_latency_next_to_the_floor() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "pulsescale", "bench", "decide", "--models", "3", "--pulses", "3", "--samples", "500"],
+def _run(*args: str) -> str:
+    return subprocess.run(
+        [sys.executable, "-m", "pulsescale", "bench", "decide", *args],
         capture_output=True,
         text=True,
         timeout=120,
         check=True,
     ).stdout
+
+
+def test_bench_decide_with_two_replicas_prints_ownership_takeover_and_the_floor() -> None:
+    out = _run("--models", "6", "--replicas", "2", "--pulses", "4", "--samples", "300")
     figures = re.findall(r"p50 ([\d.]+) ms\s+p99 ([\d.]+) ms", out)
-    assert "decision latency" in out and "3 models active, 3/3 pulses answered" in out, out
-    assert "floor, bare nats-py in the same run" in out and "(3/3 answered)" in out, out
+    assert "decision latency" in out and "6 models active over 2 replica(s), 4/4 pulses answered" in out, out
+    assert "floor, bare nats-py in the same run" in out and "(4/4 answered)" in out, out
     assert len(figures) == 2, out  # the decision's p50/p99, then the floor's
     assert all(float(p50) > 0 and float(p99) >= float(p50) for p50, p99 in figures), out
     assert re.search(r"ratio to the floor: p50 [\d.]+x\s+p99 [\d.]+x", out), out
+    # Ownership, checked several times during the run, each time every model with a live owner.
+    checks = re.findall(r"models per replica: (.*?); models without a live owner: (\d+)", out)
+    assert len(checks) >= 3 and all(orphans == "0" for _, orphans in checks), out
+    for spread, _ in checks[:-1]:  # before the kill: both replicas listed, 6 models between them
+        counts = dict(re.findall(r"(bench-r\d) (\d+)", spread))
+        assert set(counts) == {"bench-r0", "bench-r1"} and sum(map(int, counts.values())) == 6, out
+    assert re.search(r"every model has exactly one owner: yes \((\d+)/\1 checks during the run\)", out), out
+    # The kill section: a replica killed, its models claimed again, timed against the bar.
+    assert re.search(r"takeover: SIGKILL bench-r\d \(owned [1-6] models\)", out), out
+    took = re.search(r"takeover time, SIGKILL -> first claim \((\d+)/(\d+) models claimed again\): p50 (\d+) ms\s+"
+                     r"max (\d+) ms\s+bar lease_s \+ 1 s = (\d+) ms", out)  # fmt: skip
+    assert took and took[1] == took[2] and int(took[2]) >= 1, out
+    assert int(took[3]) <= int(took[4]), out
+    survivors = dict(re.findall(r"(bench-r\d) (\d+)", checks[-1][0]))
+    assert len(survivors) == 1 and int(next(iter(survivors.values()))) == 6, out  # the survivor owns all
+    assert re.search(r"slots claimed twice without a release between .*: 0$", out, re.M), out
+    assert re.search(r"leases lost during the run: \d+", out), out
+    assert re.search(r"CPU seconds per replica .*bench-r0 [\d.]+.*bench-r1 [\d.]+", out), out
+    assert "(killed)" in out, out
+    length = re.search(r"run length: ([\d.]+) s", out)
+    assert length and float(length[1]) < 120, out
