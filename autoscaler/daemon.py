@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -39,6 +40,7 @@ from autoscaler.agentclient import AgentClient, AgentUnavailable
 from autoscaler.controller import ColdPath, ControllerSettings, Deps, LocalColdPath, ModelController
 from autoscaler.leader import LeaderElection, LeaseSettings
 from autoscaler.metrics import AutoscalerMetrics
+from autoscaler.samples import SampleBuffer
 from warmpool import connect, protocol
 from warmpool.errors import BadMessage, PulsescaleError, StaleToken
 from warmpool.protocol import Override, OverrideRecord, QueueSample, ScaledObjectSpec, ScalerRecord, StatusRow
@@ -71,6 +73,12 @@ class AutoscalerSettings:
     """Time-driven checks (override expiry, stale gateways, dead agents). Decisions themselves run on samples."""
     forget_gateway_after_s: float = 300.0
     """A gateway silent this long is dropped from memory (it left the sum long before)."""
+    sample_buffer: int = 100_000
+    """Distinct (gateway, model) keys of samples waiting to be folded in (`samples.SampleBuffer`); past it the
+    oldest key's sample is dropped (counted). 100k keys is ~100 gateways x 1,000 models, a few tens of MB."""
+    slice_s: float = 0.002
+    """The longest the sample callback, the drain and housekeeping run without yielding to the loop: the lease
+    renewal and claims in flight wait at most about this long behind them."""
 
 
 class Autoscaler:
@@ -116,7 +124,11 @@ class Autoscaler:
         self.metrics_port: int | None = None
         """The port ``/metrics``, ``/healthz`` and ``/readyz`` are served on (bound by `run`); None: not served."""
         self._takeover: asyncio.Task[None] | None = None  # held so the task is not garbage-collected mid-run
-        self._handled = 0
+        self.samples = SampleBuffer(settings.sample_buffer)
+        """Samples decoded by `on_queue_msg`, waiting for `drain_samples` (newest per gateway and model)."""
+        self._samples_waiting = asyncio.Event()
+        self._callback_until = 0.0  # perf_counter() past which the sample callback yields once
+        self._resigning = False  # a clean resign is not a lost lease
         self.commands: commands.CommandService | None = None
         self._cut: dict[str, float] = {}  # ScaledObjects cut to max_replicas, by key: the version logged
         self._retiring: set[asyncio.Future[int]] = set()  # deleted ScaledObjects releasing their slots
@@ -260,20 +272,49 @@ class Autoscaler:
     # --- samples ----------------------------------------------------------------------------------------------
 
     async def on_queue_msg(self, msg: Msg) -> None:
-        self._handled += 1
-        if self._handled % 256 == 0:
-            # nats-py runs this callback back to back while samples are queued, and it never awaits: let the
-            # lease renewal and the claims in flight run, or a flood of samples would cost us the lease.
+        """The sample subscription's callback (on the samples' own connection): decode, check, buffer. The
+        controllers see the sample in `drain_samples`, one loop iteration later when the buffer was empty."""
+        self.take_sample(msg.subject, msg.data)
+        if time.perf_counter() >= self._callback_until:
+            # nats-py runs this callback back to back while samples are queued: let the lease renewal, the
+            # claims in flight and the drain run, or a flood of samples would cost us the lease.
             await asyncio.sleep(0)
-        now = self.clock()
+            self._callback_until = time.perf_counter() + self.settings.slice_s
+
+    def take_sample(self, subject: str, data: bytes) -> None:
+        """The cheap part of a sample: decode and check it (rejections counted), then buffer it."""
         try:
-            sample = protocol.decode(msg.data, QueueSample)
-            if msg.subject != protocol.QUEUE_PREFIX + sample.model:
-                raise BadMessage("subject_mismatch", f"sample for {sample.model} published on {msg.subject}")
+            sample = protocol.decode(data, QueueSample)
+            if subject != protocol.QUEUE_PREFIX + sample.model:
+                raise BadMessage("subject_mismatch", f"sample for {sample.model} published on {subject}")
         except BadMessage as err:
             self.metrics.sample("rejected").inc()
-            self.rejections(err, source=msg.subject)
+            self.rejections(err, source=subject)
             return
+        put = self.samples.put(sample, self.clock())
+        if put != "queued":
+            self.metrics.sample(put).inc()  # "coalesced" into a newer sample, or "dropped" with the oldest key
+        self._samples_waiting.set()
+
+    async def drain_samples(self) -> None:
+        """Fold buffered samples into the controllers, oldest key first, yielding every `slice_s` of work.
+        A rising sample is decided as it is folded in (`ModelController.on_sample`), so a lone pulse waits one
+        loop iteration in the buffer."""
+        while True:
+            await self._samples_waiting.wait()
+            self._samples_waiting.clear()
+            until = time.perf_counter() + self.settings.slice_s
+            while self.samples:
+                sample, _received = self.samples.pop()
+                # Folded in at the drain's time, not the receipt's: the policy's clock must never run backwards
+                # (housekeeping may have decided in between), and the difference is a slice or so.
+                self.fold_sample(sample, self.clock())
+                if time.perf_counter() >= until:
+                    await asyncio.sleep(0)
+                    until = time.perf_counter() + self.settings.slice_s
+
+    def fold_sample(self, sample: QueueSample, now: float) -> None:
+        """One decoded sample into its model's controller (counted by outcome)."""
         c = self.by_model.get(sample.model)
         if c is None:
             self.metrics.sample("no_scaler").inc()
@@ -442,6 +483,8 @@ class Autoscaler:
     def on_deposed(self) -> None:
         # Stop acting at once; claims in flight are left for the next leader to adopt or expire.
         self.metrics.leader.set(0)
+        if not self._resigning:
+            self.metrics.lease_lost.inc()
         if self.commands is not None:
             self.commands.on_leadership(False)
         for c in list(self.by_model.values()):
@@ -459,6 +502,7 @@ class Autoscaler:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(campaign, 5)
         if self.leader is not None:
+            self._resigning = True
             await self.leader.resign()
 
 
@@ -527,7 +571,10 @@ async def run(
     if settings.metrics_port is not None:
         runner, scaler.metrics_port = await _serve_http(scaler, settings.metrics_host, settings.metrics_port)
         log.info("metrics on http://%s:%d/metrics", settings.metrics_host, scaler.metrics_port)
-    sub = await nc.subscribe(protocol.QUEUE_WILDCARD, cb=scaler.on_queue_msg, pending_msgs_limit=1_000_000)
+    # Samples on their own connection: claims, activation replies and lease renewals on `nc` never queue behind
+    # a flood of them, in the server's outbound buffer or in our socket's.
+    samples_nc = await connect.connect(dataclasses.replace(settings.nats, name=f"{settings.nats.name}-samples"))
+    sub = await samples_nc.subscribe(protocol.QUEUE_WILDCARD, cb=scaler.on_queue_msg, pending_msgs_limit=1_000_000)
     service = scaler.commands = commands.CommandService(
         nc,
         scaler,
@@ -542,6 +589,7 @@ async def run(
         asyncio.create_task(scaler.follow_scalers(stop), name="scalers"),
         asyncio.create_task(scaler.follow_slots(stop), name="slots"),
         asyncio.create_task(scaler.housekeeping(stop), name="housekeeping"),
+        asyncio.create_task(scaler.drain_samples(), name="samples"),
         campaign,
     ]
     await service.start()
@@ -570,6 +618,8 @@ async def run(
         if runner is not None:
             await runner.cleanup()
         await store.close()
+        with contextlib.suppress(Exception):
+            await samples_nc.close()
         with contextlib.suppress(Exception):
             await nc.drain()
     return scaler

@@ -106,6 +106,11 @@ class AutoscalerMetrics:
             "pulsescale_internal_errors_total", "Bugs caught and survived (see the log for the traceback)", registry=r
         )
         self.leader = Gauge("pulsescale_leader", "1 while this replica holds the leader lease", registry=r)
+        self.lease_lost = Counter(
+            "pulsescale_lease_lost_total",
+            "Times this replica stopped leading other than by resigning cleanly (lease not renewed, taken over)",
+            registry=r,
+        )
         self._models: dict[str, ModelSeries] = {}
         self._samples: dict[str, Counter] = {}
 
