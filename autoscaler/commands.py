@@ -1,37 +1,58 @@
-"""The on-call command plane, server side: ``pulse.cmd.<verb>`` → checks → the controller → reply and audit.
+"""The on-call command plane, server side: ``pulse.cmd.<verb>`` → checks → the owner of the model → reply, audit.
 
 Every request goes through the same steps, in this order:
 
-0. a message that did not arrive on ``pulse.cmd.<verb>`` itself (a bucket's consumer relaying onto our subject),
-   or that asks for its reply anywhere but an ``_INBOX.`` inbox, is dropped: counted, never applied nor answered;
+0. a message that did not arrive on ``pulse.cmd.<verb>`` itself, or on this replica's own hand-over subject
+   ``pulse.autoscaler.<identity>.cmd.<verb>`` (`protocol.replica_subject`), is dropped (a bucket's consumer relaying
+   onto our subject); so is one that asks for its reply anywhere but an ``_INBOX.`` inbox: counted, never applied
+   nor answered;
 1. decode with `protocol.decode` into ``COMMAND_TYPES[verb]``; a malformed request is answered with its reason as
    the error code (``missing_field``, ``bad_name``, ...), counted by `Rejections`, and the service keeps going;
-2. `protocol.admit`: past ``expires_at`` → ``expired``; an ``id`` already answered → the first reply is sent
+2. routing (with a `Router`, below): a request naming a model another replica owns is handed to it unchanged and
+   this replica is done with it; one for a model nobody owns right now is refused ``not_leader``;
+3. `protocol.admit`: past ``expires_at`` → ``expired``; an ``id`` already answered → the first reply is sent
    again and nothing is applied;
-3. the leader fence (below) → ``not_leader``;
-4. checks against the model's ScaledObject: ``unknown_model`` (listing the known ones), ``out_of_bounds``
+4. the leader fence (below) → ``not_leader``;
+5. checks against the model's ScaledObject: ``unknown_model`` (listing the known ones), ``out_of_bounds``
    (saying ``[minReplicaCount, maxReplicaCount]``), ``unknown_node`` for drains;
-5. apply through the `ControlPlane` (overrides) or the registry (drains);
-6. one `AuditRecord` on ``pulse.audit.<verb>`` in stream ``PULSE_AUDIT`` — for every request, applied or not —
-   written *before* the reply, so a client that got its answer can read its audit record;
-7. the reply.
+6. apply through the `ControlPlane` (overrides) or the registry (drains);
+7. one `AuditRecord` on ``pulse.audit.<verb>`` in stream ``PULSE_AUDIT`` — for every request this replica
+   answers, applied or not (a handed-over request is audited once, by the replica that answers it) — written
+   *before* the reply, so a client that got its answer can read its audit record;
+8. the reply.
 
 Idempotency. The ledger remembers the replies of the mutating verbs (scale, pause, resume, drain, undrain),
 applied or refused by a check, so a repeat gets the same answer. Read-only verbs (status, pool) are not
 remembered: running them again is harmless, gives fresher data, and their replies are the large ones. Transient
 refusals (``not_leader``, ``internal``) are not remembered either, so a retry is tried again. The ledger lives in
-the leader's memory: a retry that lands on a new leader after a failover is applied again. Every mutating
-command is idempotent in effect (the same override, the same drain), except that a repeated ``scale`` restarts
-its ``for_s`` from the new leader's clock.
+the answering replica's memory: a retry that lands on a new owner after a failover or a hand-over is applied
+again. Every mutating command is idempotent in effect (the same override, the same drain), except that a repeated
+``scale`` restarts its ``for_s`` from the new owner's clock.
 
-Leadership. Only the leader applies commands. A standby does not subscribe at all, so in steady state a request
-reaches the one replica that may act, and with no leader the client gets ``NoResponders`` at once (which the CLI
-explains) instead of a refusal from whichever standby the queue group picked. Subscriptions use the queue group
-`CommandSettings.queue_group`, so while an old and a new leader overlap (until the old one's deposition
-unsubscribes it) a request is still handled once; and `is_leader` is checked on every request, so the old
-leader answers ``not_leader`` rather than acting after it lost the lease. The service follows `is_leader` by
-itself (a cheap check every `CommandSettings.leadership_poll_s`); the election's ``on_elected`` / ``on_deposed``
-may also call `on_leadership` to (un)subscribe at once.
+Leadership. Only a leading replica answers. A standby does not subscribe at all, so with no leader the client
+gets ``NoResponders`` at once (which the CLI explains) instead of a refusal from whichever standby the queue group
+picked. Subscriptions use the queue group `CommandSettings.queue_group`, so while an old and a new leader overlap
+(until the old one's deposition unsubscribes it) a request is still handled once; and `is_leader` is checked on
+every request, so the old leader answers ``not_leader`` rather than acting after it lost the lease. The service
+follows `is_leader` by itself (a cheap check every `CommandSettings.leadership_poll_s`); the election's
+``on_elected`` / ``on_deposed`` may also call `on_leadership` to (un)subscribe at once.
+
+Sharding (protocol revision 6). With a `Router` (the replica's shard leases), models are split over replicas and
+`is_leader` means "holds at least one shard". Every such replica is a *front*: it answers ``pulse.cmd.<verb>`` in
+the queue group. A request naming a model (scale, pause, resume, status of one model) is handled by the front if
+it owns the model; if another live replica does, the front publishes the very same bytes to
+``pulse.autoscaler.<owner>.cmd.<verb>`` with the client's inbox as reply-to, and the owner runs the whole pipeline
+(admit, ledger, checks, apply, audit, reply) — no extra round trip, one reply, one audit record. With no owner (its
+shard is being handed over) the front answers ``not_leader`` naming the model and its shard. Each replica also
+subscribes its own hand-over subject, without a queue group; a request there for a model it no longer owns (the
+hand-over raced a rebalance) is refused ``not_leader``, never forwarded again, so a request cannot loop.
+``status`` of every model is answered by the front with its own rows plus those of every other live replica,
+asked in parallel on their hand-over subjects (there, a status without a model means "your own models only"); a
+replica that does not answer within `CommandSettings.peer_status_timeout_s` is named in the reply's ``error``
+(the reply stays ``ok``: the rows that came are worth showing) and its models are missing. Every row carries its
+``owner`` and ``shard``; the reply carries the live replicas. ``pool``, ``drain`` and ``undrain`` name no model
+and act on the shared registry, so any front answers them. Without a router one replica owns every model: nothing
+is handed over and the replies are as before revision 6.
 """
 
 from __future__ import annotations
@@ -39,8 +60,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
@@ -68,6 +90,8 @@ from warmpool.protocol import (
     PoolCommand,
     PoolReply,
     PoolSlot,
+    ReplicaRecord,
+    ReplyError,
     ResumeCommand,
     ScaleCommand,
     ScaledObjectSpec,
@@ -79,7 +103,15 @@ from warmpool.protocol import (
 from warmpool.registry import KvSlotStore
 from warmpool.rejects import Rejections
 
-__all__ = ["MAX_OVERRIDE_S", "REPLY_PREFIX", "CommandService", "CommandSettings", "ControlPlane", "ensure_audit_stream"]
+__all__ = [
+    "MAX_OVERRIDE_S",
+    "REPLY_PREFIX",
+    "CommandService",
+    "CommandSettings",
+    "ControlPlane",
+    "Router",
+    "ensure_audit_stream",
+]
 
 log = logging.getLogger("pulsescale.commands")
 
@@ -104,6 +136,28 @@ class ControlPlane(Protocol):
 
     def status(self, model: str | None) -> list[StatusRow]:
         """One row per model (all, or `model`), its decisions newest last."""
+        ...
+
+
+class Router(Protocol):
+    """Who owns which model, from this replica's view of the shard leases (`autoscaler.shards.ShardLeases`
+    implements it). Read on every request: it must be cheap and never block."""
+
+    @property
+    def identity(self) -> str:
+        """This replica's identity (`protocol.IDENTITY_PATTERN`): its hand-over subject's token."""
+        ...
+
+    def owns_model(self, model: str) -> bool:
+        """Whether this replica holds the lease of the model's shard now."""
+        ...
+
+    def owner_of_model(self, model: str) -> str | None:
+        """Identity of the live replica holding the model's shard, or None while none does."""
+        ...
+
+    def replicas(self) -> Sequence[ReplicaRecord]:
+        """The live replicas, this one included."""
         ...
 
 
@@ -134,6 +188,10 @@ class CommandSettings:
     leadership_poll_s: float = 0.25
     """How often the service checks `is_leader` to (un)subscribe: elections take a lease period (seconds), so
     this adds little to a failover; the per-request fence covers the lag on deposition."""
+    peer_status_timeout_s: float = 1.5
+    """How long the front waits for the other replicas' rows in a ``status`` of every model: a live replica
+    answers in milliseconds, and the CLI gives up after 5 s, so a silent replica (dying, partitioned) is named in
+    the reply with time to spare instead of costing the whole answer."""
 
 
 async def ensure_audit_stream(nc: Client, settings: CommandSettings = CommandSettings()) -> None:
@@ -180,8 +238,9 @@ class _Refused(Exception):
 
 
 class CommandService:
-    """Answers ``pulse.cmd.<verb>`` while this replica leads. ``start()``, then ``on_leadership(...)`` from the
-    election's callbacks (or leave `is_leader` at its default for a single replica), ``stop()`` at shutdown."""
+    """Answers ``pulse.cmd.<verb>`` while this replica leads (with a `Router`: while it holds a shard, and its
+    hand-over subject too). ``start()``, then ``on_leadership(...)`` from the election's callbacks (or leave
+    `is_leader` at its default for a single replica), ``stop()`` at shutdown."""
 
     def __init__(
         self,
@@ -193,6 +252,7 @@ class CommandService:
         rejections: Rejections | None = None,
         is_leader: Callable[[], bool] = lambda: True,
         settings: CommandSettings = CommandSettings(),
+        router: Router | None = None,
     ) -> None:
         self.nc = nc
         self.control = control
@@ -201,11 +261,14 @@ class CommandService:
         self.rejections = rejections or Rejections(log)
         self.is_leader = is_leader
         self.settings = settings
+        self.router = router
         self.ledger = protocol.RequestLedger(settings.ledger_entries)
         self.outcomes: Counter[str] = Counter()
         """Handled requests by outcome (``applied``, an error code, ``duplicate``): a metric can read it."""
         self._js = nc.jetstream(timeout=settings.audit_timeout_s)
         self._sub: Subscription | None = None
+        self._own_sub: Subscription | None = None
+        """The hand-over subscription (``pulse.autoscaler.<identity>.cmd.*``), held with `_sub` when routing."""
         self._lock = asyncio.Lock()
         self._started = False
         self._pending: set[asyncio.Task[None]] = set()
@@ -245,19 +308,29 @@ class CommandService:
                     log.warning("could not %s on-call commands: %s", "answer" if leading else "stop answering", err)
 
     async def set_leading(self, leading: bool) -> None:
-        """Subscribe (leader) or unsubscribe (standby); idempotent."""
+        """Subscribe (leader) or unsubscribe (standby); idempotent. With a router, the hand-over subject too: it
+        is subscribed first, so a front never hands a request to a replica that could not yet hear it."""
         async with self._lock:
             if leading and self._started and self._sub is None:
+                if self.router is not None and self._own_sub is None:
+                    own = protocol.replica_subject(self.router.identity, "*")
+                    self._own_sub = await self.nc.subscribe(own, cb=self._on_msg)  # no queue group: ours alone
                 self._sub = await self.nc.subscribe(
                     protocol.CMD_WILDCARD, queue=self.settings.queue_group, cb=self._on_msg
                 )
+                if self.router is not None:
+                    # The server has the subscriptions once this returns: a peer asked for status right after
+                    # this replica announced itself must not get "no responders".
+                    await self.nc.flush()
                 log.info("answering on-call commands on %s", protocol.CMD_WILDCARD)
             elif not leading and self._sub is not None:
-                sub, self._sub = self._sub, None
-                try:
-                    await sub.unsubscribe()
-                except nats.errors.Error as err:  # closed or draining connection: nothing left to stop
-                    log.debug("unsubscribe %s: %s", protocol.CMD_WILDCARD, err)
+                subs = [s for s in (self._sub, self._own_sub) if s is not None]
+                self._sub = self._own_sub = None
+                for sub in subs:
+                    try:
+                        await sub.unsubscribe()
+                    except nats.errors.Error as err:  # closed or draining connection: nothing left to stop
+                        log.debug("unsubscribe %s: %s", sub.subject, err)
                 log.info("stopped answering on-call commands (not the leader)")
 
     def on_leadership(self, leading: bool) -> None:
@@ -271,7 +344,7 @@ class CommandService:
     async def _on_msg(self, msg: Msg) -> None:
         # nats-py runs a subscription's callback for one message at a time: commands are applied in arrival
         # order and the ledger's check-then-record cannot interleave.
-        refused = _misrouted(msg)
+        refused = _misrouted(msg, self._own_prefix)
         if refused is not None:
             # Dropped, never answered nor applied: a reply would be a publish with our grants to a subject the
             # sender chose (a KV key), and a message a consumer relayed was not sent by on-call.
@@ -283,17 +356,32 @@ class CommandService:
         except Exception:
             log.exception("command on %s failed unexpectedly", msg.subject)
 
-    async def handle(self, subject: str, data: bytes, *, reply_to: str = "") -> bytes:
-        """Handle one request and return the reply (also sent to `reply_to` when there is one)."""
-        verb = subject[len(protocol.CMD_PREFIX) :] if subject.startswith(protocol.CMD_PREFIX) else subject
+    @property
+    def _own_prefix(self) -> str | None:
+        """``pulse.autoscaler.<identity>.cmd.``: where other replicas hand this one requests; None without routing."""
+        return None if self.router is None else protocol.replica_subject(self.router.identity, "")
+
+    async def handle(self, subject: str, data: bytes, *, reply_to: str = "") -> bytes | None:
+        """Handle one request and return the reply (also sent to `reply_to` when there is one); None when it was
+        handed to the replica owning its model, which answers it."""
+        own = self._own_prefix
+        handed = own is not None and subject.startswith(own)
+        if handed:
+            assert own is not None
+            verb = subject[len(own) :]
+        else:
+            verb = subject[len(protocol.CMD_PREFIX) :] if subject.startswith(protocol.CMD_PREFIX) else subject
         now = self.clock()
         req: Command | None = None
         try:
             req = self._decode(verb, data)
+            if await self._hand_over(verb, req, data, reply_to, handed=handed):
+                self.outcomes["handed_over"] += 1
+                return None
             protocol.admit(req, now, self.ledger)
             if not self.is_leader():
                 raise _Refused("not_leader", "this autoscaler replica is not the leader; retry", remember=False)
-            outcome = await self._apply(verb, req, now)
+            outcome = await self._apply(verb, req, now, handed=handed)
             self.outcomes["applied" if outcome.applied else "refused"] += 1
         except DuplicateRequest as dup:
             self.rejections(dup, source=subject)
@@ -320,13 +408,41 @@ class CommandService:
                 log.warning("could not reply to %s command: %s", verb, err)
         return outcome.reply
 
+    async def _hand_over(self, verb: str, req: Command, data: bytes, reply_to: str, *, handed: bool) -> bool:
+        """Route a request naming a model: True when it was published, as it came, to the replica owning the
+        model (which answers it); False to handle it here; `_Refused` ``not_leader`` when nobody owns it now, or
+        when it was handed here and this replica no longer owns it (never handed on again: no loops)."""
+        model = _model_of(req)
+        if self.router is None or model is None:
+            return False
+        if self.router.owns_model(model):
+            return False
+        shard = protocol.shard_of(model)
+        if handed:
+            raise _Refused(
+                "not_leader",
+                f"model {model} (shard {shard}) moved off replica {self.router.identity} while the request was "
+                "handed to it: handing over; retry",
+                remember=False,
+            )
+        owner = self.router.owner_of_model(model)
+        if owner is None or owner == self.router.identity:
+            raise _Refused(
+                "not_leader",
+                f"no autoscaler replica owns model {model} (shard {shard}) right now: handing over; retry",
+                remember=False,
+            )
+        # The same bytes, the client's inbox as reply-to: the owner answers the client directly.
+        await self.nc.publish(protocol.replica_subject(owner, verb), data, reply=reply_to)
+        return True
+
     def _decode(self, verb: str, data: bytes) -> Command:
         type_ = protocol.COMMAND_TYPES.get(verb)
         if type_ is None:
             raise BadMessage("bad_value", f"unknown command verb {verb!r}; known: {', '.join(protocol.CMD_VERBS)}")
         return protocol.decode(data, type_)
 
-    async def _apply(self, verb: str, req: Command, now: float) -> _Outcome:
+    async def _apply(self, verb: str, req: Command, now: float, *, handed: bool = False) -> _Outcome:
         if isinstance(req, ScaleCommand):
             spec = self._spec(req.model)
             self._check_bounds(req.model, spec, req.replicas, "scale")
@@ -351,11 +467,7 @@ class CommandService:
             await self.control.set_override(req.model, None)
             return self._ok(OverrideReply(model=req.model, override=None))
         if isinstance(req, StatusCommand):
-            if req.model is not None:
-                self._spec(req.model)
-            rows = [self._trim(row) for row in self.control.status(req.model)]
-            reply = protocol.encode(StatusReply(models=rows))
-            return _Outcome(reply, applied=True, remember=False, audit_reply={"ok": True, "models": len(rows)})
+            return await self._status(req, now, handed=handed)
         if isinstance(req, PoolCommand):
             return self._pool(req.model, now)
         if isinstance(req, DrainCommand | UndrainCommand):
@@ -404,6 +516,63 @@ class CommandService:
         if len(row.decisions) > self.settings.status_decisions:
             row = msgspec.structs.replace(row, decisions=row.decisions[-self.settings.status_decisions :])
         return row
+
+    def _own_rows(self, model: str | None) -> list[StatusRow]:
+        rows = [self._trim(row) for row in self.control.status(model)]
+        if self.router is None:
+            return rows
+        me = self.router.identity
+        return [
+            msgspec.structs.replace(row, owner=me, shard=protocol.shard_of(row.model))
+            for row in rows
+            if self.router.owns_model(row.model)
+        ]
+
+    async def _status(self, req: StatusCommand, now: float, *, handed: bool) -> _Outcome:
+        if req.model is not None:
+            self._spec(req.model)
+        rows = self._own_rows(req.model)
+        silent: list[str] = []
+        replicas: list[ReplicaRecord] = []
+        if self.router is not None:
+            replicas = sorted(self.router.replicas(), key=lambda r: r.identity)
+            if req.model is None and not handed:  # a front asking its peers: their own rows only, never on
+                peers = [r.identity for r in replicas if r.identity != self.router.identity]
+                answers = await asyncio.gather(*(self._peer_rows(p, req, now) for p in peers))
+                for peer, peer_rows in zip(peers, answers, strict=True):
+                    if peer_rows is None:
+                        silent.append(peer)
+                    else:
+                        rows += [r if r.owner else msgspec.structs.replace(r, owner=peer) for r in peer_rows]
+                rows.sort(key=lambda r: r.model)
+        error = None
+        if silent:
+            bound = self.settings.peer_status_timeout_s
+            error = ReplyError(
+                "deadline",
+                f"autoscaler replica(s) {', '.join(silent)} did not answer within {bound:g} s: their models are "
+                "missing from this status; retry",
+            )
+        reply = StatusReply(models=rows, replicas=replicas, error=error)
+        audit: dict[str, Any] = {"ok": True, "models": len(rows)}
+        if silent:
+            audit["silent"] = silent
+        return _Outcome(protocol.encode(reply), applied=True, remember=False, audit_reply=audit)
+
+    async def _peer_rows(self, peer: str, req: StatusCommand, now: float) -> list[StatusRow] | None:
+        """`peer`'s own rows, or None when it did not answer in time (or answered a refusal)."""
+        bound = self.settings.peer_status_timeout_s
+        ask = StatusCommand(id=uuid.uuid4().hex, expires_at=now + bound, by=req.by)
+        try:
+            msg = await self.nc.request(protocol.replica_subject(peer, "status"), protocol.encode(ask), timeout=bound)
+            reply = protocol.decode(msg.data, StatusReply)
+        except (nats.errors.Error, TimeoutError, BadMessage) as err:
+            log.warning("autoscaler replica %s did not answer status: %s", peer, err or type(err).__name__)
+            return None
+        if not reply.ok:
+            log.warning("autoscaler replica %s refused status: %s", peer, reply.error)
+            return None
+        return reply.models
 
     def _pool(self, model: str | None, now: float) -> _Outcome:
         records = sorted(self.store.records(model), key=lambda r: r.key)
@@ -475,19 +644,30 @@ REPLY_PREFIX: Final = "_INBOX."
 under the autoscaler's grants, to a subject the sender picked: ``$KV.pulse_slots.<key>`` overwrote a slot."""
 
 
-def _misrouted(msg: Msg) -> BadMessage | None:
-    """Why a message on the command subscription must be dropped unanswered, or None.
+def _misrouted(msg: Msg, own_prefix: str | None = None) -> BadMessage | None:
+    """Why a message on the command subscriptions must be dropped unanswered, or None.
 
-    It must have arrived on ``pulse.cmd.<verb>`` itself: a consumer of a bucket the sender may read, created with
+    It must have arrived on ``pulse.cmd.<verb>`` itself, or on this replica's hand-over subject `own_prefix`
+    ``<verb>`` (and no other replica's): a consumer of a bucket the sender may read, created with
     ``pulse.cmd.<verb>`` as its deliver subject, relays the bucket's messages here under their own subjects
     (``$KV.…``) with a ``$JS.ACK.…`` reply. And a reply subject, if any, must be an inbox (`REPLY_PREFIX`); a
-    command without one is applied and audited, unanswered (only on-call may publish on ``pulse.cmd.>``)."""
-    if not msg.subject.startswith(protocol.CMD_PREFIX):
+    command without one is applied and audited, unanswered (only on-call may publish on ``pulse.cmd.>``, only
+    autoscalers on ``pulse.autoscaler.>``)."""
+    own = own_prefix is not None and msg.subject.startswith(own_prefix) and "." not in msg.subject[len(own_prefix) :]
+    if not own and not msg.subject.startswith(protocol.CMD_PREFIX):
         return BadMessage("subject_mismatch", f"a message on {msg.subject} reached the {protocol.CMD_WILDCARD} service")
     if msg.reply and not msg.reply.startswith(REPLY_PREFIX):
         return BadMessage(
             "bad_value", f"{msg.subject} asks for its reply on {msg.reply}, not on an {REPLY_PREFIX}* inbox"
         )
+    return None
+
+
+def _model_of(req: Command) -> str | None:
+    """The model a request is about, when it is one the model's owner must answer (pool names a model only to
+    filter the shared registry: any replica answers it)."""
+    if isinstance(req, ScaleCommand | PauseCommand | ResumeCommand | StatusCommand):
+        return req.model
     return None
 
 

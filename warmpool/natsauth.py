@@ -25,6 +25,10 @@ And a consumer's deliver subject is not checked against its creator's publish gr
 have its messages delivered onto any subject, so every handler checks the subject a message arrived on and where
 it replies (`autoscaler.commands`, the agent's requests).
 
+Revisions: 5 let the operator read the slots and ask ``status``, and on-call read the ScaledObjects; 6 (sharding)
+lets the autoscaler, and only it, publish and subscribe ``pulse.autoscaler.>``: the replicas hand each other the
+on-call commands of the models they own and ask each other for status rows there.
+
 Replies: each user receives on its own inbox, ``_INBOX.<user>.>`` (`connect` sets nats-py's inbox prefix from the
 user name), so no role can read another's replies; a role that answers requests (agents, the autoscaler's
 on-call commands) publishes its answers by ``allow_responses`` (only to the reply subject of a request it got),
@@ -141,9 +145,15 @@ def permissions(role: Role, node: str | None = None) -> Permissions:
             allow_responses=True,
         )
     if role == "autoscaler":
+        # Revision 6: ``pulse.autoscaler.>`` both ways, for the hand-over between replicas: a front publishes a
+        # command there for the replica owning its model, and asks the others for their status rows; each
+        # replica subscribes its own ``pulse.autoscaler.<identity>.cmd.*``. No other role may: only a replica
+        # that took the request off ``pulse.cmd.>`` (on-call's grant) may hand it on.
+        handover = f"{protocol.REPLICA_PREFIX}>"
         return Permissions(
             publish=(
                 f"{protocol.AGENT_PREFIX}*.>",
+                handover,
                 events,
                 protocol.AUDIT_WILDCARD,
                 *[s for b in protocol.BUCKETS for s in _kv_read(b)],
@@ -153,7 +163,7 @@ def permissions(role: Role, node: str | None = None) -> Permissions:
                 *_stream_update(*(f"KV_{b}" for b in protocol.BUCKETS)),
                 f"$JS.API.STREAM.INFO.{protocol.AUDIT_STREAM}",
             ),
-            subscribe=(f"{protocol.QUEUE_PREFIX}>", f"{protocol.CMD_PREFIX}>", replies),
+            subscribe=(f"{protocol.QUEUE_PREFIX}>", f"{protocol.CMD_PREFIX}>", handover, replies),
             allow_responses=True,
         )
     if role == "operator":
