@@ -31,7 +31,7 @@ from warmpool.errors import BadMessage
 from warmpool.protocol import LeaderLease
 from warmpool.rejects import Rejections
 
-__all__ = ["LeaderElection", "LeaseSettings"]
+__all__ = ["LeaderElection", "LeaseSettings", "Renewal", "renew_lease", "take_lease"]
 
 log = logging.getLogger("pulsescale.leader")
 
@@ -109,24 +109,9 @@ class LeaderElection:
         if self._halted:
             return False
         sent = self.monotonic()
-        try:
-            entry = await self.kv.get(self.settings.key)
-        except nats.js.errors.KeyNotFoundError:
-            entry = None
-        if entry is None or entry.value is None:
-            try:
-                rev = await self.kv.create(self.settings.key, self._encode())
-            except nats.js.errors.KeyWrongLastSequenceError:
-                return False
-        else:
-            cur = self._decode(entry.value)
-            expired = cur is None or self.clock() > cur.renewed_at + cur.lease_s  # unreadable protects nobody
-            if not expired and cur is not None and cur.holder != self.identity:
-                return False
-            try:
-                rev = await self.kv.update(self.settings.key, self._encode(), last=entry.revision)
-            except nats.js.errors.KeyWrongLastSequenceError:
-                return False
+        rev = await take_lease(self.kv, self.settings.key, self._encode(), self.identity, self.clock, self._decode)
+        if rev is None:
+            return False
         self._revision = rev
         self._act_until = sent + self.settings.lease_s * self.settings.stop_fraction
         self._leading = True
@@ -139,27 +124,15 @@ class LeaderElection:
         if self._halted or self._revision is None:
             return False
         sent = self.monotonic()
-        try:
-            rev = await self.kv.update(self.settings.key, self._encode(), last=self._revision)
-        except nats.js.errors.KeyWrongLastSequenceError:
-            # Perhaps our previous renewal landed although its answer timed out: then the lease is still ours.
-            # Take its revision but not a longer term: we do not know when it landed.
-            try:
-                entry = await self.kv.get(self.settings.key)
-            except (nats.errors.Error, TimeoutError):
-                mine = False
-            else:
-                lease = self._decode(entry.value)
-                mine = lease is not None and lease.holder == self.identity
-            if mine and entry.revision is not None:
-                self._revision = entry.revision
-                return self.is_leader
+        got = await renew_lease(self.kv, self.settings.key, self._encode(), self._revision, self.identity, self._decode)
+        if got.revision is None:
             self._depose("another replica holds the lease")
             return False
         if not self.is_leader:
             return False  # the renewal came back too late to extend a term that already ended
-        self._revision = rev
-        self._act_until = sent + self.settings.lease_s * self.settings.stop_fraction
+        self._revision = got.revision
+        if got.extended:
+            self._act_until = sent + self.settings.lease_s * self.settings.stop_fraction
         return True
 
     async def campaign(self, stop: asyncio.Event) -> None:
@@ -203,3 +176,66 @@ class LeaderElection:
             lease = self._decode(entry.value)
             if lease is not None and lease.holder == self.identity:
                 await self.kv.delete(self.settings.key, last=entry.revision)
+
+
+# --- one fenced lease, shared by the leader election and the shard leases (`autoscaler.shards`) -------------------
+
+
+async def take_lease(
+    kv: KeyValue,
+    key: str,
+    value: bytes,
+    identity: str,
+    clock: Callable[[], float],
+    decode: Callable[[bytes | None], LeaderLease | None],
+) -> int | None:
+    """Write the lease `value` under `key` if it is free, expired, unreadable or already ours (`identity`'s):
+    create, or compare-and-set on the revision read. The new revision, or None when another holder has it live or
+    another replica won the race. `decode` counts an unreadable lease (or stays quiet) and returns None for it."""
+    try:
+        entry = await kv.get(key)
+    except nats.js.errors.KeyNotFoundError:  # KeyDeletedError too: a resigned lease
+        entry = None
+    try:
+        if entry is None or entry.value is None:
+            return await kv.create(key, value)
+        cur = decode(entry.value)
+        expired = cur is None or clock() > cur.renewed_at + cur.lease_s  # unreadable protects nobody
+        if not expired and cur is not None and cur.holder != identity:
+            return None
+        return await kv.update(key, value, last=entry.revision)
+    except nats.js.errors.KeyWrongLastSequenceError:
+        return None
+
+
+@dataclass(frozen=True)
+class Renewal:
+    revision: int | None
+    """The lease's revision now, or None: another replica holds it (we are deposed)."""
+    extended: bool
+    """True when our renewal was heard, so the term may be extended from when it was sent. False when the
+    compare-and-set failed yet the lease read back is ours: an earlier renewal landed although its answer timed
+    out. Keep the lease, but not a longer term: we do not know when it landed."""
+
+
+async def renew_lease(
+    kv: KeyValue,
+    key: str,
+    value: bytes,
+    last: int,
+    identity: str,
+    decode: Callable[[bytes | None], LeaderLease | None],
+) -> Renewal:
+    """Compare-and-set the lease `value` onto revision `last`. Errors other than a lost compare-and-set (a
+    timeout, a broken connection) propagate: the caller's fencing decides what they cost."""
+    try:
+        return Renewal(await kv.update(key, value, last=last), extended=True)
+    except nats.js.errors.KeyWrongLastSequenceError:
+        try:
+            entry = await kv.get(key)
+        except (nats.errors.Error, TimeoutError):
+            return Renewal(None, extended=False)
+        lease = decode(entry.value)
+        if lease is not None and lease.holder == identity and entry.revision is not None:
+            return Renewal(entry.revision, extended=False)
+        return Renewal(None, extended=False)

@@ -1,0 +1,463 @@
+"""Models sharded over autoscaler replicas: one fenced lease per shard in KV `pulse_leases`.
+
+A model belongs to shard `protocol.shard_of(model)` (`protocol.SHARDS` of them). Each shard is a lease
+(`protocol.LeaderLease` under ``shard.<n>``), taken and renewed only by compare-and-set exactly like the leader
+lease (`autoscaler.leader`, whose module doc gives the timing argument): a replica acts for a shard only until
+``sent + lease_s * stop_fraction`` of its last heard renewal by its own monotonic clock, while another may take the
+shard only once ``renewed_at + lease_s`` has passed by the wall clock. `owns` checks the term lazily and calls
+`on_lost` when it lapsed, so a replica whose rounds stall stops acting for its shards on time.
+
+Each replica announces itself with a `protocol.ReplicaRecord` under ``replica.<identity>``, renewed every round
+and judged live by ``renewed_at + lease_s``. Shards are assigned over the live replicas by rendezvous hashing
+(`assign`): a pure function every replica computes alike, under which a joining or leaving replica moves only the
+shards that must move. Every round (`step`, every `renew_every_s`) a replica
+
+1. renews its replica record and, in parallel, the leases it holds (record and leases carry the same stamp, so a
+   dead replica's record lapses no later than its leases);
+2. gives up each held shard now assigned to another live replica: `on_lost(shard)` first (the daemon stops
+   acting for its models), then deletes the lease on its revision, so the new owner takes it on its next round;
+3. takes each shard assigned to it that is free, expired or unreadable (create, or compare-and-set on the revision
+   read), then calls `on_acquired(shard)`.
+
+A dead replica's leases and record lapse after `lease_s`; the replicas its shards are now assigned to take them
+on their next round, so a handover takes at most ``lease_s + renew_every_s``. Who is alive and who holds what is
+read from one watch of the bucket (a `registry.BucketView`: snapshot, then deltas, re-listed after reconnects and
+when its consumer is lost), never by reading 32 keys a round. Steps 2 and 3 run only on a current view;
+renewals never depend on it (the compare-and-set decides). Unreadable leases and replica records are counted
+(`rejections`) and treated as expired.
+
+Rolling upgrade from revision 5 replicas, which lead through the single lease under `LEADER_LEASE_KEY`:
+
+(a) While that lease is live and its holder has no `ReplicaRecord` (live or lapsed: an older version), this
+    replica takes no shard and gives up any it holds (logged once, with the holder): the old leader acts for
+    every model, and two actors for one model is what the leases exist to prevent.
+(b) The holder of shard 0 also takes and renews the leader lease (a `LeaderElection`, resigned when it gives up
+    shard 0), so an older replica that starts later finds the lease held and stays standby.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.js.kv import KeyValue
+
+from autoscaler.leader import LeaderElection, LeaseSettings, renew_lease, take_lease
+from warmpool import protocol
+from warmpool.errors import BadMessage
+from warmpool.protocol import LeaderLease, ReplicaRecord
+from warmpool.registry import BucketView
+from warmpool.rejects import Rejections
+
+__all__ = ["ShardLeases", "ShardSettings", "assign"]
+
+log = logging.getLogger("pulsescale.shards")
+
+_Record = LeaderLease | ReplicaRecord
+_NATS_ERRORS = (nats.errors.Error, TimeoutError, OSError)
+FORGET_AFTER_LEASES = 10
+"""A replica record lapsed this many leases is deleted by the holder of shard 0."""
+
+
+@dataclass(frozen=True)
+class ShardSettings:
+    lease_s: float = 2.0
+    """How long a silent replica keeps its shards and counts as alive: a dead replica's models are decided
+    again by another within this plus `renew_every_s`. As the leader lease: long enough that a GC pause or a
+    slow broker round trip does not move shards, short enough for the issue's "lease + 1 s" handover."""
+    renew_every_s: float = 0.5
+    """Renew four times per lease, so one slow round trip does not lose a shard; also how soon a replica takes
+    shards that were freed or lapsed."""
+    stop_fraction: float = 0.8
+    """A replica stops acting for a shard this far into its lease without a heard renewal, before anyone else
+    may take it (clocks may disagree by up to ``lease_s * (1 - stop_fraction)``: 0.4 s by default)."""
+
+
+def _weight(member: str, shard: int) -> bytes:
+    return hashlib.blake2b(f"{member}\x00{shard}".encode(), digest_size=8).digest()
+
+
+def assign(shards: int, members: Iterable[str]) -> dict[int, str]:
+    """Shard -> member by rendezvous hashing: each shard goes to the member with the highest blake2b of
+    (member, shard). Pure and order-independent, so every replica computes the same plan from the same members;
+    a member joining takes only shards it now wins, a member leaving frees only its own. Empty without members."""
+    names = sorted(set(members))
+    if not names:
+        return {}
+    return {s: max(names, key=lambda m, s=s: _weight(m, s)) for s in range(shards)}  # type: ignore[misc]
+
+
+@dataclass
+class _Term:
+    revision: int
+    act_until: float
+    """Monotonic deadline: sent + lease_s * stop_fraction of the last heard renewal."""
+
+
+class _LeasesView(BucketView[Any]):
+    """The `pulse_leases` bucket as seen by shard leases: shard and leader leases, and replica records. Other
+    keys (overrides) are not ours to read and are ignored without a count."""
+
+    def decode(self, key: str, data: bytes) -> Any:
+        try:
+            if key.startswith(protocol.REPLICA_KEY_PREFIX):
+                rec = protocol.decode(data, ReplicaRecord)
+                if protocol.REPLICA_KEY_PREFIX + rec.identity != key:
+                    raise BadMessage("subject_mismatch", f"the record of {rec.identity} is stored under key {key}")
+                return rec
+            if key.startswith(protocol.SHARD_KEY_PREFIX) or key == protocol.LEADER_LEASE_KEY:
+                return protocol.decode(data, LeaderLease)
+        except BadMessage as err:
+            self._rejected(err, source=f"{protocol.LEASES_BUCKET}/{key}")
+        return None
+
+
+class ShardLeases:
+    """Run `campaign()` as a task; `owns(shard)` / `owns_model(model)` say whether this replica may act now."""
+
+    def __init__(
+        self,
+        kv: KeyValue,
+        identity: str,
+        settings: ShardSettings = ShardSettings(),
+        *,
+        shards: int = protocol.SHARDS,
+        on_acquired: Callable[[int], None] | None = None,
+        on_lost: Callable[[int], None] | None = None,
+        count_models: Callable[[], int] | None = None,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+        rejections: Rejections | None = None,
+        nc: Client | None = None,
+    ) -> None:
+        """`clock` stamps and judges leases and records (wall time, shared with the other replicas); `monotonic`
+        times this replica's own terms. `count_models` fills the record's `models` (ScaledObjects in our
+        shards). `nc` is the connection `kv` uses (its reconnects re-list the view); by default kv's own."""
+        protocol.replica_key(identity)  # refuses an identity that is not one key token
+        if not 0 < shards <= protocol.SHARDS:
+            raise ValueError(f"shards must be in (0, {protocol.SHARDS}], not {shards}")
+        self.kv = kv
+        self.identity = identity
+        self.settings = settings
+        self.shards = shards
+        self.on_acquired = on_acquired
+        self.on_lost = on_lost
+        self.count_models = count_models
+        self.clock = clock
+        self.monotonic = monotonic
+        self.rejections = rejections or Rejections(log)
+        self._nc: Client = nc if nc is not None else kv._js._nc
+        self._started_at = clock()
+        self._held: dict[int, _Term] = {}
+        self._halted = False
+        self._legacy: str | None = None  # the older replica leading through LEADER_LEASE_KEY, while it does
+        self._leader: LeaderElection | None = None  # (b): while we hold shard 0
+        self._view = _LeasesView(self._nc, kv, msgspec.Struct, self.rejections, clock=clock)
+        self._view_task: asyncio.Task[None] | None = None
+
+    # --- what this replica may do now (synchronous: on the per-sample path) ----------------------------------
+
+    def owns(self, shard: int) -> bool:
+        term = self._held.get(shard)
+        if term is None:
+            return False
+        if self.monotonic() >= term.act_until:
+            self._lose(shard, "lease not renewed in time")
+            return False
+        return True
+
+    def owns_model(self, model: str) -> bool:
+        return self.owns(protocol.shard_of(model, self.shards))
+
+    def held(self) -> frozenset[int]:
+        return frozenset(s for s in list(self._held) if self.owns(s))
+
+    def owner(self, shard: int) -> str | None:
+        """The live holder of `shard` as last seen (our own identity while we own it); None: nobody now."""
+        if self.owns(shard):
+            return self.identity
+        lease = self._view.value(protocol.shard_key(shard))
+        if not isinstance(lease, LeaderLease) or self.clock() > lease.renewed_at + lease.lease_s:
+            return None
+        return None if lease.holder == self.identity else lease.holder
+
+    def owner_of_model(self, model: str) -> str | None:
+        return self.owner(protocol.shard_of(model, self.shards))
+
+    def replicas(self) -> list[ReplicaRecord]:
+        """Live replicas as last seen (ours included once announced), sorted by identity."""
+        now = self.clock()
+        recs = [
+            v
+            for k, v, _ in self._view.entries()
+            if k.startswith(protocol.REPLICA_KEY_PREFIX)
+            and isinstance(v, ReplicaRecord)
+            and now <= v.renewed_at + v.lease_s
+        ]
+        return sorted(recs, key=lambda r: r.identity)
+
+    def _lose(self, shard: int, why: str) -> None:
+        if self._held.pop(shard, None) is not None:
+            log.info("%s: no longer owns shard %d (%s)", self.identity, shard, why)
+            if self.on_lost is not None:
+                self.on_lost(shard)
+
+    # --- rounds ------------------------------------------------------------------------------------------------
+
+    async def start(self, timeout_s: float = 10.0) -> bool:
+        """Start the bucket's watch (idempotent) and wait up to `timeout_s` for its first snapshot."""
+        if self._view_task is None:
+            self._view_task = asyncio.create_task(self._view.run(), name=f"shard-leases-watch-{self.identity}")
+        ready = asyncio.ensure_future(self._view.ready.wait())
+        try:
+            await asyncio.wait([ready], timeout=timeout_s)  # asyncio.wait: see LeaderElection.campaign
+        finally:
+            ready.cancel()
+        return self._view.ready.is_set()
+
+    async def step(self) -> None:
+        """One round (see the module doc). `campaign` runs one every `renew_every_s`; tests call it directly."""
+        if self._halted:
+            return
+        try:
+            await self._round()
+        except _NATS_ERRORS as err:
+            log.debug("%s: shard round failed: %s", self.identity, err)
+
+    async def _round(self) -> None:
+        if not await self.start(timeout_s=self.settings.renew_every_s):
+            return  # no snapshot yet: we cannot know who else is alive
+        for s in list(self._held):
+            self.owns(s)  # fences lapsed terms now, even if nobody asked
+        sent = self.monotonic()
+        now = self.clock()  # one stamp for the record and the leases: the record never outlives them
+        held = sorted(self._held)
+        await asyncio.gather(self._announce(now, held), *(self._renew(s, sent, now) for s in held))
+        if self._halted or not self._view.current():
+            return  # a stale view may not move shards; renewals above never depended on it
+        members = [r.identity for r in self.replicas()]
+        if self.identity not in members:
+            members.append(self.identity)
+        legacy = self._legacy_holder(now)
+        if legacy != self._legacy:
+            if legacy is not None:
+                log.warning(
+                    "%s: an older replica (%s, no replica record) leads through the %r lease: taking no shard "
+                    "until it stops",
+                    self.identity,
+                    legacy,
+                    protocol.LEADER_LEASE_KEY,
+                )
+            else:
+                log.info("%s: no older replica leads any more: taking shards", self.identity)
+            self._legacy = legacy
+        plan = {} if legacy is not None else assign(self.shards, members)
+        give_up = [s for s in self._held if plan.get(s) != self.identity]
+        take = [s for s, m in plan.items() if m == self.identity and s not in self._held and self._free(s, now)]
+        await asyncio.gather(*(self._give_up(s) for s in give_up), *(self._take(s, sent) for s in take))
+        await self._lead()
+        if self.owns(0):
+            await self._sweep(now)
+
+    async def _sweep(self, now: float) -> None:
+        """The holder of shard 0 deletes replica records lapsed for `FORGET_AFTER_LEASES` leases (on their
+        revision), so replicas that died do not pile up in the bucket. Kept that long so a dead replica's
+        leader lease has surely lapsed first (see `_legacy_holder`)."""
+        stale = [
+            (k, rev)
+            for k, v, rev in self._view.entries()
+            if isinstance(v, ReplicaRecord) and now > v.renewed_at + v.lease_s * (1 + FORGET_AFTER_LEASES)
+        ]
+        for key, rev in stale:
+            with contextlib.suppress(*_NATS_ERRORS):
+                await self.kv.delete(key, last=rev)
+                self._view.forget(key)
+
+    def _legacy_holder(self, now: float) -> str | None:
+        """The holder of a live leader lease that has no replica record at all, live or lapsed: an older version.
+        (A dead replica of ours may hold a leader lease that outlives its record by a round trip; its lapsed
+        record says it was one of us.)"""
+        lease = self._view.value(protocol.LEADER_LEASE_KEY)
+        if not isinstance(lease, LeaderLease) or now > lease.renewed_at + lease.lease_s:
+            return None
+        if lease.holder == self.identity or protocol.REPLICA_KEY_PREFIX + lease.holder in self._view:
+            return None
+        return lease.holder
+
+    def _free(self, shard: int, now: float) -> bool:
+        """Worth a try by the view: no lease, an expired one, or ours. The take itself reads and compare-and-sets."""
+        lease = self._view.value(protocol.shard_key(shard))
+        return (
+            not isinstance(lease, LeaderLease)
+            or lease.holder == self.identity
+            or now > lease.renewed_at + lease.lease_s
+        )
+
+    def _lease(self, now: float) -> LeaderLease:
+        return LeaderLease(holder=self.identity, renewed_at=now, lease_s=self.settings.lease_s)
+
+    def _quiet_decode(self, data: bytes | None) -> LeaderLease | None:
+        """Reads for a take or a renewal: an unreadable lease was already counted by the view."""
+        try:
+            return protocol.decode(data or b"", LeaderLease)
+        except BadMessage:
+            return None
+
+    async def _announce(self, now: float, held: list[int]) -> None:
+        rec = ReplicaRecord(
+            identity=self.identity,
+            renewed_at=now,
+            lease_s=self.settings.lease_s,
+            started_at=self._started_at,
+            shards=held,
+            models=self.count_models() if self.count_models is not None else 0,
+        )
+        key = protocol.replica_key(self.identity)
+        try:
+            rev = await self.kv.put(key, protocol.encode(rec))
+        except _NATS_ERRORS as err:
+            log.debug("%s: replica record not renewed: %s", self.identity, err)
+            return
+        self._view.apply_local(key, rec, rev)
+
+    async def _renew(self, shard: int, sent: float, now: float) -> None:
+        term = self._held.get(shard)
+        if term is None:
+            return
+        key, lease = protocol.shard_key(shard), self._lease(now)
+        try:
+            got = await renew_lease(
+                self.kv, key, protocol.encode(lease), term.revision, self.identity, self._quiet_decode
+            )
+        except _NATS_ERRORS as err:
+            log.debug("%s: shard %d not renewed: %s", self.identity, shard, err)
+            return  # the fence decides what a missed renewal costs
+        if got.revision is None:
+            self._lose(shard, "another replica holds its lease")
+            return
+        if not self.owns(shard):
+            return  # came back too late to extend a term that already ended; the next round takes it again
+        term.revision = got.revision
+        if got.extended:
+            term.act_until = sent + self.settings.lease_s * self.settings.stop_fraction
+            self._view.apply_local(key, lease, got.revision)
+
+    async def _take(self, shard: int, sent: float) -> None:
+        key, lease = protocol.shard_key(shard), self._lease(self.clock())
+        try:
+            rev = await take_lease(self.kv, key, protocol.encode(lease), self.identity, self.clock, self._quiet_decode)
+        except _NATS_ERRORS as err:
+            log.debug("%s: shard %d not taken: %s", self.identity, shard, err)
+            return
+        if rev is None or self._halted:
+            return
+        self._held[shard] = _Term(rev, sent + self.settings.lease_s * self.settings.stop_fraction)
+        self._view.apply_local(key, lease, rev)
+        log.info("%s: owns shard %d (lease revision %d)", self.identity, shard, rev)
+        if self.on_acquired is not None:
+            self.on_acquired(shard)
+
+    async def _give_up(self, shard: int) -> None:
+        term = self._held.get(shard)
+        if term is None:
+            return
+        self._lose(shard, "assigned to another replica" if self._legacy is None else "an older replica leads")
+        await self._delete(shard, term.revision)
+
+    async def _delete(self, shard: int, revision: int | None) -> None:
+        """Delete our lease of `shard`, on `revision` if known; when that fails, read it back and delete it if it
+        is still ours (a renewal may have landed unheard)."""
+        key = protocol.shard_key(shard)
+        with contextlib.suppress(*_NATS_ERRORS):
+            if revision is not None:
+                with contextlib.suppress(nats.js.errors.KeyWrongLastSequenceError):
+                    await self.kv.delete(key, last=revision)
+                    self._view.forget(key)
+                    return
+            entry = await self.kv.get(key)
+            lease = self._quiet_decode(entry.value)
+            if lease is not None and lease.holder == self.identity:
+                await self.kv.delete(key, last=entry.revision)
+                self._view.forget(key)
+
+    async def _lead(self) -> None:
+        """(b) of the module doc: the holder of shard 0 also holds the leader lease older replicas campaign for."""
+        if self.owns(0) and not self._halted:
+            if self._leader is None:
+                self._leader = LeaderElection(
+                    self.kv,
+                    self.identity,
+                    LeaseSettings(
+                        key=protocol.LEADER_LEASE_KEY,
+                        lease_s=self.settings.lease_s,
+                        renew_every_s=self.settings.renew_every_s,
+                        stop_fraction=self.settings.stop_fraction,
+                    ),
+                    clock=self.clock,
+                    monotonic=self.monotonic,
+                    rejections=self.rejections,
+                )
+            await self._leader.step()
+        elif self._leader is not None:
+            leader, self._leader = self._leader, None
+            await leader.resign()
+
+    # --- running and stopping ------------------------------------------------------------------------------------
+
+    async def campaign(self, stop: asyncio.Event) -> None:
+        """A round every `renew_every_s` (less the round's own time) until `stop` is set or `halt` is called."""
+        # asyncio.wait, not wait_for: on Python 3.11 wait_for can swallow a cancellation that races its timeout.
+        loop = asyncio.get_running_loop()
+        stopped = asyncio.ensure_future(stop.wait())
+        try:
+            while not stop.is_set() and not self._halted:
+                began = loop.time()
+                await self.step()
+                await asyncio.wait([stopped], timeout=max(0.0, self.settings.renew_every_s - (loop.time() - began)))
+        finally:
+            stopped.cancel()
+
+    def halt(self) -> None:
+        """Stop taking and renewing (a flag, as `LeaderElection.halt`). The terms held run out by the fence."""
+        self._halted = True
+
+    async def resign(self) -> None:
+        """Clean shutdown: `on_lost` for each held shard, then delete our leases (on their revision, else read
+        back) and our replica record, so the others take over on their next round instead of after `lease_s`."""
+        self.halt()
+        terms = dict(self._held)
+        for s in sorted(terms):
+            self._lose(s, "resigned")
+        # Leases the view says are ours but we no longer count as held (a lapsed term) are ours to free too.
+        ours = {
+            int(k[len(protocol.SHARD_KEY_PREFIX) :])
+            for k, v, _ in self._view.entries()
+            if k.startswith(protocol.SHARD_KEY_PREFIX) and isinstance(v, LeaderLease) and v.holder == self.identity
+        }
+        await asyncio.gather(*(self._delete(s, terms[s].revision if s in terms else None) for s in terms.keys() | ours))
+        if self._leader is not None:
+            leader, self._leader = self._leader, None
+            await leader.resign()
+        with contextlib.suppress(*_NATS_ERRORS):
+            await self.kv.delete(protocol.replica_key(self.identity))
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop the bucket's watch (`resign` does it too). Leases are left to lapse: use `resign` to hand over."""
+        self._halted = True
+        self._view.closed = True
+        if self._view_task is not None:
+            task, self._view_task = self._view_task, None
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, *_NATS_ERRORS):
+                await task

@@ -1,0 +1,302 @@
+"""Shard leases over pulse_leases, against a real nats-server, on hand clocks (like tests/test_leader.py).
+
+Replicas share one wall clock (stamps and judges leases and records) and one monotonic clock (their own terms);
+the tests move both by hand and run rounds with `step()`. Between rounds they yield briefly so each replica's
+watch delivers the others' writes; convergence is awaited in rounds, never in seconds of hand time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import random
+import string
+from collections.abc import AsyncIterator
+
+import pytest
+from nats.aio.client import Client
+from nats.js.kv import KeyValue
+
+from autoscaler.leader import LeaderElection, LeaseSettings
+from autoscaler.shards import ShardLeases, ShardSettings, assign
+from tests.helpers import HandClock, wait_for
+from warmpool import protocol
+from warmpool.protocol import LeaderLease, ReplicaRecord
+from warmpool.registry import ensure_buckets
+from warmpool.rejects import Rejections
+
+SET = ShardSettings(lease_s=1.0, renew_every_s=0.2, stop_fraction=0.8)
+ALL = frozenset(range(protocol.SHARDS))
+
+
+# --- assign: a pure function ---------------------------------------------------------------------------------------
+
+
+def test_every_shard_goes_to_exactly_one_member_whatever_the_order() -> None:
+    plan = assign(protocol.SHARDS, ["b", "a", "c"])
+    assert sorted(plan) == list(range(protocol.SHARDS))
+    assert set(plan.values()) <= {"a", "b", "c"}
+    assert plan == assign(protocol.SHARDS, ["c", "a", "b", "a"])
+    assert assign(protocol.SHARDS, []) == {}
+
+
+def test_a_joining_member_takes_only_shards_moving_to_it_and_a_leaving_one_frees_only_its_own() -> None:
+    rng = random.Random(12)
+    for _ in range(200):
+        members = ["".join(rng.choices(string.ascii_lowercase, k=8)) for _ in range(rng.randint(1, 6))]
+        before = assign(protocol.SHARDS, members)
+        after = assign(protocol.SHARDS, [*members, "newcomer"])
+        assert all(after[s] in (before[s], "newcomer") for s in before)
+        gone = members[0]
+        left = assign(protocol.SHARDS, members[1:])
+        assert all(left[s] == before[s] for s in before if before[s] != gone)
+
+
+def test_three_members_share_32_shards_within_the_spread_of_rendezvous_hashing() -> None:
+    """Rendezvous hashing balances only as well as chance does: the counts are multinomial (32, 1/3 each), standard
+    deviation 2.7. Over random identities (the daemon's are host-pid-random) the spread max - min is at most 16 for
+    99% of triples and 5 in the mean; a fixed bound for every name cannot hold for any scheme that also moves only
+    the shards that must move."""
+    rng = random.Random(7)
+    spreads = []
+    for _ in range(1000):
+        members = ["".join(rng.choices(string.ascii_lowercase + string.digits, k=10)) for _ in range(3)]
+        counts = collections.Counter(assign(protocol.SHARDS, members).values())
+        spreads.append(max(counts[m] for m in members) - min(counts[m] for m in members))
+    spreads.sort()
+    assert spreads[989] <= 16, spreads[-20:]
+    assert sum(spreads) / len(spreads) <= 6
+
+
+# --- replicas on a real server ---------------------------------------------------------------------------------
+
+
+class Fleet:
+    """Replicas on one connection, one wall clock and one monotonic clock; every replica ever made is checked
+    for overlap after every step (a dead or resigned one may still believe it owns a shard)."""
+
+    def __init__(self, kv: KeyValue) -> None:
+        self.kv = kv
+        self.wall = HandClock()
+        self.mono = HandClock(start=1000.0)
+        self.ever: list[ShardLeases] = []
+
+    def advance(self, dt: float) -> None:
+        self.wall.advance(dt)
+        self.mono.advance(dt)
+
+    def replica(self, name: str, settings: ShardSettings = SET, **kw: object) -> ShardLeases:
+        r = ShardLeases(self.kv, name, settings, clock=self.wall, monotonic=self.mono, **kw)  # type: ignore[arg-type]
+        self.ever.append(r)
+        return r
+
+    def owners(self) -> dict[int, str]:
+        """Shard -> the one replica that owns it now; fails on any shard owned twice."""
+        seen: dict[int, str] = {}
+        for r in self.ever:
+            for s in r.held():
+                assert s not in seen, f"shard {s} owned by both {seen[s]} and {r.identity}"
+                seen[s] = r.identity
+        return seen
+
+    async def round(self, replicas: list[ShardLeases]) -> dict[int, str]:
+        self.advance(SET.renew_every_s)
+        for r in replicas:
+            await r.step()
+            self.owners()
+        await asyncio.sleep(0.01)  # the watches deliver
+        return self.owners()
+
+    async def converge(self, replicas: list[ShardLeases], rounds: int = 60) -> int:
+        """Rounds until the owners are exactly `assign` over `replicas`; overlap checked after every step."""
+        plan = assign(protocol.SHARDS, [r.identity for r in replicas])
+        for n in range(1, rounds + 1):
+            if await self.round(replicas) == plan:
+                return n
+        raise AssertionError(f"no convergence in {rounds} rounds: {self.owners()} != {plan}")
+
+
+@pytest.fixture
+async def fleet(nc: Client) -> AsyncIterator[Fleet]:
+    kv = (await ensure_buckets(nc.jetstream()))[protocol.LEASES_BUCKET]
+    f = Fleet(kv)
+    try:
+        yield f
+    finally:
+        for r in f.ever:
+            await r.close()
+
+
+async def test_one_replica_takes_every_shard_and_announces_them(fleet: Fleet) -> None:
+    acquired: list[int] = []
+    a = fleet.replica("a", on_acquired=acquired.append, count_models=lambda: 7)
+    await a.step()
+    assert a.held() == ALL and sorted(acquired) == sorted(ALL)
+    assert all(a.owner(s) == "a" for s in ALL) and a.owns_model("qwen") and a.owner_of_model("qwen") == "a"
+    await fleet.round([a])
+    [rec] = a.replicas()
+    assert (rec.identity, sorted(rec.shards), rec.models) == ("a", sorted(ALL), 7)
+
+
+async def test_three_replicas_split_the_shards_then_a_fourth_joins_and_one_resigns_never_overlapping(
+    fleet: Fleet,
+) -> None:
+    rs = [fleet.replica(n) for n in ("a", "b", "c")]
+    await fleet.converge(rs)
+    assert set(rs[0].held()) | rs[1].held() | rs[2].held() == ALL
+    assert {r.identity for r in rs[0].replicas()} == {"a", "b", "c"}
+    for s in ALL:  # every replica names the same owner
+        assert len({r.owner(s) for r in rs}) == 1
+    before = fleet.owners()
+    d = fleet.replica("d")
+    rs.append(d)
+    await fleet.converge(rs)
+    after = fleet.owners()
+    assert all(after[s] in (before[s], "d") for s in ALL), "a shard moved between replicas that stayed"
+    await rs[1].resign()
+    fleet.owners()
+    rs.pop(1)
+    await fleet.converge(rs)
+    assert all(fleet.owners()[s] == after[s] for s in ALL if after[s] != "b")
+
+
+async def test_a_dead_replicas_shards_move_after_its_fence_and_within_lease_plus_one_renewal(fleet: Fleet) -> None:
+    rs = [fleet.replica(n) for n in ("a", "b", "c")]
+    await fleet.converge(rs)
+    victim = next(r for r in rs if r.owns(0))  # it also holds the leader lease: its lapse must not look legacy
+    its = victim.held()
+    lost: list[int] = []
+    victim.on_lost = lost.append
+    alive = [r for r in rs if r is not victim]
+    last_round = fleet.wall()  # the victim's last step was in this round: it stops stepping (SIGKILL)
+    fence_ends = last_round + SET.lease_s * SET.stop_fraction
+    while fleet.wall() < last_round + SET.lease_s + SET.renew_every_s:
+        owners = await fleet.round(alive)  # fails if a survivor took a shard the victim still owns
+        taken = {s for s in its if owners.get(s) not in (None, victim.identity)}
+        assert not taken or fleet.wall() >= fence_ends, f"taken at {fleet.wall() - last_round:.2f} s"
+        assert victim.held() == (its if fleet.wall() < fence_ends else frozenset())
+    assert {fleet.owners().get(s) for s in its} <= {r.identity for r in alive}, "not handed over in time"
+    assert sorted(lost) == sorted(its), "on_lost once per shard"
+    await fleet.converge(alive)
+    leader = protocol.decode((await fleet.kv.get(protocol.LEADER_LEASE_KEY)).value or b"", LeaderLease)
+    assert leader.holder == next(r for r in alive if r.owns(0)).identity
+
+
+async def test_owns_goes_false_on_time_without_renewal_and_on_lost_fires_once(fleet: Fleet) -> None:
+    lost: list[int] = []
+    a = fleet.replica("a", on_lost=lost.append)
+    await a.step()
+    fleet.advance(0.79)
+    assert a.owns(3) and a.owns_model("m")
+    fleet.advance(0.02)
+    assert not a.owns(3) and not a.owns_model("m") and a.held() == frozenset()
+    assert sorted(lost) == sorted(ALL)
+    assert not a.owns(3) and len(lost) == len(ALL)
+    await a.step()  # still ours in the bucket: taken again on the next round
+    assert a.held() == ALL
+
+
+async def test_a_renewal_that_landed_unheard_keeps_the_shard_on_the_old_term(fleet: Fleet) -> None:
+    a = fleet.replica("a")
+    await a.step()  # terms until 0.8
+    fleet.advance(0.5)
+    key = protocol.shard_key(4)
+    await fleet.kv.put(key, protocol.encode(LeaderLease(holder="a", renewed_at=fleet.wall(), lease_s=1.0)))
+    await a.step()
+    assert a.owns(4), "deposed by our own renewal"
+    fleet.advance(0.29)
+    assert a.owns(4) and a.owns(5)
+    fleet.advance(0.02)  # 0.81: shard 4's unheard renewal did not extend its term; shard 5's heard one did
+    assert not a.owns(4) and a.owns(5)
+
+
+async def test_a_shard_someone_else_took_is_lost(fleet: Fleet) -> None:
+    lost: list[int] = []
+    a = fleet.replica("a", on_lost=lost.append)
+    await a.step()
+    intruder = LeaderLease(holder="intruder", renewed_at=fleet.wall() + 100, lease_s=1.0)  # an operator's hand edit
+    await fleet.kv.put(protocol.shard_key(9), protocol.encode(intruder))
+    fleet.advance(0.2)
+    await a.step()
+    assert lost == [9] and not a.owns(9) and a.owner(9) in ("intruder", None)
+
+
+async def test_unreadable_leases_and_records_are_counted_and_taken_as_expired(fleet: Fleet) -> None:
+    counted: list[str] = []
+    bad = b'{"v": 1, "holder": "ghost", "renewed_at": 1e12}'  # no lease_s
+    await fleet.kv.put(protocol.shard_key(5), bad)
+    await fleet.kv.put(protocol.replica_key("ghost"), b'{"v": 1, "identity": "ghost"}')
+    a = fleet.replica("a", rejections=Rejections(logging.getLogger("test"), on_reject=counted.append))
+    await a.step()
+    assert a.owns(5), "an unreadable lease protected nobody"
+    assert counted == ["missing_field", "missing_field"]
+    assert [r.identity for r in a.replicas()] == ["a"]
+    assert a.held() == ALL, "an unreadable record made a member"
+
+
+# --- rolling upgrade from revision 5 replicas ----------------------------------------------------------------------
+
+
+def older(fleet: Fleet, name: str) -> LeaderElection:
+    """A revision 5 replica: it campaigns for the single leader lease and writes no replica record."""
+    settings = LeaseSettings(lease_s=SET.lease_s, renew_every_s=SET.renew_every_s, stop_fraction=SET.stop_fraction)
+    return LeaderElection(fleet.kv, name, settings, clock=fleet.wall, monotonic=fleet.mono)
+
+
+async def test_no_shard_is_taken_while_an_older_replica_leads(fleet: Fleet, caplog: pytest.LogCaptureFixture) -> None:
+    old = older(fleet, "old")
+    assert await old.step()
+    a = fleet.replica("a")
+    with caplog.at_level(logging.WARNING, "pulsescale.shards"):
+        for _ in range(10):  # two leases: nothing while the old leader renews
+            await fleet.round([a])
+            assert await old.step()
+            assert a.held() == frozenset()
+    assert sum("older replica" in r.getMessage() for r in caplog.records) == 1, "said once, with why"
+    assert [r.identity for r in a.replicas()] == ["a"], "the new replica still announces itself"
+    await old.resign()
+    await fleet.converge([a])
+    assert a.held() == ALL
+
+
+async def test_the_holder_of_shard_0_holds_the_leader_lease_so_an_older_replica_stays_standby(fleet: Fleet) -> None:
+    a = fleet.replica("a")
+    await fleet.converge([a])
+    old = older(fleet, "old")
+    for _ in range(10):  # two leases: the leader lease is renewed with shard 0
+        await fleet.round([a])
+        assert not await old.step(), "an older replica took the leader lease from the shard 0 holder"
+    assert a.held() == ALL
+    b = fleet.replica("b")  # shard 0 moves to b: the lease goes with it, handed over at once
+    plan = assign(protocol.SHARDS, ["a", "b"])
+    await fleet.converge([a, b])
+    leader = protocol.decode((await fleet.kv.get(protocol.LEADER_LEASE_KEY)).value or b"", LeaderLease)
+    assert leader.holder == plan[0]
+    assert not await old.step()
+
+
+# --- on real time --------------------------------------------------------------------------------------------
+
+
+async def test_a_frozen_replicas_shards_move_within_lease_plus_one_renewal_on_real_time(nc: Client) -> None:
+    """The campaign loop itself: the survivor owns every shard within lease + one renewal of the freeze."""
+    kv = (await ensure_buckets(nc.jetstream()))[protocol.LEASES_BUCKET]
+    a, b = ShardLeases(kv, "a", SET), ShardLeases(kv, "b", SET)
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(a.campaign(stop)), asyncio.create_task(b.campaign(stop))]
+    try:
+        plan = assign(protocol.SHARDS, ["a", "b"])
+        await wait_for(lambda: a.held() | b.held() == ALL and a.held() == {s for s in ALL if plan[s] == "a"}, 10)
+        a.halt()  # frozen: no renewals, no resign
+        took = await wait_for(lambda: b.held() == ALL, 10, "b owns every shard")
+        assert took <= SET.lease_s + SET.renew_every_s + 0.5, f"handover took {took:.2f} s"
+        assert a.held() == frozenset()
+        recs = [r.identity for r in b.replicas()]
+        assert recs == ["b"]
+        assert isinstance(b.replicas()[0], ReplicaRecord)
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5)
+        await a.close()
+        await b.close()
