@@ -8,6 +8,12 @@ adopts the slots its predecessor held and restores the on-call overrides stored 
 ``protocol.override_key(model)``. A deleted ScaledObject's slots are given back (the operator's finalizer waits for
 that): by the leader when the delete arrives, else by a later leader's sweep for held slots no ScaledObject owns.
 
+Samples arrive on a connection of their own, so the lease renewal, claims and activation replies on the main one
+never queue behind them; the subscription's callback only decodes and checks them into a `samples.SampleBuffer`
+(newest per gateway and model), and a drain task folds them into the controllers. Housekeeping, the drain and the
+callback each yield to the loop every `AutoscalerSettings.slice_s`. The ``pulsescale_slots`` gauges are kept from
+the slot view's events (`SlotCounts`), not a scan per tick.
+
 Its HTTP port serves ``/metrics``, ``/healthz`` (200 while this replica leads, or follows with a live connection
 and current views) and ``/readyz`` (200 once the views are listed and the ScaledObjects followed).
 """
@@ -129,6 +135,8 @@ class Autoscaler:
         self._samples_waiting = asyncio.Event()
         self._callback_until = 0.0  # perf_counter() past which the sample callback yields once
         self._resigning = False  # a clean resign is not a lost lease
+        self.slot_counts = SlotCounts()
+        """Slots per (model, state) from the slot view's events: the ``pulsescale_slots`` gauges."""
         self.commands: commands.CommandService | None = None
         self._cut: dict[str, float] = {}  # ScaledObjects cut to max_replicas, by key: the version logged
         self._retiring: set[asyncio.Future[int]] = set()  # deleted ScaledObjects releasing their slots
@@ -234,6 +242,7 @@ class Autoscaler:
             c = ModelController(record, self.deps, current_replicas=len(held))
             self.by_scaler[key] = c
             self.by_model[model] = c
+            self._slot_gauges(c)
             log.info("ScaledObject %s: autoscaling %s (%d slots held)", key, model, len(held))
             if self.is_leader():
                 c.adopt(self.store.records(model))
@@ -332,6 +341,11 @@ class Autoscaler:
                 self._on_slot_event(event)
 
     def _on_slot_event(self, event: Snapshot[protocol.SlotRecord] | Changed[protocol.SlotRecord] | Removed) -> None:
+        with self._contained("slot gauges"):
+            for model, state in self.slot_counts.apply(event):
+                c = self.by_model.get(model)
+                if c is not None:
+                    c.scaler.series.slots[state].set(self.slot_counts.count(model, state))
         if isinstance(event, Snapshot):
             for c in self.by_model.values():
                 c.on_slot_snapshot(event.records)
@@ -341,13 +355,10 @@ class Autoscaler:
         if owner is not None:
             owner.on_slot_change(event.key, record)
 
-    def _slot_gauges(self) -> None:
-        counts: dict[tuple[str, str], int] = {}
-        for rec in self.store.records():
-            counts[(rec.model, rec.state)] = counts.get((rec.model, rec.state), 0) + 1
-        for model, c in self.by_model.items():
-            for state, gauge in c.scaler.series.slots.items():
-                gauge.set(counts.get((model, state), 0))
+    def _slot_gauges(self, c: ModelController) -> None:
+        """Set a model's slot gauges from the counts (its controller was just made; events keep them after)."""
+        for state, gauge in c.scaler.series.slots.items():
+            gauge.set(self.slot_counts.count(c.model, state))
 
     async def housekeeping(self, stop: asyncio.Event) -> None:
         every = self.settings.housekeeping_every_s
@@ -362,12 +373,18 @@ class Autoscaler:
     async def housekeeping_once(self) -> None:
         now = self.clock()
         self.metrics.leader.set(1 if self.is_leader() else 0)
+        until = time.perf_counter() + self.settings.slice_s
         for c in list(self.by_model.values()):
+            if self.by_model.get(c.model) is not c:
+                continue  # its ScaledObject went (or was re-pointed) while we yielded
             with self._contained(f"housekeeping of {c.model}"):
                 c.forget_gateways(now, self.settings.forget_gateway_after_s)
                 await c.housekeeping(now)
-        with self._contained("slot gauges"):
-            self._slot_gauges()
+            if time.perf_counter() >= until:
+                # A tick over 1,000 models is tens of ms: let the lease renewal, claims and samples in between.
+                await asyncio.sleep(0)
+                until = time.perf_counter() + self.settings.slice_s
+                now = self.clock()
         if self.is_leader() and self.scalers_followed:
             with self._contained("the sweep for slots of deleted ScaledObjects"):
                 self._sweep_unowned(now)
@@ -504,6 +521,52 @@ class Autoscaler:
         if self.leader is not None:
             self._resigning = True
             await self.leader.resign()
+
+
+class SlotCounts:
+    """Slots per (model, state), kept from the slot view's events instead of a scan of every slot per tick.
+    Each key's last (model, state) is remembered, so an event is applied by what it changes, whatever the view
+    skipped in between; a `Snapshot` (a reconnect) starts over from the listing."""
+
+    __slots__ = ("_of", "counts")
+
+    def __init__(self) -> None:
+        self._of: dict[str, tuple[str, str]] = {}  # slot key -> (model, state) as last seen
+        self.counts: dict[tuple[str, str], int] = {}
+
+    def count(self, model: str, state: str) -> int:
+        return self.counts.get((model, state), 0)
+
+    def apply(
+        self, event: Snapshot[protocol.SlotRecord] | Changed[protocol.SlotRecord] | Removed
+    ) -> set[tuple[str, str]]:
+        """Fold one event in; returns the (model, state) pairs whose count may have changed."""
+        if isinstance(event, Snapshot):
+            touched = set(self.counts)
+            self._of.clear()
+            self.counts.clear()
+            for key, rec in event.records.items():
+                self._add(key, (rec.model, rec.state))
+            return touched | set(self.counts)
+        new = (event.record.model, event.record.state) if isinstance(event, Changed) else None
+        old = self._of.pop(event.key, None)
+        if old == new:
+            if new is not None:
+                self._of[event.key] = new
+            return set()
+        if old is not None:
+            left = self.counts[old] - 1
+            if left:
+                self.counts[old] = left
+            else:
+                del self.counts[old]
+        if new is not None:
+            self._add(event.key, new)
+        return {p for p in (old, new) if p is not None}
+
+    def _add(self, key: str, pair: tuple[str, str]) -> None:
+        self._of[key] = pair
+        self.counts[pair] = self.counts.get(pair, 0) + 1
 
 
 def _forget_after_stop(c: ModelController, stopped: asyncio.Future[None]) -> None:
