@@ -45,6 +45,7 @@ from warmpool.protocol import (
     PauseCommand,
     PoolCommand,
     PoolReply,
+    ReplicaRecord,
     ResumeCommand,
     ScaleCommand,
     StatusCommand,
@@ -64,6 +65,8 @@ __all__ = [
     "drain",
     "format_duration",
     "format_pool",
+    "format_replicas",
+    "format_shards",
     "format_status",
     "parse_duration",
     "parser",
@@ -331,11 +334,17 @@ def resume(argv: list[str], prog: str) -> int:
     return _run(prog, args, "resume", build, OverrideReply, lambda _: print(f"{args.model} is autoscaled again"))
 
 
-def format_status(rows: Sequence[StatusRow], now: float) -> str:
-    """The `status` table; with one model, its recent decisions below it. WARM counts the claimable slots;
-    STALE the ones that read warm but whose agent's lease lapsed (not claimable until it heartbeats again)."""
+def format_status(
+    rows: Sequence[StatusRow], now: float, *, replicas: Sequence[ReplicaRecord] = (), wide: bool = False
+) -> str:
+    """The `status` table; with one model, its recent decisions below it; then the autoscaler replicas when the
+    reply names them. WARM counts the claimable slots; STALE the ones that read warm but whose agent's lease
+    lapsed (not claimable until it heartbeats again). OWNER (the replica that owns the model's shard) shows when
+    several replicas share the models, or with `wide`, which adds SHARD."""
+    owner = wide or len(replicas) > 1
     header: tuple[str, ...] = (
-        "MODEL", "DESIRED", "READY", "ACTIVATING", "WARM", "STALE", "MODE", "OVERRIDE", "LAST-REASON",
+        "MODEL", *(["OWNER"] if owner else []), *(["SHARD"] if wide else []),
+        "DESIRED", "READY", "ACTIVATING", "WARM", "STALE", "MODE", "OVERRIDE", "LAST-REASON",
     )  # fmt: skip
     table = [header]
     for r in rows:
@@ -343,7 +352,11 @@ def format_status(rows: Sequence[StatusRow], now: float) -> str:
         if r.panic and "panic" not in mode:
             mode += ",panic"
         counts = (r.desired, r.ready, r.activating, r.warm, r.stale)
-        table.append((r.model, *map(str, counts), mode, _describe_override(r.override, now), r.reason or "-"))
+        where = [
+            *([r.owner or "-"] if owner else []),
+            *([str(r.shard) if r.shard is not None else "-"] if wide else []),
+        ]
+        table.append((r.model, *where, *map(str, counts), mode, _describe_override(r.override, now), r.reason or "-"))
     widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1] for row in table]
     if not rows:
@@ -351,14 +364,54 @@ def format_status(rows: Sequence[StatusRow], now: float) -> str:
     if len(rows) == 1 and rows[0].decisions:
         lines += ["", f"recent decisions of {rows[0].model} (newest last):"]
         lines += [f"  {_when(d.ts, now)}  desired {d.desired:<4}  {d.reason}" for d in rows[0].decisions]
+    if replicas:
+        lines += ["", *format_replicas(replicas, now)]
     return "\n".join(line.rstrip() for line in lines)
+
+
+def format_shards(shards: Sequence[int]) -> str:
+    """Shards as ranges, with the count: ``0-10,12,14-15 (14)``; ``none`` for no shard."""
+    if not shards:
+        return "none"
+    ordered = sorted(set(shards))
+    runs: list[list[int]] = []
+    for n in ordered:
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    text = ",".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
+    return f"{text} ({len(ordered)})"
+
+
+def format_replicas(replicas: Sequence[ReplicaRecord], now: float) -> list[str]:
+    """The autoscaler replicas below the status table: one line for a single replica (nothing is sharded over
+    it), a small table for several."""
+    if len(replicas) == 1:
+        r = replicas[0]
+        return [
+            f"1 replica: {r.identity}, shards {format_shards(r.shards)}, {r.models} model(s), "
+            f"up {durations.age(now - r.started_at)}"
+        ]
+    rows = [
+        (r.identity, format_shards(r.shards), str(r.models), durations.age(now - r.started_at))
+        for r in sorted(replicas, key=lambda r: r.identity)
+    ]
+    header = ("REPLICA", "SHARDS", "MODELS", "AGE")
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
+    table = [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1] for row in [header, *rows]
+    ]
+    return [f"replicas: {len(replicas)}", *(f"  {line}" for line in table)]
 
 
 def status(argv: list[str], prog: str) -> int:
     p = parser(
         prog,
         "Show models: desired/ready replicas, warm slots (STALE: warm but their agent's lease lapsed), mode, "
-        "override and the last decision's reason.",
+        "override and the last decision's reason; with several autoscaler replicas, which one owns each model "
+        "(-o wide adds its shard), and the replicas.",
+        output_extra=("wide",),
     )
     p.add_argument("model", nargs="?", type=_name_arg("model"))
     args = p.parse_args(argv)
@@ -366,11 +419,24 @@ def status(argv: list[str], prog: str) -> int:
     def build(**envelope: Any) -> StatusCommand:
         return StatusCommand(**envelope, model=args.model)
 
-    def show(reply: StatusReply) -> None:
-        print(format_status(reply.models, time.time()))
+    def warn(reply: StatusReply) -> None:
+        # An ok reply with an error: a replica did not answer, its models are missing (stderr: stdout stays data).
+        if reply.error is not None:
+            print(f"{prog}: warning: {reply.error.message}", file=sys.stderr)
 
-    # -o json|yaml: the rows (a list, as `--json` always printed), times as Unix seconds like the wire.
-    return _run(prog, args, "status", build, StatusReply, show, lambda reply: reply.models)
+    def show(reply: StatusReply) -> None:
+        warn(reply)
+        print(format_status(reply.models, time.time(), replicas=reply.replicas, wide=args.output == "wide"))
+
+    def machine_view(reply: StatusReply) -> Any:
+        # -o json|yaml, times as Unix seconds like the wire. One replica (or an autoscaler before revision 6):
+        # the rows, a list, as `--json` always printed; several: {models, replicas}, the replicas being the news.
+        warn(reply)
+        if len(reply.replicas) > 1:
+            return {"models": reply.models, "replicas": reply.replicas}
+        return reply.models
+
+    return _run(prog, args, "status", build, StatusReply, show, machine_view)
 
 
 def format_pool(reply: PoolReply) -> str:

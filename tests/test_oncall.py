@@ -20,9 +20,10 @@ from autoscaler.commands import CommandService
 from pulsescale import cli as dispatcher
 from tests.test_commands import ControlPlaneDouble, make_spec
 from warmpool import cli as warmpool_cli
-from warmpool import durations
+from warmpool import connect as nats_connect
+from warmpool import durations, protocol
 from warmpool.embedded import NatsServer, free_port
-from warmpool.protocol import AuditRecord, DecisionRow, Override, StatusRow
+from warmpool.protocol import AuditRecord, DecisionRow, Override, ReplicaRecord, StatusRow
 from warmpool.registry import KvSlotStore
 from warmpool.seed import seed_pool
 
@@ -418,3 +419,75 @@ def test_status_of_one_model_shows_its_decisions() -> None:
 def test_default_by() -> None:
     assert oncall.default_by({"PULSESCALE_USER": "pager"}) == "pager"
     assert "@" in oncall.default_by({})
+
+
+# --- several autoscaler replicas (protocol revision 6) ------------------------------------------------------------
+
+
+def replica(identity: str, shards: list[int], models: int, age_s: float, now: float) -> ReplicaRecord:
+    return ReplicaRecord(
+        identity=identity, renewed_at=now, lease_s=5.0, started_at=now - age_s, shards=shards, models=models
+    )
+
+
+def test_status_shows_the_owner_and_the_replicas() -> None:
+    now = 1_700_000_000.0
+    rows = [row("llama", owner="a", shard=3, mode="stable"), row("qwen", owner="b", shard=17, mode="stable")]
+    replicas = [replica("a", [*range(0, 11), 12], 1, 330, now), replica("b", [11, *range(13, 32)], 1, 90, now)]
+    assert oncall.format_status(rows, now, replicas=replicas).splitlines() == [
+        "MODEL  OWNER  DESIRED  READY  ACTIVATING  WARM  STALE  MODE    OVERRIDE  LAST-REASON",
+        "llama  a      1        1      0           0     0      stable  -         -",
+        "qwen   b      1        1      0           0     0      stable  -         -",
+        "",
+        "replicas: 2",
+        "  REPLICA  SHARDS         MODELS  AGE",
+        "  a        0-10,12 (12)   1       5m30s",
+        "  b        11,13-31 (20)  1       90s",
+    ]
+    wide = oncall.format_status(rows, now, replicas=replicas, wide=True).splitlines()
+    assert wide[0].split()[:4] == ["MODEL", "OWNER", "SHARD", "DESIRED"]
+    assert wide[2].split()[:4] == ["qwen", "b", "17", "1"]
+
+
+def test_status_with_one_replica_says_so_on_one_line() -> None:
+    now = 1_700_000_000.0
+    lines = oncall.format_status(
+        [row("qwen", owner="a", shard=17)], now, replicas=[replica("a", list(range(32)), 1, 7200, now)]
+    )
+    assert lines.splitlines()[0].split()[:2] == ["MODEL", "DESIRED"]  # no OWNER column: nothing to tell apart
+    assert lines.splitlines()[-2:] == ["", "1 replica: a, shards 0-31 (32), 1 model(s), up 120m"]
+
+
+async def test_status_cli_over_two_replicas(cli, nats_server: NatsServer, store: KvSlotStore) -> None:  # type: ignore[no-untyped-def]
+    """The real command against two routing replicas: OWNER per model, the replicas section, -o json with both."""
+    from tests.test_commands_routing import FixedRouter  # a fixture class: the owner map in place of shard leases
+
+    owners: dict[str, str | None] = {"qwen": "b", "llama": "a"}
+    services, conns = [], []
+    try:
+        for ident in ("a", "b"):
+            conn = await nats_connect.connect(nats_connect.NatsOptions(servers=(nats_server.url,), name=ident))
+            conns.append(conn)
+            control = ControlPlaneDouble({"qwen": make_spec("qwen", 1, 8), "llama": make_spec("llama", 0, 4)})
+            svc = CommandService(conn, control, store, router=FixedRouter(ident, dict(owners), ["a", "b"]))
+            await svc.start()
+            services.append(svc)
+        code, out, err = await cli("status")
+        assert code == 0, err
+        lines = out.splitlines()
+        assert lines[0].split()[:3] == ["MODEL", "OWNER", "DESIRED"]
+        assert [line.split()[:2] for line in lines[1:3]] == [["llama", "a"], ["qwen", "b"]]
+        assert lines[4] == "replicas: 2" and lines[6].split()[0] == "a" and lines[7].split()[0] == "b"
+        code, out, _ = await cli("status", "-o", "wide")
+        assert code == 0 and out.splitlines()[2].split()[:3] == ["qwen", "b", str(protocol.shard_of("qwen"))]
+        code, out, _ = await cli("status", "--json")
+        data = json.loads(out)
+        assert [(m["model"], m["owner"]) for m in data["models"]] == [("llama", "a"), ("qwen", "b")]
+        assert [r["identity"] for r in data["replicas"]] == ["a", "b"]
+        code, out, _ = await cli("scale", "qwen", "--replicas", "2")  # handed to b whichever replica took it
+        assert code == 0 and out.startswith("qwen held at 2 replicas")
+    finally:
+        for svc in services:
+            await svc.stop()
+        for conn in conns:
+            await conn.close()
