@@ -1,17 +1,28 @@
-"""`pulsescale bench decide`: decision latency and ingest throughput.
+"""`pulsescale bench decide`: decision latency, ownership over replicas, takeover and ingest throughput.
 
 1. In-process ingest: decode + fold + (debounced) decide for samples spread over `--models` models, one core.
-2. End to end, against an embedded nats-server and a real `pulsescale autoscaler` process: `--models` models
-   have ScaledObjects and warm slots and get steady background samples; then one model at a time gets a pulse,
-   and we time *sample published -> first claim written* by watching `pulse_slots`. A stand-in agent in this
-   process answers `activate` at once (writing `activating` and `ready` as a holder's agent does), so the figure
-   is the autoscaler's own and not an engine's.
+2. End to end, against an embedded nats-server and `--replicas` real `pulsescale autoscaler` processes
+   (identities ``bench-r<i>``, each its own metrics port, stderr captured): `--models` models have ScaledObjects
+   and 4 warm slots each (seeded concurrently, `SEED_BATCH` models at a time) and get steady background samples
+   (10/s per model); then `--pulses` models spread over all of them (so every replica's share is exercised) get a
+   pulse one at a time, and we time *sample published -> first claim written* by watching `pulse_slots`. A
+   stand-in agent in this process answers `activate` at once (writing `activating` and `ready` as a holder's
+   agent does), so the figure is the autoscaler's own and not an engine's.
    Next to it, the floor measured in the same run and conditions (the background samples flowing): bare nats-py
    doing the path's irreducible work, *sample published -> a subscriber on its own connection does one
-   kv.update(key, value, last=rev) -> a KV watcher sees it*, one pulse per model like the timed ones; and the
-   ratio of the two.
-3. Ingest throughput through NATS: samples published as fast as one publisher can, counted by the
-   autoscaler's `pulsescale_samples_total` metric.
+   kv.update(key, value, last=rev) -> a KV watcher sees it*, one pulse per pulsed model; and the ratio.
+3. Ownership, read from KV `pulse_leases`: a model's owner is the live holder of its shard's lease (``shard.<n>``,
+   protocol revision 6) or, while no shard lease exists, of the one leader lease. Checked before, during and
+   after the pulses and after a takeover; "every model has exactly one owner" means every check found each
+   model's lease fresh and held by a replica still running.
+4. With `--replicas` >= 2 and `--kill` (the default then): SIGKILL the replica owning the most models, pulse up to
+   `TAKEOVER_SAMPLE` of its models with rising demand every 100 ms until each is claimed again, and print the
+   takeover time (kill -> first claim) next to the bar ``lease_s + 1 s`` (lease_s read from the leases).
+   Throughout, the slot watch counts double claims (see `_SlotWatch`).
+5. Ingest throughput through NATS: samples published as fast as one publisher can, counted by each autoscaler's
+   `pulsescale_samples_total` metric. Then leases lost (``pulsescale_lease_lost_total`` where exported, else the
+   "no longer the leader" lines in stderr), CPU seconds per replica (/proc/<pid>/stat), and the run's length,
+   which every phase bounds.
 Figures are printed, not asserted: these machines are shared and noisy.
 """
 
@@ -28,7 +39,7 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import msgspec
 import numpy as np
@@ -237,7 +248,7 @@ class _Replica:
     identity: str
     port: int
     proc: subprocess.Popen[bytes]
-    stderr: Any  # the file its stderr goes to
+    stderr: IO[str]  # the file its stderr goes to
     cpu_s: float = 0.0
     lost_metric: float | None = None  # the last scrape of LOST_METRIC; None while it exports none
     killed: bool = False
@@ -250,6 +261,11 @@ class _Replica:
             self.cpu_s = cpu
         with contextlib.suppress(OSError):
             self.lost_metric = _metric(self.port, LOST_METRIC)
+
+    def warnings(self) -> int:
+        self.stderr.flush()
+        with open(self.stderr.name, errors="replace") as f:
+            return sum(" WARNING " in line or " ERROR " in line or " CRITICAL " in line for line in f)
 
     def lost(self) -> int:
         if self.lost_metric is not None:
@@ -382,109 +398,101 @@ TAKEOVER_SAMPLE = 100
 """Models of the killed replica pulsed (a sample, so the phase stays short at 1,000s of models)."""
 
 
-async def _end_to_end(args: argparse.Namespace) -> None:
-    t_start = time.perf_counter()
-    server = NatsServer().start()
-    replicas: list[_Replica] = []
-    tasks: list[asyncio.Task[None]] = []
-    try:
-        nc = await connect.connect(connect.NatsOptions(servers=(server.url,), name="bench-decide"))
-        store = await KvSlotStore.open(nc)
-        await store.start()
-        buckets = await ensure_buckets(nc.jetstream())
-        scalers = buckets[protocol.SCALERS_BUCKET]
-        models = [f"m{i}" for i in range(args.models)]
-        shard_of_model = {m: protocol.shard_of(m) for m in models}
+class _Run:
+    """One end-to-end run: the broker, the seeded pool, the replicas and what is watched; one method per phase."""
 
-        async def seed(i: int, m: str) -> None:
-            await seed_pool(store, m, nodes=2, slots_per_node=2, node_prefix=f"n{i}")
+    def __init__(self, args: argparse.Namespace, server: NatsServer, nc: Any, store: KvSlotStore) -> None:
+        self.args = args
+        self.server = server
+        self.nc = nc
+        self.store = store
+        self.models = [f"m{i}" for i in range(args.models)]
+        self.shard_of_model = {m: protocol.shard_of(m) for m in self.models}
+        self.replicas: list[_Replica] = []
+        self.leases = _Leases()
+        self.slots = _SlotWatch()
+        self.quiet: set[str] = set()  # models the background leaves alone (pulsed ones: their last word stands)
+        self.seq = 1  # the gateway's sequence number, shared by the background and the pulses
+        self.checks: list[bool] = []
+
+    def live(self) -> set[str]:
+        return {r.identity for r in self.replicas if not r.killed and r.proc.poll() is None}
+
+    def check_owners(self, when: str) -> dict[str, list[str]]:
+        per, orphans = self.leases.ownership(self.shard_of_model, self.live())
+        self.checks.append(orphans == 0)
+        spread = "  ".join(f"{r.identity} {len(per.get(r.identity, []))}" for r in self.replicas if not r.killed)
+        mode = "shard leases" if self.leases.sharded else f"the {protocol.LEADER_LEASE_KEY!r} leader lease"
+        print(f"ownership {when} (from {mode}): models per replica: {spread};"
+              f" models without a live owner: {orphans}")  # fmt: skip
+        return per
+
+    async def seed(self, scalers: Any) -> None:
+        async def one(i: int, m: str) -> None:
+            await seed_pool(self.store, m, nodes=2, slots_per_node=2, node_prefix=f"n{i}")
             rec = ScalerRecord(namespace="bench", name=m, spec=_spec(m))
             await scalers.put(rec.key, protocol.encode(rec))
 
-        for lo in range(0, len(models), SEED_BATCH):
-            await asyncio.gather(*(seed(i, models[i]) for i in range(lo, min(lo + SEED_BATCH, len(models)))))
-        slots = _SlotWatch()
+        for lo in range(0, len(self.models), SEED_BATCH):
+            await asyncio.gather(*(one(i, self.models[i]) for i in range(lo, min(lo + SEED_BATCH, len(self.models)))))
 
-        async def watch_slots() -> None:
-            async for ev in store.watch():
-                slots.on(ev)
-
-        tasks.append(asyncio.create_task(watch_slots()))
-        leases = _Leases()
-        tasks.append(asyncio.create_task(_follow_leases(buckets[protocol.LEASES_BUCKET], leases)))
-        await _stand_in_agent(nc, store, slots.held)
-        t_seeded = time.perf_counter()
-        print(f"setup: {args.models} models x 4 warm slots seeded in {t_seeded - t_start:.1f} s")
-        rate = await _ingest_in_process(nc, store, args.models, args.samples)
-        print(f"ingest in process (decode + fold + debounced decide, one core): {rate:,.0f} samples/s")
-
+    def start_replicas(self) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        for idx in range(args.replicas):
-            port = free_port()
+        for idx in range(self.args.replicas):
             identity = f"bench-r{idx}"
-            err = tempfile.NamedTemporaryFile("w+", prefix=f"bench-decide-{identity}-", suffix=".log")  # noqa: SIM115
-            proc = subprocess.Popen(  # noqa: ASYNC220 - a few starts in a benchmark harness
-                [sys.executable, "-m", "pulsescale", "autoscaler", "--nats", server.url, "--metrics-port", str(port),
-                 "--identity", identity, "--log-level", "WARNING"],
+            err: IO[str]
+            if self.args.logs:
+                os.makedirs(self.args.logs, exist_ok=True)
+                err = open(os.path.join(self.args.logs, f"{identity}.log"), "w+")  # noqa: SIM115 - closed at the end
+            else:
+                err = tempfile.NamedTemporaryFile("w+", prefix=f"bench-decide-{identity}-", suffix=".log")  # noqa: SIM115
+            port = free_port()
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "pulsescale", "autoscaler", "--nats", self.server.url,
+                 "--metrics-port", str(port), "--identity", identity, "--log-level", "WARNING"],
                 env=env, stderr=err,
             )  # fmt: skip
-            replicas.append(_Replica(identity=identity, port=port, proc=proc, stderr=err))
-        by_identity = {r.identity: r for r in replicas}
+            self.replicas.append(_Replica(identity=identity, port=port, proc=proc, stderr=err))
 
-        def live() -> set[str]:
-            return {r.identity for r in replicas if not r.killed and r.proc.poll() is None}
-
-        checks: list[bool] = []
-
-        def check_owners(when: str) -> dict[str, list[str]]:
-            per, orphans = leases.ownership(shard_of_model, live())
-            ok = orphans == 0
-            checks.append(ok)
-            spread = "  ".join(f"{who} {len(per.get(who, []))}" for who in sorted(by_identity) if who in live())
-            mode = "shard leases" if leases.sharded else f"the {protocol.LEADER_LEASE_KEY!r} leader lease"
-            print(f"ownership {when} (from {mode}): models per replica: {spread};"
-                  f" models without a live owner: {orphans}")  # fmt: skip
-            return per
-
-        # Ready: every model has a live owner, and the spread has not changed for a second (replicas joining
-        # rebalance the shards).
+    async def wait_ready(self) -> None:
+        """Every model has a live owner and the spread has not changed for a second (replicas that join later
+        rebalance the shards); under the leader lease, the leader also says so on its metrics."""
         deadline = time.perf_counter() + READY_TIMEOUT_S
         last, stable_since = None, time.perf_counter()
         while time.perf_counter() < deadline:
-            per, orphans = leases.ownership(shard_of_model, live())
+            per, orphans = self.leases.ownership(self.shard_of_model, self.live())
             spread = sorted((w, len(ms)) for w, ms in per.items())
             if spread != last:
                 last, stable_since = spread, time.perf_counter()
-            leading = leases.sharded or any(_metric_or(r.port, "pulsescale_leader") == 1 for r in replicas)
+            leading = self.leases.sharded or any(_metric_or(r.port, "pulsescale_leader") == 1 for r in self.replicas)
             if orphans == 0 and leading and time.perf_counter() - stable_since >= 1.0:
-                break
-            if any(r.proc.poll() is not None for r in replicas):
-                raise PulsescaleError("an autoscaler exited during start-up")
+                return
+            if any(r.proc.poll() is not None for r in self.replicas):
+                raise PulsescaleError("an autoscaler exited during start-up; run with --logs DIR to keep its stderr")
             await asyncio.sleep(0.1)
-        t_ready = time.perf_counter()
-        print(f"replicas: {args.replicas} autoscaler processes ready in {t_ready - t_seeded:.1f} s")
-        seq = [1]
-        quiet: set[str] = set()  # models the background leaves alone (pulsed ones: their last word stands)
+        print(f"replicas not settled after {READY_TIMEOUT_S:.0f} s; going on")
 
-        async def background(stop: asyncio.Event) -> None:
-            # Every model's gateway speaks every 100 ms (the contract's pace): 10 samples/s x models.
-            while not stop.is_set():
-                t0 = time.perf_counter()
-                for m in models:
-                    if m not in quiet:
-                        await nc.publish(protocol.queue_subject(m), _sample(m, seq[0], 0))
-                seq[0] += 1
-                await asyncio.sleep(max(0.0, 0.1 - (time.perf_counter() - t0)))
+    async def background(self, stop: asyncio.Event) -> None:
+        # Every model's gateway speaks every 100 ms (the contract's pace): 10 samples/s x models.
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            for m in self.models:
+                if m not in self.quiet:
+                    await self.nc.publish(protocol.queue_subject(m), _sample(m, self.seq, 0))
+            self.seq += 1
+            await asyncio.sleep(max(0.0, 0.1 - (time.perf_counter() - t0)))
 
-        stop = asyncio.Event()
-        bg = asyncio.create_task(background(stop))
-        await asyncio.sleep(1.5)  # windows see steady traffic first
-        check_owners("before the pulses")
-        # The pulsed models are spread over all models, so every replica's share is exercised.
+    async def pulse(self, m: str, depth: int) -> None:
+        self.seq += 1
+        await self.nc.publish(protocol.queue_subject(m), _sample(m, self.seq, depth))
+
+    async def timed_pulses(self) -> dict[str, list[str]]:
+        """The pulsed models are spread over all models, so every replica's share is exercised."""
+        args, models = self.args, self.models
         n_pulses = min(args.pulses, len(models))
         pulse_models = [models[i * len(models) // n_pulses] for i in range(n_pulses)]
-        floor_value = protocol.encode(store.records()[0]) if store.records() else b"x" * 200
-        floor = await _floor(nc, server.url, pulse_models, floor_value)
+        records = self.store.records()
+        floor = await _floor(self.nc, self.server.url, pulse_models, protocol.encode(records[0]))
         latencies = []
         pulse_deadline = time.perf_counter() + args.pulse_budget_s
         for k, m in enumerate(pulse_models):
@@ -492,21 +500,20 @@ async def _end_to_end(args: argparse.Namespace) -> None:
                 print(f"pulse budget of {args.pulse_budget_s:.0f} s spent after {k} pulses")
                 break
             if k == n_pulses // 2:
-                check_owners("mid-pulses")
-            quiet.add(m)
-            seq[0] += 1
+                self.check_owners("mid-pulses")
+            self.quiet.add(m)
             t0 = time.perf_counter()
             # Demand 4 (= targetQueueDepth): one replica wanted, so the model's other slots stay free for the
             # takeover pulses.
-            await nc.publish(protocol.queue_subject(m), _sample(m, seq[0], 4))
-            while m not in slots.first_claim and time.perf_counter() - t0 < PULSE_TIMEOUT_S:
+            await self.pulse(m, 4)
+            while m not in self.slots.first_claim and time.perf_counter() - t0 < PULSE_TIMEOUT_S:
                 await asyncio.sleep(0.0005)
-            if m in slots.first_claim:
-                latencies.append(slots.first_claim[m] - t0)
+            if m in self.slots.first_claim:
+                latencies.append(self.slots.first_claim[m] - t0)
             await asyncio.sleep(0.02)
-        for r in replicas:
+        for r in self.replicas:
             r.sample()
-        per = check_owners("after the pulses")
+        per = self.check_owners("after the pulses")
         print(f"decision latency, sample published -> first claim written ({args.models} models active over "
               f"{args.replicas} replica(s), {len(latencies)}/{n_pulses} pulses answered):")  # fmt: skip
         if latencies:
@@ -518,28 +525,65 @@ async def _end_to_end(args: argparse.Namespace) -> None:
         if latencies and floor:
             print(f"ratio to the floor: p50 {np.percentile(latencies, 50) / np.percentile(floor, 50):.2f}x   "
                   f"p99 {np.percentile(latencies, 99) / np.percentile(floor, 99):.2f}x")  # fmt: skip
+        return per
 
-        if args.kill and args.replicas >= 2:
-            await _takeover(args, nc, replicas, per, leases, slots, quiet, seq, check_owners, live)
+    async def takeover(self, per: dict[str, list[str]]) -> None:
+        """SIGKILL the replica owning the most models; pulse a sample of its models with rising demand every
+        100 ms until each is claimed again (by whoever owns it now); the takeover time is kill -> first claim."""
+        victim = max((r for r in self.replicas if r.identity in per), key=lambda r: len(per[r.identity]), default=None)
+        if victim is None:
+            print("takeover: no replica owns a model; nothing to kill")
+            return
+        owned = per[victim.identity]
+        sample = ([m for m in owned if m not in self.quiet] + [m for m in owned if m in self.quiet])[:TAKEOVER_SAMPLE]
+        lease_s = self.leases.lease_s() or 2.0
+        bar = lease_s + 1.0
+        victim.sample()
+        self.quiet.update(sample)
+        self.slots.since = t_kill = time.perf_counter()
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        victim.killed = True
+        print(f"takeover: SIGKILL {victim.identity} (owned {len(owned)} models); pulsing {len(sample)} of them "
+              f"(demand 16) every 100 ms until claimed")  # fmt: skip
+        waiting = set(sample)
+        deadline = t_kill + lease_s + TAKEOVER_GRACE_S
+        while waiting and time.perf_counter() < deadline:
+            waiting -= self.slots.claims_after.keys()
+            for m in waiting:
+                await self.pulse(m, 16)
+            await asyncio.sleep(0.1)
+        took = [self.slots.claims_after[m] - t_kill for m in sample if m in self.slots.claims_after]
+        line = f"takeover time, SIGKILL -> first claim ({len(took)}/{len(sample)} models claimed again)"
+        if took:
+            p50, worst = float(np.percentile(took, 50)), max(took)
+            met = worst <= bar and len(took) == len(sample)
+            print(f"{line}: p50 {p50 * 1e3:.0f} ms   max {worst * 1e3:.0f} ms   bar lease_s + 1 s = {bar * 1e3:.0f} ms"
+                  f" ({'met' if met else 'NOT met'})")  # fmt: skip
+        else:
+            print(f"{line}: bar lease_s + 1 s = {bar * 1e3:.0f} ms (NOT met)")
+        # The survivors take the killed replica's leases as each expires: look once none is left without a live
+        # owner (or the phase's bound has passed, and the check says so).
+        while time.perf_counter() < deadline:
+            if self.leases.ownership(self.shard_of_model, self.live())[1] == 0:
+                break
+            await asyncio.sleep(0.1)
+        self.check_owners("after the takeover")
 
-        stop.set()
-        await bg
-        # Ingest throughput through NATS into the autoscaler processes.
-        alive = [r for r in replicas if not r.killed]
+    async def ingest(self) -> None:
+        """Samples published as fast as one publisher can; counted by each live replica until the counts stop."""
+        alive = [r for r in self.replicas if not r.killed]
         before = [_metric_or(r.port, SAMPLES) for r in alive]
-        n = args.samples
+        n = self.args.samples
         t0 = time.perf_counter()
         for i in range(n):
-            m = models[i % len(models)]
-            await nc.publish(protocol.queue_subject(m), _sample(m, seq[0] + i, 0, gateway="flood"))
-        await nc.flush()
+            m = self.models[i % len(self.models)]
+            await self.nc.publish(protocol.queue_subject(m), _sample(m, self.seq + i, 0, gateway="flood"))
+        await self.nc.flush()
         deadline = time.perf_counter() + 30
         counts = [0.0] * len(alive)
         t_moved = time.perf_counter()
         while time.perf_counter() < deadline:
-            now_counts = [
-                _metric_or(r.port, "pulsescale_samples_total") - b for r, b in zip(alive, before, strict=True)
-            ]
+            now_counts = [_metric_or(r.port, SAMPLES) - b for r, b in zip(alive, before, strict=True)]
             if now_counts != counts:
                 counts, t_moved = now_counts, time.perf_counter()
             elif time.perf_counter() - t_moved > 0.5:
@@ -549,23 +593,83 @@ async def _end_to_end(args: argparse.Namespace) -> None:
         each = "  ".join(f"{r.identity} {c:.0f}" for r, c in zip(alive, counts, strict=True))
         print(f"ingest through NATS into the autoscaler processes: {n} samples published, counted: {each};"
               f" {max(counts):.0f} in {secs:.2f} s = {max(counts) / secs:,.0f} samples/s (the busiest)")  # fmt: skip
-        for r in replicas:
+
+    def report(self, t_start: float) -> None:
+        for r in self.replicas:
             r.sample()
-        print(f"leases lost during the run: {sum(r.lost() for r in replicas)}"
+        print(f"leases lost during the run: {sum(r.lost() for r in self.replicas)}"
               f" (from {LOST_METRIC} where exported, else {LOST_LINE!r} lines in stderr)")  # fmt: skip
         print(
             "CPU seconds per replica (/proc/<pid>/stat utime+stime): "
-            + "  ".join(f"{r.identity} {r.cpu_s:.1f}{' (killed)' if r.killed else ''}" for r in replicas)
+            + "  ".join(f"{r.identity} {r.cpu_s:.1f}{' (killed)' if r.killed else ''}" for r in self.replicas)
         )
         print(
-            f"slot writes watched: {slots.writes}; slots claimed twice without a release between "
-            f"(a held record's claim_id replaced by another while the first was still held): {slots.double_claims}"
+            "stderr lines per replica (WARNING or worse): "
+            + "  ".join(f"{r.identity} {r.warnings()}" for r in self.replicas)
+            + (f" (kept in {self.args.logs})" if self.args.logs else " (--logs DIR keeps them)")
         )
-        print(f"every model has exactly one owner: {'yes' if all(checks) else 'no'} "
-              f"({sum(checks)}/{len(checks)} checks during the run)")  # fmt: skip
-        print(f"run length: {time.perf_counter() - t_start:.1f} s (bounded: setup, start-up <= "
-              f"{READY_TIMEOUT_S:.0f} s, pulses <= {args.pulse_budget_s:.0f} s, takeover <= lease_s + "
-              f"{TAKEOVER_GRACE_S:.0f} s, ingest <= 30 s)")  # fmt: skip
+        print(
+            f"slot writes watched: {self.slots.writes}; slots claimed twice without a release between (a held "
+            f"record's claim_id replaced by another while the first was still held): {self.slots.double_claims}"
+        )
+        print(f"every model has exactly one owner: {'yes' if all(self.checks) else 'no'} "
+              f"({sum(self.checks)}/{len(self.checks)} checks during the run)")  # fmt: skip
+        print(f"run length: {time.perf_counter() - t_start:.1f} s (bounded: start-up <= {READY_TIMEOUT_S:.0f} s,"
+              f" pulses <= {self.args.pulse_budget_s:.0f} s + {PULSE_TIMEOUT_S:.0f} s, takeover <= lease_s + "
+              f"{TAKEOVER_GRACE_S:.0f} s, ingest <= 30 s after publishing)")  # fmt: skip
+
+    def stop_replicas(self) -> None:
+        for r in self.replicas:
+            if r.proc.poll() is None:
+                r.proc.terminate()
+        for r in self.replicas:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                r.proc.wait(10)
+            if r.proc.poll() is None:
+                r.proc.kill()
+                r.proc.wait()
+            r.stderr.close()
+
+
+async def _end_to_end(args: argparse.Namespace) -> None:
+    t_start = time.perf_counter()
+    server = NatsServer().start()
+    tasks: list[asyncio.Task[None]] = []
+    run: _Run | None = None
+    try:
+        nc = await connect.connect(connect.NatsOptions(servers=(server.url,), name="bench-decide"))
+        store = await KvSlotStore.open(nc)
+        await store.start()
+        buckets = await ensure_buckets(nc.jetstream())
+        run = _Run(args, server, nc, store)
+        await run.seed(buckets[protocol.SCALERS_BUCKET])
+        slots = run.slots
+
+        async def watch_slots() -> None:
+            async for ev in store.watch():
+                slots.on(ev)
+
+        tasks.append(asyncio.create_task(watch_slots()))
+        tasks.append(asyncio.create_task(_follow_leases(buckets[protocol.LEASES_BUCKET], run.leases)))
+        await _stand_in_agent(nc, store, slots.held)
+        t_seeded = time.perf_counter()
+        print(f"setup: {args.models} models x 4 warm slots seeded in {t_seeded - t_start:.1f} s")
+        rate = await _ingest_in_process(nc, store, args.models, args.samples)
+        print(f"ingest in process (decode + fold + debounced decide, one core): {rate:,.0f} samples/s")
+        run.start_replicas()
+        await run.wait_ready()
+        print(f"replicas: {args.replicas} autoscaler processes ready in {time.perf_counter() - t_seeded:.1f} s")
+        stop = asyncio.Event()
+        bg = asyncio.create_task(run.background(stop))
+        await asyncio.sleep(1.5)  # windows see steady traffic first
+        run.check_owners("before the pulses")
+        per = await run.timed_pulses()
+        if args.kill and args.replicas >= 2:
+            await run.takeover(per)
+        stop.set()
+        await bg
+        await run.ingest()
+        run.report(t_start)
         for t in tasks:
             t.cancel()
         await store.close()
@@ -573,61 +677,9 @@ async def _end_to_end(args: argparse.Namespace) -> None:
     finally:
         for t in tasks:
             t.cancel()
-        for r in replicas:
-            if r.proc.poll() is None:
-                r.proc.terminate()
-        for r in replicas:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                r.proc.wait(10)
-            if r.proc.poll() is None:
-                r.proc.kill()
-                r.proc.wait()
-            r.stderr.close()
+        if run is not None:
+            run.stop_replicas()
         server.stop()
-
-
-async def _takeover(  # type: ignore[no-untyped-def]
-    args, nc, replicas, per, leases, slots, quiet, seq, check_owners, live
-) -> None:
-    """SIGKILL the replica owning the most models; pulse a sample of its models with rising demand every 100 ms
-    until each is claimed again (by whoever owns it now); the takeover time is kill -> first claim."""
-    victim = max((r for r in replicas if r.identity in per), key=lambda r: len(per[r.identity]), default=None)
-    if victim is None:
-        print("takeover: no replica owns a model; nothing to kill")
-        return
-    owned = per[victim.identity]
-    sample = [m for m in owned if m not in quiet] + [m for m in owned if m in quiet]
-    sample = sample[:TAKEOVER_SAMPLE]
-    lease_s = leases.lease_s() or 2.0
-    bar = lease_s + 1.0
-    victim.sample()
-    quiet.update(sample)
-    slots.since = time.perf_counter()
-    os.kill(victim.proc.pid, signal.SIGKILL)
-    victim.killed = True
-    t_kill = slots.since
-    print(f"takeover: SIGKILL {victim.identity} (owned {len(owned)} models); pulsing {len(sample)} of them "
-          f"(demand 16) every 100 ms until claimed")  # fmt: skip
-    waiting = set(sample)
-    deadline = t_kill + lease_s + TAKEOVER_GRACE_S
-    while waiting and time.perf_counter() < deadline:
-        seq[0] += 1
-        for m in list(waiting):
-            if m in slots.claims_after:
-                waiting.discard(m)
-            else:
-                await nc.publish(protocol.queue_subject(m), _sample(m, seq[0], 16))
-        await asyncio.sleep(0.1)
-    took = [slots.claims_after[m] - t_kill for m in sample if m in slots.claims_after]
-    line = f"takeover time, SIGKILL -> first claim ({len(took)}/{len(sample)} models claimed again)"
-    if took:
-        p50, worst = np.percentile(took, 50), max(took)
-        print(f"{line}: p50 {p50 * 1e3:.0f} ms   max {worst * 1e3:.0f} ms   bar lease_s + 1 s = {bar * 1e3:.0f} ms"
-              f" ({'met' if worst <= bar and not waiting else 'NOT met'})")  # fmt: skip
-    else:
-        print(f"{line}: bar lease_s + 1 s = {bar * 1e3:.0f} ms (NOT met)")
-    await asyncio.sleep(0.5)  # let the survivors' leases settle before looking
-    check_owners("after the takeover")
 
 
 def decide(argv: list[str], prog: str) -> int:
@@ -643,6 +695,7 @@ def decide(argv: list[str], prog: str) -> int:
         help="with --replicas >= 2, SIGKILL the replica owning the most models mid-run and time the takeover "
         "[on with --replicas >= 2]",
     )
+    p.add_argument("--logs", metavar="DIR", help="keep each replica's stderr in DIR/<identity>.log")
     p.add_argument(
         "--pulse-budget-s", type=float, default=300.0, help="the timed pulses stop after this many seconds [300]"
     )
