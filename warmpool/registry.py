@@ -635,6 +635,12 @@ class KvSlotStore:
         self._offered: dict[str, frozenset[str]] = {}  # node -> slot names its lease lists
         self._pools: dict[str, placement.Pool] = {}  # model -> its warm slots filed for `placement.Pool.pick`
         self._parked_in: dict[str, set[str]] = {}  # node -> models whose pool parked it (refiled on a lease change)
+        self._reserved: dict[str, SlotRecord] = {}
+        """Slots whose claim by this store is in flight (key -> the record the claim was built on): out of their
+        pool and counted as load on their node until the broker answers, so a concurrent local claimer neither
+        tries the same slot (a certain lost race: two round trips) nor piles onto the same node."""
+        self.claim_conflicts = 0
+        """Claim compare-and-sets lost to another writer (each one a wasted round trip plus a re-read)."""
         self.slots._on_change = self._index
         self.agents._on_change = self._index_lease
         self._tasks: list[asyncio.Task[None]] = []
@@ -664,7 +670,8 @@ class KvSlotStore:
                 keys = self._warm.setdefault(m, {}).setdefault(t, {}).setdefault(rec.node, set())
                 if delta > 0:
                     keys.add(key)
-                    self._pool(m).add_warm(key, t, rec.node, rec.rack)
+                    if key not in self._reserved:  # filed again when its claim is answered (`_unreserve`)
+                        self._pool(m).add_warm(key, t, rec.node, rec.rack)
                 else:
                     keys.discard(key)
                     self._pool(m).remove_warm(key, t, rec.node)
@@ -680,6 +687,24 @@ class KvSlotStore:
 
             pool = self._pools[model] = placement.Pool(on_park=parked)
         return pool
+
+    def _reserve(self, key: str, rec: SlotRecord) -> None:
+        """A claim of `key` (warm in the view as `rec`) is about to be sent: take it out of its pool and count it
+        as load on its node, as a claim that already landed would be."""
+        pool = self._pool(rec.model)
+        pool.remove_warm(key, placement.tier(rec), rec.node)
+        pool.held(rec.node, rec.rack, 1)
+        self._reserved[key] = rec
+
+    def _unreserve(self, key: str) -> None:
+        """The claim of `key` is answered (either way): undo `_reserve`, then file the slot as the view has it now
+        (still warm when the claim was lost to a write we have not seen; the caller applies a won claim at once)."""
+        rec = self._reserved.pop(key)
+        pool = self._pool(rec.model)
+        pool.held(rec.node, rec.rack, -1)
+        cur = self.slots.value(key)
+        if cur is not None and cur.state == "warm" and not cur.drain:
+            pool.add_warm(key, placement.tier(cur), cur.node, cur.rack)
 
     def _index_lease(self, node: str, _old: AgentLease | None, new: AgentLease | None) -> None:
         if new is None:
@@ -851,13 +876,18 @@ class KvSlotStore:
             # index and the record disagree, which must never turn into a double hold.
             log.error("index offered %s in state %s; refusing to claim it", key, rec.state)
             raise ClaimConflict(f"slot {key} is {rec.state}, not warm")
+        if key in self._reserved:
+            # Our own claim of this slot is in flight: one of the two would lose the compare-and-set.
+            raise ClaimConflict(f"slot {key} is being claimed by this process already")
         claim_id = secrets.token_hex(8)
         new = msgspec.structs.replace(
             rec, state="claimed", claim_id=claim_id, token=None, endpoint=None, reason=None, updated_at=now
         )
+        self._reserve(key, rec)
         try:
             rev = await self._slots_kv.update(key, protocol.encode(new), last=last)
         except nats.js.errors.KeyWrongLastSequenceError:
+            self.claim_conflicts += 1
             await self._refresh(key)
             raise ClaimConflict(f"slot {key} changed under us") from None
         except (nats.errors.TimeoutError, nats.errors.ConnectionClosedError, nats.errors.NoRespondersError):
@@ -866,6 +896,9 @@ class KvSlotStore:
             if resolved is None:
                 raise ClaimConflict(f"claim of {key} did not go through (broker unavailable mid-write)") from None
             rev = resolved
+        finally:
+            self._unreserve(key)
+        # No await since `_unreserve`: no other claimer can see the slot filed as warm again before this.
         self.slots.apply_local(key, new, rev)
         return Claim(key=key, token=rev, claim_id=claim_id, revision=rev, record=new)
 

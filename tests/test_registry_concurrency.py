@@ -1,0 +1,54 @@
+"""Concurrent claimers sharing one registry client: a slot whose claim is in flight is reserved locally, so a
+second claimer of the same process neither tries it (a lost compare-and-set costs two round trips) nor piles
+onto its node (an in-flight claim counts as load, as it would if the claims ran one after the other)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+from nats.aio.client import Client
+
+from warmpool.errors import ClaimConflict, NoSlotAvailable
+from warmpool.registry import Claim, KvSlotStore
+from warmpool.seed import seed_pool
+
+
+async def test_sixteen_local_claimers_get_sixteen_slots_without_a_lost_race(store: KvSlotStore) -> None:
+    keys = await seed_pool(store, "m", nodes=8, slots_per_node=2, racks=2)
+    for _ in range(5):  # several rounds: the draw is random, a collision is not certain in any one round
+        claims = await asyncio.gather(*(store.claim("m") for _ in range(16)))
+        assert sorted(c.key for c in claims) == sorted(keys)
+        await asyncio.gather(*(store.release(c) for c in claims))
+    assert store.claim_conflicts == 0
+    assert not store._reserved  # every reservation was given back
+
+
+async def test_in_flight_claims_count_as_load(store: KvSlotStore) -> None:
+    """16 concurrent claims on 16 nodes x 4 equal slots land on 16 different nodes, as 16 claims in a row do."""
+    await seed_pool(store, "m", nodes=16, slots_per_node=4, racks=4)
+    for _ in range(3):
+        claims = await asyncio.gather(*(store.claim("m") for _ in range(16)))
+        assert Counter(c.node for c in claims).most_common(1)[0][1] == 1
+        assert Counter(c.record.rack for c in claims) == {f"rack-{r}": 4 for r in range(4)}
+        await asyncio.gather(*(store.release(c) for c in claims))
+    assert store.claim_conflicts == 0
+
+
+async def test_a_reserved_slot_taken_by_another_process_is_not_offered_again(nc: Client, store: KvSlotStore) -> None:
+    """Races with other processes still go through the compare-and-set: the loser is counted and moves on, and a
+    slot whose reservation ends after someone else took it stays out of the pool."""
+    await seed_pool(store, "m", nodes=1, slots_per_node=2)
+    async with await KvSlotStore.open(nc) as peer:
+        await peer.claim_slot("m.node-0.s0")  # our view may not have this yet: our claim can lose the race
+        outcomes: list[Claim | ClaimConflict | NoSlotAvailable] = []
+        for _ in range(2):
+            try:
+                outcomes.append(await store.claim("m"))
+            except (ClaimConflict, NoSlotAvailable) as err:
+                outcomes.append(err)
+        got = [o.key for o in outcomes if isinstance(o, Claim)]
+        assert got == ["m.node-0.s1"]
+        assert not store._reserved
+        pool = store._pools["m"]
+        assert pool.pick(usable=lambda node, keys: list(keys), skip=(), rng=store.rng) is None
