@@ -216,6 +216,8 @@ class ShardLeases:
 
     async def start(self, timeout_s: float = 10.0) -> bool:
         """Start the bucket's watch (idempotent) and wait up to `timeout_s` for its first snapshot."""
+        if self._view.ready.is_set():
+            return True
         if self._view_task is None:
             self._view_task = asyncio.create_task(self._view.run(), name=f"shard-leases-watch-{self.identity}")
         ready = asyncio.ensure_future(self._view.ready.wait())
@@ -359,7 +361,10 @@ class ShardLeases:
         except _NATS_ERRORS as err:
             log.debug("%s: shard %d not taken: %s", self.identity, shard, err)
             return
-        if rev is None or self._halted:
+        if rev is None:
+            return
+        if self._halted:  # `resign` ran while the take was in flight: hand it straight back
+            await self._delete(shard, rev)
             return
         self._held[shard] = _Term(rev, sent + self.settings.lease_s * self.settings.stop_fraction)
         self._view.apply_local(key, lease, rev)

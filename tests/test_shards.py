@@ -14,6 +14,7 @@ import random
 import string
 from collections.abc import AsyncIterator
 
+import nats.js.errors
 import pytest
 from nats.aio.client import Client
 from nats.js.kv import KeyValue
@@ -156,6 +157,9 @@ async def test_three_replicas_split_the_shards_then_a_fourth_joins_and_one_resig
     assert all(after[s] in (before[s], "d") for s in ALL), "a shard moved between replicas that stayed"
     await rs[1].resign()
     fleet.owners()
+    assert rs[1].held() == frozenset()
+    with pytest.raises(nats.js.errors.KeyNotFoundError):
+        await fleet.kv.get(protocol.replica_key("b"))
     rs.pop(1)
     await fleet.converge(rs)
     assert all(fleet.owners()[s] == after[s] for s in ALL if after[s] != "b")
@@ -235,6 +239,21 @@ async def test_unreadable_leases_and_records_are_counted_and_taken_as_expired(fl
     assert a.held() == ALL, "an unreadable record made a member"
 
 
+async def test_the_holder_of_shard_0_forgets_replicas_lapsed_for_ten_leases(fleet: Fleet) -> None:
+    def record(name: str, lapsed_leases: float) -> bytes:
+        at = fleet.wall() - SET.lease_s * (1 + lapsed_leases)
+        return protocol.encode(ReplicaRecord(identity=name, renewed_at=at, lease_s=SET.lease_s, started_at=at))
+
+    await fleet.kv.put(protocol.replica_key("long-gone"), record("long-gone", 10.5))
+    await fleet.kv.put(protocol.replica_key("just-gone"), record("just-gone", 2))
+    a = fleet.replica("a")
+    await fleet.converge([a])
+    assert a.held() == ALL, "lapsed records made members"
+    with pytest.raises(nats.js.errors.KeyNotFoundError):
+        await fleet.kv.get(protocol.replica_key("long-gone"))
+    assert (await fleet.kv.get(protocol.replica_key("just-gone"))).value
+
+
 # --- rolling upgrade from revision 5 replicas ----------------------------------------------------------------------
 
 
@@ -258,6 +277,26 @@ async def test_no_shard_is_taken_while_an_older_replica_leads(fleet: Fleet, capl
     await old.resign()
     await fleet.converge([a])
     assert a.held() == ALL
+
+
+async def test_every_shard_is_given_up_when_an_older_replica_takes_the_leader_lease(fleet: Fleet) -> None:
+    lost: list[int] = []
+    a = fleet.replica("a", on_lost=lost.append)
+    await fleet.converge([a])
+    old = LeaderLease(holder="old", renewed_at=fleet.wall() + 0.1, lease_s=SET.lease_s)  # won a lapse, say
+    await fleet.kv.put(protocol.LEADER_LEASE_KEY, protocol.encode(old))
+    for _ in range(20):  # until the watch brings the lease; the old one keeps it live meanwhile
+        await fleet.round([a])
+        if not a.held():
+            break
+        await fleet.kv.put(
+            protocol.LEADER_LEASE_KEY,
+            protocol.encode(LeaderLease(holder="old", renewed_at=fleet.wall(), lease_s=SET.lease_s)),
+        )
+    assert sorted(lost) == sorted(ALL)
+    for s in ALL:
+        with pytest.raises(nats.js.errors.KeyNotFoundError):
+            await fleet.kv.get(protocol.shard_key(s))
 
 
 async def test_the_holder_of_shard_0_holds_the_leader_lease_so_an_older_replica_stays_standby(fleet: Fleet) -> None:
