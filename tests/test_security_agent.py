@@ -107,6 +107,14 @@ async def test_no_refusal_tells_the_asker_the_holders_claim_id(
 
 # --- 2. the local engine: bounded connections, timeouts, quiet drops -------------------------------------------
 
+COMPLETION_BEHIND_CROWD_S = 3.0
+"""How long a completion may take with three times the connection limit of idle clients connected."""
+ENGINE_READ_TIMEOUT_S = 4.0
+"""The test engine's silent-client timeout: longer than `COMPLETION_BEHIND_CROWD_S`, so a completion that only got
+in once silent clients timed out still fails the bound (the engine must make room by closing idle ones), and
+shorter than the engine's 10 s default (local.READ_TIMEOUT_S), which the wait for a silent client's close would
+otherwise spend."""
+
 ENGINE = """
 import sys
 import numpy as np
@@ -114,7 +122,7 @@ from nodeagent.engine import local
 cfg = local.read_config(sys.argv[1])
 rng = np.random.default_rng(0)
 tensors = {n: rng.standard_normal(s, dtype=np.float32) for n, s in local.expected_shapes(cfg).items()}
-server = local.EngineServer(local.TinyMoE(cfg, tensors), "tiny", "127.0.0.1", 0)
+server = local.EngineServer(local.TinyMoE(cfg, tensors), "tiny", "127.0.0.1", 0, read_timeout_s=float(sys.argv[2]))
 print(server.port, flush=True)
 server.serve_forever()
 """
@@ -127,7 +135,10 @@ def engine_process(tiny_source: Path, tmp_path: Path) -> Iterator[tuple[subproce
     log = tmp_path / "engine.stderr"
     with open(log, "w") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-c", ENGINE, str(tiny_source)], stdout=subprocess.PIPE, stderr=err, text=True
+            [sys.executable, "-c", ENGINE, str(tiny_source), str(ENGINE_READ_TIMEOUT_S)],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
         )
     try:
         assert proc.stdout is not None
@@ -183,7 +194,7 @@ async def test_the_engine_bounds_connections_times_out_silent_ones_and_logs_no_t
         out = await completion(f"http://127.0.0.1:{port}", max_tokens=4)
         took_s = time.perf_counter() - t0
         assert out["choices"], out
-        assert took_s < 3.0, f"a completion waited {took_s:.1f} s behind idle clients"
+        assert took_s < COMPLETION_BEHIND_CROWD_S, f"a completion waited {took_s:.1f} s behind idle clients"
         # Threads: the accept loop, one per admitted connection; not one per connection ever opened.
         assert threads_of(proc.pid) <= limit + 4
     finally:
@@ -193,7 +204,7 @@ async def test_the_engine_bounds_connections_times_out_silent_ones_and_logs_no_t
     # A client that sends part of a request and then nothing is closed by the engine, not held forever.
     silent = connect(port, b"GET /health HTTP/1.1\r\n")
     try:
-        timeout_s = getattr(local, "READ_TIMEOUT_S", 10.0)
+        timeout_s = ENGINE_READ_TIMEOUT_S
         closed = await asyncio.to_thread(closed_by_peer, silent, timeout_s + 5)
         assert closed, f"a silent client was still connected after {timeout_s + 5:.0f} s"
     finally:
