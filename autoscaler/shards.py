@@ -82,6 +82,12 @@ class ShardSettings:
     """A replica stops acting for a shard this far into its lease without a heard renewal, before anyone else
     may take it (clocks may disagree by up to ``lease_s * (1 - stop_fraction)``: 0.4 s by default)."""
 
+    def __post_init__(self) -> None:
+        if not 0 < self.renew_every_s < self.lease_s:
+            raise ValueError(f"renew_every_s ({self.renew_every_s}) must be in (0, lease_s = {self.lease_s})")
+        if not 0 < self.stop_fraction < 1:
+            raise ValueError(f"stop_fraction ({self.stop_fraction}) must be in (0, 1): see autoscaler.leader")
+
 
 def _weight(member: str, shard: int) -> bytes:
     return hashlib.blake2b(f"{member}\x00{shard}".encode(), digest_size=8).digest()

@@ -70,6 +70,12 @@ def test_three_members_share_32_shards_within_the_spread_of_rendezvous_hashing()
     assert sum(spreads) / len(spreads) <= 6
 
 
+def test_settings_that_would_break_the_fence_are_refused() -> None:
+    for bad in ({"renew_every_s": 2.0}, {"stop_fraction": 1.0}, {"lease_s": 0.0}):
+        with pytest.raises(ValueError, match="must be in"):
+            ShardSettings(**bad)  # type: ignore[arg-type]
+
+
 # --- replicas on a real server ---------------------------------------------------------------------------------
 
 
