@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -192,6 +193,42 @@ async def test_the_chain_runs_under_role_permissions_without_a_violation(
             shutil.rmtree(d, ignore_errors=True)
 
 
+async def test_the_hand_over_between_replicas_runs_under_the_autoscalers_user(secure: Secure) -> None:
+    """Two replicas as the autoscaler's user, on-call as its own: commands for either model from either front,
+    and a status merged over both, without a permission violation (revision 6, ``pulse.autoscaler.>``)."""
+    from autoscaler.commands import CommandService
+    from tests.test_commands import ControlPlaneDouble, make_spec, request
+    from tests.test_commands_routing import FixedRouter
+    from warmpool.registry import KvSlotStore
+
+    since = len(secure.server.log_path.read_text())
+    owners: dict[str, str | None] = {"qwen": "b", "llama": "a"}
+    async with contextlib.AsyncExitStack() as stack:
+        conns = {i: await connect.connect(secure.options("autoscaler")) for i in ("a", "b")}
+        for conn in conns.values():
+            stack.push_async_callback(conn.close)
+        store = await KvSlotStore.open(conns["a"])
+        services = []
+        for ident, conn in conns.items():
+            control = ControlPlaneDouble({m: make_spec(m, 0, 8) for m in owners})
+            svc = CommandService(conn, control, store, router=FixedRouter(ident, dict(owners), ["a", "b"]))
+            await svc.start()
+            stack.push_async_callback(svc.stop)
+            services.append(svc)
+        oncall = await connect.connect(secure.options("oncall"))
+        stack.push_async_callback(oncall.close)
+        for i in range(12):
+            body = request("scale", model=("qwen", "llama")[i % 2], replicas=1, for_s=60)
+            msg = await oncall.request(protocol.cmd_subject("scale"), json.dumps(body).encode(), timeout=3)
+            assert json.loads(msg.data)["ok"], msg.data
+        msg = await oncall.request(protocol.cmd_subject("status"), json.dumps(request("status")).encode(), timeout=3)
+        reply = json.loads(msg.data)
+        assert reply["ok"] and reply.get("error") is None, reply
+        assert {(r["model"], r["owner"]) for r in reply["models"]} == {("qwen", "b"), ("llama", "a")}
+        assert sum(s.outcomes["handed_over"] for s in services) > 0
+    assert secure.violations(since) == []
+
+
 # --- what each role must not do ---------------------------------------------------------------------------------
 
 
@@ -232,6 +269,10 @@ def subscribe(subject: str) -> Callable[[Client], Awaitable[object]]:
         ("operator", kv_put(protocol.SLOTS_BUCKET, f"{MODEL}.n1.0"), "publish", f"$KV.pulse_slots.{MODEL}.n1.0"),
         ("autoscaler", kv_put(protocol.SCALERS_BUCKET, "test.tiny"), "publish", "$KV.pulse_scalers.test.tiny"),
         ("autoscaler", kv_put(protocol.AGENTS_BUCKET, "n1"), "publish", "$KV.pulse_agents.n1"),
+        # Revision 6: only autoscaler replicas hand each other commands; on-call goes through pulse.cmd.>.
+        ("oncall", publish("pulse.autoscaler.a.cmd.scale"), "publish", "pulse.autoscaler.a.cmd.scale"),
+        ("operator", publish("pulse.autoscaler.a.cmd.status"), "publish", "pulse.autoscaler.a.cmd.status"),
+        ("gateway", subscribe("pulse.autoscaler.>"), "subscribe", "pulse.autoscaler.>"),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )
