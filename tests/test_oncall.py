@@ -491,3 +491,32 @@ async def test_status_cli_over_two_replicas(cli, nats_server: NatsServer, store:
             await svc.stop()
         for conn in conns:
             await conn.close()
+
+
+async def test_status_cli_warns_of_a_silent_replica_and_shows_the_rest(  # type: ignore[no-untyped-def]
+    cli, nc: Client, nats_server: NatsServer, store: KvSlotStore
+) -> None:
+    from autoscaler.commands import CommandSettings
+    from tests.test_commands_routing import FixedRouter
+
+    hung = await nc.subscribe(protocol.replica_subject("d", "*"))  # replica d takes requests and answers none
+    await nc.flush()
+    conn = await nats_connect.connect(nats_connect.NatsOptions(servers=(nats_server.url,), name="a"))
+    control = ControlPlaneDouble({"qwen": make_spec("qwen", 1, 8), "llama": make_spec("llama", 0, 4)})
+    router = FixedRouter("a", {"qwen": "a", "llama": "d"}, ["a", "d"])
+    svc = CommandService(conn, control, store, router=router, settings=CommandSettings(peer_status_timeout_s=0.3))
+    try:
+        await svc.start()
+        code, out, err = await cli("status")
+        assert code == 0
+        assert err == (
+            "pulsescale status: warning: autoscaler replica(s) d did not answer within 0.3 s: their models "
+            "are missing from this status; retry\n"
+        )
+        assert [line.split()[:2] for line in out.splitlines()[1:2]] == [["qwen", "a"]]
+        code, out, err = await cli("status", "-o", "json")
+        assert code == 0 and "warning" in err and [m["model"] for m in json.loads(out)["models"]] == ["qwen"]
+    finally:
+        await svc.stop()
+        await conn.close()
+        await hung.unsubscribe()
