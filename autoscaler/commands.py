@@ -91,7 +91,6 @@ from warmpool.protocol import (
     PoolReply,
     PoolSlot,
     ReplicaRecord,
-    ReplyError,
     ResumeCommand,
     ScaleCommand,
     ScaledObjectSpec,
@@ -545,15 +544,7 @@ class CommandService:
                     else:
                         rows += [r if r.owner else msgspec.structs.replace(r, owner=peer) for r in peer_rows]
                 rows.sort(key=lambda r: r.model)
-        error = None
-        if silent:
-            bound = self.settings.peer_status_timeout_s
-            error = ReplyError(
-                "deadline",
-                f"autoscaler replica(s) {', '.join(silent)} did not answer within {bound:g} s: their models are "
-                "missing from this status; retry",
-            )
-        reply = StatusReply(models=rows, replicas=replicas, error=error)
+        reply = StatusReply(models=rows, replicas=replicas, missing=silent)
         audit: dict[str, Any] = {"ok": True, "models": len(rows)}
         if silent:
             audit["silent"] = silent

@@ -420,20 +420,22 @@ def status(argv: list[str], prog: str) -> int:
         return StatusCommand(**envelope, model=args.model)
 
     def warn(reply: StatusReply) -> None:
-        # An ok reply with an error: a replica did not answer, its models are missing (stderr: stdout stays data).
-        if reply.error is not None:
-            print(f"{prog}: warning: {reply.error.message}", file=sys.stderr)
+        # Replicas that did not answer: their models are missing (stderr: stdout stays data).
+        if reply.missing:
+            print(
+                f"{prog}: warning: autoscaler replica(s) {', '.join(reply.missing)} did not answer in time: "
+                "their models are missing; retry",
+                file=sys.stderr,
+            )
 
     def show(reply: StatusReply) -> None:
         warn(reply)
         print(format_status(reply.models, time.time(), replicas=reply.replicas, wide=args.output == "wide"))
 
     def machine_view(reply: StatusReply) -> Any:
-        # -o json|yaml, times as Unix seconds like the wire. One replica (or an autoscaler before revision 6):
-        # the rows, a list, as `--json` always printed; several: {models, replicas}, the replicas being the news.
+        # -o json|yaml, times as Unix seconds like the wire: the rows, a list, whatever the number of replicas
+        # (each row names its owner and shard), so a script's input keeps its shape when the autoscaler scales out.
         warn(reply)
-        if len(reply.replicas) > 1:
-            return {"models": reply.models, "replicas": reply.replicas}
         return reply.models
 
     return _run(prog, args, "status", build, StatusReply, show, machine_view)

@@ -201,7 +201,7 @@ async def test_status_names_a_silent_replica_within_the_bound(nc: Client, fleet_
         [reply] = await ask(nc, "status", request("status"))
         took = time.monotonic() - t0
         assert reply["ok"]
-        assert "replica(s) d did not answer within 0.3 s" in reply["error"]["message"]
+        assert reply["missing"] == ["d"] and reply["error"] is None
         assert sorted(r["model"] for r in reply["models"]) == ["mistral", "qwen"]  # d's llama is missing
         assert took < 3.0  # the bound (0.3 s) plus slack; the CLI gives up at 5 s
     finally:

@@ -37,7 +37,7 @@ Revisions of v1 (each only adds fields or tightens a request only our own autosc
   (`LeaderLease` under ``shard.<n>`` in `pulse_leases`) held by one autoscaler replica at a time, and each replica
   announces itself with a `ReplicaRecord` under ``replica.<identity>``. On-call commands reach any replica, which
   hands a model's command to the replica owning its shard on ``pulse.autoscaler.<identity>.cmd.<verb>``.
-  `StatusRow` adds `owner` and `shard`; `StatusReply` adds `replicas`.
+  `StatusRow` adds `owner` and `shard`; `StatusReply` adds `replicas` and `missing` (replicas that did not answer).
 
 Pure: no I/O, no NATS import; `now` is passed in where time matters.
 """
@@ -981,6 +981,8 @@ class StatusReply(CommandReply, kw_only=True):
     models: list[StatusRow] = []
     replicas: list[ReplicaRecord] = []
     """Revision 6: the live autoscaler replicas and the shards each holds."""
+    missing: list[str] = []
+    """Revision 6: replicas that did not answer the status in time; their models are missing from `models`."""
 
 
 class PoolSlot(msgspec.Struct, kw_only=True):
