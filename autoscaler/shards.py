@@ -215,8 +215,15 @@ class ShardLeases:
     def _lose(self, shard: int, why: str) -> None:
         if self._held.pop(shard, None) is not None:
             log.info("%s: no longer owns shard %d (%s)", self.identity, shard, why)
-            if self.on_lost is not None:
-                self.on_lost(shard)
+            self._call(self.on_lost, shard)
+
+    def _call(self, callback: Callable[[int], None] | None, shard: int) -> None:
+        """A callback's bug is logged, never raised into a round: that would stop the renewals of every shard."""
+        if callback is not None:
+            try:
+                callback(shard)
+            except Exception:
+                log.exception("%s: shard %d callback failed", self.identity, shard)
 
     # --- rounds ------------------------------------------------------------------------------------------------
 
@@ -375,8 +382,7 @@ class ShardLeases:
         self._held[shard] = _Term(rev, sent + self.settings.lease_s * self.settings.stop_fraction)
         self._view.apply_local(key, lease, rev)
         log.info("%s: owns shard %d (lease revision %d)", self.identity, shard, rev)
-        if self.on_acquired is not None:
-            self.on_acquired(shard)
+        self._call(self.on_acquired, shard)
 
     async def _give_up(self, shard: int) -> None:
         term = self._held.get(shard)
