@@ -535,16 +535,21 @@ class BucketView(Generic[V]):
         heard = time.monotonic()  # when the watch last delivered, or a probe found its consumer
         while self._nc.stats["reconnects"] == reconnects and not self.closed:
             try:
-                entry = await watcher.updates(timeout=_RELIST_POLL_S)
-            except nats.errors.TimeoutError:
-                if time.monotonic() - heard >= WATCH_PROBE_S:
-                    heard = time.monotonic()
-                    if await self._consumer_lost(watcher):
-                        log.warning(
-                            "the watch of %s lost its consumer (its server is gone?): re-listing", self._kv._name
-                        )
-                        return
-                continue
+                # Entries already queued are taken without `updates()`, whose `wait_for` costs a task and a timer
+                # per entry (nats-py keeps the queue only here): the echoes of concurrent claims come in bursts.
+                entry = watcher._updates.get_nowait()
+            except asyncio.QueueEmpty:
+                try:
+                    entry = await watcher.updates(timeout=_RELIST_POLL_S)
+                except nats.errors.TimeoutError:
+                    if time.monotonic() - heard >= WATCH_PROBE_S:
+                        heard = time.monotonic()
+                        if await self._consumer_lost(watcher):
+                            log.warning(
+                                "the watch of %s lost its consumer (its server is gone?): re-listing", self._kv._name
+                            )
+                            return
+                    continue
             heard = time.monotonic()
             if isinstance(entry, KeyValue.Entry):
                 rev = entry.revision or 0
@@ -724,7 +729,9 @@ class KvSlotStore:
             return []
         names = self._offered.get(node, frozenset())
         if len(keys) <= len(names):
-            return [k for k in keys if (rec := self.record(k)) is not None and rec.slot in names]
+            # A key is `protocol.slot_key`'s "<model>.<node>.<slot>" (`check_record` holds every record to it).
+            start = len(model) + len(node) + 2
+            return [k for k in keys if k[start:] in names]
         return [key for name in names if (key := f"{model}.{node}.{name}") in keys]
 
     async def start(self, timeout_s: float = 10.0) -> None:
