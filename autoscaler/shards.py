@@ -168,6 +168,7 @@ class ShardLeases:
         self._halted = False
         self._legacy: str | None = None  # the older replica leading through LEADER_LEASE_KEY, while it does
         self._leader: LeaderElection | None = None  # (b): while we hold shard 0
+        self._last_plan: tuple[tuple[str, ...], dict[int, str]] | None = None
         self._view = _LeasesView(self._nc, kv, msgspec.Struct, self.rejections, clock=clock)
         self._view_task: asyncio.Task[None] | None = None
 
@@ -276,7 +277,7 @@ class ShardLeases:
             else:
                 log.info("%s: no older replica leads any more: taking shards", self.identity)
             self._legacy = legacy
-        plan = {} if legacy is not None else assign(self.shards, members)
+        plan = {} if legacy is not None else self._plan(members)
         give_up = [s for s in self._held if plan.get(s) != self.identity]
         take = [s for s, m in plan.items() if m == self.identity and s not in self._held and self._free(s, now)]
         await asyncio.gather(*(self._give_up(s) for s in give_up), *(self._take(s, sent) for s in take))
@@ -297,6 +298,13 @@ class ShardLeases:
             with contextlib.suppress(*_NATS_ERRORS):
                 await self.kv.delete(key, last=rev)
                 self._view.forget(key)
+
+    def _plan(self, members: list[str]) -> dict[int, str]:
+        """`assign` over `members`, recomputed only when they change (most rounds they do not)."""
+        key = tuple(sorted(members))
+        if self._last_plan is None or self._last_plan[0] != key:
+            self._last_plan = (key, assign(self.shards, key))
+        return self._last_plan[1]
 
     def _legacy_holder(self, now: float) -> str | None:
         """The holder of a live leader lease that has no replica record at all, live or lapsed: an older version.
