@@ -10,6 +10,10 @@ Safety rests on timing the two sides differently. A standby may take the lease o
 by its own monotonic clock, where ``sent`` is when it *sent* its last successful renewal (so before the broker
 stamped it). With `stop_fraction` < 1 the old leader has stopped before any standby may start, even when the
 renewal's acknowledgement was slow, as long as clocks disagree by less than ``lease_s * (1 - stop_fraction)``.
+
+The two compare-and-set steps, `take_lease` and `renew_lease`, are shared with the shard leases
+(`autoscaler.shards`), which hold one such lease per shard; the holder of shard 0 also holds this one, so that
+replicas of revision 5 and older, which know only this lease, stay standby.
 """
 
 from __future__ import annotations
