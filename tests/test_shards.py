@@ -362,6 +362,7 @@ async def test_the_holder_of_shard_0_holds_the_leader_lease_so_an_older_replica_
 # --- on real time --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.serial
 async def test_a_frozen_replicas_shards_move_within_lease_plus_one_renewal_on_real_time(nc: Client) -> None:
     """The campaign loop itself: the survivor owns every shard within lease + one renewal of the freeze."""
     kv = (await ensure_buckets(nc.jetstream()))[protocol.LEASES_BUCKET]
