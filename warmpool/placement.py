@@ -11,9 +11,10 @@ Order of preference:
 `rank` states the order over a list of records. `Pool` gives the same first choice in O(1) amortised per claim
 (it runs on every claim): one model's nodes are filed by tier, then by how many slots of the model they hold, then
 by rack, so a pick looks at the few (tier, load) buckets and the racks of the first non-empty one, then draws a
-node there. Leases are checked lazily: a drawn node whose lease no longer offers its slots is parked (taken out of
-the buckets) and filed again when its lease or its warm slots change. `pick` is the same rule as a scan over all
-nodes: the reference `Pool` is tested against.
+node there. A node whose load changed is refiled by the next pick (a claim moves its node's load up to three
+times: reserved while in flight, answered, applied). Leases are checked lazily: a drawn node whose lease no longer
+offers its slots is parked (taken out of the buckets) and filed again when its lease or its warm slots change.
+`pick` is the same rule as a scan over all nodes: the reference `Pool` is tested against.
 """
 
 from __future__ import annotations
@@ -124,9 +125,10 @@ class Pool:
     """One model's warm slots, filed so that `pick` costs O(1) amortised instead of a scan of every node.
 
     Fed by the registry's view changes: `add_warm` / `remove_warm` for warm, undrained slots, `held` for slots
-    entering or leaving `slots.HELD_STATES`, `unpark(node)` when the node's agent lease changes. The filing is
-    tier -> node load -> rack -> nodes; rack loads are read at pick time (a claim changes one rack's load, which
-    would otherwise move every node of that rack)."""
+    entering or leaving `slots.HELD_STATES` (and for the registry's own claims while they are in flight),
+    `unpark(node)` when the node's agent lease changes. The filing is tier -> node load -> rack -> nodes; rack
+    loads are read at pick time (a claim changes one rack's load, which would otherwise move every node of that
+    rack)."""
 
     def __init__(self, on_park: Callable[[str], None] = lambda node: None) -> None:
         self._on_park = on_park
@@ -139,6 +141,7 @@ class Pool:
         self._where: dict[tuple[int, str], tuple[int, str]] = {}  # (tier, node) -> (load, rack) it is filed under
         self._parked: dict[str, set[int]] = {}  # node -> tiers taken out until its lease changes
         self._tiers: dict[str, set[int]] = {}  # node -> tiers it has warm keys in
+        self._moved: set[str] = set()  # nodes whose load changed since the last pick: refiled by the next one
 
     def __bool__(self) -> bool:
         return bool(self._keys) or bool(self._node_load)
@@ -219,7 +222,8 @@ class Pool:
         self._node_load[node] += delta
         if not self._node_load[node]:
             del self._node_load[node]
-        self._refile(node)
+        # Refiled lazily: a claim moves its node's load up to three times (reserved, answered, applied).
+        self._moved.add(node)
 
     def rack_held(self, rack: str, delta: int) -> None:
         self._rack_load[rack] += delta
@@ -238,6 +242,9 @@ class Pool:
         """The key `rank` would put first, or None. `usable(node, keys)` gives the keys among `keys` that may be
         claimed now (none when the node's lease is not fresh); a node given none is parked until `unpark`. Keys
         in `skip` were already tried (lost races): passed over for this pick only."""
+        for node in self._moved:
+            self._refile(node)
+        self._moved.clear()
         for t in sorted(self._filed):
             by_load = self._filed[t]
             for load in sorted(by_load):
