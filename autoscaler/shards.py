@@ -94,13 +94,25 @@ def _weight(member: str, shard: int) -> bytes:
 
 
 def assign(shards: int, members: Iterable[str]) -> dict[int, str]:
-    """Shard -> member by rendezvous hashing: each shard goes to the member with the highest blake2b of
-    (member, shard). Pure and order-independent, so every replica computes the same plan from the same members;
-    a member joining takes only shards it now wins, a member leaving frees only its own. Empty without members."""
-    names = sorted(set(members))
+    """Shard -> member: rendezvous hashing with equal quotas. Every (member, shard) pair has a weight (blake2b);
+    pairs are taken heaviest first, each shard going to the first member that still has room, and every member has
+    room for ``shards // n`` shards (the first ``shards % n`` of them, in an order fixed by their names' hash, one
+    more). So the split is even (the busiest holds at most one shard more than the idlest: plain rendezvous hashing
+    leaves 3 replicas with 16 of 32 shards at worst), and it stays stable: a member joining or leaving moves its own
+    share plus a few shards between the others (7 of 32 at worst over 2,000 random fleets of 1-7, tests/test_shards.py).
+    Pure and order-independent, so every replica computes the same plan from the same members. Empty without
+    members."""
+    names = sorted(set(members), key=lambda m: (_weight(m, -1), m))
     if not names:
         return {}
-    return {s: max(names, key=lambda m, s=s: _weight(m, s)) for s in range(shards)}  # type: ignore[misc]
+    n = len(names)
+    room = {m: shards // n + (1 if i < shards % n else 0) for i, m in enumerate(names)}
+    plan: dict[int, str] = {}
+    for _, shard, member in sorted(((_weight(m, s), s, m) for s in range(shards) for m in names), reverse=True):
+        if shard not in plan and room[member] > 0:
+            plan[shard] = member
+            room[member] -= 1
+    return plan
 
 
 @dataclass

@@ -43,32 +43,31 @@ def test_every_shard_goes_to_exactly_one_member_whatever_the_order() -> None:
     assert assign(protocol.SHARDS, []) == {}
 
 
-def test_a_joining_member_takes_only_shards_moving_to_it_and_a_leaving_one_frees_only_its_own() -> None:
+def test_a_joining_or_leaving_member_moves_its_share_and_few_others() -> None:
+    """Equal quotas cost a few moves between the members that stay (plain rendezvous hashing would cost none but
+    leaves the split to chance): 7 of 32 at worst here (asserted: 8), over 2,000 random fleets of 1-7."""
     rng = random.Random(12)
-    for _ in range(200):
+    for _ in range(2000):
         members = ["".join(rng.choices(string.ascii_lowercase, k=8)) for _ in range(rng.randint(1, 6))]
         before = assign(protocol.SHARDS, members)
         after = assign(protocol.SHARDS, [*members, "newcomer"])
-        assert all(after[s] in (before[s], "newcomer") for s in before)
-        gone = members[0]
-        left = assign(protocol.SHARDS, members[1:])
-        assert all(left[s] == before[s] for s in before if before[s] != gone)
+        assert sum(1 for s in before if after[s] not in (before[s], "newcomer")) <= 8
+        if len(members) > 1:
+            gone = members[0]
+            left = assign(protocol.SHARDS, members[1:])
+            assert sum(1 for s in before if before[s] != gone and left[s] != before[s]) <= 8
 
 
-def test_three_members_share_32_shards_within_the_spread_of_rendezvous_hashing() -> None:
-    """Rendezvous hashing balances only as well as chance does: the counts are multinomial (32, 1/3 each), standard
-    deviation 2.7. Over random identities (the daemon's are host-pid-random) the spread max - min is at most 16 for
-    99% of triples and 5 in the mean; a fixed bound for every name cannot hold for any scheme that also moves only
-    the shards that must move."""
+def test_the_split_is_even_whatever_the_names() -> None:
+    """The busiest member holds at most one shard more than the idlest, for any names and any fleet size up to
+    more members than shards (the extra ones hold none)."""
     rng = random.Random(7)
-    spreads = []
     for _ in range(1000):
-        members = ["".join(rng.choices(string.ascii_lowercase + string.digits, k=10)) for _ in range(3)]
+        n = rng.randint(1, 40)
+        members = ["".join(rng.choices(string.ascii_lowercase + string.digits, k=10)) for _ in range(n)]
         counts = collections.Counter(assign(protocol.SHARDS, members).values())
-        spreads.append(max(counts[m] for m in members) - min(counts[m] for m in members))
-    spreads.sort()
-    assert spreads[989] <= 16, spreads[-20:]
-    assert sum(spreads) / len(spreads) <= 6
+        loads = [counts[m] for m in set(members)]
+        assert max(loads) - min(loads) <= 1, loads
 
 
 def test_settings_that_would_break_the_fence_are_refused() -> None:
