@@ -252,6 +252,7 @@ async def test_broker_sigkill_mid_claims(nats_server: NatsServer, store: KvSlotS
         by_key = Counter(w.key for w in wins)
         assert max(by_key.values()) == 1, f"held twice: {[k for k, n in by_key.items() if n > 1]}"
         assert len(wins) == 100, "some slot was never claimed after the restart"
+        assert not any(s._reserved for s in stores), "a claim cut off by the broker kept its local reservation"
         for w in wins:
             rec, rev = await stores[0].get(w.key)
             assert rec.claim_id == w.claim_id and rev == w.token

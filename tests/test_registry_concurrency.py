@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
+import pytest
 from nats.aio.client import Client
 
 from warmpool.errors import ClaimConflict, NoSlotAvailable
@@ -52,3 +53,16 @@ async def test_a_reserved_slot_taken_by_another_process_is_not_offered_again(nc:
         assert not store._reserved
         pool = store._pools["m"]
         assert pool.pick(usable=lambda node, keys: list(keys), skip=(), rng=store.rng) is None
+
+
+async def test_a_named_claim_of_a_slot_whose_claim_is_in_flight_loses_at_once(store: KvSlotStore) -> None:
+    """`claim_slot` (the on-call path) on a slot this process is already claiming: one of the two would lose the
+    compare-and-set, so it is refused before the round trip; the claim in flight wins."""
+    await seed_pool(store, "m", nodes=1, slots_per_node=1)
+    first = asyncio.ensure_future(store.claim("m"))
+    await asyncio.sleep(0)  # the claim is picked, reserved and sent
+    assert "m.node-0.s0" in store._reserved
+    with pytest.raises(ClaimConflict, match="being claimed by this process"):
+        await store.claim_slot("m.node-0.s0")
+    assert (await first).key == "m.node-0.s0"
+    assert store.claim_conflicts == 0 and not store._reserved
