@@ -2,12 +2,13 @@
 
 Starts an embedded nats-server (or uses `--nats URL`), seeds a warm pool of `--nodes` x `--slots-per-node` slots
 of one model, and claims it with `--concurrency` claimers sharing one registry client; slots are released between
-rounds, untimed. Before each level it measures the floor in the same run and conditions: bare nats-py doing the one
-write a claim does, ``kv.update(key, value, last=rev)`` on keys of the same shape and a value of the same size
-(a scratch bucket made like the slots bucket, deleted at the end), by as many concurrent writers. The ratio is
-claim p99 over floor p99; `conflicts` counts the claims' compare-and-sets lost to another writer (each a wasted
-round trip and a re-read; concurrent claimers sharing a registry reserve their candidates, so none are expected
-here). Figures are printed, not asserted: these machines are shared and noisy.
+rounds, untimed. Each level is measured with its floor, in the same run and conditions: the two take turns in
+`--slices` slices, so a noisy neighbour slows both alike. The floor is bare nats-py doing the one write a claim
+does, ``kv.update(key, value, last=rev)`` on keys of the same shape and a value of the same size (a scratch bucket
+made like the slots bucket, deleted at the end), by as many concurrent writers. The ratio is claim p99 over floor
+p99; `conflicts` counts the claims' compare-and-sets lost to another writer (each a wasted round trip and a
+re-read; concurrent claimers sharing a registry reserve their candidates, so none are expected here). Figures are
+printed, not asserted: these machines are shared and noisy.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from warmpool.seed import seed_pool
 MODEL = "bench"
 FLOOR_BUCKET = "pulse_bench_floor"
 """Scratch bucket for the bare KV-update floor; never one the system uses."""
+SETTLE_S = 0.05
+"""Untimed pause after each slice's releases: their watch echoes are handled before the next floor slice."""
 
 
 async def _round(store: KvSlotStore, concurrency: int, budget: int) -> tuple[list[float], list[Claim], int, float]:
@@ -60,13 +63,17 @@ async def _round(store: KvSlotStore, concurrency: int, budget: int) -> tuple[lis
     return latencies, held, store.claim_conflicts - lost, time.perf_counter() - t0
 
 
+async def _floor_keys(kv: KeyValue, keys: list[str], value: bytes, count: int) -> dict[str, int]:
+    """Key -> revision of the scratch keys the floor writes: as many as a level's claims take (one write each)."""
+    return {k: await kv.put(k, value) for k in keys[: min(len(keys), count)]}
+
+
 async def _floor(
-    kv: KeyValue, keys: list[str], value: bytes, concurrency: int, count: int
+    kv: KeyValue, revs: dict[str, int], value: bytes, concurrency: int, count: int
 ) -> tuple[list[float], float]:
     """Bare nats-py: `count` updates by `concurrency` writers, each on its own keys, each on the revision it
     last wrote (as a claim writes on the revision its view holds). Latencies (s) and the wall time."""
-    keys = keys[: max(concurrency, min(len(keys), count))]
-    revs = {k: await kv.put(k, value) for k in keys}
+    keys = list(revs)
     latencies: list[float] = []
 
     async def writer(mine: list[str], n: int) -> None:
@@ -122,16 +129,27 @@ async def _bench(args: argparse.Namespace) -> None:
             + " ".join(f"{h:>9}" for h in floor_head)
         )
         for conc in args.concurrency:
-            floor_lat, floor_wall = await _floor(floor_kv, keys, value, conc, args.claims)
+            revs = await _floor_keys(floor_kv, keys, value, max(conc, args.claims))
+            floor_lat: list[float] = []
+            floor_wall = 0.0
             lat_all: list[float] = []
             wall = 0.0
             conflicts = 0
-            while len(lat_all) < args.claims:
-                lat, held, conf, secs = await _round(store, conc, args.claims - len(lat_all))
-                lat_all += lat
-                wall += secs
-                conflicts += conf
-                await asyncio.gather(*(store.release(c) for c in held))
+            for i in range(args.slices):
+                # Floor and claims take turns in slices, so that both see the same (shared, noisy) machine.
+                n = args.claims * (i + 1) // args.slices - args.claims * i // args.slices
+                lat, secs = await _floor(floor_kv, revs, value, conc, n)
+                floor_lat += lat
+                floor_wall += secs
+                landed = 0
+                while landed < n:
+                    lat, held, conf, secs = await _round(store, conc, n - landed)
+                    landed += len(lat)
+                    lat_all += lat
+                    wall += secs
+                    conflicts += conf
+                    await asyncio.gather(*(store.release(c) for c in held))
+                await asyncio.sleep(SETTLE_S)
             p50, p99 = _ms(lat_all)
             f50, f99 = _ms(floor_lat)
             print(
@@ -141,7 +159,7 @@ async def _bench(args: argparse.Namespace) -> None:
             )
         print(
             "floor: bare nats-py kv.update(key, value, last=rev), same key shape and value size, as many writers, "
-            "measured just before each row"
+            f"measured in {args.slices} slices taking turns with the claims'"
         )
         with contextlib.suppress(Exception):
             await js.delete_key_value(FLOOR_BUCKET)
@@ -160,6 +178,9 @@ def claims(argv: list[str], prog: str) -> int:
     p.add_argument("--claims", type=int, default=3000, help="claims measured per concurrency level [3000]")
     p.add_argument(
         "--concurrency", type=int, nargs="+", default=[1, 16], help="concurrent claimers; several levels allowed [1 16]"
+    )
+    p.add_argument(
+        "--slices", type=int, default=10, help="floor and claims take turns in this many slices per level [10]"
     )
     p.add_argument("--sync-always", action="store_true", help="embedded server fsyncs every write (production)")
     nats_connect.add_nats_arguments(p)
