@@ -429,6 +429,7 @@ class _Run:
         self.ownership_samples = 0
         self.orphaned_samples = 0  # samples that found a model without a live owner
         self.most_orphans = 0
+        self.last_owned: dict[str, list[str]] = {}  # the last ownership sampled with an owner (picks the victim)
 
     def live(self) -> set[str]:
         return {r.identity for r in self.replicas if not r.killed and r.proc.poll() is None}
@@ -492,7 +493,8 @@ class _Run:
         lease lost and not yet retaken shows even when no named check falls on it."""
         while not stop.is_set():
             if not self.in_takeover:
-                orphans = self.leases.ownership(self.shard_of_model, self.live())[1]
+                per, orphans = self.leases.ownership(self.shard_of_model, self.live())
+                self.last_owned = per or self.last_owned
                 self.ownership_samples += 1
                 self.orphaned_samples += orphans > 0
                 self.most_orphans = max(self.most_orphans, orphans)
@@ -559,7 +561,12 @@ class _Run:
     async def takeover(self, per: dict[str, list[str]]) -> None:
         """SIGKILL the replica owning the most models; pulse a sample of its models with rising demand every
         100 ms until each is claimed again (by whoever owns it now); the takeover time is kill -> first claim."""
-        victim = max((r for r in self.replicas if r.identity in per), key=lambda r: len(per[r.identity]), default=None)
+        per = per or self.last_owned  # nobody owns anything this instant (a lease lost): the last one that did
+        victim = max(
+            (r for r in self.replicas if r.identity in per and r.proc.poll() is None),
+            key=lambda r: len(per[r.identity]),
+            default=None,
+        )
         if victim is None:
             print("takeover: no replica owns a model; nothing to kill")
             return
