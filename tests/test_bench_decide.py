@@ -50,3 +50,22 @@ def test_bench_decide_with_two_replicas_prints_ownership_takeover_and_the_floor(
     assert "(killed)" in out, out
     length = re.search(r"run length: ([\d.]+) s", out)
     assert length and float(length[1]) < 120, out
+
+
+def test_the_double_claim_check_counts_a_new_claim_over_a_held_one_and_not_after_a_release() -> None:
+    from autoscaler.bench import _SlotWatch
+    from warmpool.protocol import SlotRecord
+    from warmpool.registry import Changed, Snapshot
+
+    def rec(state: str, claim_id: str | None) -> SlotRecord:
+        return SlotRecord(model="m", node="n", slot="s0", state=state, claim_id=claim_id)  # type: ignore[arg-type]
+
+    watch = _SlotWatch()
+    watch.on(Snapshot({"m.n.s0": rec("ready", "a")}))  # held before the run: not a write, not a double claim
+    watch.on(Changed("m.n.s0", rec("ready", "a"), 2))  # the same claim moving on
+    assert watch.double_claims == 0 and watch.held == {("n", "s0", "a"): "m.n.s0"}
+    watch.on(Changed("m.n.s0", rec("claimed", "b"), 3))  # a new claim while "a" still holds it
+    assert watch.double_claims == 1 and watch.held == {("n", "s0", "b"): "m.n.s0"}
+    watch.on(Changed("m.n.s0", rec("warm", None), 4))  # released
+    watch.on(Changed("m.n.s0", rec("claimed", "c"), 5))  # a claim after a release is fine
+    assert watch.double_claims == 1 and watch.writes == 4 and "m" in watch.first_claim
