@@ -201,13 +201,23 @@ class ModelController:
 
     def forget_gateways(self, now: float, older_than_s: float) -> int:
         """Drop gateways silent for `older_than_s` (long gone), so the table does not grow forever."""
-        return self.decider.demand.forget_stale(now, older_than_s)
+        gone = self.decider.demand.forget_stale(now, older_than_s)
+        if gone:
+            self.decider.touch(now)
+        return gone
 
-    async def housekeeping(self, now: float) -> None:
-        """Time-driven work no sample triggers: a decision (override expiry, stale gateways), then the scaler's."""
-        self.decider.request(now)
-        self._run_due(now)
+    async def housekeeping(self, now: float) -> bool:
+        """Time-driven work no sample triggers: a decision (override expiry, stale gateways, the windows moving on),
+        unless `ModelDecider.settled` says it would repeat the last one; then the scaler's. Returns whether it
+        decided."""
+        decide = not self.decider.settled(now, ready=self.scaler.ready)
+        if decide:
+            self.decider.request(now)
+            self._run_due(now)
+        else:
+            self.decider.skip(now)
         await self.scaler.housekeeping(now)
+        return decide
 
     # --- status ------------------------------------------------------------------------------------------------
 

@@ -15,7 +15,9 @@ that gateway last said, or the gateway was new or stale) asks for a decision, at
 of samples is one decision, never a polling period. A sample above the largest single-gateway demand seen at the last
 decision may be a pulse, and is decided at once. A sample that changes nothing asks for nothing: what time alone
 changes (the windows, stale gateways, cooldowns, an override's expiry) is decided by the controller's housekeeping,
-which re-decides every model on its own period.
+on its own period, for the models where it can change anything: `settled` says when a decision now would repeat the
+last one exactly and leave the policy's windows as deciding would (`policy.settle_s`,
+`policy.time_events`, a gateway turning stale), and housekeeping skips those.
 """
 
 from __future__ import annotations
@@ -92,6 +94,10 @@ class ModelDecider:
         self._decided_at = -math.inf
         self._decided_demand = 0.0  # the largest single-gateway demand seen at the last decision
         self._sample_at: float | None = None  # receive time of the first sample since the last decision
+        self._changed_at = now  # when the demand (or the spec) last changed: `settled` counts from it
+        self._decided_with: tuple[int, float | None, ScalerRecord] | None = None  # (ready, lead time, record)
+        self._demand_seen: float | None = None  # the demand the last decision saw
+        self._current_at = -math.inf  # when the state was last brought up to date (a decision or `skip`)
 
     @property
     def model(self) -> str:
@@ -115,6 +121,7 @@ class ModelDecider:
         """A live edit of the ScaledObject: the next decision uses it. Returns when that decision is due."""
         self.record = record
         self.demand.stale_after_s = record.spec.advanced.stale_after_seconds
+        self._changed_at = now
         return self.request(now)
 
     def on_sample(self, sample: QueueSample, now: float) -> Accepted:
@@ -130,6 +137,7 @@ class ModelDecider:
         if outcome in ("accepted", "restart") and value != before:
             if self._sample_at is None:
                 self._sample_at = now
+            self._changed_at = now
             # Rising demand is a possible pulse: decide now. Falling demand can wait for the debounce.
             self.request(now, urgent=value > self._decided_demand)
         return outcome
@@ -141,6 +149,43 @@ class ModelDecider:
         if self.due_at is None or at < self.due_at:
             self.due_at = at
         return self.due_at
+
+    def touch(self, now: float) -> None:
+        """Something the demand rests on changed other than by a sample (gateways forgotten): `settled` starts over."""
+        self._changed_at = max(self._changed_at, now)
+
+    def settled(self, now: float, *, ready: int) -> bool:
+        """Deciding at `now` with `ready` replicas would repeat the last decision exactly (reason and figures too),
+        so housekeeping may `skip` it. Conservative: False unless the last decision had fresh demand, no panic, no
+        hold after restart, no scale step still within its period, no override or pause, the same ready count,
+        lead time and ScaledObject, was taken `policy.settle_s` after the demand last changed (a gateway turning
+        stale is a change), and no time event (`policy.time_events`) falls since the state was last brought up to
+        date (a decision, or `skip`)."""
+        d, state, at, demand = self.decision, self.state, self._decided_at, self._demand_seen
+        if d is None or demand is None or self.due_at is not None or self.override is not None or self.record.paused:
+            return False
+        if self._decided_with != (ready, self.lead_time_s(), self.record) or state.last_fresh_at != self._current_at:
+            return False
+        if d.panic or state.hold_replicas is not None or state.scale_downs or state.scale_ups:
+            return False
+        changed = self._changed_at
+        stale_after = self.demand.stale_after_s
+        for g in self.demand.gateways.values():
+            turned_stale = g.received_at + stale_after  # `ModelDemand.observe`: stale once now - received > this
+            if turned_stale < now:
+                changed = max(changed, turned_stale)
+        if at < changed + policy.settle_s(self.spec):
+            return False
+        events = policy.time_events(self.spec, state, self.record.created_at, demand)
+        return not any(self._current_at < t <= now for t in events)
+
+    def skip(self, now: float) -> None:
+        """Stand for a decision at `now` that `settled` said would repeat the last one: bring the state's times
+        up to date as that decision would (`policy.repeat`), without running the policy."""
+        assert self._demand_seen is not None
+        assert self.decision is not None
+        self.state = policy.repeat(self.spec, self.state, self.decision, now, self._demand_seen)
+        self._current_at = now
 
     def due(self, now: float) -> bool:
         return self.due_at is not None and now >= self.due_at
@@ -189,6 +234,10 @@ class ModelDecider:
         )
         before = self.state.desired
         decision, self.state = policy.decide(self.spec, obs, self.state, now)
+        self._demand_seen, self._current_at = obs.demand, now
+        # What `settled` compares; none after a decision with an override in it (its reason names the override,
+        # and the next one, without it, will not).
+        self._decided_with = (ready, obs.lead_time_s, record) if obs.override is None else None
         if decision.desired != before:
             self.last_scale_at = now
         previous, self.decision = self.decision, decision

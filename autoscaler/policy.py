@@ -46,6 +46,7 @@ them: the person asked for that count.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Final, Literal
@@ -61,6 +62,9 @@ __all__ = [
     "PolicyState",
     "decide",
     "initial_state",
+    "repeat",
+    "settle_s",
+    "time_events",
 ]
 
 Mode = Literal["normal", "panic", "override", "paused", "fallback", "stale", "hold", "idle"]
@@ -543,3 +547,59 @@ def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: fl
         last_active_at=last_active_at,
     )
     return decision, new_state
+
+
+# --- when time alone can change a decision (housekeeping skips a model otherwise) --------------------------------
+
+
+def settle_s(spec: ScaledObjectSpec) -> float:
+    """Seconds after the last change of a model's demand (or its spec) past which a decision on the same demand,
+    ready count and lead time repeats the previous one exactly, as far as the windows go: the trend is fitted over
+    a panic window, the mean over the stable window, panic is left a stable window after its condition, the
+    recommendations of the panic window's forecast are stabilised over the scale-down window, and the rate limit
+    remembers a period of steps. Summed, not maxed: each starts when the one before has settled. Two buckets of
+    slack for keys that round either way."""
+    adv = spec.advanced
+    return (
+        adv.stable_window_seconds
+        + adv.panic_window_seconds
+        + adv.scale_down_stabilization_seconds
+        + adv.scale_down_period_seconds
+        + 2 * detector.BUCKET_S
+    )
+
+
+def time_events(
+    spec: ScaledObjectSpec, state: PolicyState, created_at: float | None, demand: float
+) -> tuple[float, ...]:
+    """Times at which a decision on the unchanged fresh `demand` may change by time alone, beside the windows
+    (`settle_s`): the idle drop (``cooldownPeriod`` after the last activity, while inactive above the idle count)
+    and the end of ``initialCooldownPeriod`` (whose reason counts it down). The fallback and an override's expiry
+    are the caller's to rule out."""
+    out: list[float] = []
+    _, activation = _trigger(spec)
+    if state.last_active_at is not None and demand <= activation and state.desired > _bounds(spec).idle:
+        out.append(state.last_active_at + spec.cooldown_period)
+    if spec.initial_cooldown_period > 0:
+        since = created_at if created_at is not None and math.isfinite(created_at) else state.started_at
+        out.append(since + spec.initial_cooldown_period)
+    return tuple(out)
+
+
+def repeat(spec: ScaledObjectSpec, state: PolicyState, decision: Decision, now: float, demand: float) -> PolicyState:
+    """The state `decide` leaves when, at `now`, it repeats `decision` (its last) on the same fresh `demand`, no
+    panic, no hold and no scale step in the period (see `settle_s`): the demand and its recommendation recorded
+    in the windows (a few microseconds; the reads, the trend and the rules are what is skipped), and the times of
+    the last fresh and the last active demand moved on, as each decision moves them."""
+    target, activation = _trigger(spec)
+    forecast = decision.forecast_demand if decision.forecast_demand is not None else demand
+    pulse = state.pulse
+    return dataclasses.replace(
+        state,
+        pulse=detector.PulseState(
+            pulse.window.record(now, demand), pulse.panic, pulse.panic_since, pulse.panic_condition_at
+        ),
+        recommendations=state.recommendations.record(now, _replicas(forecast, target)),
+        last_fresh_at=now,
+        last_active_at=state.last_active_at if demand <= activation else now,
+    )
