@@ -4,7 +4,9 @@ Also the `serial` marker, for tests whose bound is a wall-clock time another pro
 failover, a stop deadline, a stalled download's timeout). `.ci/run` runs the suite on two workers (pytest-xdist)
 without them, `pytest -n 2 -m "not serial"`, then them on their own, `pytest -m serial`; plain `pytest` runs all.
 On workers, the longest modules (`FIRST_ON_WORKERS`) are collected first so that no one test is left running
-alone at the end while the other worker idles.
+alone at the end while the other worker idles. `.ci/run` hands out whole modules (`--dist loadfile`): the tests of
+one module never overlap each other (the demo tests check the whole machine for a demo run's mounts, loop devices and
+/tmp directories; two demos at once would see each other's).
 """
 
 from __future__ import annotations
