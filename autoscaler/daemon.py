@@ -440,7 +440,16 @@ class Autoscaler:
         overrides = await self.load_overrides()
         if not self.is_leader():
             return  # deposed while reading: the next leader adopts, not us
+        until = time.perf_counter() + self.settings.slice_s
         for model, c in list(self.by_model.items()):
+            if time.perf_counter() >= until:
+                # 1,000 models' adoption and first decision is a few hundred ms: the lease renewal runs between.
+                await asyncio.sleep(0)
+                until = time.perf_counter() + self.settings.slice_s
+                if not self.is_leader():
+                    return  # deposed meanwhile: `on_deposed` stopped those already started
+            if self.by_model.get(model) is not c:
+                continue  # its ScaledObject went (or was re-pointed) while we yielded
             c.adopt(self.store.records(model))
             if model in overrides:
                 c.override = overrides[model]
