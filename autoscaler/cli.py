@@ -18,6 +18,9 @@ from autoscaler.controller import ControllerSettings
 from autoscaler.leader import LeaseSettings
 from warmpool import connect, registry
 
+GC_FREEZE_EVERY_S = 30.0
+"""The daemon's `AutoscalerSettings.gc_freeze_every_s` (see there)."""
+
 
 def run_autoscaler(argv: list[str], prog: str) -> int:
     p = argparse.ArgumentParser(
@@ -69,6 +72,15 @@ def run_autoscaler(argv: list[str], prog: str) -> int:
         metavar="SECONDS",
         help=f"claim -> ready budget per slot [{ControllerSettings.activation_deadline_s}]",
     )
+    p.add_argument(
+        "--gc-freeze-every",
+        type=float,
+        default=GC_FREEZE_EVERY_S,
+        metavar="SECONDS",
+        help="move long-lived objects out of the cyclic garbage collector's sight this often, so a full "
+        f"collection does not stop decisions for ~100 ms at 1,000 models; 0 leaves Python's collector as is "
+        f"[{GC_FREEZE_EVERY_S:g}]",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
     try:
@@ -92,6 +104,7 @@ def run_autoscaler(argv: list[str], prog: str) -> int:
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
         max_replicas=max_replicas,
+        gc_freeze_every_s=args.gc_freeze_every if args.gc_freeze_every > 0 else None,
         lease=LeaseSettings(lease_s=args.lease, renew_every_s=args.lease / 4),
         controller=ControllerSettings(
             activation_deadline_s=args.activation_deadline, max_claims_in_flight=args.max_claims_in_flight

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import gc
 import logging
 import os
 import socket
@@ -85,6 +86,16 @@ class AutoscalerSettings:
     slice_s: float = 0.002
     """The longest the sample callback, the drain and housekeeping run without yielding to the loop: the lease
     renewal and claims in flight wait at most about this long behind them."""
+    gc_freeze_every_s: float | None = None
+    """How often housekeeping moves what survived the young collections out of the cyclic collector's sight
+    (`gc.freeze`). At 1,000 models the long-lived state (windows, books, metric children) is ~170,000 objects, and
+    a full collection of them stops the loop for ~100 ms, at a random moment: that was the decision p99 at 1,000
+    models. Frozen objects are still freed by reference counting; only reference cycles among them wait for
+    `gc_full_every_s`. It acts on the whole process, so it is the daemon's (`pulsescale autoscaler` sets 30 s),
+    not a library default: None leaves the collector as Python sets it."""
+    gc_full_every_s: float = 3600.0
+    """How often the frozen objects are handed back and collected in full (one pause of ~100 ms at 1,000 models),
+    so cyclic garbage frozen with the rest is reclaimed within this long, not leaked."""
 
 
 class Autoscaler:
@@ -140,7 +151,9 @@ class Autoscaler:
         self.commands: commands.CommandService | None = None
         self._cut: dict[str, float] = {}  # ScaledObjects cut to max_replicas, by key: the version logged
         self._retiring: set[asyncio.Future[int]] = set()  # deleted ScaledObjects releasing their slots
-        self._sweeping: set[str] = set()  # slot keys of deleted ScaledObjects being released by the sweep
+        self._sweeping: set[str] = set()
+        self._gc_frozen_at = self._gc_full_at = time.monotonic()  # `_tend_gc`
+        self._gc_frozen_once = False
 
     @contextlib.contextmanager
     def _contained(self, what: str) -> Iterator[None]:
@@ -370,7 +383,27 @@ class Autoscaler:
         finally:
             stopped.cancel()
 
+    def _tend_gc(self) -> None:
+        """`gc_freeze_every_s`: freeze the survivors of the young generations; once per `gc_full_every_s`,
+        unfreeze and collect everything."""
+        every = self.settings.gc_freeze_every_s
+        if every is None:
+            return
+        mono = time.monotonic()
+        if mono - self._gc_full_at >= self.settings.gc_full_every_s:
+            self._gc_full_at = self._gc_frozen_at = mono
+            gc.unfreeze()
+            gc.collect()
+            gc.freeze()
+        elif mono - self._gc_frozen_at >= every or (self.scalers_followed and not self._gc_frozen_once):
+            # ...and once as soon as the ScaledObjects are followed: the controllers are the bulk of it.
+            self._gc_frozen_once = self.scalers_followed
+            self._gc_frozen_at = mono
+            gc.collect(1)  # young cyclic garbage is collected, not frozen (a few ms)
+            gc.freeze()
+
     async def housekeeping_once(self) -> None:
+        self._tend_gc()
         now = self.clock()
         self.metrics.leader.set(1 if self.is_leader() else 0)
         until = time.perf_counter() + self.settings.slice_s
@@ -588,9 +621,11 @@ async def _serve_http(scaler: Autoscaler, host: str, port: int) -> tuple[web.App
     """``/metrics``, ``/healthz`` and ``/readyz`` on `host`:`port`; returns the runner and the bound port."""
 
     async def metrics(_: web.Request) -> web.Response:
-        return web.Response(
-            body=generate_latest(scaler.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
-        )
+        # Rendered in a worker thread: at 1,000 models a scrape renders ~20,000 series (tens of ms of CPU), which on
+        # the event loop would hold up every sample and claim behind it; off it, the loop gets the GIL back every
+        # switch interval (5 ms). prometheus_client's metrics take their own locks, so a concurrent render is safe.
+        body = await asyncio.get_running_loop().run_in_executor(None, generate_latest, scaler.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response(scaler.health(), status=200 if scaler.healthy() else 503)
