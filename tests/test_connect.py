@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from nats.aio.client import Client
 
+from tests.helpers import wait_for
 from warmpool import connect
 from warmpool.embedded import NatsServer, free_port
 from warmpool.errors import NatsUnavailable
@@ -203,3 +204,53 @@ async def test_a_daemon_is_stopped_by_a_refusal_only_until_it_serves(
     assert [r.getMessage() for r in caplog.records if r.name == "pulsescale.nats"] == [
         str(connect.PermissionDenied("publish", "forbidden.thing"))
     ]
+
+
+async def test_slow_consumer_drops_are_counted_and_logged_a_few_times(
+    nats_server: NatsServer, nc: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    # nats-py reports every message it drops for a full pending queue as an error naming the subject: without
+    # a bound, a flood is one log line per dropped sample (~92,000 per replica were seen).
+    published, delivered = 3_000, 0
+    with caplog.at_level(logging.WARNING, logger="pulsescale.nats"):
+        consumer = await connect.connect(connect.NatsOptions(servers=(nats_server.url,), name="slow"))
+        try:
+
+            async def slow(msg: Any) -> None:
+                nonlocal delivered
+                delivered += 1
+                await asyncio.sleep(0.001)
+
+            sub = await consumer.subscribe("flood.*", cb=slow, pending_msgs_limit=10)
+            await consumer.flush()
+            for i in range(published):
+                await nc.publish(f"flood.{i % 7}", b"x")
+            await nc.flush()
+            await consumer.flush()  # every message has reached the consumer: queued, delivered or dropped
+            await wait_for(lambda: sub.pending_msgs == 0, 10, "the queued messages delivered")
+        finally:
+            await consumer.close()  # reports the drops since the last line
+    lines = [r.getMessage() for r in caplog.records if r.name == "pulsescale.nats"]
+    assert 2 <= len(lines) <= 3, lines  # the first drop at once, the rest at close (one more if 10 s passed)
+    counts = [int(line.split("dropped ")[1].split(" ")[0]) for line in lines]
+    assert sum(counts) == published - delivered > 0, (lines, delivered)
+    assert all("slow consumer" in line and "flood." in line for line in lines)
+
+
+def test_slow_consumer_log_at_most_once_per_interval(caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    slow = connect.SlowConsumerLog(10.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="pulsescale.nats"):
+        for step in range(301):  # 30 s of drops, ten a second
+            now[0] = step / 10
+            slow.dropped("pulse.queue.m")
+        slow.report()  # at close: what is left
+        slow.report()  # nothing left: no line
+    counts = [int(r.getMessage().split("dropped ")[1].split(" ")[0]) for r in caplog.records]
+    assert counts == [1, 100, 100, 100]  # at 0 s (the first drop at once), 10 s, 20 s and 30 s
+    now[0] = 31.0
+    with caplog.at_level(logging.WARNING, logger="pulsescale.nats"):
+        slow.dropped("pulse.queue.m")
+        slow.report()
+    assert slow.total == 302
+    assert "dropped 1 message(s) since the last report (302 in all; e.g. on pulse.queue.m)" in caplog.messages[-1]

@@ -7,7 +7,9 @@ Options come from flags, which win over ``PULSESCALE_NATS*`` environment variabl
 what to check: at once when the server refuses our credentials (nats-py would otherwise retry them until the
 deadline), else within `NatsOptions.connect_deadline_s`. What goes wrong before that is collected for that
 message, not logged, so a command fails with one line. Once connected, clients reconnect forever (a daemon must
-outlive a broker restart) and log what the server reports.
+outlive a broker restart) and log what the server reports. Messages nats-py drops for a subscriber that does not
+keep up are counted and logged at most once per `NatsOptions.slow_consumer_log_interval_s` (and once more, with
+what is left, at close): nats-py reports each one as its own error.
 
 `run_client` is how a CLI verb uses a connection: connect, do the work, close; a permission violation the server
 reports meanwhile ends the work with `PermissionDenied` (nats-py reports those only through the error callback,
@@ -24,6 +26,7 @@ import math
 import os
 import re
 import ssl
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -37,6 +40,7 @@ from warmpool.errors import NatsUnavailable, PermissionDenied
 
 __all__ = [
     "NatsOptions",
+    "SlowConsumerLog",
     "PermissionDenied",
     "add_nats_arguments",
     "connect",
@@ -94,7 +98,11 @@ class NatsOptions:
     """More `nats.connect` keyword arguments (callbacks) for the daemon that owns the connection."""
     on_error: Callable[[Exception], Awaitable[None]] | None = None
     """Sees what the server reports once connected (a permission violation, say), after it is logged. An option
-    rather than an argument of `connect` so that it reaches a daemon's own connection (`run_daemon`)."""
+    rather than an argument of `connect` so that it reaches a daemon's own connection (`run_daemon`). Not the
+    client's own slow-consumer drops: those are counted (`SlowConsumerLog`)."""
+    slow_consumer_log_interval_s: float = 10.0
+    """At most one log line per this many seconds about messages dropped for a slow subscriber: a flood drops
+    tens of thousands a second, and nats-py reports each one (~92,000 lines per replica were seen)."""
 
 
 _TOKEN: Final = re.compile(r"[A-Za-z0-9_-]+")  # a user name that is one subject token
@@ -225,6 +233,46 @@ def _explain(servers: tuple[str, ...], err: BaseException | None) -> str:
     return f"cannot connect to NATS at {where}: {text}; {hint}"
 
 
+# --- slow consumers ----------------------------------------------------------------------------------------------
+
+
+class SlowConsumerLog:
+    """Messages nats-py dropped because a subscription's pending queue was full: counted, and logged at most once
+    per `interval_s` with how many since the last line and one subject they were on. nats-py reports every drop
+    through the error callback, each with its own text (it names the subject), so logging each is a flood."""
+
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s = interval_s
+        self.clock = clock
+        self.total = 0
+        """Messages dropped since the connection was made."""
+        self._unreported = 0
+        self._subject = ""
+        self._last_logged: float | None = None
+
+    def dropped(self, subject: str) -> None:
+        self.total += 1
+        self._unreported += 1
+        self._subject = subject
+        now = self.clock()
+        if self._last_logged is None or now - self._last_logged >= self.interval_s:
+            self.report(now)
+
+    def report(self, now: float | None = None) -> None:
+        """Log the drops not yet logged, if any (also at close, so none goes unsaid)."""
+        if not self._unreported:
+            return
+        log.warning(
+            "nats: slow consumer: dropped %d message(s) since the last report (%d in all; e.g. on %s): the "
+            "subscriber does not keep up",
+            self._unreported,
+            self.total,
+            self._subject,
+        )
+        self._unreported = 0
+        self._last_logged = self.clock() if now is None else now
+
+
 # --- connecting --------------------------------------------------------------------------------------------------
 
 MIN_ATTEMPT_S: Final = 1.0
@@ -251,9 +299,13 @@ async def connect(
     early_errors: list[BaseException] = []
     refused: asyncio.Future[BaseException] = loop.create_future()
     last_logged = ""
+    slow = SlowConsumerLog(opts.slow_consumer_log_interval_s)
 
     async def error_cb(err: Exception) -> None:
         nonlocal last_logged
+        if isinstance(err, nats.errors.SlowConsumerError):
+            slow.dropped(err.subject)
+            return
         if not connected:
             early_errors.append(err)
             del early_errors[:-8]
@@ -279,12 +331,16 @@ async def connect(
         if on_disconnect is not None:
             await on_disconnect()
 
+    async def closed_cb() -> None:
+        slow.report()
+
     kwargs: dict[str, object] = {
         "servers": list(opts.servers),
         "name": opts.name,
         "error_cb": error_cb,
         "reconnected_cb": reconnected_cb,
         "disconnected_cb": disconnected_cb,
+        "closed_cb": closed_cb,
         "connect_timeout": attempt_timeout_s(opts),
         "reconnect_time_wait": opts.reconnect_wait_s,
         "max_reconnect_attempts": -1,
