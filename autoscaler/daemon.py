@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import nats.errors
 import nats.js.errors
 from aiohttp import web
@@ -45,9 +46,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from autoscaler import commands, scaledobject
 from autoscaler.agentclient import AgentClient, AgentUnavailable
 from autoscaler.controller import ColdPath, ControllerSettings, Deps, LocalColdPath, ModelController
-from autoscaler.leader import LeaderElection, LeaseSettings
+from autoscaler.leader import LeaseSettings
 from autoscaler.metrics import AutoscalerMetrics
 from autoscaler.samples import SampleBuffer
+from autoscaler.shards import INVOLUNTARY, ShardLeases, ShardSettings
 from warmpool import connect, protocol
 from warmpool.errors import BadMessage, PulsescaleError, StaleToken
 from warmpool.protocol import Override, OverrideRecord, QueueSample, ScaledObjectSpec, ScalerRecord, StatusRow
@@ -119,7 +121,8 @@ class Autoscaler:
         self.clock = clock
         self.rejections = Rejections(log, on_reject=lambda r: self.metrics.rejected.labels(r).inc())
         """Messages (samples) that break the contract; records in the buckets go to `store.rejected`."""
-        self.leader: LeaderElection | None = None
+        self.shards: ShardLeases | None = None
+        """The shard leases (`autoscaler.shards`): this replica acts for the models of the shards it holds."""
         self.deps = Deps(
             nc=nc,
             store=store,
@@ -131,6 +134,15 @@ class Autoscaler:
         )
         self.by_scaler: dict[str, ModelController] = {}
         self.by_model: dict[str, ModelController] = {}
+        self.by_shard: dict[int, set[str]] = {}
+        """Models with a ScaledObject, by shard (`protocol.shard_of`)."""
+        self._acquired: set[int] = set()  # shards taken, waiting for `take_over`
+        self._held: set[int] = set()  # shards held, as the callbacks said (the gauges; `owns` fences)
+        self.sample_subjects: frozenset[str] = frozenset()
+        """The sample subjects subscribed to now (`follow_subjects`): the wildcard while this replica holds every
+        shard."""
+        self.subjects_changed = asyncio.Event()
+        """The models this replica owns changed: `follow_subjects` re-subscribes the samples it needs."""
         self._leases_kv = buckets[protocol.LEASES_BUCKET]
         # A bad edit of a ScaledObject keeps the last good one (counted), so autoscaling its model goes on.
         self.scalers: BucketView[ScalerRecord] = BucketView(
@@ -165,7 +177,15 @@ class Autoscaler:
             self.metrics.internal_errors.inc()
 
     def is_leader(self) -> bool:
-        return self.leader is not None and self.leader.is_leader
+        """Acts for at least one shard (answers on-call commands, counts as leading in ``/healthz``)."""
+        return self.shards is not None and bool(self.shards.held())
+
+    def owns_shard(self, shard: int) -> bool:
+        return self.shards is not None and self.shards.owns(shard)
+
+    def owns(self, model: str) -> bool:
+        """This replica acts for `model` now (it holds the lease of its shard, fenced)."""
+        return self.shards is not None and self.shards.owns(protocol.shard_of(model))
 
     # --- health ---------------------------------------------------------------------------------------------
 
@@ -185,6 +205,8 @@ class Autoscaler:
             "ok": self.healthy(),
             "ready": self.ready(),
             "leader": self.is_leader(),
+            "identity": self.settings.identity,
+            "shards": sorted(self.shards.held()) if self.shards is not None else [],
             "nats_connected": self.nc.is_connected,
             "views_current": {
                 "slots": self.store.slots.current(),
@@ -215,8 +237,15 @@ class Autoscaler:
         c.set_override(override)
 
     def status(self, model: str | None) -> list[StatusRow]:
+        """Rows of every model this replica knows (all, or `model`), each naming its shard and, as last seen, the
+        replica owning it (the command service keeps the ones it owns)."""
         now = self.clock()
-        return [c.status_row(now) for m, c in sorted(self.by_model.items()) if model is None or m == model]
+        rows = []
+        for m, c in sorted(self.by_model.items()):
+            if model is None or m == model:
+                owner = self.shards.owner_of_model(m) if self.shards is not None else None
+                rows.append(msgspec.structs.replace(c.status_row(now), owner=owner, shard=protocol.shard_of(m)))
+        return rows
 
     # --- scalers --------------------------------------------------------------------------------------------
 
@@ -226,6 +255,8 @@ class Autoscaler:
             c = self.by_scaler.pop(key, None)
             if c is not None:
                 self.by_model.pop(c.model, None)
+                self.by_shard.get(protocol.shard_of(c.model), set()).discard(c.model)
+                self.subjects_changed.set()
                 # Its series go from the scrape now; the retiring controller's last writes land on detached children.
                 self.metrics.forget(c.model)
                 log.info("ScaledObject %s removed: %s is no longer autoscaled; releasing its slots", key, c.model)
@@ -252,12 +283,17 @@ class Autoscaler:
             c = None
         if c is None:
             held = [r for r in self.store.records(model) if r.state in ("ready", "activating", "claimed")]
-            c = ModelController(record, self.deps, current_replicas=len(held))
+            shard = protocol.shard_of(model)
+            # The controller acts while this replica holds the model's shard (fenced, checked at every act).
+            deps = dataclasses.replace(self.deps, is_leader=functools.partial(self.owns_shard, shard))
+            c = ModelController(record, deps, current_replicas=len(held))
             self.by_scaler[key] = c
             self.by_model[model] = c
+            self.by_shard.setdefault(shard, set()).add(model)
+            self.subjects_changed.set()
             self._slot_gauges(c)
             log.info("ScaledObject %s: autoscaling %s (%d slots held)", key, model, len(held))
-            if self.is_leader():
+            if self.owns_shard(shard):
                 c.adopt(self.store.records(model))
                 c.start()
         else:
@@ -304,7 +340,11 @@ class Autoscaler:
             self._callback_until = time.perf_counter() + self.settings.slice_s
 
     def take_sample(self, subject: str, data: bytes) -> None:
-        """The cheap part of a sample: decode and check it (rejections counted), then buffer it."""
+        """The cheap part of a sample: decode and check it (rejections counted), then buffer it. A sample of a
+        model another replica owns (a subscription's last messages after its shard moved) is dropped undecoded."""
+        if not self.owns(subject[len(protocol.QUEUE_PREFIX) :]):
+            self.metrics.sample("not_owned").inc()
+            return
         try:
             sample = protocol.decode(data, QueueSample)
             if subject != protocol.QUEUE_PREFIX + sample.model:
@@ -408,8 +448,8 @@ class Autoscaler:
         self.metrics.leader.set(1 if self.is_leader() else 0)
         until = time.perf_counter() + self.settings.slice_s
         for c in list(self.by_model.values()):
-            if self.by_model.get(c.model) is not c:
-                continue  # its ScaledObject went (or was re-pointed) while we yielded
+            if self.by_model.get(c.model) is not c or not c.deps.is_leader():
+                continue  # its ScaledObject went (or was re-pointed) while we yielded, or another replica owns it
             with self._contained(f"housekeeping of {c.model}"):
                 c.forget_gateways(now, self.settings.forget_gateway_after_s)
                 await c.housekeeping(now)
@@ -418,7 +458,7 @@ class Autoscaler:
                 await asyncio.sleep(0)
                 until = time.perf_counter() + self.settings.slice_s
                 now = self.clock()
-        if self.is_leader() and self.scalers_followed:
+        if self._held and self.scalers_followed:
             with self._contained("the sweep for slots of deleted ScaledObjects"):
                 self._sweep_unowned(now)
 
@@ -432,6 +472,7 @@ class Autoscaler:
         for rec in self.store.records():
             if (
                 rec.model in self.by_model
+                or not self.owns(rec.model)  # the owner of its shard sweeps it
                 or rec.key in self._sweeping
                 or rec.state not in ("claimed", "activating", "ready")
                 or now - rec.updated_at < grace_s
@@ -462,33 +503,70 @@ class Autoscaler:
 
     # --- leadership ---------------------------------------------------------------------------------------------
 
-    def on_elected(self) -> None:
-        self.metrics.leader.set(1)
-        self._takeover = asyncio.ensure_future(self.take_over())
+    def on_shard_acquired(self, shard: int) -> None:
+        """`ShardLeases.on_acquired`: act for the shard's models once `take_over` has adopted their slots."""
+        self._held.add(shard)
+        self._acquired.add(shard)
+        self._leading_changed()
+        if self._takeover is None or self._takeover.done():
+            self._takeover = asyncio.ensure_future(self.take_over())
+
+    def on_shard_lost(self, shard: int) -> None:
+        """`ShardLeases.on_lost`: stop acting for the shard's models at once; claims in flight are left for the
+        next owner to adopt or expire. Called synchronously, also from inside a fenced `owns` check."""
+        why = self.shards.last_loss if self.shards is not None else ""
+        if why in INVOLUNTARY and not self._resigning:
+            self.metrics.lease_lost.inc()
+        self._held.discard(shard)
+        self._acquired.discard(shard)
+        for model in list(self.by_shard.get(shard, ())):
+            c = self.by_model.get(model)
+            if c is not None:
+                task = asyncio.ensure_future(c.stop(release_in_flight=False))
+                task.add_done_callback(functools.partial(_forget_after_stop, c))
+        self._leading_changed()
+
+    def _leading_changed(self) -> None:
+        leading = bool(self._held)
+        self.metrics.leader.set(1 if leading else 0)
+        self.metrics.shards_held.set(len(self._held))
+        self.subjects_changed.set()
         if self.commands is not None:
-            self.commands.on_leadership(True)
+            self.commands.on_leadership(leading)
+
+    def models_owned(self) -> int:
+        """ScaledObjects in the shards this replica holds (its `ReplicaRecord.models`)."""
+        return sum(len(self.by_shard.get(s, ())) for s in self._held)
 
     async def take_over(self) -> None:
-        """Rebuild from the buckets: adopt held slots, restore overrides, then act."""
-        overrides = await self.load_overrides()
-        if not self.is_leader():
-            return  # deposed while reading: the next leader adopts, not us
-        until = time.perf_counter() + self.settings.slice_s
-        for model, c in list(self.by_model.items()):
-            if time.perf_counter() >= until:
-                # 1,000 models' adoption and first decision is a few hundred ms: the lease renewal runs between.
-                await asyncio.sleep(0)
-                until = time.perf_counter() + self.settings.slice_s
-                if not self.is_leader():
-                    return  # deposed meanwhile: `on_deposed` stopped those already started
-            if self.by_model.get(model) is not c:
-                continue  # its ScaledObject went (or was re-pointed) while we yielded
-            c.adopt(self.store.records(model))
-            if model in overrides:
-                c.override = overrides[model]
-            c.start()
-            c.evaluate(self.clock())
-        log.info("leader: acting for %d model(s)", len(self.by_model))
+        """Rebuild the shards just taken from the buckets: adopt their models' held slots, restore their
+        overrides, then act. Shards taken while this runs are handled in the same task, overrides read once per
+        batch."""
+        overrides: dict[str, Override] | None = None
+        read_at = 0.0
+        while self._acquired:
+            batch, self._acquired = self._acquired, set()
+            if overrides is None or time.monotonic() - read_at > 1.0:
+                # One read for the shards of a round (they are taken one by one, within milliseconds).
+                read_at, overrides = time.monotonic(), await self.load_overrides()
+            until = time.perf_counter() + self.settings.slice_s
+            started = 0
+            for shard in sorted(batch):
+                for model in sorted(self.by_shard.get(shard, ())):
+                    if time.perf_counter() >= until:
+                        # 1,000 models' adoption and first decision is a few hundred ms: renewals run between.
+                        await asyncio.sleep(0)
+                        until = time.perf_counter() + self.settings.slice_s
+                    c = self.by_model.get(model)
+                    if c is None or not self.owns_shard(shard):
+                        continue  # its ScaledObject went while we yielded, or the shard moved on meanwhile
+                    c.adopt(self.store.records(model))
+                    if model in overrides:
+                        c.override = overrides[model]
+                    c.start()
+                    c.evaluate(self.clock())
+                    started += 1
+            log.info("acting for %d more model(s) in shard(s) %s", started, ",".join(map(str, sorted(batch))))
 
     async def load_overrides(self) -> dict[str, Override]:
         """The on-call overrides stored in `pulse_leases`, by model. One that breaks the contract is counted (by
@@ -539,30 +617,59 @@ class Autoscaler:
             cap = self.settings.max_replicas
             raise BadMessage("bad_value", f"override holds {override.replicas} replicas, over the limit of {cap}")
 
-    def on_deposed(self) -> None:
-        # Stop acting at once; claims in flight are left for the next leader to adopt or expire.
-        self.metrics.leader.set(0)
-        if not self._resigning:
-            self.metrics.lease_lost.inc()
-        if self.commands is not None:
-            self.commands.on_leadership(False)
-        for c in list(self.by_model.values()):
-            task = asyncio.ensure_future(c.stop(release_in_flight=False))
-            task.add_done_callback(functools.partial(_forget_after_stop, c))
-
     async def shutdown(self, campaign: asyncio.Task[None] | None = None) -> None:
         if self._retiring:
             await asyncio.wait(self._retiring, timeout=self.settings.controller.deactivate_timeout_s + 1.0)
         for c in list(self.by_model.values()):
             await c.stop(release_in_flight=True)
-        if self.leader is not None:
-            self.leader.halt()
+        if self.shards is not None:
+            self.shards.halt()
         if campaign is not None:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(campaign, 5)
-        if self.leader is not None:
+        if self.shards is not None:
             self._resigning = True
-            await self.leader.resign()
+            await self.shards.resign()  # the others take our shards at once, not after a lease
+            await self.shards.close()
+
+    # --- sample subscriptions -----------------------------------------------------------------------------------
+
+    async def follow_subjects(self, nc: Client, stop: asyncio.Event) -> None:
+        """Subscribe to the samples this replica needs on `nc` (the samples' connection): while it holds every
+        shard, one wildcard subscription; else one per model it owns, so a replica of three receives a third of
+        the fleet's samples instead of all of them. The new subscriptions are made before the old are dropped,
+        so a move loses no sample (a duplicate is counted as one)."""
+        subs: dict[str, Any] = {}
+        self.sample_subjects = frozenset()
+        try:
+            while not stop.is_set():
+                await self.subjects_changed.wait()
+                self.subjects_changed.clear()
+                if len(self._held) == protocol.SHARDS:
+                    want = {protocol.QUEUE_WILDCARD}
+                else:
+                    want = {protocol.QUEUE_PREFIX + m for s in self._held for m in self.by_shard.get(s, ())}
+                for subject in sorted(want - set(subs)):
+                    try:
+                        # nats-py's own queue in front of the callback: generous, since a message it drops is
+                        # counted nowhere of ours (the callback is cheap and coalesces into `samples`).
+                        subs[subject] = await nc.subscribe(subject, cb=self.on_queue_msg, pending_msgs_limit=1_000_000)
+                    except nats.errors.Error as err:  # disconnected: try again on the next change or tick
+                        log.warning("cannot subscribe to %s: %s", subject, err)
+                        self.subjects_changed.set()
+                        break
+                for subject in sorted(set(subs) - want):
+                    with contextlib.suppress(nats.errors.Error):
+                        await subs.pop(subject).unsubscribe()
+                with contextlib.suppress(nats.errors.Error, TimeoutError):
+                    await nc.flush(timeout=2)  # the server has them: a sample published now is ours
+                self.sample_subjects = frozenset(subs)
+                if self.subjects_changed.is_set():
+                    await asyncio.sleep(self.settings.housekeeping_every_s)
+        finally:
+            for sub in subs.values():
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
 
 
 class SlotCounts:
@@ -666,13 +773,19 @@ async def run(
     store = KvSlotStore(nc, buckets, on_reject=lambda reason: metrics.registry_rejected.labels(reason).inc())
     await store.start()
     scaler = Autoscaler(settings, nc, store, buckets, metrics=metrics, cold_path=cold_path)
-    scaler.leader = LeaderElection(
-        buckets[protocol.LEASES_BUCKET],
+    lease = settings.lease
+    # Lease rounds on their own, shorter timeout: a broker that vanished must not hold a round for the default 5 s
+    # (the fence ends our terms on time anyway, but re-taking them would wait).
+    leases_kv = await nc.jetstream(timeout=lease.renew_every_s * 2).key_value(protocol.LEASES_BUCKET)
+    scaler.shards = ShardLeases(
+        leases_kv,
         settings.identity,
-        settings.lease,
-        on_elected=scaler.on_elected,
-        on_deposed=scaler.on_deposed,
+        ShardSettings(lease_s=lease.lease_s, renew_every_s=lease.renew_every_s, stop_fraction=lease.stop_fraction),
+        on_acquired=scaler.on_shard_acquired,
+        on_lost=scaler.on_shard_lost,
+        count_models=scaler.models_owned,
         rejections=store.rejected,
+        nc=nc,
     )
     runner: web.AppRunner | None = None
     if settings.metrics_port is not None:
@@ -681,22 +794,23 @@ async def run(
     # Samples on their own connection: claims, activation replies and lease renewals on `nc` never queue behind
     # a flood of them, in the server's outbound buffer or in our socket's.
     samples_nc = await connect.connect(dataclasses.replace(settings.nats, name=f"{settings.nats.name}-samples"))
-    sub = await samples_nc.subscribe(protocol.QUEUE_WILDCARD, cb=scaler.on_queue_msg, pending_msgs_limit=1_000_000)
     service = scaler.commands = commands.CommandService(
         nc,
         scaler,
         store,
         is_leader=scaler.is_leader,
+        router=scaler.shards,
         rejections=scaler.rejections,  # counted in pulsescale_rejected_messages_total{reason}
         settings=commands.CommandSettings(max_replicas=settings.max_replicas),
     )
-    campaign = asyncio.create_task(scaler.leader.campaign(stop), name="leader")
+    campaign = asyncio.create_task(scaler.shards.campaign(stop), name="shards")
     tasks = [
         asyncio.create_task(scaler.scalers.run(), name="scalers-view"),
         asyncio.create_task(scaler.follow_scalers(stop), name="scalers"),
         asyncio.create_task(scaler.follow_slots(stop), name="slots"),
         asyncio.create_task(scaler.housekeeping(stop), name="housekeeping"),
         asyncio.create_task(scaler.drain_samples(), name="samples"),
+        asyncio.create_task(scaler.follow_subjects(samples_nc, stop), name="sample-subjects"),
         campaign,
     ]
     await service.start()
@@ -711,8 +825,6 @@ async def run(
                 raise t.exception()  # type: ignore[misc]
     finally:
         stop.set()
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
         with contextlib.suppress(Exception):
             await service.stop()
         await scaler.shutdown(campaign=campaign)

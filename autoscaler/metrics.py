@@ -105,10 +105,15 @@ class AutoscalerMetrics:
         self.internal_errors = Counter(
             "pulsescale_internal_errors_total", "Bugs caught and survived (see the log for the traceback)", registry=r
         )
-        self.leader = Gauge("pulsescale_leader", "1 while this replica holds the leader lease", registry=r)
+        self.leader = Gauge(
+            "pulsescale_leader", "1 while this replica acts for at least one shard of the models", registry=r
+        )
+        self.shards_held = Gauge(
+            "pulsescale_shards_held", "Shards of the models whose lease this replica holds (of 32)", registry=r
+        )
         self.lease_lost = Counter(
             "pulsescale_lease_lost_total",
-            "Times this replica stopped leading other than by resigning cleanly (lease not renewed, taken over)",
+            "Shard leases this replica lost (not renewed in time, or taken over); a hand-over or resign is not one",
             registry=r,
         )
         self._models: dict[str, ModelSeries] = {}

@@ -44,7 +44,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 import nats.errors
@@ -59,12 +59,14 @@ from warmpool.protocol import LeaderLease, ReplicaRecord
 from warmpool.registry import BucketView
 from warmpool.rejects import Rejections
 
-__all__ = ["ShardLeases", "ShardSettings", "assign"]
+__all__ = ["INVOLUNTARY", "ShardLeases", "ShardSettings", "assign"]
 
 log = logging.getLogger("pulsescale.shards")
 
 _Record = LeaderLease | ReplicaRecord
 _NATS_ERRORS = (nats.errors.Error, TimeoutError, OSError)
+INVOLUNTARY: Final = frozenset({"lease not renewed in time", "another replica holds its lease"})
+"""`ShardLeases.last_loss` reasons that mean the shard was lost, not handed over: the daemon counts these."""
 FORGET_AFTER_LEASES = 10
 """A replica record lapsed this many leases is deleted by the holder of shard 0."""
 
@@ -177,6 +179,9 @@ class ShardLeases:
         self._nc: Client = nc if nc is not None else kv._js._nc
         self._started_at = clock()
         self._held: dict[int, _Term] = {}
+        self.last_loss = ""
+        """Why the shard `on_lost` is being called for was lost: one of `INVOLUNTARY` (the term lapsed, another
+        replica holds the lease), or "assigned to another replica", "an older replica leads", "resigned"."""
         self._halted = False
         self._legacy: str | None = None  # the older replica leading through LEADER_LEASE_KEY, while it does
         self._leader: LeaderElection | None = None  # (b): while we hold shard 0
@@ -228,6 +233,7 @@ class ShardLeases:
     def _lose(self, shard: int, why: str) -> None:
         if self._held.pop(shard, None) is not None:
             log.info("%s: no longer owns shard %d (%s)", self.identity, shard, why)
+            self.last_loss = why
             self._call(self.on_lost, shard)
 
     def _call(self, callback: Callable[[int], None] | None, shard: int) -> None:

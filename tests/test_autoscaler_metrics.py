@@ -17,6 +17,7 @@ from tests.test_autoscaler import (  # noqa: F401 - cancel_gateways is an autous
     put_scaler,
     running_autoscaler,
 )
+from warmpool import protocol
 from warmpool.embedded import NatsServer
 from warmpool.registry import KvSlotStore
 
@@ -102,19 +103,28 @@ async def test_the_port_serves_metrics_health_and_readiness_and_nothing_else(
         await wait_for(lambda: health_is(200), 10, "healthy again")
 
 
-async def test_a_follower_is_healthy_with_current_views(
+async def test_a_second_replica_is_healthy_with_current_views_and_takes_its_share(
     nats_server: NatsServer, nc: Client, store: KvSlotStore
 ) -> None:
+    """A replica joining one that holds every shard is healthy (current views) before it holds any, and then
+    takes its share: the two split the 32 shards, each acting for half."""
     await put_scaler(nc, "m")
-    lead = running_autoscaler(nats_server.url, identity="leader")
+    lead = running_autoscaler(nats_server.url, identity="first")
     follow = running_autoscaler(
-        nats_server.url, identity="follower", metrics_host="127.0.0.1", metrics_port=0, wait_to_lead=False
+        nats_server.url, identity="second", metrics_host="127.0.0.1", metrics_port=0, wait_to_lead=False
     )
-    async with lead as leader, follow as follower:
-        assert leader.is_leader() and not follower.is_leader()
-        port = follower.metrics_port
+    async with lead as first, follow as second:
+        port = second.metrics_port
         assert port
-        await wait_for(follower.ready, 3, "the follower's views")
+        await wait_for(second.ready, 3, "the second replica's views")
         status, text = await get(port, "/healthz")
-        assert status == 200 and json.loads(text)["leader"] is False
+        assert status == 200, text
         assert (await get(port, "/readyz"))[0] == 200
+
+        def split() -> bool:
+            a, b = first.shards.held(), second.shards.held()  # type: ignore[union-attr]
+            return len(a) == len(b) == protocol.SHARDS // 2 and not a & b
+
+        await wait_for(split, 5, "the shards split between the two")
+        health = json.loads((await get(port, "/healthz"))[1])
+        assert health["leader"] is True and len(health["shards"]) == protocol.SHARDS // 2
