@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 import msgspec
+import nats.js.errors
 import numpy as np
 from nats.js.api import KeyValueConfig
 
@@ -429,12 +430,41 @@ class _Run:
         self.ownership_samples = 0
         self.orphaned_samples = 0  # samples that found a model without a live owner
         self.most_orphans = 0
+        self.leases_kv: Any = None  # KV pulse_leases, for the named checks' fresh reads
         self.last_owned: dict[str, list[str]] = {}  # the last ownership sampled with an owner (picks the victim)
 
     def live(self) -> set[str]:
         return {r.identity for r in self.replicas if not r.killed and r.proc.poll() is None}
 
-    def check_owners(self, when: str) -> dict[str, list[str]]:
+    async def refresh_leases(self) -> None:
+        """Read the leases afresh: the named checks must not judge a lease by our watch, which lags when this
+        process is busy publishing the background samples (a lease would look expired when it is not)."""
+        keys = [protocol.LEADER_LEASE_KEY, *(protocol.shard_key(s) for s in range(protocol.SHARDS))]
+
+        async def one(key: str) -> None:
+            try:
+                entry = await self.leases_kv.get(key)
+            except nats.js.errors.KeyNotFoundError:
+                self.leases.apply(key, None)
+            else:
+                self.leases.apply(key, entry.value)
+
+        await asyncio.gather(*(one(k) for k in keys), return_exceptions=True)
+
+    async def settle(self, timeout_s: float) -> float:
+        """Wait until every model has a live owner and every live replica holds a share (the shards split over
+        them); returns how long it took."""
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < timeout_s:
+            await self.refresh_leases()
+            per, orphans = self.leases.ownership(self.shard_of_model, self.live())
+            if orphans == 0 and (len(per) == len(self.live()) or not self.leases.sharded):
+                break
+            await asyncio.sleep(0.1)
+        return time.perf_counter() - t0
+
+    async def check_owners(self, when: str) -> dict[str, list[str]]:
+        await self.refresh_leases()
         per, orphans = self.leases.ownership(self.shard_of_model, self.live())
         self.checks.append(orphans == 0)
         spread = "  ".join(f"{r.identity} {len(per.get(r.identity, []))}" for r in self.replicas if not r.killed)
@@ -465,7 +495,7 @@ class _Run:
             port = free_port()
             proc = subprocess.Popen(
                 [sys.executable, "-m", "pulsescale", "autoscaler", "--nats", self.server.url,
-                 "--metrics-port", str(port), "--identity", identity, "--log-level", "WARNING"],
+                 "--metrics-port", str(port), "--identity", identity, "--log-level", os.environ.get("PULSESCALE_BENCH_LOG_LEVEL", "WARNING")],
                 env=env, stderr=err,
             )  # fmt: skip
             self.replicas.append(_Replica(identity=identity, port=port, proc=proc, stderr=err))
@@ -493,6 +523,7 @@ class _Run:
         lease lost and not yet retaken shows even when no named check falls on it."""
         while not stop.is_set():
             if not self.in_takeover:
+                await self.refresh_leases()
                 per, orphans = self.leases.ownership(self.shard_of_model, self.live())
                 self.last_owned = per or self.last_owned
                 self.ownership_samples += 1
@@ -531,7 +562,7 @@ class _Run:
                 print(f"pulse budget of {args.pulse_budget_s:.0f} s spent after {k} pulses")
                 break
             if k == n_pulses // 2:
-                self.check_owners("mid-pulses")
+                await self.check_owners("mid-pulses")
             self.quiet.add(m)
             t0 = time.perf_counter()
             # Demand 4 (= targetQueueDepth): one replica wanted, so the model's other slots stay free for the
@@ -544,7 +575,7 @@ class _Run:
             await asyncio.sleep(0.02)
         for r in self.replicas:
             r.sample()
-        per = self.check_owners("after the pulses")
+        per = await self.check_owners("after the pulses")
         print(f"decision latency, sample published -> first claim written ({args.models} models active over "
               f"{args.replicas} replica(s), {len(latencies)}/{n_pulses} pulses answered):")  # fmt: skip
         if latencies:
@@ -601,11 +632,12 @@ class _Run:
         # The survivors take the killed replica's leases as each expires: look once none is left without a live
         # owner (or the phase's bound has passed, and the check says so).
         while time.perf_counter() < deadline:
+            await self.refresh_leases()
             if self.leases.ownership(self.shard_of_model, self.live())[1] == 0:
                 break
             await asyncio.sleep(0.1)
         self.in_takeover = False
-        self.check_owners("after the takeover")
+        await self.check_owners("after the takeover")
 
     async def ingest(self) -> None:
         """Samples published as fast as one publisher can; counted by each live replica until the counts stop."""
@@ -701,6 +733,7 @@ async def _end_to_end(args: argparse.Namespace) -> None:
         await store.start()
         buckets = await ensure_buckets(nc.jetstream())
         run = _Run(args, server, nc, store)
+        run.leases_kv = buckets[protocol.LEASES_BUCKET]
         await run.seed(buckets[protocol.SCALERS_BUCKET])
         slots = run.slots
 
@@ -723,7 +756,9 @@ async def _end_to_end(args: argparse.Namespace) -> None:
         bg = asyncio.create_task(run.background(stop))
         owners = asyncio.create_task(run.watch_ownership(stop))
         await asyncio.sleep(1.5)  # windows see steady traffic first
-        run.check_owners("before the pulses")
+        settled = await run.settle(READY_TIMEOUT_S)
+        print(f"ownership settled {settled:.1f} s after the pulses' warm-up")
+        await run.check_owners("before the pulses")
         per = await run.timed_pulses()
         if args.kill and args.replicas >= 2:
             await run.takeover(per)

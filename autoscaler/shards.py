@@ -67,6 +67,8 @@ _Record = LeaderLease | ReplicaRecord
 _NATS_ERRORS = (nats.errors.Error, TimeoutError, OSError)
 INVOLUNTARY: Final = frozenset({"lease not renewed in time", "another replica holds its lease"})
 """`ShardLeases.last_loss` reasons that mean the shard was lost, not handed over: the daemon counts these."""
+_LAPSE_MARGIN_S: Final = 0.02
+"""Looked at this long after a record's lapse, so the clock has surely passed it."""
 FORGET_AFTER_LEASES = 10
 """A replica record lapsed this many leases is deleted by the holder of shard 0."""
 
@@ -466,9 +468,23 @@ class ShardLeases:
             while not stop.is_set() and not self._halted:
                 began = loop.time()
                 await self.step()
-                await asyncio.wait([stopped], timeout=max(0.0, self.settings.renew_every_s - (loop.time() - began)))
+                wait = max(0.0, self.settings.renew_every_s - (loop.time() - began))
+                # A replica that went silent frees its shards when its record lapses: look right then, not up to a
+                # renewal interval later (a dead replica's models wait lease_s + this, the issue's bar lease + 1 s).
+                lapse = self.next_lapse()
+                if lapse is not None:
+                    wait = min(wait, max(0.0, lapse - self.clock()) + _LAPSE_MARGIN_S)
+                await asyncio.wait([stopped], timeout=wait)
         finally:
             stopped.cancel()
+
+    def next_lapse(self) -> float | None:
+        """When the next other replica's record lapses if it is not renewed (wall clock); None: no other replica.
+        Only a replica that stopped renewing lapses: the others renew well before it, so this moves on."""
+        now = self.clock()
+        ends = [r.renewed_at + r.lease_s for r in self.replicas() if r.identity != self.identity]
+        later = [t for t in ends if t > now]
+        return min(later) if later else None
 
     def halt(self) -> None:
         """Stop taking and renewing (a flag, as `LeaderElection.halt`). The terms held run out by the fence."""
