@@ -495,7 +495,7 @@ class _Run:
             port = free_port()
             proc = subprocess.Popen(
                 [sys.executable, "-m", "pulsescale", "autoscaler", "--nats", self.server.url,
-                 "--metrics-port", str(port), "--identity", identity, "--log-level", os.environ.get("PULSESCALE_BENCH_LOG_LEVEL", "WARNING")],
+                 "--metrics-port", str(port), "--identity", identity, "--log-level", self.args.log_level],
                 env=env, stderr=err,
             )  # fmt: skip
             self.replicas.append(_Replica(identity=identity, port=port, proc=proc, stderr=err))
@@ -795,6 +795,12 @@ def decide(argv: list[str], prog: str) -> int:
         "[on with --replicas >= 2]",
     )
     p.add_argument("--logs", metavar="DIR", help="keep each replica's stderr in DIR/<identity>.log")
+    p.add_argument(
+        "--log-level",
+        default="WARNING",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="the replicas' log level (INFO shows shards taken and handed over, with --logs) [WARNING]",
+    )
     p.add_argument(
         "--pulse-budget-s", type=float, default=300.0, help="the timed pulses stop after this many seconds [300]"
     )

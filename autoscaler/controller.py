@@ -206,17 +206,22 @@ class ModelController:
             self.decider.touch(now)
         return gone
 
-    async def housekeeping(self, now: float) -> bool:
-        """Time-driven work no sample triggers: a decision (override expiry, stale gateways, the windows moving on),
-        unless `ModelDecider.settled` says it would repeat the last one; then the scaler's. Returns whether it
-        decided."""
-        decide = not self.decider.settled(now, ready=self.scaler.ready)
+    async def housekeeping(self, now: float, *, decide: bool = True) -> bool:
+        """Time-driven work no sample triggers: when `decide` (the model's turn), a decision (override expiry, stale
+        gateways, the windows moving on) unless `ModelDecider.settled` says it would repeat the last one; then the
+        scaler's (every tick while it holds slots, else on its turn). Returns whether it decided."""
+        turn = decide
         if decide:
-            self.decider.request(now)
-            self._run_due(now)
-        else:
-            self.decider.skip(now)
-        await self.scaler.housekeeping(now)
+            decide = not self.decider.settled(now, ready=self.scaler.ready)
+            if decide:
+                self.decider.request(now)
+                self._run_due(now)
+            else:
+                self.decider.skip(now)
+        if turn or self.scaler.held or self.scaler.exhausted:
+            # Held slots are watched every tick (a dead agent's slot is replaced at once); the orphan check and a
+            # look at an empty pool can wait for the model's turn.
+            await self.scaler.housekeeping(now)
         return decide
 
     # --- status ------------------------------------------------------------------------------------------------

@@ -4,13 +4,19 @@ every model every tick (the reference), on a hand clock."""
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from nats.aio.client import Client
 
 from autoscaler.daemon import SlotCounts
 from autoscaler.decider import DeciderSettings, ModelDecider
+from tests.helpers import wait_for
+from tests.test_autoscaler import Gateway, put_scaler, running_autoscaler
 from warmpool import protocol
+from warmpool.embedded import NatsServer
 from warmpool.protocol import Override, QueueSample, ScaledObjectSpec, ScalerRecord, SlotRecord
 from warmpool.registry import Changed, Removed, Snapshot
 
@@ -231,3 +237,24 @@ def test_a_quiet_model_is_skipped_until_a_gateway_turns_stale() -> None:
     pair.step("ticks", "", 8)  # the gateway went silent: it turns stale after 1 s, and that is decided
     assert pair.skip.decision is not None and pair.skip.decision.mode == "stale"
     assert pair.skipped < before + 8
+
+
+async def test_each_model_is_re_decided_once_per_turn_round(nats_server: NatsServer, nc: Client) -> None:
+    """`redecide_every_s` four ticks long: four turns, and each model is re-decided on exactly one of any four ticks
+    in a row (time-driven decisions cost a quarter), while a sample is still decided at once. The ticks are ours
+    (the daemon's own would come after a minute)."""
+    models = [f"m{i}" for i in range(12)]
+    for m in models:
+        await put_scaler(nc, m)
+    async with running_autoscaler(nats_server.url, housekeeping_every_s=60.0, redecide_every_s=240.0) as scaler:
+        await wait_for(lambda: len(scaler.by_model) == len(models), 5, "the models followed")
+        decided = {m: 0 for m in models}
+        for _ in range(8):
+            before = {m: scaler.by_model[m].decider._decided_at for m in models}
+            await asyncio.sleep(0.06)  # past the 50 ms debounce: a tick's decision is taken at once
+            await scaler.housekeeping_once()
+            for m in models:
+                decided[m] += scaler.by_model[m].decider._decided_at != before[m]
+        assert decided == dict.fromkeys(models, 2), decided
+        await Gateway(nc, "m0").send(8)
+        await wait_for(lambda: scaler.by_model["m0"].decider.desired(0) == 2, 5, "the sample decided at once")
