@@ -360,32 +360,41 @@ class TimeWindow:
         return _line(keys, values, self.key(now), self.bucket_s)
 
 
+def _fit(c: int, su: int, suu: int, sy: int, suy: int, bucket_s: float) -> tuple[float, float]:
+    """The least-squares line through `c` >= 2 buckets from exact sums, keys relative to the bucket of `now`:
+    ``(level at now, slope per second)``. Both readings (`_line`, `_track_line`) end here with the same integers,
+    so a decision does not depend on which one served it, down to the last bit."""
+    one = 1 << _FIXED_BITS
+    slope = (c * suy - su * sy) / ((c * suu - su * su) * one) / bucket_s
+    return sy / (c * one) - slope * (su / c * bucket_s), slope
+
+
 def _line(keys: _Keys, values: _Values, k_now: int, bucket_s: float) -> tuple[float, float] | None:
     n = values.size
     if n == 0:
         return None
     if n == 1:
         return float(values[0]), 0.0
-    x = (keys - k_now).astype(np.float64) * bucket_s
-    x_mean = float(x.sum()) / n
-    y_mean = float(values.sum()) / n
-    dx = x - x_mean
-    slope = float(dx @ (values - y_mean)) / float(dx @ dx)
-    return y_mean - slope * x_mean, slope
+    su = suu = sy = suy = 0
+    for key, value in zip(keys.tolist(), values.tolist(), strict=True):
+        u, y = key - k_now, _fixed(value)
+        su += u
+        suu += u * u
+        sy += y
+        suy += u * y
+    return _fit(n, su, suu, sy, suy, bucket_s)
 
 
 def _track_line(t: _Track, ring: _Ring, k_now: int, bucket_s: float) -> tuple[float, float] | None:
-    """`_line` from a track's running sums: the same fit, O(1)."""
+    """`_line` from a track's running sums: the same fit, O(1). The track's keys are relative to its `origin`:
+    moved to `k_now` exactly (the slope's numerator and denominator do not change under the move)."""
     c = len(t.present)
     if c == 0:
         return None
     if c == 1:
         return ring.values[t.present[0] % ring.n], 0.0
-    one = 1 << _FIXED_BITS
-    den = c * t.suu - t.su * t.su
-    slope = (c * t.suy - t.su * t.sy) / (den * one) / bucket_s
-    x_mean = (t.su / c + (t.origin - k_now)) * bucket_s
-    return t.sy / (c * one) - slope * x_mean, slope
+    d = t.origin - k_now
+    return _fit(c, t.su + c * d, t.suu + 2 * d * t.su + c * d * d, t.sy, t.suy + d * t.sy, bucket_s)
 
 
 @dataclass(frozen=True, slots=True)

@@ -439,8 +439,9 @@ async def test_the_status_subresource_follows_the_autoscaler(
         assert cond["observedGeneration"] == 1
         await running.api.wait_for(lambda: running.events("qwen", "Paused"), what="a Paused Event")
 
-        # Quiet: the status is patched only when it changes.
-        await asyncio.sleep(0.4)
+        # Quiet: the status is patched only when it changes. What time alone changes (the gateway's last word going
+        # stale ends the pause decision's Active) is re-decided on the model's turn, once a second: wait one round.
+        await asyncio.sleep(1.4)
         before = len([r for r in running.api.requests if r.subresource == "status"])
         await asyncio.sleep(1.0)  # ~3 status rounds at 0.3 s
         after = len([r for r in running.api.requests if r.subresource == "status"])
