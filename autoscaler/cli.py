@@ -16,7 +16,7 @@ from dataclasses import replace
 from autoscaler import daemon, scaledobject
 from autoscaler.controller import ControllerSettings
 from autoscaler.leader import LeaseSettings
-from warmpool import connect, registry
+from warmpool import connect, protocol, registry
 
 GC_FREEZE_EVERY_S = 30.0
 """The daemon's `AutoscalerSettings.gc_freeze_every_s` (see there)."""
@@ -26,7 +26,8 @@ def run_autoscaler(argv: list[str], prog: str) -> int:
     p = argparse.ArgumentParser(
         prog=prog,
         description="Run the autoscaler: ingest gateway queue samples, decide, claim and activate warm slots. "
-        "Run several for high availability; one leads (lease in KV pulse_leases), the others stand by.",
+        "Run several to share the models and survive one's death: the models are split into 32 shards (leases in KV "
+        "pulse_leases) spread over the live replicas.",
     )
     connect.add_nats_arguments(p)
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics, /healthz and /readyz on this port")
@@ -57,13 +58,13 @@ def run_autoscaler(argv: list[str], prog: str) -> int:
         help="JetStream replicas of the KV buckets it creates, and the least an existing one is raised to "
         f"[${registry.KV_REPLICAS_ENV}, else detected: 1 on a single server, 3 on a cluster of 3 or more]",
     )
-    p.add_argument("--identity", help="replica name in the leader lease [host-pid-random]")
+    p.add_argument("--identity", help="replica name in the shard leases: letters, digits, - and _ [host-pid-random]")
     p.add_argument(
         "--lease",
         type=float,
         default=LeaseSettings.lease_s,
         metavar="SECONDS",
-        help=f"leader lease [{LeaseSettings.lease_s}]",
+        help=f"shard lease: a dead replica's models are taken over after this [{LeaseSettings.lease_s}]",
     )
     p.add_argument(
         "--activation-deadline",
@@ -87,6 +88,8 @@ def run_autoscaler(argv: list[str], prog: str) -> int:
         max_replicas = args.max_replicas or scaledobject.max_replicas_from_env(os.environ)
     except scaledobject.ScaledObjectError as err:
         p.error(str(err))
+    if args.identity is not None and not protocol.is_identity(args.identity):
+        p.error(f"--identity {args.identity!r}: use 1-128 letters, digits, '-' or '_' (it names keys and subjects)")
     if max_replicas < 1 or args.max_claims_in_flight < 1:
         p.error("--max-replicas and --max-claims-in-flight must be >= 1")
     kv_replicas = args.kv_replicas or os.environ.get(registry.KV_REPLICAS_ENV)

@@ -1,12 +1,14 @@
 """`pulsescale autoscaler`: the daemon. One `run(settings, stop=...)` starts everything, as named root tasks.
 
-Every replica ingests samples, follows the ScaledObjects in `pulse_scalers` (a `registry.BucketView`) and the
-slots in `pulse_slots`, and runs one `ModelController` per model, so a standby's windows are full when it takes
-over. Only the leader (lease in `pulse_leases`, `autoscaler.leader`) claims, activates, releases, and answers
-on-call commands (`autoscaler.commands`, through the `ControlPlane` that `Autoscaler` implements). A new leader
-adopts the slots its predecessor held and restores the on-call overrides stored under
-``protocol.override_key(model)``. A deleted ScaledObject's slots are given back (the operator's finalizer waits for
-that): by the leader when the delete arrives, else by a later leader's sweep for held slots no ScaledObject owns.
+Every replica follows the ScaledObjects in `pulse_scalers` (a `registry.BucketView`) and the slots in
+`pulse_slots`, and keeps one `ModelController` per model. The models are sharded over the replicas
+(`autoscaler.shards`: 32 shard leases in `pulse_leases`, assigned over the live replicas): a replica acts for a
+model only while it holds the model's shard, fenced — it subscribes to that model's samples, decides, claims,
+activates, releases, and answers on-call commands for it (`autoscaler.commands`, through the `ControlPlane` that
+`Autoscaler` implements; another replica's models are handed to their owner). A replica that takes a shard adopts
+the slots held for its models and restores their on-call overrides stored under ``protocol.override_key(model)``;
+their windows start afresh. A deleted ScaledObject's slots are given back (the operator's finalizer waits for that):
+by the model's owner when the delete arrives, else by a later owner's sweep for held slots no ScaledObject owns.
 
 Samples arrive on a connection of their own, so the lease renewal, claims and activation replies on the main one
 never queue behind them; the subscription's callback only decodes and checks them into a `samples.SampleBuffer`
@@ -14,8 +16,8 @@ never queue behind them; the subscription's callback only decodes and checks the
 callback each yield to the loop every `AutoscalerSettings.slice_s`. The ``pulsescale_slots`` gauges are kept from
 the slot view's events (`SlotCounts`), not a scan per tick.
 
-Its HTTP port serves ``/metrics``, ``/healthz`` (200 while this replica leads, or follows with a live connection
-and current views) and ``/readyz`` (200 once the views are listed and the ScaledObjects followed).
+Its HTTP port serves ``/metrics`` (rendered in a thread), ``/healthz`` (200 while this replica holds a shard, or
+has a live connection and current views) and ``/readyz`` (200 once the views are listed and the ScaledObjects followed).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import functools
 import gc
 import logging
 import os
+import re
 import socket
 import time
 import uuid
@@ -56,15 +59,22 @@ from warmpool.protocol import Override, OverrideRecord, QueueSample, ScaledObjec
 from warmpool.registry import BucketView, Changed, Claim, KvSlotStore, Removed, Snapshot, ensure_buckets
 from warmpool.rejects import Rejections
 
-__all__ = ["Autoscaler", "AutoscalerSettings", "run"]
+__all__ = ["Autoscaler", "AutoscalerSettings", "default_identity", "run"]
 
 log = logging.getLogger("pulsescale.autoscaler")
+
+
+def default_identity() -> str:
+    """``<host>-<pid>-<random>``, the host name cut to the characters an identity may hold (one key and subject
+    token: `protocol.IDENTITY_PATTERN`), so a dotted host name still gives a valid one."""
+    host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:100] or "host"
+    return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
 @dataclass(frozen=True)
 class AutoscalerSettings:
     nats: connect.NatsOptions = field(default_factory=connect.NatsOptions)
-    identity: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+    identity: str = field(default_factory=lambda: default_identity())
     """Unique per process: two replicas must never mistake each other's lease for their own."""
     metrics_host: str = "127.0.0.1"
     """Bind address of the metrics/health port: loopback unless told otherwise, since the metrics name every model
