@@ -82,6 +82,7 @@ async def clients(cluster: NatsCluster) -> AsyncIterator[Clients]:
             out.conns.append(nc)
             if i == 0:
                 await ensure_buckets(nc.jetstream(timeout=SETUP_TIMEOUT_S))  # every bucket, as the autoscaler does
+                await streams_led(nc)
             out.stores.append(await KvSlotStore.open(nc, timeout_s=SETUP_TIMEOUT_S))
         await asyncio.gather(*(s.start() for s in out.stores))
         yield out
@@ -90,6 +91,24 @@ async def clients(cluster: NatsCluster) -> AsyncIterator[Clients]:
             await s.close()
         for nc in out.conns:
             await nc.close()
+
+
+async def streams_led(nc: Client, timeout_s: float = 10.0) -> None:
+    """Every bucket's stream has a leader: a write right after the buckets are made can otherwise find no
+    responder while the cluster still places the stream (seen once here, at the seed's first heartbeat)."""
+    js = nc.jetstream(timeout=SETUP_TIMEOUT_S)
+
+    async def led() -> bool:
+        for bucket in protocol.BUCKETS:
+            try:
+                info = await js.stream_info(f"KV_{bucket}")
+            except (nats.errors.Error, TimeoutError):
+                return False
+            if info.cluster is None or not info.cluster.leader:
+                return False
+        return True
+
+    await wait_for(led, timeout_s, "every bucket's stream to have a leader")
 
 
 @dataclass(frozen=True)
