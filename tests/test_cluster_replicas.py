@@ -63,7 +63,7 @@ async def test_a_single_server_gets_one_replica(nc: Client) -> None:
 async def test_a_cluster_gets_three_replicas_and_buckets_that_take_writes_at_once(cluster: NatsCluster) -> None:
     nc = await connect.connect(connect.NatsOptions(servers=tuple(cluster.urls)))
     try:
-        kv = await ensure_buckets(nc.jetstream(timeout=2.0))
+        kv = await ensure_buckets(nc.jetstream(timeout=10.0))  # a replicated create with fsync: generous on CI
         # Straight after creation (each new bucket's stream leader is waited for).
         assert await kv[protocol.AGENTS_BUCKET].put("n", b"x") > 0
         assert set((await replicas(nc)).values()) == {CLUSTER_SIZE}
