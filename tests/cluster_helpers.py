@@ -138,10 +138,17 @@ class NatsCluster:
         while time.monotonic() < deadline:
             # `among` must agree with the rest: a restarted server first names no leader, then the current one.
             leader = self.meta_leader(None if among is None else sorted(set(self.alive()) | set(among)))
-            if leader is not None and leader in self.alive():
+            if leader is not None and leader in self.alive() and self._peers_current(leader):
                 return leader
             time.sleep(_POLL_S)
         raise TimeoutError(f"no JetStream meta leader agreed on after {timeout_s} s; logs: {self.logs()}")
+
+    def _peers_current(self, leader: int) -> bool:
+        """The meta leader counts every other live server as a current peer: before that, a replicated stream
+        created at once may find no room on a server still catching up (and be made with fewer replicas)."""
+        meta = ((self.jsz(leader) or {}).get("meta_cluster")) or {}
+        current = {r.get("name") for r in meta.get("replicas") or [] if r.get("current")}
+        return {self.names[j] for j in self.alive() if j != leader} <= current
 
     def stream_leader(self, stream: str) -> int | None:
         """Index of the leader of `stream` as the live servers report it, or None while there is none."""
