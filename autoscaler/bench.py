@@ -524,6 +524,7 @@ class _Run:
         while not stop.is_set():
             if not self.in_takeover:
                 await self.refresh_leases()
+            if not self.in_takeover:  # again: the kill may have come while the leases were read
                 per, orphans = self.leases.ownership(self.shard_of_model, self.live())
                 self.last_owned = per or self.last_owned
                 self.ownership_samples += 1
