@@ -363,13 +363,29 @@ def _headers(staged: staging.Staged) -> list[safetensors_check.Header]:
     return [f.header for f in staged.weights if f.header is not None]
 
 
+NO_GPU = loaders.GpuProbe(devices=0, libcuda="not looked for (no device)", cupy=False, kvikio=False)
+"""What `probe_gpu` finds on a node without a GPU: handed to `choose`, so the test runs on any machine."""
+
+
 def test_auto_picks_host_and_gpu_loaders_are_refused_without_a_gpu() -> None:
-    if loaders.gpu_count():
-        pytest.skip("needs a machine without a GPU")
-    loader, why = loaders.choose("auto")
+    loader, why = loaders.choose("auto", probe=NO_GPU)
+    assert loader.name == "host" and "no GPU on this node" in why
+    with pytest.raises(loaders.LoaderUnavailable, match=r"cannot run on this node: no GPU"):
+        loaders.choose("cuda-pinned", probe=NO_GPU)
+
+
+def test_on_this_machine_choose_follows_what_the_probe_finds() -> None:
+    """The real probe, with or without a GPU: a CPU engine always gets ``host``, and a GPU loader asked for by name
+    is refused exactly when the probe says it cannot run."""
+    probe = loaders.probe_gpu()
+    loader, why = loaders.choose("auto", probe=probe)
     assert loader.name == "host" and why
-    with pytest.raises(Exception, match=r"cannot run on this node|not built yet"):
-        loaders.choose("cuda-pinned")
+    refused = probe.unavailable("cuda-pinned")
+    if refused:
+        with pytest.raises(loaders.LoaderUnavailable, match="cannot run on this node"):
+            loaders.choose("cuda-pinned", probe=probe)
+    else:
+        assert loaders.choose("cuda-pinned", probe=probe)[0].name == "cuda-pinned"
 
 
 def test_the_tiny_model_really_computes_from_its_weights(model_dir: Path) -> None:
