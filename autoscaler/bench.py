@@ -44,15 +44,15 @@ from typing import IO, Any
 import msgspec
 import nats.js.errors
 import numpy as np
-from nats.js.api import KeyValueConfig
 
 from autoscaler.controller import Deps, LocalColdPath, ModelController
 from autoscaler.metrics import AutoscalerMetrics
 from warmpool import connect, protocol
+from warmpool.bench import scratch_bucket
 from warmpool.embedded import NatsServer, free_port
 from warmpool.errors import PulsescaleError
 from warmpool.protocol import QueueSample, ScaledObjectSpec, ScalerRecord, SlotRecord
-from warmpool.registry import BucketSettings, Changed, KvSlotStore, Snapshot, ensure_buckets
+from warmpool.registry import Changed, KvSlotStore, Snapshot, ensure_buckets
 from warmpool.seed import seed_pool
 from warmpool.slots import HELD_STATES
 
@@ -165,12 +165,7 @@ async def _floor(nc, url: str, models: list[str], value: bytes) -> list[float]: 
     (as the autoscaler has) decodes it and does one kv.update on the revision it last wrote -> our KV watcher sees
     the update. One pulse per model, one at a time, as the timed pulses. Latencies (s)."""
     js = nc.jetstream(timeout=5.0)
-    with contextlib.suppress(Exception):
-        await js.delete_key_value(FLOOR_BUCKET)
-    settings = BucketSettings()
-    kv = await js.create_key_value(
-        KeyValueConfig(bucket=FLOOR_BUCKET, history=settings.slot_history, storage=settings.storage)
-    )
+    kv = await scratch_bucket(js, FLOOR_BUCKET)
     keys = {m: f"{m}.floor.s0" for m in models}
     revs = {m: await kv.put(keys[m], value) for m in models}
     responder = await connect.connect(connect.NatsOptions(servers=(url,), name="bench-decide-floor"))

@@ -20,6 +20,7 @@ import time
 
 import msgspec
 import numpy as np
+from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig
 from nats.js.kv import KeyValue
 
@@ -33,6 +34,19 @@ from warmpool.seed import seed_pool
 MODEL = "bench"
 FLOOR_BUCKET = "pulse_bench_floor"
 """Scratch bucket for the bare KV-update floor; never one the system uses."""
+
+
+async def scratch_bucket(js: JetStreamContext, name: str) -> KeyValue:
+    """A fresh bucket named `name`, shaped like `pulse_slots` (history, storage), for a bench's bare nats-py floor;
+    one a crashed run left behind is replaced. The caller deletes it (`js.delete_key_value`) when done."""
+    with contextlib.suppress(Exception):
+        await js.delete_key_value(name)
+    settings = BucketSettings()
+    return await js.create_key_value(
+        KeyValueConfig(bucket=name, history=settings.slot_history, storage=settings.storage)
+    )
+
+
 SETTLE_S = 0.05
 """Untimed pause after each slice's releases: their watch echoes are handled before the next floor slice."""
 
@@ -110,12 +124,7 @@ async def _bench(args: argparse.Namespace) -> None:
         await store.start()
         keys = await seed_pool(store, MODEL, nodes=args.nodes, slots_per_node=per_node, racks=4)
         js = nc.jetstream(timeout=5.0)
-        with contextlib.suppress(Exception):
-            await js.delete_key_value(FLOOR_BUCKET)
-        settings = BucketSettings()
-        floor_kv = await js.create_key_value(
-            KeyValueConfig(bucket=FLOOR_BUCKET, history=settings.slot_history, storage=settings.storage)
-        )
+        floor_kv = await scratch_bucket(js, FLOOR_BUCKET)
         sample = store.record(keys[0])
         assert sample is not None
         value = protocol.encode(msgspec.structs.replace(sample, state="claimed", claim_id="0" * 16))
