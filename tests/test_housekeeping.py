@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import msgspec
-from hypothesis import given, settings
+from hypothesis import find, given, settings
 from hypothesis import strategies as st
 from nats.aio.client import Client
 
@@ -211,16 +211,20 @@ def test_skipping_settled_models_decides_as_re_deciding_every_tick(
     pair = _Pair(record)
     for op, arg, n in actions:
         pair.step(op, arg, n)
-    SKIPPED.append(pair.skipped)
 
 
-SKIPPED: list[int] = []
+def test_the_property_draws_runs_that_skip() -> None:
+    """Not vacuous: the property's own strategies produce runs in which housekeeping skips (`find` fails the test
+    when none of 500 does), so the equality above is tested where it matters."""
 
+    def skips(case: tuple[ScalerRecord, list[tuple[str, str, int]]]) -> bool:
+        record, actions = case
+        pair = _Pair(record)
+        for op, arg, n in actions:
+            pair.step(op, arg, n)
+        return pair.skipped > 0
 
-def test_the_property_saw_skips() -> None:
-    """Not vacuous: some of the generated runs did skip (run after the property test, same module)."""
-    if SKIPPED:
-        assert sum(1 for n in SKIPPED if n) >= 5, SKIPPED
+    find(st.tuples(records, st.lists(action, max_size=40)), skips, settings=settings(max_examples=500, deadline=None))
 
 
 def test_a_quiet_model_is_skipped_until_a_gateway_turns_stale() -> None:
