@@ -285,17 +285,13 @@ class _Leases:
 
     def __init__(self) -> None:
         self.leases: dict[str, protocol.LeaderLease] = {}
-        self.replicas: dict[str, protocol.ReplicaRecord] = {}
 
     def apply(self, key: str, value: bytes | None) -> None:
         self.leases.pop(key, None)
-        self.replicas.pop(key, None)
         if not value:
             return
-        with contextlib.suppress(Exception):  # something else in the bucket (overrides) or a broken record
-            if key.startswith(protocol.REPLICA_KEY_PREFIX):
-                self.replicas[key] = protocol.decode(value, protocol.ReplicaRecord)
-            elif key == protocol.LEADER_LEASE_KEY or key.startswith(protocol.SHARD_KEY_PREFIX):
+        with contextlib.suppress(Exception):  # something else in the bucket (overrides, replicas) or a broken one
+            if key == protocol.LEADER_LEASE_KEY or key.startswith(protocol.SHARD_KEY_PREFIX):
                 self.leases[key] = protocol.decode(value, protocol.LeaderLease)
 
     @property
@@ -458,6 +454,18 @@ class _Run:
             await asyncio.sleep(0.1)
         return time.perf_counter() - t0
 
+    def print_own_decision_times(self) -> None:
+        """The autoscalers' own view of the same path, from their ``pulsescale_decision_seconds`` histograms: a
+        sample taken in -> its first claim written, with no NATS hop or bench process on either end."""
+        live = [r for r in self.replicas if not r.killed and r.proc.poll() is None]
+        total = sum(_metric_or(r.port, "pulsescale_decision_seconds_count") for r in live)
+        under = {
+            le: sum(_metric_or(r.port, f'pulsescale_decision_seconds_bucket{{le="{le}"}}') for r in live)
+            for le in ("0.01", "0.02", "0.05")
+        }
+        within = ", ".join(f"{n:.0f} within {float(le) * 1e3:.0f} ms" for le, n in under.items())
+        print(f"the autoscalers' own decision time (pulsescale_decision_seconds since start): of {total:.0f}, {within}")
+
     async def check_owners(self, when: str) -> dict[str, list[str]]:
         await self.refresh_leases()
         per, orphans = self.leases.ownership(self.shard_of_model, self.live())
@@ -571,6 +579,7 @@ class _Run:
             await asyncio.sleep(0.02)
         for r in self.replicas:
             r.sample()
+        self.print_own_decision_times()
         per = await self.check_owners("after the pulses")
         print(f"decision latency, sample published -> first claim written ({args.models} models active over "
               f"{args.replicas} replica(s), {len(latencies)}/{n_pulses} pulses answered):")  # fmt: skip

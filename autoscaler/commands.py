@@ -521,8 +521,9 @@ class CommandService:
         if self.router is None:
             return rows
         me = self.router.identity
+        # The daemon's rows name their owner and shard already; a control plane that does not, gets them here.
         return [
-            msgspec.structs.replace(row, owner=me, shard=protocol.shard_of(row.model))
+            row if row.owner == me else msgspec.structs.replace(row, owner=me, shard=protocol.shard_of(row.model))
             for row in rows
             if self.router.owns_model(row.model)
         ]

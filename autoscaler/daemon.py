@@ -153,6 +153,7 @@ class Autoscaler:
         self.by_shard: dict[int, set[str]] = {}
         """Models with a ScaledObject, by shard (`protocol.shard_of`)."""
         self._acquired: set[int] = set()  # shards taken, waiting for `take_over`
+        self._stopping: dict[str, asyncio.Future[None]] = {}  # models whose lost shard's stop may still run
         self._held: set[int] = set()  # shards held, as the callbacks said (the gauges; `owns` fences)
         self.sample_subjects: frozenset[str] = frozenset()
         """The sample subjects subscribed to now (`follow_subjects`): the wildcard while this replica holds every
@@ -202,7 +203,7 @@ class Autoscaler:
 
     def owns(self, model: str) -> bool:
         """This replica acts for `model` now (it holds the lease of its shard, fenced)."""
-        return self.shards is not None and self.shards.owns(protocol.shard_of(model))
+        return self.shards is not None and self.shards.owns_model(model)
 
     # --- health ---------------------------------------------------------------------------------------------
 
@@ -479,7 +480,6 @@ class Autoscaler:
     async def housekeeping_once(self) -> None:
         self._tend_gc()
         now = self.clock()
-        self.metrics.leader.set(1 if self.is_leader() else 0)
         turns = max(1, round(self.settings.redecide_every_s / self.settings.housekeeping_every_s))
         self._tick += 1
         turn = self._tick % turns
@@ -561,6 +561,7 @@ class Autoscaler:
             if c is not None:
                 task = asyncio.ensure_future(c.stop(release_in_flight=False))
                 task.add_done_callback(functools.partial(_forget_after_stop, c))
+                self._stopping[model] = task
         self._leading_changed()
 
     def _leading_changed(self) -> None:
@@ -595,6 +596,11 @@ class Autoscaler:
                         # 1,000 models' adoption and first decision is a few hundred ms: renewals run between.
                         await asyncio.sleep(0)
                         until = time.perf_counter() + self.settings.slice_s
+                    stopping = self._stopping.pop(model, None)
+                    if stopping is not None and not stopping.done():
+                        # Lost and taken back in one round: the old term's stop must end (and forget its books)
+                        # before this one adopts and starts, or it would undo them.
+                        await asyncio.wait([stopping])
                     c = self.by_model.get(model)
                     if c is None or not self.owns_shard(shard):
                         continue  # its ScaledObject went while we yielded, or the shard moved on meanwhile
@@ -672,8 +678,7 @@ class Autoscaler:
                 await asyncio.wait_for(campaign, 5)
         if self.shards is not None:
             self._resigning = True
-            await self.shards.resign()  # the others take our shards at once, not after a lease
-            await self.shards.close()
+            await self.shards.resign()  # the others take our shards at once, not after a lease (and stops the watch)
 
     # --- sample subscriptions -----------------------------------------------------------------------------------
 

@@ -28,6 +28,10 @@ def test_bench_decide_with_two_replicas_prints_ownership_takeover_and_the_floor(
     assert len(figures) == 2, out  # the decision's p50/p99, then the floor's
     assert all(float(p50) > 0 and float(p99) >= float(p50) for p50, p99 in figures), out
     assert re.search(r"ratio to the floor: p50 [\d.]+x\s+p99 [\d.]+x", out), out
+    own = re.search(r"own decision time .*: of (\d+), (\d+) within 10 ms, (\d+) within 20 ms, (\d+) within 50 ms", out)
+    assert own, out  # the autoscalers' histogram: cumulative, and at least the 4 answered pulses counted
+    total, *within = map(int, own.groups())
+    assert total >= 4 and within == sorted(within) and within[-1] <= total, out
     # Ownership, checked several times during the run, each time every model with a live owner.
     checks = re.findall(r"models per replica: (.*?); models without a live owner: (\d+)", out)
     assert len(checks) >= 3 and all(orphans == "0" for _, orphans in checks), out
