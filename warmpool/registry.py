@@ -242,7 +242,7 @@ _LEADER_WAIT_S = 10.0
 async def _create(
     js: JetStreamContext, bucket: str, settings: BucketSettings, replicas: int, *, detected: bool
 ) -> None:
-    """Create a bucket's stream with `replicas`, and wait until it has a leader: a write to a replicated stream
+    """Create a bucket's stream with `replicas`, and wait until it has a leader: a write to a clustered stream
     that has none yet gets no answer at all ("no responders"). Detected replicas the servers cannot place come
     down one by one to what they can (said in a warning); replicas someone asked for are an error instead."""
     for n in range(replicas, 0, -1):
@@ -268,8 +268,9 @@ async def _create(
                 replicas,
             )
         break
-    if replicas > 1:
-        await _wait_leader(js, f"KV_{bucket}")
+    # Even a one-replica stream on a cluster is placed on some server first: until then a write gets no responder.
+    # (On a single server `stream_info` says at once that there is no cluster.)
+    await _wait_leader(js, f"KV_{bucket}")
 
 
 async def _wait_leader(js: JetStreamContext, stream: str) -> None:
