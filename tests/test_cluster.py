@@ -47,7 +47,7 @@ CLAIM_PAUSE_S = 0.05
 """Each claimer's pause between claims: spreads the claims over the kill instead of taking the pool at once."""
 KILL_AFTER = 12
 """Acknowledged claims before the kill."""
-SETUP_TIMEOUT_S = 5.0
+SETUP_TIMEOUT_S = 15.0
 """Each JetStream call of the set-up (and the stores' KV calls): a fresh cluster on 2 busy cores has answered a
 stream info in over 2 s."""
 FAILOVER_BOUND_S = 20.0

@@ -252,6 +252,9 @@ async def test_each_model_is_re_decided_once_per_turn_round(nats_server: NatsSer
         await put_scaler(nc, m)
     async with running_autoscaler(nats_server.url, housekeeping_every_s=60.0, redecide_every_s=240.0) as scaler:
         await wait_for(lambda: len(scaler.by_model) == len(models), 5, "the models followed")
+        # The takeover's first decisions (sliced over the loop) are done before the ticks are counted.
+        await wait_for(lambda: all(c.decider.decision for c in scaler.by_model.values()), 5, "first decisions")
+        await asyncio.sleep(0.1)
         decided = {m: 0 for m in models}
         for _ in range(8):
             before = {m: scaler.by_model[m].decider._decided_at for m in models}
