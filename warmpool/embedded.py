@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -23,7 +24,7 @@ from types import TracebackType
 
 from warmpool.natsauth import TlsFiles, write_private
 
-__all__ = ["NatsServer", "find_nats_server", "free_port"]
+__all__ = ["NatsServer", "PortTaken", "find_nats_server", "free_port"]
 
 
 def find_nats_server() -> str:
@@ -40,10 +41,34 @@ def find_nats_server() -> str:
     return found
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
+    """A port free on 127.0.0.1 now, drawn below the kernel's ephemeral range: a port the kernel handed out
+    (bind to 0) can be handed again to any outgoing connection before the server binds it, which failed
+    CI once with "address already in use" under parallel tests. Falls back to the kernel's pick."""
+    low = _ephemeral_low()
+    if low > 11000:
+        for _ in range(64):
+            port = random.randrange(10000, low)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+class PortTaken(RuntimeError):
+    """The server could not bind its port: another process holds it."""
 
 
 class NatsServer:
@@ -64,7 +89,10 @@ class NatsServer:
         monitor_port: int | None = 0,
     ) -> None:
         self._own_dir = store_dir is None
+        self._pick_ports = port is None or monitor_port == 0
+        """The ports are ours to choose until the first start succeeds (a restart keeps them)."""
         self.store_dir = Path(store_dir) if store_dir else Path(tempfile.mkdtemp(prefix="pulsescale-nats-"))
+        self._given_port, self._given_monitor = port, monitor_port
         self.port = port or free_port()
         self.monitor_port = free_port() if monitor_port == 0 else monitor_port
         """The HTTP monitoring port on 127.0.0.1 (0 asks for a free one), or None for none: it answers anyone who
@@ -100,9 +128,27 @@ class NatsServer:
     def start(self, timeout_s: float = 10.0) -> NatsServer:
         if self.proc is not None and self.proc.poll() is None:
             return self
-        self.launch()
-        self.wait_ready(timeout_s)
-        return self
+        for attempt in range(5):
+            self.launch()
+            try:
+                self.wait_ready(timeout_s)
+            except PortTaken:
+                # Another process took a port between our pick and the server's bind: pick again, when they
+                # were ours to pick.
+                if not self._pick_ports or attempt == 4:
+                    raise
+                self.proc = None
+                self._repick_ports()
+                continue
+            self._pick_ports = False
+            return self
+        raise AssertionError("unreachable")
+
+    def _repick_ports(self) -> None:
+        if self._given_port is None:
+            self.port = free_port()
+        if self._given_monitor == 0:
+            self.monitor_port = free_port()
 
     def launch(self) -> None:
         """Start the process without waiting for it to serve: the servers of a cluster are launched together,
@@ -123,7 +169,10 @@ class NatsServer:
         while time.monotonic() < deadline:
             assert self.proc is not None
             if self.proc.poll() is not None:
-                raise RuntimeError(f"nats-server exited with {self.proc.returncode}; log: {self.tail_log()}")
+                log = self.tail_log()
+                last = log.strip().splitlines()[-1:] or [""]
+                cls = PortTaken if "[FTL]" in last[0] and "address already in use" in last[0] else RuntimeError
+                raise cls(f"nats-server exited with {self.proc.returncode}; log: {log}")
             if self._ready():
                 return
             time.sleep(0.02)
