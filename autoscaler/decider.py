@@ -97,6 +97,11 @@ class ModelDecider:
         self._changed_at = now  # when the demand (or the spec) last changed: `settled` counts from it
         self._decided_with: tuple[int, float | None, ScalerRecord] | None = None  # (ready, lead time, record)
         self._demand_seen: float | None = None  # the demand the last decision saw
+        # Every decision so far saw the same fresh demand, none panicked or had an override, on one ScaledObject:
+        # the windows hold that demand alone, so `settled` need not wait `policy.settle_s` for older values to
+        # leave them (a fleet's models start steady; waiting 3 minutes re-decided all of them every turn).
+        self._flat = True
+        self._flat_from: float | None = None  # the first decision's time
         self._current_at = -math.inf  # when the state was last brought up to date (a decision or `skip`)
 
     @property
@@ -122,6 +127,7 @@ class ModelDecider:
         self.record = record
         self.demand.stale_after_s = record.spec.advanced.stale_after_seconds
         self._changed_at = now
+        self._flat = False  # the windows hold recommendations made under the old spec
         return self.request(now)
 
     def on_sample(self, sample: QueueSample, now: float) -> Accepted:
@@ -166,15 +172,24 @@ class ModelDecider:
             return False
         if self._decided_with != (ready, self.lead_time_s(), self.record) or state.last_fresh_at != self._current_at:
             return False
-        if d.panic or state.hold_replicas is not None or state.scale_downs or state.scale_ups:
+        # A hold of 0 replicas after a restart binds nothing (no decision goes below it): as good as none.
+        if d.panic or state.hold_replicas or state.scale_downs or state.scale_ups:
             return False
-        changed = self._changed_at
+        stale_at = -math.inf
         stale_after = self.demand.stale_after_s
         for g in self.demand.gateways.values():
             turned_stale = g.received_at + stale_after  # `ModelDemand.observe`: stale once now - received > this
             if turned_stale < now:
-                changed = max(changed, turned_stale)
-        if at < changed + policy.settle_s(self.spec):
+                stale_at = max(stale_at, turned_stale)
+        changed = max(self._changed_at, stale_at)
+        # Windows that only ever held this demand repeat once the trend's window has points all along it.
+        flat = (
+            self._flat
+            and stale_at < at
+            and self._flat_from is not None
+            and at >= self._flat_from + policy.trend_settle_s(self.spec)
+        )
+        if at < changed + policy.settle_s(self.spec) and not flat:
             return False
         events = policy.time_events(self.spec, state, self.record.created_at, demand)
         return not any(self._current_at < t <= now for t in events)
@@ -234,6 +249,12 @@ class ModelDecider:
         )
         before = self.state.desired
         decision, self.state = policy.decide(self.spec, obs, self.state, now)
+        if self._flat_from is None:
+            self._flat_from = now
+        elif obs.demand != self._demand_seen:
+            self._flat = False
+        if obs.demand is None or decision.panic or obs.override is not None:
+            self._flat = False
         self._demand_seen, self._current_at = obs.demand, now
         # What `settled` compares; none after a decision with an override in it (its reason names the override,
         # and the next one, without it, will not).

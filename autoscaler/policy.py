@@ -456,10 +456,8 @@ def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: fl
         lead_time_s=lead_s,
     )
 
-    hold = state.hold_replicas
     first_ts = pulse_state.window.first_ts
-    if hold is not None and first_ts is not None and now - first_ts >= adv.stable_window_seconds:
-        hold = None  # a full stable window of demand seen since the restart: the policy's own view takes over
+    hold = _hold_after(spec, state.hold_replicas, pulse_state.window, now)
 
     recs = state.recommendations
     if recs.span_s != max(adv.scale_down_stabilization_seconds, detector.BUCKET_S):
@@ -569,6 +567,22 @@ def settle_s(spec: ScaledObjectSpec) -> float:
     )
 
 
+def _hold_after(spec: ScaledObjectSpec, hold: int | None, window: detector.TimeWindow, now: float) -> int | None:
+    """The restart hold at `now`: gone once a full stable window of demand was seen since the restart (the
+    policy's own view takes over)."""
+    first_ts = window.first_ts
+    if hold is not None and first_ts is not None and now - first_ts >= spec.advanced.stable_window_seconds:
+        return None
+    return hold
+
+
+def trend_settle_s(spec: ScaledObjectSpec) -> float:
+    """Seconds of decisions on one unchanged demand, from a model's first, past which the next repeats the last
+    exactly when the windows never held another value (`ModelDecider.settled`): the trend's fit needs points all
+    along its panic window before its forecast is the demand itself. Two buckets of slack, as `settle_s`."""
+    return spec.advanced.panic_window_seconds + 2 * detector.BUCKET_S
+
+
 def time_events(
     spec: ScaledObjectSpec, state: PolicyState, created_at: float | None, demand: float
 ) -> tuple[float, ...]:
@@ -588,17 +602,17 @@ def time_events(
 
 def repeat(spec: ScaledObjectSpec, state: PolicyState, decision: Decision, now: float, demand: float) -> PolicyState:
     """The state `decide` leaves when, at `now`, it repeats `decision` (its last) on the same fresh `demand`, no
-    panic, no hold and no scale step in the period (see `settle_s`): the demand and its recommendation recorded
+    panic, no binding hold and no scale step in the period (see `settle_s`): the demand and its recommendation recorded
     in the windows (a few microseconds; the reads, the trend and the rules are what is skipped), and the times of
     the last fresh and the last active demand moved on, as each decision moves them."""
     target, activation = _trigger(spec)
     forecast = decision.forecast_demand if decision.forecast_demand is not None else demand
     pulse = state.pulse
+    window = pulse.window.record(now, demand)
     return dataclasses.replace(
         state,
-        pulse=detector.PulseState(
-            pulse.window.record(now, demand), pulse.panic, pulse.panic_since, pulse.panic_condition_at
-        ),
+        pulse=detector.PulseState(window, pulse.panic, pulse.panic_since, pulse.panic_condition_at),
+        hold_replicas=_hold_after(spec, state.hold_replicas, window, now),  # a hold of 0 may be repeated
         recommendations=state.recommendations.record(now, _replicas(forecast, target)),
         last_fresh_at=now,
         last_active_at=state.last_active_at if demand <= activation else now,

@@ -11,6 +11,7 @@ from hypothesis import find, given, settings
 from hypothesis import strategies as st
 from nats.aio.client import Client
 
+from autoscaler import policy
 from autoscaler.daemon import SlotCounts
 from autoscaler.decider import DeciderSettings, ModelDecider
 from tests.helpers import wait_for
@@ -134,9 +135,10 @@ action = st.one_of(
 class _Pair:
     """The reference decider (re-decided every tick) and the skipping one, fed the same."""
 
-    def __init__(self, record: ScalerRecord) -> None:
-        self.ref = ModelDecider(record, SETTINGS, now=T0)
-        self.skip = ModelDecider(record, SETTINGS, now=T0)
+    def __init__(self, record: ScalerRecord, held: int = 0) -> None:
+        # `held`: replicas serving at the start (a restart or a takeover holds them a stable window)
+        self.ref = ModelDecider(record, SETTINGS, now=T0, current_replicas=held)
+        self.skip = ModelDecider(record, SETTINGS, now=T0, current_replicas=held)
         self.now, self.ready, self.seq = T0, 0, {"a": 0, "b": 0}
         self.depth: dict[str, int] = {}
         self.skipped = 0
@@ -204,11 +206,11 @@ class _Pair:
 
 
 @settings(max_examples=200, deadline=None)
-@given(records, st.lists(action, max_size=40))
+@given(records, st.lists(action, max_size=40), st.sampled_from([0, 0, 1, 3]))
 def test_skipping_settled_models_decides_as_re_deciding_every_tick(
-    record: ScalerRecord, actions: list[tuple[str, str, int]]
+    record: ScalerRecord, actions: list[tuple[str, str, int]], held: int
 ) -> None:
-    pair = _Pair(record)
+    pair = _Pair(record, held)
     for op, arg, n in actions:
         pair.step(op, arg, n)
 
@@ -241,6 +243,27 @@ def test_a_quiet_model_is_skipped_until_a_gateway_turns_stale() -> None:
     pair.step("ticks", "", 8)  # the gateway went silent: it turns stale after 1 s, and that is decided
     assert pair.skip.decision is not None and pair.skip.decision.mode == "stale"
     assert pair.skipped < before + 8
+
+
+def test_a_model_steady_from_its_first_sample_is_skipped_long_before_settle_s() -> None:
+    """Windows that only ever held one demand repeat once the trend's window is full of it
+    (`policy.trend_settle_s`), not `policy.settle_s` later: a fleet's models start steady, and waiting minutes
+    re-decided every one of them on every turn. The skipping decider still decides as the reference does."""
+    rec = _record(min_replicas=0, cooldown=1.0, initial_cooldown=0.0, stab=1.0, stale=1.0, stable=2.0, panic=0.5,
+                  fallback=False)  # fmt: skip
+    settle, trend = policy.settle_s(rec.spec), policy.trend_settle_s(rec.spec)
+    assert trend < settle / 3
+    pair = _Pair(rec)
+    pair.step("sample", "a", 0)
+    pair.step("steady", "", round(settle / 0.3) - 2)  # 0.3 s a step: ends before settle_s since the first sample
+    assert pair.now - T0 < settle
+    assert pair.skipped > 0, "a steady model was re-decided until settle_s"
+    # ...and a model whose demand once differed still waits settle_s from its last change.
+    pair2 = _Pair(rec)
+    pair2.step("sample", "a", 1)
+    pair2.step("sample", "a", 0)
+    pair2.step("steady", "", round(settle / 0.3) - 3)
+    assert pair2.skipped == 0
 
 
 async def test_each_model_is_re_decided_once_per_turn_round(nats_server: NatsServer, nc: Client) -> None:
