@@ -25,7 +25,7 @@ from autoscaler.agentclient import AgentClient
 from autoscaler.decider import DeciderSettings, ModelDecider
 from autoscaler.ingest import Accepted
 from autoscaler.metrics import AutoscalerMetrics
-from autoscaler.scaler import ColdPath, Events, LocalColdPath, ModelScaler, ScalerSettings
+from autoscaler.scaler import ClaimsInFlight, ColdPath, Events, LocalColdPath, ModelScaler, ScalerSettings
 from warmpool import protocol
 from warmpool.protocol import Override, QueueSample, ScalerRecord, SlotRecord, StatusRow
 from warmpool.registry import KvSlotStore
@@ -68,6 +68,8 @@ class Deps:
     is_leader: Callable[[], bool]
     settings: ControllerSettings = field(default_factory=ControllerSettings)
     clock: Callable[[], float] = time.time
+    claims: ClaimsInFlight = field(default_factory=ClaimsInFlight)
+    """The process's claims in flight, over every model (`scaler.ClaimsInFlight`)."""
 
 
 class ModelController:
@@ -85,6 +87,7 @@ class ModelController:
             is_leader=deps.is_leader,
             settings=deps.settings.scaler,
             clock=deps.clock,
+            claims=deps.claims,
         )
         self._timer: asyncio.TimerHandle | None = None
 

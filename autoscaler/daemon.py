@@ -104,6 +104,9 @@ class AutoscalerSettings:
     slice_s: float = 0.002
     """The longest the sample callback, the drain and housekeeping run without yielding to the loop: the lease
     renewal and claims in flight wait at most about this long behind them."""
+    stand_aside_s: float = 0.05
+    """The longest the sample drain and housekeeping wait for this process's claims in flight before they go on
+    (`scaler.ClaimsInFlight`): each of a claim's hops through the event loop waited behind a slice of theirs."""
     gc_freeze_every_s: float | None = None
     """How often housekeeping moves what survived the young collections out of the cyclic collector's sight
     (`gc.freeze`). At 1,000 models the long-lived state (windows, books, metric children) is ~170,000 objects, and
@@ -367,19 +370,21 @@ class Autoscaler:
     async def on_queue_msg(self, msg: Msg) -> None:
         """The sample subscription's callback (on the samples' own connection): decode, check, buffer. The
         controllers see the sample in `drain_samples`, one loop iteration later when the buffer was empty."""
-        self.take_sample(msg.subject, msg.data)
-        if time.perf_counter() >= self._callback_until:
+        claiming = self.take_sample(msg.subject, msg.data)
+        if claiming or self.deps.claims.count or time.perf_counter() >= self._callback_until:
             # nats-py runs this callback back to back while samples are queued: let the lease renewal, the
-            # claims in flight and the drain run, or a flood of samples would cost us the lease.
+            # claims in flight and the drain run, or a flood of samples would cost us the lease; and a claim this
+            # sample started goes out before the next sample.
             await asyncio.sleep(0)
             self._callback_until = time.perf_counter() + self.settings.slice_s
 
-    def take_sample(self, subject: str, data: bytes) -> None:
-        """The cheap part of a sample: decode and check it (rejections counted), then buffer it. A sample of a
-        model another replica owns (a subscription's last messages after its shard moved) is dropped undecoded."""
+    def take_sample(self, subject: str, data: bytes) -> bool:
+        """The cheap part of a sample: decode and check it (rejections counted), then buffer it; a rising one
+        skips the buffer (`_rises`). A sample of a model another replica owns (a subscription's last messages
+        after its shard moved) is dropped undecoded. Returns whether the sample started a claim."""
         if not self.owns(subject[len(protocol.QUEUE_PREFIX) :]):
             self.metrics.sample("not_owned").inc()
-            return
+            return False
         try:
             sample = protocol.decode(data, QueueSample)
             if subject != protocol.QUEUE_PREFIX + sample.model:
@@ -387,37 +392,51 @@ class Autoscaler:
         except BadMessage as err:
             self.metrics.sample("rejected").inc()
             self.rejections(err, source=subject)
-            return
+            return False
+        if self._rises(sample):
+            return self.fold_sample(sample, self.clock())
         put = self.samples.put(sample, self.clock())
         if put != "queued":
             self.metrics.sample(put).inc()  # "coalesced" into a newer sample, or "dropped" with the oldest key
         self._samples_waiting.set()
+        return False
+
+    def _rises(self, sample: QueueSample) -> bool:
+        """A sample its model would decide on at once (`ModelDecider.urgent`: demand above any the last decision
+        saw, a pulse's first sample) is folded in as it is taken, not behind the buffer: in a burst of steady
+        samples it waited for every key ahead of it. The rest, and one whose key already waits in the buffer (it
+        must not overtake the older sample), are buffered and coalesced as before."""
+        c = self.by_model.get(sample.model)
+        return c is not None and (sample.gateway, sample.model) not in self.samples and c.decider.urgent(sample)
 
     async def drain_samples(self) -> None:
         """Fold buffered samples into the controllers, oldest key first, yielding every `slice_s` of work.
-        A rising sample is decided as it is folded in (`ModelController.on_sample`), so a lone pulse waits one
-        loop iteration in the buffer."""
+        Rising samples do not wait here (`_rises`); a sample that starts a claim ends the slice, so the claim
+        goes out before the next sample is folded."""
         while True:
             await self._samples_waiting.wait()
             self._samples_waiting.clear()
             until = time.perf_counter() + self.settings.slice_s
             while self.samples:
+                await self.deps.claims.wait_idle(self.settings.stand_aside_s)
                 sample, _received = self.samples.pop()
                 # Folded in at the drain's time, not the receipt's: the policy's clock must never run backwards
                 # (housekeeping may have decided in between), and the difference is a slice or so.
-                self.fold_sample(sample, self.clock())
-                if time.perf_counter() >= until:
+                if self.fold_sample(sample, self.clock()) or time.perf_counter() >= until:
                     await asyncio.sleep(0)
                     until = time.perf_counter() + self.settings.slice_s
 
-    def fold_sample(self, sample: QueueSample, now: float) -> None:
-        """One decoded sample into its model's controller (counted by outcome)."""
+    def fold_sample(self, sample: QueueSample, now: float) -> bool:
+        """One decoded sample into its model's controller (counted by outcome). Returns whether it started a
+        claim (the caller yields at once, so the claim goes out before the next sample)."""
         c = self.by_model.get(sample.model)
         if c is None:
             self.metrics.sample("no_scaler").inc()
-            return
+            return False
+        before = c.scaler.claiming
         with self._contained(f"a sample of {sample.model}"):
             self.metrics.sample(c.on_sample(sample, now)).inc()
+        return c.scaler.claiming > before
 
     # --- slots ------------------------------------------------------------------------------------------------
 
@@ -490,9 +509,10 @@ class Autoscaler:
             with self._contained(f"housekeeping of {c.model}"):
                 c.forget_gateways(now, self.settings.forget_gateway_after_s)
                 await c.housekeeping(now, decide=protocol.shard_of(c.model, turns) == turn)
-            if time.perf_counter() >= until:
+            if time.perf_counter() >= until or self.deps.claims.count:
                 # A tick over 1,000 models is tens of ms: let the lease renewal, claims and samples in between.
                 await asyncio.sleep(0)
+                await self.deps.claims.wait_idle(self.settings.stand_aside_s)
                 until = time.perf_counter() + self.settings.slice_s
                 now = self.clock()
         if self._held and self.scalers_followed and turn == 0:  # a scan of every slot: once per turn round

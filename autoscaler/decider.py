@@ -145,8 +145,13 @@ class ModelDecider:
                 self._sample_at = now
             self._changed_at = now
             # Rising demand is a possible pulse: decide now. Falling demand can wait for the debounce.
-            self.request(now, urgent=value > self._decided_demand)
+            self.request(now, urgent=self.urgent(sample))
         return outcome
+
+    def urgent(self, sample: QueueSample) -> bool:
+        """`sample` would be decided on at once (`on_sample`): its gateway's demand above the largest one the last
+        decision saw, a possible pulse."""
+        return sample.queue_depth + sample.inflight > self._decided_demand
 
     def request(self, now: float, *, urgent: bool = False) -> float:
         """Ask for a decision: at once when `urgent` or the debounce has passed, else when it passes. Returns

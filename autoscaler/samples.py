@@ -48,6 +48,10 @@ class SampleBuffer:
     def __len__(self) -> int:
         return len(self._items)
 
+    def __contains__(self, key: tuple[str, str]) -> bool:
+        """A sample of (gateway, model) waits in the buffer."""
+        return key in self._items
+
     def put(self, sample: QueueSample, received_at: float) -> Put:
         """Buffer `sample` (received at `received_at`), keeping the newer one of its key."""
         key = (sample.gateway, sample.model)

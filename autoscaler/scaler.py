@@ -152,6 +152,34 @@ class _Unbooked:
     counted: bool = True
 
 
+class ClaimsInFlight:
+    """Bring-ups of this process between their start and their claim booked, over every model: the pulse's
+    path. While any is, the sample drain and housekeeping stand aside (`wait_idle`), so the claim's few hops
+    through the event loop do not each wait behind a slice of theirs."""
+
+    __slots__ = ("_idle", "count")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._idle: asyncio.Event | None = None  # made on first use: it binds to the running loop
+
+    def add(self, n: int) -> None:
+        self.count += n
+        if self.count == 0 and self._idle is not None:
+            self._idle.set()
+
+    async def wait_idle(self, timeout_s: float) -> None:
+        """Until no claim is in flight, at most `timeout_s` (what stands aside is not starved by a stream of
+        claims)."""
+        if self.count == 0:
+            return
+        if self._idle is None:
+            self._idle = asyncio.Event()
+        self._idle.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+
+
 @dataclass
 class _Trigger:
     """The scale-up decision a bring-up serves: its first claim written ends `pulsescale_decision_seconds`."""
@@ -175,6 +203,7 @@ class ModelScaler:
         is_leader: Callable[[], bool],
         settings: ScalerSettings = ScalerSettings(),
         clock: Callable[[], float] = time.time,
+        claims: ClaimsInFlight | None = None,
     ) -> None:
         self.target = target
         self.store = store
@@ -188,7 +217,8 @@ class ModelScaler:
         self.settings = settings
         self.clock = clock
         self.held: dict[str, Held] = {}
-        self.claiming = 0  # bring-ups between their start and their claim landing in `held`
+        self.claims = claims if claims is not None else ClaimsInFlight()
+        self._claiming = 0  # bring-ups between their start and their claim landing in `held`
         self.exhausted = False
         """A claim found the pool empty: no new bring-ups until a slot turns warm again or housekeeping looks."""
         self.cold_requested = 0  # what the cold path was last asked for, so a repeat is not news
@@ -204,6 +234,16 @@ class ModelScaler:
     @property
     def model(self) -> str:
         return self.target.record.spec.model
+
+    @property
+    def claiming(self) -> int:
+        """Bring-ups between their start and their claim landing in `held` (kept in `claims` too)."""
+        return self._claiming
+
+    @claiming.setter
+    def claiming(self, value: int) -> None:
+        self.claims.add(value - self._claiming)
+        self._claiming = value
 
     @property
     def ready(self) -> int:
@@ -230,6 +270,9 @@ class ModelScaler:
         no claim or the pool is empty. While one is pending, the earliest stands."""
         if sample_at is not None and self._trigger is None:
             self._trigger = _Trigger(sample_at)
+        if sample_at is not None and self._loop_task is not None and not self._stopping and self.is_leader():
+            # A sample's new target: the claim starts now, not a loop iteration later behind other work.
+            self.reconcile_once()
         self._wake.set()
 
     async def _reconcile_loop(self) -> None:

@@ -4,11 +4,13 @@ model, coalesced into a newer one, or dropped with the oldest key)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from nats.aio.client import Client
 
 from autoscaler.controller import ControllerSettings
+from autoscaler.scaler import ClaimsInFlight
 from tests.agent_double import AgentDouble
 from tests.helpers import wait_for
 from tests.test_autoscaler import Gateway, put_scaler, running_autoscaler
@@ -85,3 +87,73 @@ async def test_a_lone_sample_is_folded_in_at_once(nats_server: NatsServer, nc: C
         await wait_for(lambda: scaler.by_model["m"].decider.demand.gateways, 5, "the sample folded in")
         assert len(scaler.samples) == 0
         assert scaler.metrics.sample("accepted")._value.get() == 1  # type: ignore[attr-defined]
+
+
+def _steady(model: str, seq: int = 1, depth: int = 0, gateway: str = "g") -> bytes:
+    s = QueueSample(gateway=gateway, model=model, seq=seq, ts=time.time(), queue_depth=depth, inflight=0,
+                    arrivals_total=seq, completions_total=seq, timeouts_total=0)  # fmt: skip
+    return protocol.encode(s)
+
+
+async def test_a_rising_sample_overtakes_a_full_buffer_and_starts_its_claim_at_once(
+    nats_server: NatsServer, nc: Client, store: KvSlotStore
+) -> None:
+    """A pulse's first sample is folded in as it is taken, its claim started in the same step, while the steady
+    samples ahead of it still wait in the buffer (in a burst it waited for every key ahead of it). A steady or
+    falling sample, and a rising one whose key already waits, are buffered as before."""
+    agent = await AgentDouble(nc, store, "node-0", "m", slots=2).start()
+    await put_scaler(nc, "m")
+    try:
+        async with running_autoscaler(nats_server.url) as scaler:
+            await wait_for(lambda: "m" in scaler.by_model and len(store.claimable("m")) == 2, 5, "the model")
+            await Gateway(nc, "m").send(0)
+            await wait_for(lambda: scaler.by_model["m"].decider.decision is not None, 5, "a first decision")
+            c = scaler.by_model["m"]
+            # No await from here: the drain cannot run in between.
+            for i in range(50):
+                assert scaler.take_sample(protocol.queue_subject(f"filler-{i}"), _steady(f"filler-{i}")) is False
+            assert scaler.take_sample(protocol.queue_subject("m"), _steady("m", 1, 0, gateway="steady")) is False
+            assert len(scaler.samples) == 51
+            assert scaler.take_sample(protocol.queue_subject("m"), _steady("m", 1, 8, gateway="pulse")) is True
+            assert c.decider.demand.gateways["pulse"].queue_depth == 8 and len(scaler.samples) == 51
+            assert c.scaler.claiming >= 1 and scaler.deps.claims.count >= 1
+            # The steady gateway's key waits: its rising sample is coalesced behind it, not folded ahead.
+            assert scaler.take_sample(protocol.queue_subject("m"), _steady("m", 2, 9, gateway="steady")) is False
+            assert "steady" not in c.decider.demand.gateways
+            await wait_for(lambda: c.scaler.ready + c.scaler.activating >= 1 and not scaler.samples, 5, "claimed")
+            assert c.decider.demand.gateways["steady"].queue_depth == 9
+    finally:
+        await agent.stop()
+
+
+async def test_the_drain_stands_aside_while_a_claim_is_in_flight(nats_server: NatsServer, nc: Client) -> None:
+    async with running_autoscaler(nats_server.url, stand_aside_s=5.0) as scaler:
+        claims = scaler.deps.claims
+        claims.add(1)  # as a bring-up between its start and its claim booked
+        try:
+            for i in range(20):
+                scaler.take_sample(protocol.queue_subject(f"x{i}"), _steady(f"x{i}"))
+            await asyncio.sleep(0.2)
+            assert len(scaler.samples) == 20, "the drain folded samples while a claim was in flight"
+        finally:
+            claims.add(-1)
+        await wait_for(lambda: not scaler.samples, 2, "the drain resumed once the claim landed")
+
+
+async def test_claims_in_flight_wait_idle_returns_at_idle_or_after_its_bound() -> None:
+    claims = ClaimsInFlight()
+    t0 = time.monotonic()
+    await claims.wait_idle(5.0)  # nothing in flight: no wait
+    claims.add(2)
+    waiter = asyncio.ensure_future(claims.wait_idle(5.0))
+    await asyncio.sleep(0.02)
+    claims.add(-1)
+    await asyncio.sleep(0.02)
+    assert not waiter.done()
+    claims.add(-1)
+    await asyncio.wait_for(waiter, 1.0)
+    assert time.monotonic() - t0 < 2.0
+    claims.add(1)
+    t1 = time.monotonic()
+    await claims.wait_idle(0.05)  # bounded: a stream of claims does not starve what stands aside
+    assert 0.04 <= time.monotonic() - t1 < 2.0
