@@ -18,7 +18,7 @@ from autoscaler.controller import ControllerSettings
 from autoscaler.leader import LeaseSettings
 from warmpool import connect, protocol, registry
 
-GC_FREEZE_EVERY_S = 30.0
+GC_FREEZE_EVERY_S = 1.0
 """The daemon's `AutoscalerSettings.gc_freeze_every_s` (see there)."""
 
 

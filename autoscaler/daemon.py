@@ -159,6 +159,7 @@ class Autoscaler:
         self._stopping: dict[str, asyncio.Future[None]] = {}  # models whose lost shard's stop may still run
         self._held: set[int] = set()  # shards held, as the callbacks said (the gauges; `owns` fences)
         self.sample_subjects: frozenset[str] = frozenset()
+        self._sample_subs: dict[str, Any] = {}  # subject -> nats-py subscription (`follow_subjects`)
         """The sample subjects subscribed to now (`follow_subjects`): the wildcard while this replica holds every
         shard."""
         self.subjects_changed = asyncio.Event()
@@ -419,12 +420,27 @@ class Autoscaler:
             until = time.perf_counter() + self.settings.slice_s
             while self.samples:
                 await self.deps.claims.wait_idle(self.settings.stand_aside_s)
+                await self._ingest_first()
                 sample, _received = self.samples.pop()
                 # Folded in at the drain's time, not the receipt's: the policy's clock must never run backwards
                 # (housekeeping may have decided in between), and the difference is a slice or so.
                 if self.fold_sample(sample, self.clock()) or time.perf_counter() >= until:
                     await asyncio.sleep(0)
                     until = time.perf_counter() + self.settings.slice_s
+
+    async def _ingest_first(self) -> None:
+        """Stand aside while samples wait in nats-py's queues, at most `stand_aside_s`: a pulse's sample behind
+        them is only seen (and skips the buffer, `_rises`) once they are taken, and the drain's slices between
+        the callback's doubled that wait in a burst. What is taken meanwhile coalesces in the buffer."""
+        subs = self._sample_subs
+        until = None
+        while any(sub.pending_msgs for sub in list(subs.values())):
+            now = time.perf_counter()
+            if until is None:
+                until = now + self.settings.stand_aside_s
+            elif now >= until:
+                return
+            await asyncio.sleep(0)
 
     def fold_sample(self, sample: QueueSample, now: float) -> bool:
         """One decoded sample into its model's controller (counted by outcome). Returns whether it started a
@@ -513,6 +529,7 @@ class Autoscaler:
                 # A tick over 1,000 models is tens of ms: let the lease renewal, claims and samples in between.
                 await asyncio.sleep(0)
                 await self.deps.claims.wait_idle(self.settings.stand_aside_s)
+                await self._ingest_first()
                 until = time.perf_counter() + self.settings.slice_s
                 now = self.clock()
         if self._held and self.scalers_followed and turn == 0:  # a scan of every slot: once per turn round
@@ -708,6 +725,7 @@ class Autoscaler:
         the fleet's samples instead of all of them. The new subscriptions are made before the old are dropped,
         so a move loses no sample (a duplicate is counted as one)."""
         subs: dict[str, Any] = {}
+        self._sample_subs = subs
         self.sample_subjects = frozenset()
         try:
             while not stop.is_set():

@@ -22,6 +22,7 @@ last one exactly and leave the policy's windows as deciding would (`policy.settl
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections import deque
@@ -97,11 +98,6 @@ class ModelDecider:
         self._changed_at = now  # when the demand (or the spec) last changed: `settled` counts from it
         self._decided_with: tuple[int, float | None, ScalerRecord] | None = None  # (ready, lead time, record)
         self._demand_seen: float | None = None  # the demand the last decision saw
-        # Every decision so far saw the same fresh demand, none panicked or had an override, on one ScaledObject:
-        # the windows hold that demand alone, so `settled` need not wait `policy.settle_s` for older values to
-        # leave them (a fleet's models start steady; waiting 3 minutes re-decided all of them every turn).
-        self._flat = True
-        self._flat_from: float | None = None  # the first decision's time
         self._current_at = -math.inf  # when the state was last brought up to date (a decision or `skip`)
 
     @property
@@ -127,7 +123,8 @@ class ModelDecider:
         self.record = record
         self.demand.stale_after_s = record.spec.advanced.stale_after_seconds
         self._changed_at = now
-        self._flat = False  # the windows hold recommendations made under the old spec
+        # The windows hold what was recorded under the old spec: only `settle_s` tells when that has gone.
+        self.state = dataclasses.replace(self.state, flat=None)
         return self.request(now)
 
     def on_sample(self, sample: QueueSample, now: float) -> Accepted:
@@ -180,6 +177,8 @@ class ModelDecider:
         # A hold of 0 replicas after a restart binds nothing (no decision goes below it): as good as none.
         if d.panic or state.hold_replicas or state.scale_downs or state.scale_ups:
             return False
+        if policy.cooling_s(self.spec, state, self.record.created_at, now) > 0:
+            return False
         stale_at = -math.inf
         stale_after = self.demand.stale_after_s
         for g in self.demand.gateways.values():
@@ -187,13 +186,9 @@ class ModelDecider:
             if turned_stale < now:
                 stale_at = max(stale_at, turned_stale)
         changed = max(self._changed_at, stale_at)
-        # Windows that only ever held this demand repeat once the trend's window has points all along it.
-        flat = (
-            self._flat
-            and stale_at < at
-            and self._flat_from is not None
-            and at >= self._flat_from + policy.trend_settle_s(self.spec)
-        )
+        # Windows that only ever held this demand (`PolicyState.flat`) need not wait for older values to leave:
+        # a fleet's models start steady, and waiting `settle_s` (minutes) re-decided every one on every turn.
+        flat = stale_at < at and policy.flat_settled(self.spec, state, at)
         if at < changed + policy.settle_s(self.spec) and not flat:
             return False
         events = policy.time_events(self.spec, state, self.record.created_at, demand)
@@ -254,12 +249,6 @@ class ModelDecider:
         )
         before = self.state.desired
         decision, self.state = policy.decide(self.spec, obs, self.state, now)
-        if self._flat_from is None:
-            self._flat_from = now
-        elif obs.demand != self._demand_seen:
-            self._flat = False
-        if obs.demand is None or decision.panic or obs.override is not None:
-            self._flat = False
         self._demand_seen, self._current_at = obs.demand, now
         # What `settled` compares; none after a decision with an override in it (its reason names the override,
         # and the next one, without it, will not).

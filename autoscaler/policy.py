@@ -124,10 +124,24 @@ class PolicyState:
     """``(when, replicas added)`` within the last scale-down period: HPA takes them off the period's start count."""
     last_fresh_at: float | None = None
     last_active_at: float | None = None
+    flat: Flat | None = None
+    """What every decision since the start recorded, while all recorded the same (`Flat`); None once two differed
+    (or one panicked, or had an override): then only `settle_s` after the last change says the windows settled."""
 
     @property
     def panic(self) -> bool:
         return self.pulse.panic
+
+
+@dataclass(frozen=True, slots=True)
+class Flat:
+    """The windows hold one value each since the start: `demand` (None until the first fresh one; the pulse window
+    records nothing blind) and the recommendation `rec` (a blind decision records its count). Once `demand_since`
+    (the first fresh demand) is `trend_settle_s` behind, a decision on the same inputs repeats the last one."""
+
+    demand: float | None
+    rec: int
+    demand_since: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +217,7 @@ def initial_state(spec: ScaledObjectSpec, *, now: float, current_replicas: int) 
         pulse=detector.initial(_config(spec, target, activation)),
         recommendations=_recommendation_window(spec),
         last_active_at=now if current > bounds.idle else None,
+        flat=_UNRECORDED,
     )
 
 
@@ -411,10 +426,15 @@ def _scale(
 
 
 def _cooling_s(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: float) -> float:
-    """Seconds of ``initialCooldownPeriod`` still to run (<= 0: over)."""
+    return cooling_s(spec, state, obs.created_at, now)
+
+
+def cooling_s(spec: ScaledObjectSpec, state: PolicyState, created_at: float | None, now: float) -> float:
+    """Seconds of ``initialCooldownPeriod`` still to run (<= 0: over). While it runs, a decision's reason may count
+    it down, so no decision repeats the last (`ModelDecider.settled`)."""
     if spec.initial_cooldown_period <= 0:
         return 0.0
-    since = obs.created_at if obs.created_at is not None and math.isfinite(obs.created_at) else state.started_at
+    since = created_at if created_at is not None and math.isfinite(created_at) else state.started_at
     return since + spec.initial_cooldown_period - now
 
 
@@ -460,8 +480,10 @@ def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: fl
     hold = _hold_after(spec, state.hold_replicas, pulse_state.window, now)
 
     recs = state.recommendations
+    flat = state.flat
     if recs.span_s != max(adv.scale_down_stabilization_seconds, detector.BUCKET_S):
         recs = _recommendation_window(spec).record(now, prev)  # the spec's window changed: start from the count
+        flat = None
     last_fresh_at, last_active_at = state.last_fresh_at, state.last_active_at
 
     if demand is None:
@@ -469,6 +491,7 @@ def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: fl
         # Recorded as a recommendation so that, when metrics return, the count held blind is only left after a
         # stabilisation window of fresh data (KEDA's fallback reaches HPA's window the same way).
         recs = recs.record(now, desired)
+        flat = _flat_after(flat, None, desired, now)
     else:
         last_fresh_at = now
         if demand > activation:
@@ -477,6 +500,7 @@ def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: fl
         peak = pulse.panic_demand if pulse.panic and pulse.panic_demand is not None else 0.0
         rec = _replicas(max(forecast, peak), target)
         recs = recs.record(now, rec)
+        flat = _flat_after(flat, demand, rec, now)
         stab_s = adv.scale_down_stabilization_seconds
         stabilised = recs.peak(now, stab_s) if stab_s > 0 else None
         desired, mode, reason = _fresh(
@@ -506,6 +530,8 @@ def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: fl
         desired, mode, reason = _one_way(obs, prev, desired, mode, reason, bounds)
 
     override = obs.override
+    if pulse.panic or override is not None:
+        flat = None  # panic is left on a timer; an override's reason changes when it goes
     overridden = override is not None and _live(override, now)
     if override is not None:
         if overridden:
@@ -543,8 +569,29 @@ def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: fl
         scale_ups=scale_ups,
         last_fresh_at=last_fresh_at,
         last_active_at=last_active_at,
+        flat=flat,
     )
     return decision, new_state
+
+
+_UNRECORDED: Final = Flat(demand=None, rec=-1, demand_since=None)
+"""`PolicyState.flat` before the first decision: nothing recorded yet."""
+
+
+def _flat_after(flat: Flat | None, demand: float | None, rec: int, now: float) -> Flat | None:
+    """`flat` after a decision records `demand` (None: blind, nothing in the pulse window) and `rec`."""
+    if flat is None:
+        return None
+    if flat is _UNRECORDED:
+        return Flat(demand, rec, now if demand is not None else None)
+    if rec != flat.rec:
+        return None
+    if flat.demand is None:
+        # Blind until now, nothing in the pulse window: a first fresh demand starts it.
+        return flat if demand is None else Flat(demand, rec, now)
+    if demand != flat.demand:
+        return None  # a new value, or blind after fresh data (the pulse window keeps the old one)
+    return flat
 
 
 # --- when time alone can change a decision (housekeeping skips a model otherwise) --------------------------------
@@ -577,10 +624,23 @@ def _hold_after(spec: ScaledObjectSpec, hold: int | None, window: detector.TimeW
 
 
 def trend_settle_s(spec: ScaledObjectSpec) -> float:
-    """Seconds of decisions on one unchanged demand, from a model's first, past which the next repeats the last
-    exactly when the windows never held another value (`ModelDecider.settled`): the trend's fit needs points all
-    along its panic window before its forecast is the demand itself. Two buckets of slack, as `settle_s`."""
+    """Seconds of decisions on one unchanged demand, from its first (`Flat.demand_since`), past which the next
+    repeats the last exactly when the windows never held another value (`PolicyState.flat`): the trend's fit needs
+    points all along its panic window before its forecast is the demand itself. Two buckets of slack, as
+    `settle_s`."""
     return spec.advanced.panic_window_seconds + 2 * detector.BUCKET_S
+
+
+def flat_settled(spec: ScaledObjectSpec, state: PolicyState, decided_at: float) -> bool:
+    """The windows held one demand and one recommendation since the start, and the decision at `decided_at` saw
+    them past `trend_settle_s`: deciding again on the same inputs repeats it (`ModelDecider.settled`)."""
+    flat = state.flat
+    return (
+        flat is not None
+        and flat is not _UNRECORDED
+        and flat.demand_since is not None
+        and decided_at >= flat.demand_since + trend_settle_s(spec)
+    )
 
 
 def time_events(

@@ -111,7 +111,7 @@ records = st.builds(
     _record,
     min_replicas=st.sampled_from([0, 1]),
     cooldown=st.sampled_from([0.0, 1.0, 3.0]),
-    initial_cooldown=st.sampled_from([0.0, 2.0]),
+    initial_cooldown=st.sampled_from([0.0, 2.0, 8.0]),  # 8 s: longer than settle_s, its countdown in reasons
     stab=st.sampled_from([0.0, 0.5, 1.0]),
     stale=st.sampled_from([0.5, 1.0, 2.0]),
     stable=st.sampled_from([1.0, 2.0]),
@@ -254,8 +254,9 @@ def test_a_model_steady_from_its_first_sample_is_skipped_long_before_settle_s() 
     settle, trend = policy.settle_s(rec.spec), policy.trend_settle_s(rec.spec)
     assert trend < settle / 3
     pair = _Pair(rec)
+    pair.step("ticks", "", 3)  # decided blind first, as a takeover decides before the first sample comes
     pair.step("sample", "a", 0)
-    pair.step("steady", "", round(settle / 0.3) - 2)  # 0.3 s a step: ends before settle_s since the first sample
+    pair.step("steady", "", round(settle / 0.3) - 5)  # 0.3 s a step: ends before settle_s since the first sample
     assert pair.now - T0 < settle
     assert pair.skipped > 0, "a steady model was re-decided until settle_s"
     # ...and a model whose demand once differed still waits settle_s from its last change.

@@ -157,3 +157,33 @@ async def test_claims_in_flight_wait_idle_returns_at_idle_or_after_its_bound() -
     t1 = time.monotonic()
     await claims.wait_idle(0.05)  # bounded: a stream of claims does not starve what stands aside
     assert 0.04 <= time.monotonic() - t1 < 2.0
+
+
+async def test_the_drain_and_housekeeping_stand_aside_while_samples_wait_in_nats_py(
+    nats_server: NatsServer, nc: Client
+) -> None:
+    """Samples still queued in nats-py go first: a pulse's sample behind them is only seen once they are taken.
+    A subscription whose callback is held keeps messages pending, as a burst does."""
+    async with running_autoscaler(nats_server.url, stand_aside_s=5.0) as scaler:
+        release = asyncio.Event()
+
+        async def held(_msg: object) -> None:
+            await release.wait()
+
+        sub = await nc.subscribe("held.samples", cb=held)
+        for _ in range(3):
+            await nc.publish("held.samples", b"x")
+        await nc.flush()
+        await wait_for(lambda: sub.pending_msgs >= 1, 2, "messages pending in nats-py")
+        scaler._sample_subs["held.samples"] = sub
+        try:
+            for i in range(20):
+                scaler.take_sample(protocol.queue_subject(f"y{i}"), _steady(f"y{i}"))
+            await asyncio.sleep(0.2)
+            assert len(scaler.samples) == 20, "the drain folded samples while nats-py held samples pending"
+            release.set()
+            await wait_for(lambda: not scaler.samples, 2, "the drain went on once nats-py's queue emptied")
+        finally:
+            scaler._sample_subs.pop("held.samples", None)
+            release.set()
+            await sub.unsubscribe()
