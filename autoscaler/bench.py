@@ -542,12 +542,21 @@ class _Run:
                 await asyncio.wait_for(stop.wait(), OWNERSHIP_EVERY_S)
 
     async def background(self, stop: asyncio.Event) -> None:
-        # Every model's gateway speaks every 100 ms (the contract's pace): 10 samples/s x models.
+        """Every model's gateway speaks every 100 ms (the contract's pace): 10 samples/s x models, on a connection
+        of their own: gateways are other processes, and a pulse published behind a burst of ours waited in this
+        process's write buffer for all of it (a delay of the load generator, not of the autoscaler)."""
+        gateways = await connect.connect(connect.NatsOptions(servers=(self.server.url,), name="bench-decide-gateways"))
+        try:
+            await self._background(gateways, stop)
+        finally:
+            await gateways.close()
+
+    async def _background(self, nc: Any, stop: asyncio.Event) -> None:
         while not stop.is_set():
             t0 = time.perf_counter()
             for i, m in enumerate(self.models, 1):
                 if m not in self.quiet:
-                    await self.nc.publish(protocol.queue_subject(m), _sample(m, self.seq, 0))
+                    await nc.publish(protocol.queue_subject(m), _sample(m, self.seq, 0))
                 if i % BACKGROUND_YIELD_EVERY == 0:
                     await asyncio.sleep(0)  # our own watches and the stand-in agent run in between
             self.seq += 1
