@@ -342,7 +342,7 @@ class CommandService:
 
     async def _on_msg(self, msg: Msg) -> None:
         # nats-py runs a subscription's callback for one message at a time: commands are applied in arrival
-        # order and the ledger's check-then-record cannot interleave.
+        # order and the ledger's check-then-record cannot interleave (`status`, read-only, runs beside them).
         refused = _misrouted(msg, self._own_prefix)
         if refused is not None:
             # Dropped, never answered nor applied: a reply would be a publish with our grants to a subject the
@@ -350,10 +350,27 @@ class CommandService:
             self.rejections(refused, source=msg.subject)
             self.outcomes[f"dropped_{refused.reason}"] += 1
             return
+        if self._verb(msg.subject) == "status":
+            # Read-only, and its fan-out may wait `peer_status_timeout_s` on a hung replica: it runs beside the
+            # commands that arrive meanwhile instead of holding them up (those keep their arrival order).
+            task = asyncio.get_running_loop().create_task(self._handle_logged(msg), name="commands-status")
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
+            return
+        await self._handle_logged(msg)
+
+    async def _handle_logged(self, msg: Msg) -> None:
         try:
             await self.handle(msg.subject, msg.data, reply_to=msg.reply)
         except Exception:
             log.exception("command on %s failed unexpectedly", msg.subject)
+
+    def _verb(self, subject: str) -> str:
+        """The verb of a request on ``pulse.cmd.<verb>`` or on this replica's hand-over subject."""
+        own = self._own_prefix
+        if own is not None and subject.startswith(own):
+            return subject[len(own) :]
+        return subject[len(protocol.CMD_PREFIX) :] if subject.startswith(protocol.CMD_PREFIX) else subject
 
     @property
     def _own_prefix(self) -> str | None:
@@ -365,11 +382,7 @@ class CommandService:
         handed to the replica owning its model, which answers it."""
         own = self._own_prefix
         handed = own is not None and subject.startswith(own)
-        if handed:
-            assert own is not None
-            verb = subject[len(own) :]
-        else:
-            verb = subject[len(protocol.CMD_PREFIX) :] if subject.startswith(protocol.CMD_PREFIX) else subject
+        verb = self._verb(subject)
         now = self.clock()
         req: Command | None = None
         try:

@@ -206,3 +206,24 @@ async def test_status_names_a_silent_replica_within_the_bound(nc: Client, fleet_
         assert took < 3.0  # the bound (0.3 s) plus slack; the CLI gives up at 5 s
     finally:
         await hung.unsubscribe()
+
+
+async def test_a_status_waiting_on_a_silent_replica_holds_up_no_other_command(nc: Client, fleet_of: Any) -> None:
+    """The fan-out of ``status`` waits up to its bound on a hung replica; the commands that arrive meanwhile (an
+    on-call ``scale`` in an incident) are answered at once, not after it."""
+    hung = await nc.subscribe(protocol.replica_subject("d", "*"))  # takes requests, answers none
+    await nc.flush()
+    try:
+        settings = CommandSettings(peer_status_timeout_s=2.0)
+        await fleet_of(["a"], {"qwen": "a", "llama": "d", "mistral": "a"}, settings, live=["a", "d"])
+        status = asyncio.ensure_future(ask(nc, "status", request("status")))
+        await asyncio.sleep(0.1)  # the fan-out is waiting on d
+        t0 = time.monotonic()
+        [scaled] = await ask(nc, "scale", request("scale", model="qwen", replicas=2, for_s=60))
+        took = time.monotonic() - t0
+        assert scaled["ok"], scaled
+        assert not status.done() and took < 1.0, f"scale answered after {took:.2f} s, behind the status"
+        [reply] = await status
+        assert reply["missing"] == ["d"]
+    finally:
+        await hung.unsubscribe()
