@@ -442,12 +442,13 @@ class Autoscaler:
         nats-py's queue of each per-model subscription cost a replica of 1,000 models its CPU). What is taken
         meanwhile coalesces in the buffer."""
         until = None
-        while (now := time.perf_counter()) - self._taken_at < INGEST_QUIET_S:
+        while (quiet := time.perf_counter() - self._taken_at) < INGEST_QUIET_S:
+            now = time.perf_counter()
             if until is None:
                 until = now + self.settings.stand_aside_s
             elif now >= until:
                 return
-            await asyncio.sleep(0)
+            await asyncio.sleep(INGEST_QUIET_S - quiet)  # a timer, not a spin: the loop waits on its sockets
 
     def fold_sample(self, sample: QueueSample, now: float) -> bool:
         """One decoded sample into its model's controller (counted by outcome). Returns whether it started a
