@@ -160,6 +160,10 @@ class Router(Protocol):
         ...
 
 
+STATUS_IN_FLIGHT: Final = 8
+"""`status` requests one replica answers at once beside the other commands (each may wait on a hung peer)."""
+
+
 @dataclass(frozen=True)
 class CommandSettings:
     queue_group: str = "pulsescale-autoscaler"
@@ -271,6 +275,7 @@ class CommandService:
         self._lock = asyncio.Lock()
         self._started = False
         self._pending: set[asyncio.Task[None]] = set()
+        self._statuses = 0  # `status` requests running beside the others
         self._follower: asyncio.Task[None] | None = None
 
     @property
@@ -350,14 +355,20 @@ class CommandService:
             self.rejections(refused, source=msg.subject)
             self.outcomes[f"dropped_{refused.reason}"] += 1
             return
-        if self._verb(msg.subject) == "status":
+        if self._verb(msg.subject) == "status" and self._started and self._statuses < STATUS_IN_FLIGHT:
             # Read-only, and its fan-out may wait `peer_status_timeout_s` on a hung replica: it runs beside the
-            # commands that arrive meanwhile instead of holding them up (those keep their arrival order).
+            # commands that arrive meanwhile instead of holding them up (those keep their arrival order). At most
+            # `STATUS_IN_FLIGHT` at once (past it, and while stopping, one at a time as before).
+            self._statuses += 1
             task = asyncio.get_running_loop().create_task(self._handle_logged(msg), name="commands-status")
             self._pending.add(task)
-            task.add_done_callback(self._pending.discard)
+            task.add_done_callback(self._status_done)
             return
         await self._handle_logged(msg)
+
+    def _status_done(self, task: asyncio.Task[None]) -> None:
+        self._statuses -= 1
+        self._pending.discard(task)
 
     async def _handle_logged(self, msg: Msg) -> None:
         try:

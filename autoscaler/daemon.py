@@ -421,21 +421,35 @@ class Autoscaler:
         """Fold buffered samples into the controllers, oldest key first, yielding every `slice_s` of work.
         Rising samples do not wait here (`_rises`); a sample that starts a claim ends the slice, so the claim
         goes out before the next sample is folded."""
+        aside = _StandAside()
         while True:
             await self._samples_waiting.wait()
             self._samples_waiting.clear()
+            await self._stand_aside(aside)
             until = time.perf_counter() + self.settings.slice_s
             while self.samples:
-                await self.deps.claims.wait_idle(self.settings.stand_aside_s)
-                await self._ingest_first()
                 sample, _received = self.samples.pop()
                 # Folded in at the drain's time, not the receipt's: the policy's clock must never run backwards
                 # (housekeeping may have decided in between), and the difference is a slice or so.
                 if self.fold_sample(sample, self.clock()) or time.perf_counter() >= until:
                     await asyncio.sleep(0)
+                    await self._stand_aside(aside)
                     until = time.perf_counter() + self.settings.slice_s
 
-    async def _ingest_first(self) -> None:
+    async def _stand_aside(self, aside: _StandAside) -> None:
+        """Between two slices of the drain or housekeeping: wait for this process's young claims and for samples
+        being taken (`_ingest_first`), each at most `stand_aside_s`; after a wait that ran to its bound the next
+        slice goes without waiting, so a claim stuck retrying or a stream that never pauses takes at most half
+        of their time, not all of it."""
+        if aside.skip_next:
+            aside.skip_next = False
+            return
+        bound = self.settings.stand_aside_s
+        timed_out = not await self.deps.claims.wait_idle(bound)
+        timed_out = not await self._ingest_first() or timed_out
+        aside.skip_next = timed_out
+
+    async def _ingest_first(self) -> bool:
         """Stand aside while samples are being taken, at most `stand_aside_s`: a pulse's sample behind them is only
         seen (and skips the buffer, `_rises`) once they are taken, and the drain's slices between the callback's
         doubled that wait in a burst. "Being taken": the callback ran within `INGEST_QUIET_S` (O(1); scanning
@@ -447,8 +461,9 @@ class Autoscaler:
             if until is None:
                 until = now + self.settings.stand_aside_s
             elif now >= until:
-                return
+                return False
             await asyncio.sleep(INGEST_QUIET_S - quiet)  # a timer, not a spin: the loop waits on its sockets
+        return True
 
     def fold_sample(self, sample: QueueSample, now: float) -> bool:
         """One decoded sample into its model's controller (counted by outcome). Returns whether it started a
@@ -527,17 +542,17 @@ class Autoscaler:
         self._tick += 1
         turn = self._tick % turns
         until = time.perf_counter() + self.settings.slice_s
+        aside = _StandAside()
         for c in list(self.by_model.values()):
             if self.by_model.get(c.model) is not c or not c.deps.is_leader():
                 continue  # its ScaledObject went (or was re-pointed) while we yielded, or another replica owns it
             with self._contained(f"housekeeping of {c.model}"):
                 c.forget_gateways(now, self.settings.forget_gateway_after_s)
                 await c.housekeeping(now, decide=protocol.shard_of(c.model, turns) == turn)
-            if time.perf_counter() >= until or self.deps.claims.count:
+            if time.perf_counter() >= until:
                 # A tick over 1,000 models is tens of ms: let the lease renewal, claims and samples in between.
                 await asyncio.sleep(0)
-                await self.deps.claims.wait_idle(self.settings.stand_aside_s)
-                await self._ingest_first()
+                await self._stand_aside(aside)
                 until = time.perf_counter() + self.settings.slice_s
                 now = self.clock()
         if self._held and self.scalers_followed and turn == 0:  # a scan of every slot: once per turn round
@@ -766,6 +781,13 @@ class Autoscaler:
             for sub in subs.values():
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
+
+
+@dataclass
+class _StandAside:
+    """One loop's standing aside (`Autoscaler._stand_aside`): the last wait ran to its bound, skip the next."""
+
+    skip_next: bool = False
 
 
 class SlotCounts:

@@ -188,7 +188,8 @@ class ModelDecider:
         changed = max(self._changed_at, stale_at)
         # Windows that only ever held this demand (`PolicyState.flat`) need not wait for older values to leave:
         # a fleet's models start steady, and waiting `settle_s` (minutes) re-decided every one on every turn.
-        flat = stale_at < at and policy.flat_settled(self.spec, state, at)
+        # ...unless the demand changed since the last decision other than by a sample (`touch`: gateways forgotten).
+        flat = stale_at < at and self._changed_at <= at and policy.flat_settled(self.spec, state, at)
         if at < changed + policy.settle_s(self.spec) and not flat:
             return False
         events = policy.time_events(self.spec, state, self.record.created_at, demand)

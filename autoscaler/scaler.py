@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -154,30 +155,39 @@ class _Unbooked:
 
 class ClaimsInFlight:
     """Bring-ups of this process between their start and their claim booked, over every model: the pulse's
-    path. While any is, the sample drain and housekeeping stand aside (`wait_idle`), so the claim's few hops
-    through the event loop do not each wait behind a slice of theirs."""
+    path. While one started recently is, the sample drain and housekeeping stand aside (`wait_idle`), so the
+    claim's few hops through the event loop do not each wait behind a slice of theirs."""
 
-    __slots__ = ("_idle", "count")
+    __slots__ = ("_idle", "count", "started_at")
 
     def __init__(self) -> None:
         self.count = 0
+        self.started_at = -math.inf  # monotonic time of the latest bring-up started
         self._idle: asyncio.Event | None = None  # made on first use: it binds to the running loop
 
     def add(self, n: int) -> None:
+        if n > 0:
+            self.started_at = time.monotonic()
         self.count += n
         if self.count == 0 and self._idle is not None:
             self._idle.set()
 
-    async def wait_idle(self, timeout_s: float) -> None:
-        """Until no claim is in flight, at most `timeout_s` (what stands aside is not starved by a stream of
-        claims)."""
+    async def wait_idle(self, bound_s: float) -> bool:
+        """Until no claim is in flight, waiting only while the latest started less than `bound_s` ago (a claim
+        stuck retrying against an unhappy broker holds nothing up). Returns False when it stopped at the bound."""
         if self.count == 0:
-            return
+            return True
+        left = self.started_at + bound_s - time.monotonic()
+        if left <= 0:
+            return False
         if self._idle is None:
             self._idle = asyncio.Event()
         self._idle.clear()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        try:
+            await asyncio.wait_for(self._idle.wait(), left)
+        except TimeoutError:
+            return False
+        return True
 
 
 @dataclass
@@ -271,8 +281,12 @@ class ModelScaler:
         if sample_at is not None and self._trigger is None:
             self._trigger = _Trigger(sample_at)
         if sample_at is not None and self._loop_task is not None and not self._stopping and self.is_leader():
-            # A sample's new target: the claim starts now, not a loop iteration later behind other work.
-            self.reconcile_once()
+            # A sample's new target: the claim starts now, not a loop iteration later behind other work. A failure
+            # here must not reach the decision's caller; the loop below reconciles again.
+            try:
+                self.reconcile_once()
+            except Exception:
+                log.exception("%s: reconcile on a new target failed; the reconcile loop retries", self.model)
         self._wake.set()
 
     async def _reconcile_loop(self) -> None:

@@ -55,3 +55,23 @@ def test_free_port_stays_below_the_kernels_ephemeral_range() -> None:
     if low > 11000:
         assert all(p < low for p in ports)
     assert len(ports) > 1
+
+
+def test_a_restart_keeps_its_ports_and_says_when_one_was_taken(tmp_path: Path) -> None:
+    """After a first start the ports are the server's: clients hold its URL, so a restart that finds its port
+    taken fails loudly instead of moving to another."""
+    server = NatsServer(tmp_path / "nats").start()
+    try:
+        port = server.port
+        server.kill()
+        hold = _hold(port)
+        try:
+            with pytest.raises(PortTaken) as taken:
+                server.start()
+            assert taken.value.port == port and server.port == port
+        finally:
+            hold.close()
+        server.start()  # the port is free again: the same one
+        assert server.port == port
+    finally:
+        server.stop()

@@ -289,3 +289,31 @@ async def test_each_model_is_re_decided_once_per_turn_round(nats_server: NatsSer
         assert decided == dict.fromkeys(models, 2), decided
         await Gateway(nc, "m0").send(8)
         await wait_for(lambda: scaler.by_model["m0"].decider.desired(0) == 2, 5, "the sample decided at once")
+
+
+def test_a_gateway_forgotten_while_fresh_is_decided_not_skipped() -> None:
+    """`forget_gateways` drops a gateway silent for minutes that still counts as fresh (a long staleAfterSeconds):
+    the demand changed without a sample, and a model settled on flat windows must be decided again, not skipped
+    on the old demand forever."""
+    rec = _record(min_replicas=0, cooldown=1.0, initial_cooldown=0.0, stab=1.0, stale=1000.0, stable=1.0, panic=0.5,
+                  fallback=False)  # fmt: skip
+    pair = _Pair(rec)
+    pair.ready = 4  # serving demand 8 at target 2: no panic
+    for g in ("a", "b"):  # both before the first decision: the windows only ever hold 8
+        pair.seq[g] = 1
+        pair.depth[g] = 4
+        s = QueueSample(gateway=g, model="m", seq=1, ts=pair.now, queue_depth=4, inflight=0, arrivals_total=1,
+                        completions_total=0, timeouts_total=0)  # fmt: skip
+        for d in pair.both():
+            d.on_sample(s, pair.now)
+    pair.step("tick", "", 0)
+    pair.depth.pop("b")  # b goes silent; a keeps saying 4
+    pair.step("steady", "", 20)
+    assert pair.skipped > 0, "settled on the flat windows"
+    for d in pair.both():
+        assert d.demand.forget_stale(pair.now, 2.0) == 1  # b, silent for ~6 s
+        d.touch(pair.now)
+    assert not pair.skip.settled(pair.now, ready=pair.ready)
+    pair.step("ticks", "", 4)  # re-decided on the demand left (a's 4), as the reference is
+    assert pair.skip.decision is not None and pair.skip.decision.stable_demand is not None
+    assert pair.skip.decision.stable_demand < 8

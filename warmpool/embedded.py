@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -21,6 +22,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from types import TracebackType
+from typing import Final
 
 from warmpool.natsauth import TlsFiles, write_private
 
@@ -68,7 +70,20 @@ def free_port() -> int:
 
 
 class PortTaken(RuntimeError):
-    """The server could not bind its port: another process holds it."""
+    """The server could not bind its port: another process holds it (`port`)."""
+
+    def __init__(self, message: str, port: int) -> None:
+        super().__init__(message)
+        self.port = port
+
+
+_BIND_FAILED: Final = re.compile(r"\[FTL\].*listen tcp [^\s]*:(\d+): bind: address already in use")
+
+
+def _taken_port(log: str) -> int | None:
+    """The port a server that exited could not bind, from its fatal log line; None for any other cause."""
+    m = _BIND_FAILED.search(log)
+    return int(m.group(1)) if m else None
 
 
 class NatsServer:
@@ -90,6 +105,7 @@ class NatsServer:
     ) -> None:
         self._own_dir = store_dir is None
         self._pick_ports = port is None or monitor_port == 0
+        self._log_from = 0
         """The ports are ours to choose until the first start succeeds (a restart keeps them)."""
         self.store_dir = Path(store_dir) if store_dir else Path(tempfile.mkdtemp(prefix="pulsescale-nats-"))
         self._given_port, self._given_monitor = port, monitor_port
@@ -132,23 +148,27 @@ class NatsServer:
             self.launch()
             try:
                 self.wait_ready(timeout_s)
-            except PortTaken:
-                # Another process took a port between our pick and the server's bind: pick again, when they
-                # were ours to pick.
-                if not self._pick_ports or attempt == 4:
+            except PortTaken as err:
+                # Another process took a port between our pick and the server's bind: pick again, when the
+                # taken one was ours to pick (never after a first start: a restart keeps its ports).
+                if not self._repick_ports(err.port) or attempt == 4:
                     raise
                 self.proc = None
-                self._repick_ports()
                 continue
-            self._pick_ports = False
             return self
         raise AssertionError("unreachable")
 
-    def _repick_ports(self) -> None:
-        if self._given_port is None:
+    def _repick_ports(self, taken: int | None) -> bool:
+        """Pick the taken port again when it was ours to pick; False when it was not (or is unknown)."""
+        if not self._pick_ports:
+            return False
+        if taken == self.port and self._given_port is None:
             self.port = free_port()
-        if self._given_monitor == 0:
+            return True
+        if taken == self.monitor_port and self._given_monitor == 0:
             self.monitor_port = free_port()
+            return True
+        return False
 
     def launch(self) -> None:
         """Start the process without waiting for it to serve: the servers of a cluster are launched together,
@@ -156,6 +176,7 @@ class NatsServer:
         if self.proc is not None and self.proc.poll() is None:
             return
         conf = self._write_config()
+        self._log_from = self.log_path.stat().st_size if self.log_path.exists() else 0  # this run's lines start here
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
         try:
             self.proc = subprocess.Popen(
@@ -170,10 +191,11 @@ class NatsServer:
             assert self.proc is not None
             if self.proc.poll() is not None:
                 log = self.tail_log()
-                last = log.strip().splitlines()[-1:] or [""]
-                cls = PortTaken if "[FTL]" in last[0] and "address already in use" in last[0] else RuntimeError
-                raise cls(f"nats-server exited with {self.proc.returncode}; log: {log}")
+                message = f"nats-server exited with {self.proc.returncode}; log: {log}"
+                taken = _taken_port(self._this_run_log())
+                raise PortTaken(message, taken) if taken is not None else RuntimeError(message)
             if self._ready():
+                self._pick_ports = False  # started once: a restart keeps these ports
                 return
             time.sleep(0.02)
         raise TimeoutError(f"nats-server not ready after {timeout_s} s; log: {self.tail_log()}")
@@ -190,6 +212,15 @@ class NatsServer:
                 return s.recv(5) == b"INFO "
         except (urllib.error.URLError, OSError):
             return False
+
+    def _this_run_log(self) -> str:
+        """What the last launched process wrote (the log file is appended to across restarts)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_from)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     def tail_log(self, n: int = 2000) -> str:
         try:
