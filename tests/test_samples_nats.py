@@ -5,12 +5,15 @@ model, coalesced into a newer one, or dropped with the oldest key)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from autoscaler.controller import ControllerSettings
+from autoscaler.daemon import Autoscaler
 from autoscaler.scaler import ClaimsInFlight
 from tests.agent_double import AgentDouble
 from tests.helpers import wait_for
@@ -166,23 +169,34 @@ async def test_claims_in_flight_wait_idle_returns_at_idle_or_after_its_bound() -
     assert time.monotonic() - t3 >= 0.03
 
 
+@contextlib.asynccontextmanager
+async def _burst(scaler: Autoscaler, nc: Client, *, gateways: int) -> AsyncIterator[None]:
+    """The sample callback fed a sample every loop iteration while the block runs, as nats-py does through a
+    burst (`gateways` distinct senders, so their keys coalesce past that many)."""
+    running = True
+
+    async def deliver() -> None:
+        seq = 0
+        while running:
+            seq += 1
+            data = _steady("burst", seq, gateway=f"b{seq % gateways}")
+            await scaler.on_queue_msg(Msg(_client=nc, subject=protocol.queue_subject("burst"), data=data))
+            await asyncio.sleep(0)
+
+    feeder = asyncio.ensure_future(deliver())
+    try:
+        yield
+    finally:
+        running = False
+        await feeder
+
+
 async def test_the_drain_stands_aside_while_samples_are_being_taken(nats_server: NatsServer, nc: Client) -> None:
     """Samples being taken go first: a pulse's sample behind them is only seen once they are. Here the callback
     is fed a sample every loop iteration, as nats-py does through a burst; the buffered samples wait until the
     burst ends."""
     async with running_autoscaler(nats_server.url, stand_aside_s=5.0) as scaler:
-        burst = True
-
-        async def deliver() -> None:
-            seq = 0
-            while burst:
-                seq += 1
-                data = _steady("burst", seq, gateway=f"b{seq}")
-                await scaler.on_queue_msg(Msg(_client=nc, subject=protocol.queue_subject("burst"), data=data))
-                await asyncio.sleep(0)
-
-        feeder = asyncio.ensure_future(deliver())
-        try:
+        async with _burst(scaler, nc, gateways=1_000_000):
             await asyncio.sleep(0.05)  # the burst is under way
             for i in range(20):
                 scaler.take_sample(protocol.queue_subject(f"y{i}"), _steady(f"y{i}"))
@@ -190,9 +204,6 @@ async def test_the_drain_stands_aside_while_samples_are_being_taken(nats_server:
             assert all(k in scaler.samples for k in (("g", f"y{i}") for i in range(20))), (
                 "the drain folded samples while the callback was taking a burst"
             )
-        finally:
-            burst = False
-            await feeder
         await wait_for(lambda: not scaler.samples, 2, "the drain went on once the burst ended")
 
 
@@ -209,26 +220,12 @@ async def test_a_claim_stuck_retrying_or_a_stream_without_pause_does_not_starve_
             for i in range(20):
                 scaler.take_sample(protocol.queue_subject(f"z{i}"), _steady(f"z{i}"))
             await wait_for(lambda: not scaler.samples, 0.5, "folded beside a stuck claim")
-            burst = True
-
-            async def deliver() -> None:
-                seq = 0
-                while burst:
-                    seq += 1
-                    data = _steady("burst", seq, gateway=f"b{seq % 50}")
-                    await scaler.on_queue_msg(Msg(_client=nc, subject=protocol.queue_subject("burst"), data=data))
-                    await asyncio.sleep(0)
-
-            feeder = asyncio.ensure_future(deliver())
-            try:
+            async with _burst(scaler, nc, gateways=50):
                 await asyncio.sleep(0.05)
                 for i in range(20):
                     scaler.take_sample(protocol.queue_subject(f"w{i}"), _steady(f"w{i}"))
                 await wait_for(
                     lambda: not any(("g", f"w{i}") in scaler.samples for i in range(20)), 0.5, "folded in a stream"
                 )
-            finally:
-                burst = False
-                await feeder
         finally:
             claims.add(-1)
