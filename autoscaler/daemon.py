@@ -106,14 +106,15 @@ class AutoscalerSettings:
     """The longest the sample callback, the drain and housekeeping run without yielding to the loop: the lease
     renewal and claims in flight wait at most about this long behind them."""
     stand_aside_s: float = 0.05
-    """The longest the sample drain and housekeeping wait for this process's claims in flight before they go on
-    (`scaler.ClaimsInFlight`): each of a claim's hops through the event loop waited behind a slice of theirs."""
+    """The longest the sample drain and housekeeping wait, between two slices, for this process's claims started
+    this recently (`scaler.ClaimsInFlight`) and for samples being taken (`Autoscaler._ingest_first`): a claim's
+    hops through the event loop, and a pulse's sample behind a burst, each waited behind a slice of theirs."""
     gc_freeze_every_s: float | None = None
     """How often housekeeping moves what survived the young collections out of the cyclic collector's sight
     (`gc.freeze`). At 1,000 models the long-lived state (windows, books, metric children) is ~170,000 objects, and
     a full collection of them stops the loop for ~100 ms, at a random moment: that was the decision p99 at 1,000
     models. Frozen objects are still freed by reference counting; only reference cycles among them wait for
-    `gc_full_every_s`. It acts on the whole process, so it is the daemon's (`pulsescale autoscaler` sets 30 s),
+    `gc_full_every_s`. It acts on the whole process, so it is the daemon's (`pulsescale autoscaler` sets 1 s),
     not a library default: None leaves the collector as Python sets it."""
     gc_full_every_s: float = 3600.0
     """How often the frozen objects are handed back and collected in full (one pause of ~100 ms at 1,000 models),
@@ -165,9 +166,9 @@ class Autoscaler:
         self._stopping: dict[str, asyncio.Future[None]] = {}  # models whose lost shard's stop may still run
         self._held: set[int] = set()  # shards held, as the callbacks said (the gauges; `owns` fences)
         self.sample_subjects: frozenset[str] = frozenset()
-        self._taken_at = -math.inf  # perf_counter() of the sample callback's last call (`_ingest_first`)
         """The sample subjects subscribed to now (`follow_subjects`): the wildcard while this replica holds every
         shard."""
+        self._taken_at = -math.inf  # perf_counter() of the sample callback's last call (`_ingest_first`)
         self.subjects_changed = asyncio.Event()
         """The models this replica owns changed: `follow_subjects` re-subscribes the samples it needs."""
         self._leases_kv = buckets[protocol.LEASES_BUCKET]
@@ -378,8 +379,8 @@ class Autoscaler:
         """The sample subscription's callback (on the samples' own connection): decode, check, buffer. The
         controllers see the sample in `drain_samples`, one loop iteration later when the buffer was empty."""
         self._taken_at = time.perf_counter()
-        claiming = self.take_sample(msg.subject, msg.data)
-        if claiming or self.deps.claims.count or time.perf_counter() >= self._callback_until:
+        claiming = self.take_sample(msg.subject, msg.data) or self.deps.claims.recent(self.settings.stand_aside_s)
+        if claiming or time.perf_counter() >= self._callback_until:
             # nats-py runs this callback back to back while samples are queued: let the lease renewal, the
             # claims in flight and the drain run, or a flood of samples would cost us the lease; and a claim this
             # sample started goes out before the next sample.

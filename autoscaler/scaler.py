@@ -172,14 +172,19 @@ class ClaimsInFlight:
         if self.count == 0 and self._idle is not None:
             self._idle.set()
 
+    def recent(self, bound_s: float) -> bool:
+        """A claim is in flight and the latest started less than `bound_s` ago (one stuck retrying against an
+        unhappy broker holds nothing up for longer)."""
+        return self.count > 0 and time.monotonic() < self.started_at + bound_s
+
     async def wait_idle(self, bound_s: float) -> bool:
-        """Until no claim is in flight, waiting only while the latest started less than `bound_s` ago (a claim
-        stuck retrying against an unhappy broker holds nothing up). Returns False when it stopped at the bound."""
+        """Until no claim is in flight, waiting only while one is `recent`. Returns False when it stopped at the
+        bound."""
         if self.count == 0:
             return True
-        left = self.started_at + bound_s - time.monotonic()
-        if left <= 0:
+        if not self.recent(bound_s):
             return False
+        left = self.started_at + bound_s - time.monotonic()
         if self._idle is None:
             self._idle = asyncio.Event()
         self._idle.clear()

@@ -163,7 +163,9 @@ async def test_claims_in_flight_wait_idle_returns_at_idle_or_after_its_bound() -
     t2 = time.monotonic()
     assert await claims.wait_idle(0.05) is False  # the same old claim: no second wait
     assert time.monotonic() - t2 < 0.03
+    assert not claims.recent(0.05)  # ...nor does the sample callback yield per sample for it
     claims.add(1)  # a new one started: standing aside again
+    assert claims.recent(0.05)
     t3 = time.monotonic()
     assert await claims.wait_idle(0.05) is False
     assert time.monotonic() - t3 >= 0.03
