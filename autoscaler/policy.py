@@ -425,10 +425,6 @@ def _scale(
     return desired, mode, f"steady at {prev}: scale-down rate {_rate_text(spec)} used"
 
 
-def _cooling_s(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: float) -> float:
-    return cooling_s(spec, state, obs.created_at, now)
-
-
 def cooling_s(spec: ScaledObjectSpec, state: PolicyState, created_at: float | None, now: float) -> float:
     """Seconds of ``initialCooldownPeriod`` still to run (<= 0: over). While it runs, a decision's reason may count
     it down, so no decision repeats the last (`ModelDecider.settled`)."""
@@ -515,7 +511,7 @@ def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: fl
             target,
             lead_s,
             now,
-            _cooling_s(spec, obs, state, now),
+            cooling_s(spec, state, obs.created_at, now),
         )
         if hold is not None and desired < hold:
             floor = bounds.clamp(hold)  # the count at restart may itself be outside the (new) bounds
@@ -635,12 +631,8 @@ def flat_settled(spec: ScaledObjectSpec, state: PolicyState, decided_at: float) 
     """The windows held one demand and one recommendation since the start, and the decision at `decided_at` saw
     them past `trend_settle_s`: deciding again on the same inputs repeats it (`ModelDecider.settled`)."""
     flat = state.flat
-    return (
-        flat is not None
-        and flat is not _UNRECORDED
-        and flat.demand_since is not None
-        and decided_at >= flat.demand_since + trend_settle_s(spec)
-    )
+    # (`_UNRECORDED`, before any decision, has no `demand_since` either.)
+    return flat is not None and flat.demand_since is not None and decided_at >= flat.demand_since + trend_settle_s(spec)
 
 
 def time_events(
