@@ -91,6 +91,8 @@ LOG_TAIL_LINES: Final = 20
 _LOG_LINE_CHARS: Final = 400
 _POLL_S: Final = (0.05, 0.1, 0.2, 0.5)
 """Health retry pauses while a server starts: servers take seconds to minutes, so polling faster buys nothing."""
+_PROBE_S: Final = 5.0
+"""The longest one readiness probe waits for its answer (less when the health deadline is nearer)."""
 _EXIT_POLL_S: Final = 0.1
 """How often a server's return code is looked at while its children still hold its output pipe."""
 _PR_SET_PDEATHSIG: Final = 1
@@ -457,13 +459,16 @@ class ServedEngine:
                     f"server {proc.pid} not healthy after {timeout_s:g} s ({self.spec.ready_path}: {last})"
                     + self._tail_note(),
                 )
+            probe_s = min(_PROBE_S, left)
             try:
-                status, _ = await http_request(url, "GET", self.spec.ready_path, timeout_s=min(5.0, left))
+                status, _ = await http_request(url, "GET", self.spec.ready_path, timeout_s=probe_s)
                 if status == 200:
                     return
                 last = f"answered {status}"
             except (OSError, TimeoutError) as err:
-                last = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+                # A probe the deadline cut short says nothing new about the server: keep what it last answered.
+                if not (isinstance(err, TimeoutError) and probe_s < _PROBE_S and last.startswith("answered")):
+                    last = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
             pause = min(_POLL_S[min(attempt, len(_POLL_S) - 1)], max(0.0, left))
             attempt += 1
             with contextlib.suppress(TimeoutError):
