@@ -34,7 +34,7 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -843,6 +843,11 @@ def _forget_after_stop(c: ModelController, stopped: asyncio.Future[None]) -> Non
     c.forget_claims()
 
 
+async def _quietly(close: Callable[[], Awaitable[None]]) -> None:
+    with contextlib.suppress(Exception):
+        await close()
+
+
 async def _serve_http(scaler: Autoscaler, host: str, port: int) -> tuple[web.AppRunner, int]:
     """``/metrics``, ``/healthz`` and ``/readyz`` on `host`:`port`; returns the runner and the bound port."""
 
@@ -886,78 +891,79 @@ async def run(
     """Run until `stop` is set; SIGTERM handling is the caller's (signal handlers belong to the main thread).
     `on_started(autoscaler)` lets a caller (tests) see the live daemon."""
     metrics = metrics or AutoscalerMetrics()
-    nc = await connect.connect(settings.nats)
-    # The autoscaler creates the buckets, and turns rollups off on those an older version made.
-    buckets = await ensure_buckets(nc.jetstream(timeout=2.0), harden=True)
-    store = KvSlotStore(nc, buckets, on_reject=lambda reason: metrics.registry_rejected.labels(reason).inc())
-    await store.start()
-    scaler = Autoscaler(settings, nc, store, buckets, metrics=metrics, cold_path=cold_path)
-    lease = settings.lease
-    # Lease rounds on their own, shorter timeout: a broker that vanished must not hold a round for the default 5 s
-    # (the fence ends our terms on time anyway, but re-taking them would wait).
-    leases_kv = await nc.jetstream(timeout=lease.renew_every_s * 2).key_value(protocol.LEASES_BUCKET)
-    scaler.shards = ShardLeases(
-        leases_kv,
-        settings.identity,
-        ShardSettings(lease_s=lease.lease_s, renew_every_s=lease.renew_every_s, stop_fraction=lease.stop_fraction),
-        on_acquired=scaler.on_shard_acquired,
-        on_lost=scaler.on_shard_lost,
-        count_models=scaler.models_owned,
-        rejections=store.rejected,
-        nc=nc,
-    )
-    runner: web.AppRunner | None = None
-    if settings.metrics_port is not None:
-        runner, scaler.metrics_port = await _serve_http(scaler, settings.metrics_host, settings.metrics_port)
-        log.info("metrics on http://%s:%d/metrics", settings.metrics_host, scaler.metrics_port)
-    # Samples on their own connection: claims, activation replies and lease renewals on `nc` never queue behind
-    # a flood of them, in the server's outbound buffer or in our socket's.
-    samples_nc = await connect.connect(dataclasses.replace(settings.nats, name=f"{settings.nats.name}-samples"))
-    service = scaler.commands = commands.CommandService(
-        nc,
-        scaler,
-        store,
-        is_leader=scaler.is_leader,
-        router=scaler.shards,
-        rejections=scaler.rejections,  # counted in pulsescale_rejected_messages_total{reason}
-        settings=commands.CommandSettings(max_replicas=settings.max_replicas),
-    )
-    campaign = asyncio.create_task(scaler.shards.campaign(stop), name="shards")
-    tasks = [
-        asyncio.create_task(scaler.scalers.run(), name="scalers-view"),
-        asyncio.create_task(scaler.follow_scalers(stop), name="scalers"),
-        asyncio.create_task(scaler.follow_slots(stop), name="slots"),
-        asyncio.create_task(scaler.housekeeping(stop), name="housekeeping"),
-        asyncio.create_task(scaler.drain_samples(), name="samples"),
-        asyncio.create_task(scaler.follow_subjects(samples_nc, stop), name="sample-subjects"),
-        campaign,
-    ]
-    await service.start()
-    if on_started is not None:
-        on_started(scaler)
-    if ready is not None:
-        ready.set()
-    try:
-        done, _ = await asyncio.wait([asyncio.create_task(stop.wait()), *tasks], return_when=asyncio.FIRST_COMPLETED)
-        for t in done:
-            if t in tasks and t.exception() is not None:
-                raise t.exception()  # type: ignore[misc]
-    finally:
-        stop.set()
-        with contextlib.suppress(Exception):
-            await service.stop()
-        await scaler.shutdown(campaign=campaign)
-        scaler.scalers.closed = True
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        if runner is not None:
-            await runner.cleanup()
-        await store.close()
-        with contextlib.suppress(Exception):
-            await samples_nc.close()
-        with contextlib.suppress(Exception):
-            await nc.drain()
+    async with contextlib.AsyncExitStack() as opened:
+        # Each connection, watch and listener is closed however the start ends: a stop or an error half-way
+        # through leaves no socket for the garbage collector.
+        nc = await connect.connect(settings.nats)
+        opened.push_async_callback(_quietly, nc.drain)
+        # The autoscaler creates the buckets, and turns rollups off on those an older version made.
+        buckets = await ensure_buckets(nc.jetstream(timeout=2.0), harden=True)
+        store = KvSlotStore(nc, buckets, on_reject=lambda reason: metrics.registry_rejected.labels(reason).inc())
+        opened.push_async_callback(store.close)
+        await store.start()
+        scaler = Autoscaler(settings, nc, store, buckets, metrics=metrics, cold_path=cold_path)
+        lease = settings.lease
+        # Lease rounds on their own, shorter timeout: a broker that vanished must not hold a round for the default
+        # 5 s (the fence ends our terms on time anyway, but re-taking them would wait).
+        leases_kv = await nc.jetstream(timeout=lease.renew_every_s * 2).key_value(protocol.LEASES_BUCKET)
+        scaler.shards = ShardLeases(
+            leases_kv,
+            settings.identity,
+            ShardSettings(lease_s=lease.lease_s, renew_every_s=lease.renew_every_s, stop_fraction=lease.stop_fraction),
+            on_acquired=scaler.on_shard_acquired,
+            on_lost=scaler.on_shard_lost,
+            count_models=scaler.models_owned,
+            rejections=store.rejected,
+            nc=nc,
+        )
+        if settings.metrics_port is not None:
+            runner, scaler.metrics_port = await _serve_http(scaler, settings.metrics_host, settings.metrics_port)
+            opened.push_async_callback(runner.cleanup)
+            log.info("metrics on http://%s:%d/metrics", settings.metrics_host, scaler.metrics_port)
+        # Samples on their own connection: claims, activation replies and lease renewals on `nc` never queue behind
+        # a flood of them, in the server's outbound buffer or in our socket's.
+        samples_nc = await connect.connect(dataclasses.replace(settings.nats, name=f"{settings.nats.name}-samples"))
+        opened.push_async_callback(_quietly, samples_nc.close)
+        service = scaler.commands = commands.CommandService(
+            nc,
+            scaler,
+            store,
+            is_leader=scaler.is_leader,
+            router=scaler.shards,
+            rejections=scaler.rejections,  # counted in pulsescale_rejected_messages_total{reason}
+            settings=commands.CommandSettings(max_replicas=settings.max_replicas),
+        )
+        campaign = asyncio.create_task(scaler.shards.campaign(stop), name="shards")
+        tasks = [
+            asyncio.create_task(scaler.scalers.run(), name="scalers-view"),
+            asyncio.create_task(scaler.follow_scalers(stop), name="scalers"),
+            asyncio.create_task(scaler.follow_slots(stop), name="slots"),
+            asyncio.create_task(scaler.housekeeping(stop), name="housekeeping"),
+            asyncio.create_task(scaler.drain_samples(), name="samples"),
+            asyncio.create_task(scaler.follow_subjects(samples_nc, stop), name="sample-subjects"),
+            campaign,
+        ]
+        try:
+            await service.start()
+            if on_started is not None:
+                on_started(scaler)
+            if ready is not None:
+                ready.set()
+            done, _ = await asyncio.wait(
+                [asyncio.create_task(stop.wait()), *tasks], return_when=asyncio.FIRST_COMPLETED
+            )
+            for t in done:
+                if t in tasks and t.exception() is not None:
+                    raise t.exception()  # type: ignore[misc]
+        finally:
+            stop.set()
+            with contextlib.suppress(Exception):
+                await service.stop()
+            await scaler.shutdown(campaign=campaign)
+            scaler.scalers.closed = True
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
     return scaler

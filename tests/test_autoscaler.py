@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -27,6 +28,7 @@ from tests.agent_double import AgentDouble
 from tests.helpers import wait_for
 from warmpool import connect, protocol
 from warmpool.embedded import NatsServer, free_port
+from warmpool.errors import PulsescaleError
 from warmpool.protocol import QueueSample, ScaledObjectSpec, ScalerRecord
 from warmpool.registry import KvSlotStore, ensure_buckets
 
@@ -409,3 +411,24 @@ async def test_an_orphaned_claim_is_adopted_and_given_back(
             quiet.cancel()
     finally:
         await agent.stop()
+
+
+async def test_a_start_that_fails_half_way_closes_its_nats_connection(nats_server: NatsServer) -> None:
+    # The metrics port is taken, so the start fails after the first connection is up: that connection must
+    # go (a leaked socket is a ResourceWarning in some later test, or a stale client on the broker).
+    taken = socket.create_server(("127.0.0.1", 0))
+    settings = daemon.AutoscalerSettings(
+        nats=connect.NatsOptions(servers=(nats_server.url,), name="test-autoscaler-half-started"),
+        metrics_port=taken.getsockname()[1],
+    )
+    try:
+        with pytest.raises(PulsescaleError, match="cannot serve metrics .* address already in use"):
+            await asyncio.wait_for(daemon.run(settings, stop=asyncio.Event()), 10)
+    finally:
+        taken.close()
+
+    def clients() -> list[str]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{nats_server.monitor_port}/connz", timeout=5) as r:
+            return [c.get("name", "") for c in msgspec.json.decode(r.read())["connections"]]
+
+    await wait_for(lambda: "test-autoscaler-half-started" not in clients(), 5, "the broker to see the client go")

@@ -74,6 +74,34 @@ async def test_unreachable_server_is_reported_quickly() -> None:
     assert time.monotonic() - t0 < 5
 
 
+async def test_a_connect_cancelled_mid_handshake_closes_its_socket() -> None:
+    # A stopping daemon cancels its connect; nats-py leaves the half-open transport to the garbage collector (CI
+    # saw its ResourceWarning fail an unrelated test). The listener accepts and never says INFO.
+    accepted = asyncio.Event()
+    hung_up: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.set()
+        hung_up.set_result(await reader.read())  # what the client sent, once it closes its end
+        writer.close()
+
+    listener = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    try:
+        opts = connect.NatsOptions(servers=(f"nats://127.0.0.1:{port}",), connect_deadline_s=SLOW_DEADLINE_S)
+        attempt = asyncio.ensure_future(connect.connect(opts))
+        await asyncio.wait_for(accepted.wait(), 5)
+        await asyncio.sleep(0.1)  # well into the wait for INFO
+        attempt.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await attempt
+        # The client's socket is closed: the server sees its end of file, not silence until the bound.
+        assert await asyncio.wait_for(hung_up, 5) == b""
+    finally:
+        listener.close()
+        await listener.wait_closed()
+
+
 @pytest.mark.parametrize(
     ("auth", "bad", "good"),
     [

@@ -367,12 +367,17 @@ async def connect(
     nc = Client()
     attempt = asyncio.ensure_future(nc.connect(**kwargs))  # type: ignore[arg-type]
     try:
-        first: set[asyncio.Future[Any]] = {attempt, refused}
-        await asyncio.wait(first, timeout=opts.connect_deadline_s, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not attempt.done():
-            attempt.cancel()
-        await asyncio.gather(attempt, return_exceptions=True)
+        try:
+            first: set[asyncio.Future[Any]] = {attempt, refused}
+            await asyncio.wait(first, timeout=opts.connect_deadline_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not attempt.done():
+                attempt.cancel()
+            await asyncio.gather(attempt, return_exceptions=True)
+    except asyncio.CancelledError:
+        # nats-py leaves a socket it opened to the garbage collector when its connect is cancelled.
+        await _close_quietly(nc)
+        raise
     if not attempt.cancelled() and attempt.exception() is None:
         connected = True
         refused.cancel()
