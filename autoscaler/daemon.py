@@ -59,6 +59,7 @@ from warmpool.errors import BadMessage, PulsescaleError, StaleToken
 from warmpool.protocol import Override, OverrideRecord, QueueSample, ScaledObjectSpec, ScalerRecord, StatusRow
 from warmpool.registry import BucketView, Changed, Claim, KvSlotStore, Removed, Snapshot, ensure_buckets
 from warmpool.rejects import Rejections
+from warmpool.tasks import cancel_and_wait
 
 __all__ = ["Autoscaler", "AutoscalerSettings", "default_identity", "run"]
 
@@ -961,9 +962,5 @@ async def run(
                 await service.stop()
             await scaler.shutdown(campaign=campaign)
             scaler.scalers.closed = True
-            for t in tasks:
-                t.cancel()
-            for t in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await t
+            await cancel_and_wait(tasks)
     return scaler

@@ -44,6 +44,7 @@ from warmpool import protocol
 from warmpool.errors import InvalidTransition, PulsescaleError, SlotNotFound, StaleToken
 from warmpool.protocol import AgentLease, AgentStatusReply, SlotRecord, WeightsStatus
 from warmpool.registry import Changed, KvSlotStore, Removed, Snapshot
+from warmpool.tasks import cancel_and_wait
 
 __all__ = ["Agent", "run"]
 
@@ -473,9 +474,7 @@ async def run(
             ready.set()
         stopped = asyncio.create_task(stop.wait(), name="agent-stop")
         done, _ = await asyncio.wait([stopped, *roots], return_when=asyncio.FIRST_COMPLETED)
-        for t in roots:
-            t.cancel()
-        await asyncio.gather(*roots, return_exceptions=True)
+        await cancel_and_wait(roots)
         if stopped not in done:
             stopped.cancel()
             crashed = next(iter(done))

@@ -54,6 +54,7 @@ from warmpool.errors import (
 )
 from warmpool.protocol import AgentLease, SlotRecord, SlotState
 from warmpool.rejects import Rejections
+from warmpool.tasks import cancel_and_wait
 
 __all__ = [
     "BucketSettings",
@@ -746,11 +747,7 @@ class KvSlotStore:
 
     async def close(self) -> None:
         self.slots.closed = self.agents.closed = True
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(self._tasks)
         self._tasks = []
 
     async def __aenter__(self) -> KvSlotStore:
