@@ -422,7 +422,7 @@ async def test_a_start_that_fails_half_way_closes_its_nats_connection(nats_serve
         metrics_port=taken.getsockname()[1],
     )
     try:
-        with pytest.raises(PulsescaleError, match="cannot serve metrics .* address already in use"):
+        with pytest.raises(PulsescaleError, match=r"cannot serve metrics .* address already in use"):
             await asyncio.wait_for(daemon.run(settings, stop=asyncio.Event()), 10)
     finally:
         taken.close()
