@@ -4,7 +4,8 @@
 2. End to end, against an embedded nats-server and `--replicas` real `pulsescale autoscaler` processes
    (identities ``bench-r<i>``, each its own metrics port, stderr captured): `--models` models have ScaledObjects
    and 4 warm slots each (seeded concurrently, `SEED_BATCH` models at a time) and get steady background samples
-   (10/s per model); then `--pulses` models spread over all of them (so every replica's share is exercised) get a
+   (10/s per model, the gateways spread over `GATEWAY_PHASES` phases of each 100 ms, or all in one burst with
+   `--gateways-in-step`); then `--pulses` models spread over all of them (so every replica's share is exercised) get a
    pulse one at a time, and we time *sample published -> first claim written* by watching `pulse_slots`. A
    stand-in agent in this process answers `activate` at once (writing `activating` and `ready` as a holder's
    agent does), so the figure is the autoscaler's own and not an engine's.
@@ -394,6 +395,11 @@ READY_TIMEOUT_S = 60.0
 """The replicas must own every model (and the ownership settle) within this long of starting."""
 TAKEOVER_GRACE_S = 10.0
 """After a SIGKILL, the killed replica's models are pulsed until claimed, at most lease_s + this long."""
+SAMPLE_EVERY_S = 0.1
+"""Each gateway's sample interval (the contract's pace)."""
+GATEWAY_PHASES = 10
+"""The background gateways speak at this many phases of each `SAMPLE_EVERY_S`, as independent gateways do at
+their own; `--gateways-in-step` puts them all at one (a pulse then waits behind every model's sample)."""
 BACKGROUND_YIELD_EVERY = 200
 """The background samples yield to the event loop after this many publishes (a publish rarely yields itself)."""
 WARM_UP_S = 3.5
@@ -466,7 +472,7 @@ class _Run:
         total = sum(_metric_or(r.port, "pulsescale_decision_seconds_count") for r in live)
         under = {
             le: sum(_metric_or(r.port, f'pulsescale_decision_seconds_bucket{{le="{le}"}}') for r in live)
-            for le in ("0.01", "0.02", "0.05")
+            for le in ("0.002", "0.005", "0.01", "0.02", "0.05")
         }
         within = ", ".join(f"{n:.0f} within {float(le) * 1e3:.0f} ms" for le, n in under.items())
         print(f"the autoscalers' own decision time (pulsescale_decision_seconds since start): of {total:.0f}, {within}")
@@ -552,15 +558,18 @@ class _Run:
             await gateways.close()
 
     async def _background(self, nc: Any, stop: asyncio.Event) -> None:
+        phases = 1 if self.args.gateways_in_step else GATEWAY_PHASES
         while not stop.is_set():
             t0 = time.perf_counter()
-            for i, m in enumerate(self.models, 1):
-                if m not in self.quiet:
-                    await nc.publish(protocol.queue_subject(m), _sample(m, self.seq, 0))
-                if i % BACKGROUND_YIELD_EVERY == 0:
-                    await asyncio.sleep(0)  # our own watches and the stand-in agent run in between
+            for phase in range(phases):
+                # Gateway i speaks at phase i % phases of the 100 ms (all at once with --gateways-in-step).
+                for i, m in enumerate(self.models[phase::phases], 1):
+                    if m not in self.quiet:
+                        await nc.publish(protocol.queue_subject(m), _sample(m, self.seq, 0))
+                    if i % BACKGROUND_YIELD_EVERY == 0:
+                        await asyncio.sleep(0)  # our own watches and the stand-in agent run in between
+                await asyncio.sleep(max(0.0, t0 + SAMPLE_EVERY_S * (phase + 1) / phases - time.perf_counter()))
             self.seq += 1
-            await asyncio.sleep(max(0.0, 0.1 - (time.perf_counter() - t0)))
 
     async def pulse(self, m: str, depth: int) -> None:
         self.seq += 1
@@ -595,8 +604,10 @@ class _Run:
             r.sample()
         self.print_own_decision_times()
         per = await self.check_owners("after the pulses")
+        gateways = "in step" if args.gateways_in_step else f"at {GATEWAY_PHASES} phases"
         print(f"decision latency, sample published -> first claim written ({args.models} models active over "
-              f"{args.replicas} replica(s), {len(latencies)}/{n_pulses} pulses answered):")  # fmt: skip
+              f"{args.replicas} replica(s), gateways {gateways}, "
+              f"{len(latencies)}/{n_pulses} pulses answered):")  # fmt: skip
         if latencies:
             print(f"  {_pct(latencies)}")
         print(f"floor, bare nats-py in the same run: sample published -> one kv.update -> watcher sees it "
@@ -814,6 +825,12 @@ def decide(argv: list[str], prog: str) -> int:
         default=None,
         help="with --replicas >= 2, SIGKILL the replica owning the most models mid-run and time the takeover "
         "[on with --replicas >= 2]",
+    )
+    p.add_argument(
+        "--gateways-in-step",
+        action="store_true",
+        help="every model's background sample at the same instant of each 100 ms, in one burst (the worst case: "
+        f"a pulse waits behind all of them) [off: spread over {GATEWAY_PHASES} phases, as independent gateways]",
     )
     p.add_argument("--logs", metavar="DIR", help="keep each replica's stderr in DIR/<identity>.log")
     p.add_argument(

@@ -23,12 +23,17 @@ def _run(*args: str) -> str:
 def test_bench_decide_with_two_replicas_prints_ownership_takeover_and_the_floor() -> None:
     out = _run("--models", "6", "--replicas", "2", "--pulses", "4", "--samples", "300")
     figures = re.findall(r"p50 ([\d.]+) ms\s+p99 ([\d.]+) ms", out)
-    assert "decision latency" in out and "6 models active over 2 replica(s), 4/4 pulses answered" in out, out
+    assert "decision latency" in out, out
+    assert "6 models active over 2 replica(s), gateways at 10 phases, 4/4 pulses answered" in out, out
     assert "floor, bare nats-py in the same run" in out and "(4/4 answered)" in out, out
     assert len(figures) == 2, out  # the decision's p50/p99, then the floor's
     assert all(float(p50) > 0 and float(p99) >= float(p50) for p50, p99 in figures), out
     assert re.search(r"ratio to the floor: p50 [\d.]+x\s+p99 [\d.]+x", out), out
-    own = re.search(r"own decision time .*: of (\d+), (\d+) within 10 ms, (\d+) within 20 ms, (\d+) within 50 ms", out)
+    own = re.search(
+        r"own decision time .*: of (\d+), (\d+) within 2 ms, (\d+) within 5 ms, (\d+) within 10 ms, "
+        r"(\d+) within 20 ms, (\d+) within 50 ms",
+        out,
+    )
     assert own, out  # the autoscalers' histogram: cumulative, and at least the 4 answered pulses counted
     total, *within = map(int, own.groups())
     assert total >= 4 and within == sorted(within) and within[-1] <= total, out
@@ -54,6 +59,12 @@ def test_bench_decide_with_two_replicas_prints_ownership_takeover_and_the_floor(
     assert "(killed)" in out, out
     length = re.search(r"run length: ([\d.]+) s", out)
     assert length and float(length[1]) < 120, out
+
+
+def test_bench_decide_with_the_gateways_in_step_says_so() -> None:
+    out = _run("--models", "3", "--pulses", "2", "--samples", "300", "--gateways-in-step")
+    assert "3 models active over 1 replica(s), gateways in step, 2/2 pulses answered" in out, out
+    assert "SIGKILL" not in out, out  # one replica: nothing to kill
 
 
 def test_the_double_claim_check_counts_a_new_claim_over_a_held_one_and_not_after_a_release() -> None:
