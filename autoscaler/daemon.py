@@ -405,10 +405,12 @@ class Autoscaler:
             return False
         if self._rises(sample):
             return self.fold_sample(sample, self.clock())
+        woken = not self.samples  # else the drain is due already, or busy with the buffer and sees this too
         put = self.samples.put(sample, self.clock())
         if put != "queued":
             self.metrics.sample(put).inc()  # "coalesced" into a newer sample, or "dropped" with the oldest key
-        self._samples_waiting.set()
+        if woken:
+            self._samples_waiting.set()
         return False
 
     def _rises(self, sample: QueueSample) -> bool:
@@ -417,7 +419,7 @@ class Autoscaler:
         samples it waited for every key ahead of it. The rest, and one whose key already waits in the buffer (it
         must not overtake the older sample), are buffered and coalesced as before."""
         c = self.by_model.get(sample.model)
-        return c is not None and (sample.gateway, sample.model) not in self.samples and c.decider.urgent(sample)
+        return c is not None and c.decider.urgent(sample) and (sample.gateway, sample.model) not in self.samples
 
     async def drain_samples(self) -> None:
         """Fold buffered samples into the controllers, oldest key first, yielding every `slice_s` of work.
@@ -475,8 +477,11 @@ class Autoscaler:
             self.metrics.sample("no_scaler").inc()
             return False
         before = c.scaler.claiming
-        with self._contained(f"a sample of {sample.model}"):
+        try:  # `_contained`, inline: this runs for every sample
             self.metrics.sample(c.on_sample(sample, now)).inc()
+        except Exception:
+            log.exception("internal error in a sample of %s; carrying on", sample.model)
+            self.metrics.internal_errors.inc()
         return c.scaler.claiming > before
 
     # --- slots ------------------------------------------------------------------------------------------------
@@ -546,11 +551,15 @@ class Autoscaler:
         until = time.perf_counter() + self.settings.slice_s
         aside = _StandAside()
         for c in list(self.by_model.values()):
+            its_turn = protocol.shard_of(c.model, turns) == turn
+            if not (its_turn or c.scaler.held or c.scaler.exhausted):
+                continue  # nothing of it to look at between its turns (a fleet's steady models: most of them)
             if self.by_model.get(c.model) is not c or not c.deps.is_leader():
                 continue  # its ScaledObject went (or was re-pointed) while we yielded, or another replica owns it
             with self._contained(f"housekeeping of {c.model}"):
-                c.forget_gateways(now, self.settings.forget_gateway_after_s)
-                await c.housekeeping(now, decide=protocol.shard_of(c.model, turns) == turn)
+                if its_turn:
+                    c.forget_gateways(now, self.settings.forget_gateway_after_s)
+                await c.housekeeping(now, decide=its_turn)
             if time.perf_counter() >= until:
                 # A tick over 1,000 models is tens of ms: let the lease renewal, claims and samples in between.
                 await asyncio.sleep(0)
