@@ -221,11 +221,14 @@ class ModelController:
                 self._run_due(now)
             else:
                 self.decider.skip(now)
-        if turn or self.scaler.held or self.scaler.exhausted:
-            # Held slots are watched every tick (a dead agent's slot is replaced at once); the orphan check and a
-            # look at an empty pool can wait for the model's turn.
+        if self.housekeeping_due(turn):
             await self.scaler.housekeeping(now)
         return decide
+
+    def housekeeping_due(self, turn: bool) -> bool:
+        """Housekeeping has anything to do for this model: on its `turn`, else only while it holds slots (a dead
+        agent's slot is replaced at once) or found its pool empty; the orphan check waits for its turn."""
+        return turn or bool(self.scaler.held) or self.scaler.exhausted
 
     # --- status ------------------------------------------------------------------------------------------------
 

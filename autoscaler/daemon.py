@@ -91,7 +91,8 @@ class AutoscalerSettings:
     """The most replicas the autoscaler acts on for one model: a ScaledObject over it is cut down to it (logged),
     and ``scale``/``pause`` over it are refused. The wire allows 100000; see `scaledobject.DEFAULT_MAX_REPLICAS`."""
     housekeeping_every_s: float = 0.25
-    """Time-driven checks (override expiry, stale gateways, dead agents). Decisions themselves run on samples."""
+    """Time-driven checks of the models holding slots (dead agents, stuck activations); the rest (override expiry,
+    stale gateways, the windows moving on) on each model's turn, `redecide_every_s`. Decisions run on samples."""
     redecide_every_s: float = 1.0
     """How often housekeeping re-decides a model whose decision may change with time alone (its windows moving
     on, a cooldown or stabilisation ending, an override expiring, a gateway turning stale): each tick takes its turn
@@ -202,9 +203,13 @@ class Autoscaler:
         """A bug in one model's handling must not take the daemon (and every other model) down with it."""
         try:
             yield
-        except Exception:
-            log.exception("internal error in %s; carrying on", what)
-            self.metrics.internal_errors.inc()
+        except Exception:  # noqa: BLE001 - logged with its traceback and counted there
+            self._internal_error(what)
+
+    def _internal_error(self, what: str) -> None:
+        """Log the exception being handled, count it, carry on (`_contained`)."""
+        log.exception("internal error in %s; carrying on", what)
+        self.metrics.internal_errors.inc()
 
     def is_leader(self) -> bool:
         """Acts for at least one shard (answers on-call commands, counts as leading in ``/healthz``)."""
@@ -479,9 +484,8 @@ class Autoscaler:
         before = c.scaler.claiming
         try:  # `_contained`, inline: this runs for every sample
             self.metrics.sample(c.on_sample(sample, now)).inc()
-        except Exception:
-            log.exception("internal error in a sample of %s; carrying on", sample.model)
-            self.metrics.internal_errors.inc()
+        except Exception:  # noqa: BLE001 - logged with its traceback and counted there
+            self._internal_error(f"a sample of {sample.model}")
         return c.scaler.claiming > before
 
     # --- slots ------------------------------------------------------------------------------------------------
@@ -552,7 +556,7 @@ class Autoscaler:
         aside = _StandAside()
         for c in list(self.by_model.values()):
             its_turn = protocol.shard_of(c.model, turns) == turn
-            if not (its_turn or c.scaler.held or c.scaler.exhausted):
+            if not c.housekeeping_due(its_turn):
                 continue  # nothing of it to look at between its turns (a fleet's steady models: most of them)
             if self.by_model.get(c.model) is not c or not c.deps.is_leader():
                 continue  # its ScaledObject went (or was re-pointed) while we yielded, or another replica owns it
@@ -969,7 +973,9 @@ async def run(
             stop.set()
             with contextlib.suppress(Exception):
                 await service.stop()
-            await scaler.shutdown(campaign=campaign)
-            scaler.scalers.closed = True
-            await cancel_and_wait(tasks)
+            try:
+                await scaler.shutdown(campaign=campaign)
+            finally:  # the loops end before the exit stack closes the connections under them
+                scaler.scalers.closed = True
+                await cancel_and_wait(tasks)
     return scaler

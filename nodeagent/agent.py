@@ -442,6 +442,7 @@ async def run(
     runner: web.AppRunner | None = None
     agent: Agent | None = None
     store: KvSlotStore | None = None
+    roots: list[asyncio.Task[None]] = []
     session = aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(force_close=True), timeout=aiohttp.ClientTimeout(total=None)
     )
@@ -452,7 +453,7 @@ async def run(
         await agent.prewarmer.register_all()
         await agent.sweep_foreign()
         await agent.requests.subscribe()
-        roots = [
+        roots += [
             asyncio.create_task(agent.heartbeat_loop(), name="agent-heartbeat"),
             asyncio.create_task(agent.watch_loop(), name="agent-watch"),
         ]
@@ -480,6 +481,7 @@ async def run(
             crashed = next(iter(done))
             raise RuntimeError(f"root task {crashed.get_name()} ended: {crashed.exception()!r}")
     finally:
+        await cancel_and_wait(roots)  # a start that failed half-way too: no heartbeat outlives the agent
         if agent is not None:
             await agent.shutdown()
         if runner is not None:

@@ -317,3 +317,26 @@ def test_a_gateway_forgotten_while_fresh_is_decided_not_skipped() -> None:
     pair.step("ticks", "", 4)  # re-decided on the demand left (a's 4), as the reference is
     assert pair.skip.decision is not None and pair.skip.decision.stable_demand is not None
     assert pair.skip.decision.stable_demand < 8
+
+
+async def test_between_its_turns_a_model_is_looked_at_only_while_it_needs_it(
+    nats_server: NatsServer, nc: Client
+) -> None:
+    """Off its turn, housekeeping passes a model by unless it holds slots or found its pool empty: an empty pool
+    is looked at again on the next tick (`ModelScaler.housekeeping` clears `exhausted` as it looks)."""
+    models = [f"m{i}" for i in range(8)]
+    for m in models:
+        await put_scaler(nc, m)
+    async with running_autoscaler(nats_server.url, housekeeping_every_s=60.0, redecide_every_s=240.0) as scaler:
+        await wait_for(lambda: len(scaler.by_model) == len(models), 5, "the models followed")
+        await wait_for(lambda: all(c.decider.decision for c in scaler.by_model.values()), 5, "first decisions")
+        turn = (scaler._tick + 1) % 4  # the next tick's
+        off = [scaler.by_model[m] for m in models if protocol.shard_of(m, 4) != turn]
+        assert len(off) >= 2
+        looked, passed = off[0], off[1]
+        looked.scaler.exhausted = True
+        assert looked.housekeeping_due(False) and not passed.housekeeping_due(False)
+        before = passed.decider._decided_at
+        await scaler.housekeeping_once()
+        assert not looked.scaler.exhausted, "an exhausted pool off its turn was not looked at again"
+        assert passed.decider._decided_at == before

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import hashlib
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 from nats.aio.client import Client
 
+from nodeagent import agent as agent_mod
 from nodeagent import modelformat, tinymodel
 from tests.helpers import ShiftedClock
 from tests.nodeagent_helpers import (  # noqa: F401
@@ -35,6 +39,7 @@ from tests.nodeagent_helpers import (  # noqa: F401
 )
 from warmpool import protocol
 from warmpool.embedded import NatsServer
+from warmpool.errors import PulsescaleError
 from warmpool.registry import KvSlotStore
 
 
@@ -436,3 +441,18 @@ async def test_an_idle_slot_released_while_the_agent_seemed_dead_comes_back_warm
         reply = await activate(nc, claim)
         assert reply.ok, reply.error
         await completion(reply.fields["endpoint"])
+
+
+async def test_an_agent_whose_metrics_port_is_taken_says_so_and_leaves_no_loop_running(
+    nats_server: NatsServer, model_dir: Path, shm_dir: Path
+) -> None:
+    # The start fails after the heartbeat began: the heartbeat must end with it, not write the lease forever.
+    taken = socket.create_server(("127.0.0.1", 0))
+    cfg = settings(model_dir, shm_dir, nats_server.url, metrics_host="127.0.0.1", metrics_port=taken.getsockname()[1])
+    try:
+        with pytest.raises(PulsescaleError, match=r"cannot serve metrics on 127\.0\.0\.1:\d+: .*pick another"):
+            await asyncio.wait_for(agent_mod.run(cfg, stop=asyncio.Event()), 30)
+    finally:
+        taken.close()
+    left = [t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("agent-") and not t.done()]
+    assert left == []

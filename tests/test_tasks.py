@@ -34,6 +34,23 @@ async def test_a_loop_whose_cancel_met_its_reply_still_ends() -> None:
     assert loop.done()
 
 
+async def test_a_task_that_swallows_its_first_cancel_still_ends() -> None:
+    # Any Python: what a lost cancel leaves, without depending on 3.11's wait_for to lose it.
+    swallowed = asyncio.Event()
+
+    async def stubborn() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            swallowed.set()
+        await asyncio.sleep(3600)
+
+    task = asyncio.create_task(stubborn())
+    await asyncio.sleep(0)
+    await asyncio.wait_for(cancel_and_wait([task], again_every_s=0.05), 5)
+    assert swallowed.is_set() and task.cancelled()
+
+
 async def test_what_the_tasks_raise_is_not_raised_here() -> None:
     async def fails_on_cancel() -> None:
         try:
