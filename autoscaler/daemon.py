@@ -12,9 +12,9 @@ by the model's owner when the delete arrives, else by a later owner's sweep for 
 
 Samples arrive on a connection of their own, so the lease renewal, claims and activation replies on the main one
 never queue behind them; the subscription's callback only decodes and checks them into a `samples.SampleBuffer`
-(newest per gateway and model), and a drain task folds them into the controllers. Housekeeping, the drain and the
-callback each yield to the loop every `AutoscalerSettings.slice_s`. The ``pulsescale_slots`` gauges are kept from
-the slot view's events (`SlotCounts`), not a scan per tick.
+(newest per gateway and model), and a drain task folds them into the controllers (`autoscaler.intake`).
+Housekeeping, the drain and the callback each yield to the loop every `AutoscalerSettings.slice_s`. The
+``pulsescale_slots`` gauges are kept from the slot view's events (`SlotCounts`), not a scan per tick.
 
 Its HTTP port serves ``/metrics`` (rendered in a thread), ``/healthz`` (200 while this replica holds a shard, or
 has a live connection and current views) and ``/readyz`` (200 once the views are listed and the ScaledObjects followed).
@@ -28,7 +28,6 @@ import dataclasses
 import functools
 import gc
 import logging
-import math
 import os
 import re
 import socket
@@ -36,27 +35,26 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any
 
 import msgspec
 import nats.errors
 import nats.js.errors
 from aiohttp import web
 from nats.aio.client import Client
-from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from autoscaler import commands, scaledobject
 from autoscaler.agentclient import AgentClient, AgentUnavailable
 from autoscaler.controller import ColdPath, ControllerSettings, Deps, LocalColdPath, ModelController
+from autoscaler.intake import SampleIntake, StandAside
 from autoscaler.leader import LeaseSettings
 from autoscaler.metrics import AutoscalerMetrics
-from autoscaler.samples import SampleBuffer
 from autoscaler.shards import INVOLUNTARY, ShardLeases, ShardSettings
 from warmpool import connect, protocol
 from warmpool.errors import BadMessage, PulsescaleError, StaleToken
-from warmpool.protocol import Override, OverrideRecord, QueueSample, ScaledObjectSpec, ScalerRecord, StatusRow
+from warmpool.protocol import Override, OverrideRecord, ScaledObjectSpec, ScalerRecord, StatusRow
 from warmpool.registry import BucketView, Changed, Claim, KvSlotStore, Removed, Snapshot, ensure_buckets
 from warmpool.rejects import Rejections
 from warmpool.tasks import cancel_and_wait
@@ -109,7 +107,7 @@ class AutoscalerSettings:
     renewal and claims in flight wait at most about this long behind them."""
     stand_aside_s: float = 0.05
     """The longest the sample drain and housekeeping wait, between two slices, for this process's claims started
-    this recently (`scaler.ClaimsInFlight`) and for samples being taken (`Autoscaler._ingest_first`): a claim's
+    this recently (`scaler.ClaimsInFlight`) and for samples being taken (`intake.SampleIntake`): a claim's
     hops through the event loop, and a pulse's sample behind a burst, each waited behind a slice of theirs."""
     gc_freeze_every_s: float | None = None
     """How often housekeeping moves what survived the young collections out of the cyclic collector's sight
@@ -121,11 +119,6 @@ class AutoscalerSettings:
     gc_full_every_s: float = 3600.0
     """How often the frozen objects are handed back and collected in full (one pause of ~100 ms at 1,000 models),
     so cyclic garbage frozen with the rest is reclaimed within this long, not leaked."""
-
-
-INGEST_QUIET_S: Final = 0.001
-"""The sample callback silent this long: the burst it was taking is over (`Autoscaler._ingest_first`). Within a
-burst nats-py hands samples over microseconds apart; parsing its next read takes about a millisecond."""
 
 
 class Autoscaler:
@@ -170,7 +163,6 @@ class Autoscaler:
         self.sample_subjects: frozenset[str] = frozenset()
         """The sample subjects subscribed to now (`follow_subjects`): the wildcard while this replica holds every
         shard."""
-        self._taken_at = -math.inf  # perf_counter() of the sample callback's last call (`_ingest_first`)
         self.subjects_changed = asyncio.Event()
         """The models this replica owns changed: `follow_subjects` re-subscribes the samples it needs."""
         self._leases_kv = buckets[protocol.LEASES_BUCKET]
@@ -183,10 +175,19 @@ class Autoscaler:
         self.metrics_port: int | None = None
         """The port ``/metrics``, ``/healthz`` and ``/readyz`` are served on (bound by `run`); None: not served."""
         self._takeover: asyncio.Task[None] | None = None  # held so the task is not garbage-collected mid-run
-        self.samples = SampleBuffer(settings.sample_buffer)
-        """Samples decoded by `on_queue_msg`, waiting for `drain_samples` (newest per gateway and model)."""
-        self._samples_waiting = asyncio.Event()
-        self._callback_until = 0.0  # perf_counter() past which the sample callback yields once
+        self.intake = SampleIntake(
+            by_model=self.by_model,
+            owns=self.owns,
+            claims=self.deps.claims,
+            metrics=self.metrics,
+            rejections=self.rejections,
+            clock=clock,
+            internal_error=self._internal_error,
+            buffer_keys=settings.sample_buffer,
+            slice_s=settings.slice_s,
+            stand_aside_s=settings.stand_aside_s,
+        )
+        """The samples' way in (`autoscaler.intake`): the subscription's callback and the buffer's drain."""
         self._resigning = False  # a clean resign is not a lost lease
         self.slot_counts = SlotCounts()
         """Slots per (model, state) from the slot view's events: the ``pulsescale_slots`` gauges."""
@@ -381,113 +382,6 @@ class Autoscaler:
 
     # --- samples ----------------------------------------------------------------------------------------------
 
-    async def on_queue_msg(self, msg: Msg) -> None:
-        """The sample subscription's callback (on the samples' own connection): decode, check, buffer. The
-        controllers see the sample in `drain_samples`, one loop iteration later when the buffer was empty."""
-        self._taken_at = time.perf_counter()
-        claiming = self.take_sample(msg.subject, msg.data) or self.deps.claims.recent(self.settings.stand_aside_s)
-        if claiming or time.perf_counter() >= self._callback_until:
-            # nats-py runs this callback back to back while samples are queued: let the lease renewal, the
-            # claims in flight and the drain run, or a flood of samples would cost us the lease; and a claim this
-            # sample started goes out before the next sample.
-            await asyncio.sleep(0)
-            self._callback_until = time.perf_counter() + self.settings.slice_s
-
-    def take_sample(self, subject: str, data: bytes) -> bool:
-        """The cheap part of a sample: decode and check it (rejections counted), then buffer it; a rising one
-        skips the buffer (`_rises`). A sample of a model another replica owns (a subscription's last messages
-        after its shard moved) is dropped undecoded. Returns whether the sample started a claim."""
-        if not self.owns(subject[len(protocol.QUEUE_PREFIX) :]):
-            self.metrics.sample("not_owned").inc()
-            return False
-        try:
-            sample = protocol.decode(data, QueueSample)
-            if subject != protocol.QUEUE_PREFIX + sample.model:
-                raise BadMessage("subject_mismatch", f"sample for {sample.model} published on {subject}")
-        except BadMessage as err:
-            self.metrics.sample("rejected").inc()
-            self.rejections(err, source=subject)
-            return False
-        if self._rises(sample):
-            return self.fold_sample(sample, self.clock())
-        woken = not self.samples  # else the drain is due already, or busy with the buffer and sees this too
-        put = self.samples.put(sample, self.clock())
-        if put != "queued":
-            self.metrics.sample(put).inc()  # "coalesced" into a newer sample, or "dropped" with the oldest key
-        if woken:
-            self._samples_waiting.set()
-        return False
-
-    def _rises(self, sample: QueueSample) -> bool:
-        """A sample its model would decide on at once (`ModelDecider.urgent`: demand above any the last decision
-        saw, a pulse's first sample) is folded in as it is taken, not behind the buffer: in a burst of steady
-        samples it waited for every key ahead of it. The rest, and one whose key already waits in the buffer (it
-        must not overtake the older sample), are buffered and coalesced as before."""
-        c = self.by_model.get(sample.model)
-        return c is not None and c.decider.urgent(sample) and (sample.gateway, sample.model) not in self.samples
-
-    async def drain_samples(self) -> None:
-        """Fold buffered samples into the controllers, oldest key first, yielding every `slice_s` of work.
-        Rising samples do not wait here (`_rises`); a sample that starts a claim ends the slice, so the claim
-        goes out before the next sample is folded."""
-        aside = _StandAside()
-        while True:
-            await self._samples_waiting.wait()
-            self._samples_waiting.clear()
-            await self._stand_aside(aside)
-            until = time.perf_counter() + self.settings.slice_s
-            while self.samples:
-                sample, _received = self.samples.pop()
-                # Folded in at the drain's time, not the receipt's: the policy's clock must never run backwards
-                # (housekeeping may have decided in between), and the difference is a slice or so.
-                if self.fold_sample(sample, self.clock()) or time.perf_counter() >= until:
-                    await asyncio.sleep(0)
-                    await self._stand_aside(aside)
-                    until = time.perf_counter() + self.settings.slice_s
-
-    async def _stand_aside(self, aside: _StandAside) -> None:
-        """Between two slices of the drain or housekeeping: wait for this process's young claims and for samples
-        being taken (`_ingest_first`), each at most `stand_aside_s`; after a wait that ran to its bound the next
-        slice goes without waiting, so a claim stuck retrying or a stream that never pauses takes at most half
-        of their time, not all of it."""
-        if aside.skip_next:
-            aside.skip_next = False
-            return
-        bound = self.settings.stand_aside_s
-        timed_out = not await self.deps.claims.wait_idle(bound)
-        timed_out = not await self._ingest_first() or timed_out
-        aside.skip_next = timed_out
-
-    async def _ingest_first(self) -> bool:
-        """Stand aside while samples are being taken, at most `stand_aside_s`: a pulse's sample behind them is only
-        seen (and skips the buffer, `_rises`) once they are taken, and the drain's slices between the callback's
-        doubled that wait in a burst. "Being taken": the callback ran within `INGEST_QUIET_S` (O(1); scanning
-        nats-py's queue of each per-model subscription cost a replica of 1,000 models its CPU). What is taken
-        meanwhile coalesces in the buffer."""
-        until = None
-        while (quiet := time.perf_counter() - self._taken_at) < INGEST_QUIET_S:
-            now = time.perf_counter()
-            if until is None:
-                until = now + self.settings.stand_aside_s
-            elif now >= until:
-                return False
-            await asyncio.sleep(INGEST_QUIET_S - quiet)  # a timer, not a spin: the loop waits on its sockets
-        return True
-
-    def fold_sample(self, sample: QueueSample, now: float) -> bool:
-        """One decoded sample into its model's controller (counted by outcome). Returns whether it started a
-        claim (the caller yields at once, so the claim goes out before the next sample)."""
-        c = self.by_model.get(sample.model)
-        if c is None:
-            self.metrics.sample("no_scaler").inc()
-            return False
-        before = c.scaler.claiming
-        try:  # `_contained`, inline: this runs for every sample
-            self.metrics.sample(c.on_sample(sample, now)).inc()
-        except Exception:  # noqa: BLE001 - logged with its traceback and counted there
-            self._internal_error(f"a sample of {sample.model}")
-        return c.scaler.claiming > before
-
     # --- slots ------------------------------------------------------------------------------------------------
 
     async def follow_slots(self, stop: asyncio.Event) -> None:
@@ -553,7 +447,7 @@ class Autoscaler:
         self._tick += 1
         turn = self._tick % turns
         until = time.perf_counter() + self.settings.slice_s
-        aside = _StandAside()
+        aside = StandAside()
         for c in list(self.by_model.values()):
             its_turn = protocol.shard_of(c.model, turns) == turn
             if not c.housekeeping_due(its_turn):
@@ -567,7 +461,7 @@ class Autoscaler:
             if time.perf_counter() >= until:
                 # A tick over 1,000 models is tens of ms: let the lease renewal, claims and samples in between.
                 await asyncio.sleep(0)
-                await self._stand_aside(aside)
+                await self.intake.stand_aside(aside)
                 until = time.perf_counter() + self.settings.slice_s
                 now = self.clock()
         if self._held and self.scalers_followed and turn == 0:  # a scan of every slot: once per turn round
@@ -777,7 +671,9 @@ class Autoscaler:
                     try:
                         # nats-py's own queue in front of the callback: generous, since a message it drops is
                         # counted nowhere of ours (the callback is cheap and coalesces into `samples`).
-                        subs[subject] = await nc.subscribe(subject, cb=self.on_queue_msg, pending_msgs_limit=1_000_000)
+                        subs[subject] = await nc.subscribe(
+                            subject, cb=self.intake.on_queue_msg, pending_msgs_limit=1_000_000
+                        )
                     except nats.errors.Error as err:  # disconnected: try again shortly
                         log.warning("cannot subscribe to %s: %s", subject, err)
                         failed = True
@@ -796,13 +692,6 @@ class Autoscaler:
             for sub in subs.values():
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
-
-
-@dataclass
-class _StandAside:
-    """One loop's standing aside (`Autoscaler._stand_aside`): the last wait ran to its bound, skip the next."""
-
-    skip_next: bool = False
 
 
 class SlotCounts:
@@ -953,7 +842,7 @@ async def run(
             asyncio.create_task(scaler.follow_scalers(stop), name="scalers"),
             asyncio.create_task(scaler.follow_slots(stop), name="slots"),
             asyncio.create_task(scaler.housekeeping(stop), name="housekeeping"),
-            asyncio.create_task(scaler.drain_samples(), name="samples"),
+            asyncio.create_task(scaler.intake.drain(), name="samples"),
             asyncio.create_task(scaler.follow_subjects(samples_nc, stop), name="sample-subjects"),
             campaign,
         ]

@@ -89,7 +89,7 @@ async def test_a_lone_sample_is_folded_in_at_once(nats_server: NatsServer, nc: C
     async with running_autoscaler(nats_server.url) as scaler:
         await Gateway(nc, "m").send(3)
         await wait_for(lambda: scaler.by_model["m"].decider.demand.gateways, 5, "the sample folded in")
-        assert len(scaler.samples) == 0
+        assert len(scaler.intake.samples) == 0
         assert scaler.metrics.sample("accepted")._value.get() == 1  # type: ignore[attr-defined]
 
 
@@ -115,16 +115,18 @@ async def test_a_rising_sample_overtakes_a_full_buffer_and_starts_its_claim_at_o
             c = scaler.by_model["m"]
             # No await from here: the drain cannot run in between.
             for i in range(50):
-                assert scaler.take_sample(protocol.queue_subject(f"filler-{i}"), _steady(f"filler-{i}")) is False
-            assert scaler.take_sample(protocol.queue_subject("m"), _steady("m", 1, 0, gateway="steady")) is False
-            assert len(scaler.samples) == 51
-            assert scaler.take_sample(protocol.queue_subject("m"), _steady("m", 1, 8, gateway="pulse")) is True
-            assert c.decider.demand.gateways["pulse"].queue_depth == 8 and len(scaler.samples) == 51
+                assert scaler.intake.take_sample(protocol.queue_subject(f"filler-{i}"), _steady(f"filler-{i}")) is False
+            assert scaler.intake.take_sample(protocol.queue_subject("m"), _steady("m", 1, 0, gateway="steady")) is False
+            assert len(scaler.intake.samples) == 51
+            assert scaler.intake.take_sample(protocol.queue_subject("m"), _steady("m", 1, 8, gateway="pulse")) is True
+            assert c.decider.demand.gateways["pulse"].queue_depth == 8 and len(scaler.intake.samples) == 51
             assert c.scaler.claiming >= 1 and scaler.deps.claims.count >= 1
             # The steady gateway's key waits: its rising sample is coalesced behind it, not folded ahead.
-            assert scaler.take_sample(protocol.queue_subject("m"), _steady("m", 2, 9, gateway="steady")) is False
+            assert scaler.intake.take_sample(protocol.queue_subject("m"), _steady("m", 2, 9, gateway="steady")) is False
             assert "steady" not in c.decider.demand.gateways
-            await wait_for(lambda: c.scaler.ready + c.scaler.activating >= 1 and not scaler.samples, 5, "claimed")
+            await wait_for(
+                lambda: c.scaler.ready + c.scaler.activating >= 1 and not scaler.intake.samples, 5, "claimed"
+            )
             assert c.decider.demand.gateways["steady"].queue_depth == 9
     finally:
         await agent.stop()
@@ -136,12 +138,12 @@ async def test_the_drain_stands_aside_while_a_claim_is_in_flight(nats_server: Na
         claims.add(1)  # as a bring-up between its start and its claim booked
         try:
             for i in range(20):
-                scaler.take_sample(protocol.queue_subject(f"x{i}"), _steady(f"x{i}"))
+                scaler.intake.take_sample(protocol.queue_subject(f"x{i}"), _steady(f"x{i}"))
             await asyncio.sleep(0.2)
-            assert len(scaler.samples) == 20, "the drain folded samples while a claim was in flight"
+            assert len(scaler.intake.samples) == 20, "the drain folded samples while a claim was in flight"
         finally:
             claims.add(-1)
-        await wait_for(lambda: not scaler.samples, 2, "the drain resumed once the claim landed")
+        await wait_for(lambda: not scaler.intake.samples, 2, "the drain resumed once the claim landed")
 
 
 async def test_claims_in_flight_wait_idle_returns_at_idle_or_after_its_bound() -> None:
@@ -182,7 +184,7 @@ async def _burst(scaler: Autoscaler, nc: Client, *, gateways: int) -> AsyncItera
         while running:
             seq += 1
             data = _steady("burst", seq, gateway=f"b{seq % gateways}")
-            await scaler.on_queue_msg(Msg(_client=nc, subject=protocol.queue_subject("burst"), data=data))
+            await scaler.intake.on_queue_msg(Msg(_client=nc, subject=protocol.queue_subject("burst"), data=data))
             await asyncio.sleep(0)
 
     feeder = asyncio.ensure_future(deliver())
@@ -201,12 +203,12 @@ async def test_the_drain_stands_aside_while_samples_are_being_taken(nats_server:
         async with _burst(scaler, nc, gateways=1_000_000):
             await asyncio.sleep(0.05)  # the burst is under way
             for i in range(20):
-                scaler.take_sample(protocol.queue_subject(f"y{i}"), _steady(f"y{i}"))
+                scaler.intake.take_sample(protocol.queue_subject(f"y{i}"), _steady(f"y{i}"))
             await asyncio.sleep(0.2)
-            assert all(k in scaler.samples for k in (("g", f"y{i}") for i in range(20))), (
+            assert all(k in scaler.intake.samples for k in (("g", f"y{i}") for i in range(20))), (
                 "the drain folded samples while the callback was taking a burst"
             )
-        await wait_for(lambda: not scaler.samples, 2, "the drain went on once the burst ended")
+        await wait_for(lambda: not scaler.intake.samples, 2, "the drain went on once the burst ended")
 
 
 async def test_a_claim_stuck_retrying_or_a_stream_without_pause_does_not_starve_the_drain(
@@ -220,14 +222,16 @@ async def test_a_claim_stuck_retrying_or_a_stream_without_pause_does_not_starve_
         try:
             await asyncio.sleep(0.1)
             for i in range(20):
-                scaler.take_sample(protocol.queue_subject(f"z{i}"), _steady(f"z{i}"))
-            await wait_for(lambda: not scaler.samples, 0.5, "folded beside a stuck claim")
+                scaler.intake.take_sample(protocol.queue_subject(f"z{i}"), _steady(f"z{i}"))
+            await wait_for(lambda: not scaler.intake.samples, 0.5, "folded beside a stuck claim")
             async with _burst(scaler, nc, gateways=50):
                 await asyncio.sleep(0.05)
                 for i in range(20):
-                    scaler.take_sample(protocol.queue_subject(f"w{i}"), _steady(f"w{i}"))
+                    scaler.intake.take_sample(protocol.queue_subject(f"w{i}"), _steady(f"w{i}"))
                 await wait_for(
-                    lambda: not any(("g", f"w{i}") in scaler.samples for i in range(20)), 0.5, "folded in a stream"
+                    lambda: not any(("g", f"w{i}") in scaler.intake.samples for i in range(20)),
+                    0.5,
+                    "folded in a stream",
                 )
         finally:
             claims.add(-1)

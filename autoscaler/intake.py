@@ -1,0 +1,184 @@
+"""The samples' way in: the subscription's callback, the buffer's drain, and the standing aside between slices.
+
+The callback (`SampleIntake.on_queue_msg`, on the samples' own connection) does the cheap part: decode, check,
+buffer (`samples.SampleBuffer`, newest per gateway and model). A sample its model would decide on at once (a
+pulse's first) skips the buffer and is folded as it is taken, its claim started in the same step. The drain folds
+the rest in slices of `slice_s`; between two slices it, and the daemon's housekeeping, stand aside for this
+process's young claims and for samples being taken, at most `stand_aside_s` each. The daemon composes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+from nats.aio.msg import Msg
+
+from autoscaler.controller import ModelController
+from autoscaler.metrics import AutoscalerMetrics
+from autoscaler.samples import SampleBuffer
+from autoscaler.scaler import ClaimsInFlight
+from warmpool import protocol
+from warmpool.errors import BadMessage
+from warmpool.protocol import QueueSample
+from warmpool.rejects import Rejections
+
+__all__ = ["INGEST_QUIET_S", "SampleIntake", "StandAside"]
+
+log = logging.getLogger("pulsescale.autoscaler")
+
+INGEST_QUIET_S: Final = 0.001
+"""The sample callback silent this long: the burst it was taking is over (`SampleIntake._ingest_first`). Within a
+burst nats-py hands samples over microseconds apart; parsing its next read takes about a millisecond."""
+
+
+@dataclass
+class StandAside:
+    """One loop's standing aside (`SampleIntake.stand_aside`): the last wait ran to its bound, skip the next."""
+
+    skip_next: bool = False
+
+
+class SampleIntake:
+    """Samples from the wire into the models' controllers (`by_model`, the daemon's, shared)."""
+
+    def __init__(
+        self,
+        *,
+        by_model: dict[str, ModelController],
+        owns: Callable[[str], bool],
+        claims: ClaimsInFlight,
+        metrics: AutoscalerMetrics,
+        rejections: Rejections,
+        clock: Callable[[], float],
+        internal_error: Callable[[str], None],
+        buffer_keys: int,
+        slice_s: float,
+        stand_aside_s: float,
+    ) -> None:
+        self.by_model = by_model
+        self.owns = owns
+        self.claims = claims
+        self.metrics = metrics
+        self.rejections = rejections
+        self.clock = clock
+        self.internal_error = internal_error
+        """Logs the exception being handled and counts it (the daemon's `_internal_error`)."""
+        self.slice_s = slice_s
+        self.stand_aside_s = stand_aside_s
+        self.samples = SampleBuffer(buffer_keys)
+        """Samples decoded by `on_queue_msg`, waiting for `drain` (newest per gateway and model)."""
+        self._waiting = asyncio.Event()
+        self._taken_at = -math.inf  # perf_counter() of the callback's last call (`_ingest_first`)
+        self._callback_until = 0.0  # perf_counter() past which the callback yields once
+
+    async def on_queue_msg(self, msg: Msg) -> None:
+        """The sample subscription's callback: decode, check, buffer. The controllers see the sample in `drain`,
+        one loop iteration later when the buffer was empty."""
+        self._taken_at = time.perf_counter()
+        claiming = self.take_sample(msg.subject, msg.data) or self.claims.recent(self.stand_aside_s)
+        if claiming or time.perf_counter() >= self._callback_until:
+            # nats-py runs this callback back to back while samples are queued: let the lease renewal, the
+            # claims in flight and the drain run, or a flood of samples would cost us the lease; and a claim this
+            # sample started goes out before the next sample.
+            await asyncio.sleep(0)
+            self._callback_until = time.perf_counter() + self.slice_s
+
+    def take_sample(self, subject: str, data: bytes) -> bool:
+        """The cheap part of a sample: decode and check it (rejections counted), then buffer it; a rising one
+        skips the buffer (`_rises`). A sample of a model another replica owns (a subscription's last messages
+        after its shard moved) is dropped undecoded. Returns whether the sample started a claim."""
+        if not self.owns(subject[len(protocol.QUEUE_PREFIX) :]):
+            self.metrics.sample("not_owned").inc()
+            return False
+        try:
+            sample = protocol.decode(data, QueueSample)
+            if subject != protocol.QUEUE_PREFIX + sample.model:
+                raise BadMessage("subject_mismatch", f"sample for {sample.model} published on {subject}")
+        except BadMessage as err:
+            self.metrics.sample("rejected").inc()
+            self.rejections(err, source=subject)
+            return False
+        if self._rises(sample):
+            return self.fold_sample(sample, self.clock())
+        woken = not self.samples  # else the drain is due already, or busy with the buffer and sees this too
+        put = self.samples.put(sample, self.clock())
+        if put != "queued":
+            self.metrics.sample(put).inc()  # "coalesced" into a newer sample, or "dropped" with the oldest key
+        if woken:
+            self._waiting.set()
+        return False
+
+    def _rises(self, sample: QueueSample) -> bool:
+        """A sample its model would decide on at once (`ModelDecider.urgent`: demand above any the last decision
+        saw, a pulse's first sample) is folded in as it is taken, not behind the buffer: in a burst of steady
+        samples it waited for every key ahead of it. The rest, and one whose key already waits in the buffer (it
+        must not overtake the older sample), are buffered and coalesced as before."""
+        c = self.by_model.get(sample.model)
+        return c is not None and c.decider.urgent(sample) and (sample.gateway, sample.model) not in self.samples
+
+    async def drain(self) -> None:
+        """Fold buffered samples into the controllers, oldest key first, yielding every `slice_s` of work.
+        Rising samples do not wait here (`_rises`); a sample that starts a claim ends the slice, so the claim
+        goes out before the next sample is folded."""
+        aside = StandAside()
+        while True:
+            await self._waiting.wait()
+            self._waiting.clear()
+            await self.stand_aside(aside)
+            until = time.perf_counter() + self.slice_s
+            while self.samples:
+                sample, _received = self.samples.pop()
+                # Folded in at the drain's time, not the receipt's: the policy's clock must never run backwards
+                # (housekeeping may have decided in between), and the difference is a slice or so.
+                if self.fold_sample(sample, self.clock()) or time.perf_counter() >= until:
+                    await asyncio.sleep(0)
+                    await self.stand_aside(aside)
+                    until = time.perf_counter() + self.slice_s
+
+    async def stand_aside(self, aside: StandAside) -> None:
+        """Between two slices of the drain or housekeeping: wait for this process's young claims and for samples
+        being taken (`_ingest_first`), each at most `stand_aside_s`; after a wait that ran to its bound the next
+        slice goes without waiting, so a claim stuck retrying or a stream that never pauses takes at most half
+        of their time, not all of it."""
+        if aside.skip_next:
+            aside.skip_next = False
+            return
+        timed_out = not await self.claims.wait_idle(self.stand_aside_s)
+        timed_out = not await self._ingest_first() or timed_out
+        aside.skip_next = timed_out
+
+    async def _ingest_first(self) -> bool:
+        """Stand aside while samples are being taken, at most `stand_aside_s`: a pulse's sample behind them is only
+        seen (and skips the buffer, `_rises`) once they are taken, and the drain's slices between the callback's
+        doubled that wait in a burst. "Being taken": the callback ran within `INGEST_QUIET_S` (O(1); scanning
+        nats-py's queue of each per-model subscription cost a replica of 1,000 models its CPU). What is taken
+        meanwhile coalesces in the buffer."""
+        until = None
+        while (quiet := time.perf_counter() - self._taken_at) < INGEST_QUIET_S:
+            now = time.perf_counter()
+            if until is None:
+                until = now + self.stand_aside_s
+            elif now >= until:
+                return False
+            await asyncio.sleep(INGEST_QUIET_S - quiet)  # a timer, not a spin: the loop waits on its sockets
+        return True
+
+    def fold_sample(self, sample: QueueSample, now: float) -> bool:
+        """One decoded sample into its model's controller (counted by outcome). Returns whether it started a
+        claim (the caller yields at once, so the claim goes out before the next sample)."""
+        c = self.by_model.get(sample.model)
+        if c is None:
+            self.metrics.sample("no_scaler").inc()
+            return False
+        before = c.scaler.claiming
+        try:  # the daemon's `_contained`, inline: this runs for every sample
+            self.metrics.sample(c.on_sample(sample, now)).inc()
+        except Exception:  # noqa: BLE001 - logged with its traceback and counted there
+            self.internal_error(f"a sample of {sample.model}")
+        return c.scaler.claiming > before
