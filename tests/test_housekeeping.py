@@ -5,6 +5,8 @@ every model every tick (the reference), on a hand clock."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import msgspec
 from hypothesis import find, given, settings
@@ -12,7 +14,7 @@ from hypothesis import strategies as st
 from nats.aio.client import Client
 
 from autoscaler import policy
-from autoscaler.daemon import SlotCounts
+from autoscaler.daemon import Autoscaler, SlotCounts
 from autoscaler.decider import DeciderSettings, ModelDecider
 from tests.helpers import wait_for
 from tests.test_autoscaler import Gateway, put_scaler, running_autoscaler
@@ -267,17 +269,25 @@ def test_a_model_steady_from_its_first_sample_is_skipped_long_before_settle_s() 
     assert pair2.skipped == 0
 
 
-async def test_each_model_is_re_decided_once_per_turn_round(nats_server: NatsServer, nc: Client) -> None:
-    """`redecide_every_s` four ticks long: four turns, and each model is re-decided on exactly one of any four ticks
-    in a row (time-driven decisions cost a quarter), while a sample is still decided at once. The ticks are ours
-    (the daemon's own would come after a minute)."""
-    models = [f"m{i}" for i in range(12)]
+@contextlib.asynccontextmanager
+async def _four_turns(nats_server: NatsServer, nc: Client, models: list[str]) -> AsyncIterator[Autoscaler]:
+    """An autoscaler for `models` whose `redecide_every_s` is four ticks long and whose ticks are the test's (its
+    own would come after a minute), once every model had its first decision."""
     for m in models:
         await put_scaler(nc, m)
     async with running_autoscaler(nats_server.url, housekeeping_every_s=60.0, redecide_every_s=240.0) as scaler:
         await wait_for(lambda: len(scaler.by_model) == len(models), 5, "the models followed")
         # The takeover's first decisions (sliced over the loop) are done before the ticks are counted.
         await wait_for(lambda: all(c.decider.decision for c in scaler.by_model.values()), 5, "first decisions")
+        yield scaler
+
+
+async def test_each_model_is_re_decided_once_per_turn_round(nats_server: NatsServer, nc: Client) -> None:
+    """`redecide_every_s` four ticks long: four turns, and each model is re-decided on exactly one of any four ticks
+    in a row (time-driven decisions cost a quarter), while a sample is still decided at once. The ticks are ours
+    (the daemon's own would come after a minute)."""
+    models = [f"m{i}" for i in range(12)]
+    async with _four_turns(nats_server, nc, models) as scaler:
         await asyncio.sleep(0.1)
         decided = {m: 0 for m in models}
         for _ in range(8):
@@ -325,11 +335,7 @@ async def test_between_its_turns_a_model_is_looked_at_only_while_it_needs_it(
     """Off its turn, housekeeping passes a model by unless it holds slots or found its pool empty: an empty pool
     is looked at again on the next tick (`ModelScaler.housekeeping` clears `exhausted` as it looks)."""
     models = [f"m{i}" for i in range(8)]
-    for m in models:
-        await put_scaler(nc, m)
-    async with running_autoscaler(nats_server.url, housekeeping_every_s=60.0, redecide_every_s=240.0) as scaler:
-        await wait_for(lambda: len(scaler.by_model) == len(models), 5, "the models followed")
-        await wait_for(lambda: all(c.decider.decision for c in scaler.by_model.values()), 5, "first decisions")
+    async with _four_turns(nats_server, nc, models) as scaler:
         turn = (scaler._tick + 1) % 4  # the next tick's
         off = [scaler.by_model[m] for m in models if protocol.shard_of(m, 4) != turn]
         assert len(off) >= 2
