@@ -654,9 +654,10 @@ class Autoscaler:
     async def follow_subjects(self, nc: Client, stop: asyncio.Event) -> None:
         """Subscribe to the samples this replica needs on `nc` (the samples' connection): while it holds every
         shard, one wildcard subscription; else one per model it owns, so a replica of three receives a third of
-        the fleet's samples instead of all of them. The new subscriptions are made before the old are dropped,
+        the fleet's samples instead of all of them. The new subscriptions are made before the old are drained,
         so a move loses no sample (a duplicate is counted as one)."""
         subs: dict[str, Any] = {}
+        draining: set[asyncio.Task[None]] = set()
         self.sample_subjects = frozenset()
         try:
             while not stop.is_set():
@@ -680,8 +681,10 @@ class Autoscaler:
                         break
                 if not failed:
                     for subject in sorted(set(subs) - want):
-                        with contextlib.suppress(nats.errors.Error):
-                            await subs.pop(subject).unsubscribe()
+                        # Drained, not unsubscribed: what nats-py holds for it still goes through the callback
+                        # (folded, or counted `not_owned`); an unsubscribe dropped it uncounted.
+                        draining.add(task := asyncio.create_task(_drain_quietly(subs.pop(subject))))
+                        task.add_done_callback(draining.discard)
                 with contextlib.suppress(nats.errors.Error, TimeoutError):
                     await nc.flush(timeout=2)  # the server has them: a sample published now is ours
                 self.sample_subjects = frozenset(subs)
@@ -689,6 +692,7 @@ class Autoscaler:
                     self.subjects_changed.set()
                     await asyncio.sleep(0.25)
         finally:
+            await cancel_and_wait(draining)
             for sub in subs.values():
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
@@ -744,6 +748,11 @@ def _forget_after_stop(c: ModelController, stopped: asyncio.Future[None]) -> Non
     if not stopped.cancelled() and stopped.exception() is not None:
         log.error("%s: stopping after deposition failed: %s", c.model, stopped.exception())
     c.forget_claims()
+
+
+async def _drain_quietly(sub: Any) -> None:
+    with contextlib.suppress(nats.errors.Error):
+        await sub.drain()
 
 
 async def _quietly(close: Callable[[], Awaitable[None]]) -> None:

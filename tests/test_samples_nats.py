@@ -246,3 +246,26 @@ async def test_a_claim_stuck_retrying_or_a_stream_without_pause_does_not_starve_
                 )
         finally:
             claims.add(-1)
+
+
+async def test_a_subscription_swapped_mid_flood_loses_no_sample_nats_py_had_taken_in(
+    nats_server: NatsServer, nc: Client
+) -> None:
+    """Shards move while a flood waits in nats-py under the wildcard subscription: the replica swaps it for
+    per-model subscriptions. What the old one still held goes through the callback (folded, or counted
+    `not_owned`), not dropped uncounted with it."""
+    await put_scaler(nc, "m")
+    flood = _flood()
+    async with running_autoscaler(nats_server.url) as scaler:
+
+        def counted() -> float:
+            return sum(s.value for s in scaler.metrics.samples.collect()[0].samples if s.name.endswith("_total"))
+
+        for data in flood:
+            await nc.publish(protocol.queue_subject("m"), data)
+        await nc.flush()
+        # A shard of no model goes, as `ShardLeases` reports a loss: "m" is now subscribed on its own.
+        scaler.on_shard_lost(next(s for s in range(protocol.SHARDS) if s != protocol.shard_of("m")))
+        await wait_for(lambda: protocol.QUEUE_WILDCARD not in scaler.sample_subjects, 5, "the subscriptions swapped")
+        assert counted() < len(flood), "the flood was taken in before the swap: nothing tested"
+        await wait_for(lambda: counted() == len(flood), 30, f"{len(flood)} samples accounted for")
