@@ -42,6 +42,8 @@ import nats.errors
 import nats.js.errors
 from aiohttp import web
 from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js.kv import KeyValue
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -654,10 +656,10 @@ class Autoscaler:
     async def follow_subjects(self, nc: Client, stop: asyncio.Event) -> None:
         """Subscribe to the samples this replica needs on `nc` (the samples' connection): while it holds every
         shard, one wildcard subscription; else one per model it owns, so a replica of three receives a third of
-        the fleet's samples instead of all of them. The new subscriptions are made before the old are drained,
-        so a move loses no sample (a duplicate is counted as one)."""
-        subs: dict[str, Any] = {}
-        draining: set[asyncio.Task[None]] = set()
+        the fleet's samples instead of all of them. The new subscriptions are in place at the server before the
+        old are dropped, and what nats-py had queued for an old one is taken as the callback would take it, so a
+        move loses no sample (a duplicate is counted as such, and folded once)."""
+        subs: dict[str, Subscription] = {}
         self.sample_subjects = frozenset()
         try:
             while not stop.is_set():
@@ -679,20 +681,23 @@ class Autoscaler:
                         log.warning("cannot subscribe to %s: %s", subject, err)
                         failed = True
                         break
+                with contextlib.suppress(nats.errors.Error, TimeoutError):
+                    # The server has the new subscriptions once the round trip is back, and nats-py has queued
+                    # every message the server sent an old one before it.
+                    await nc.flush(timeout=2)
+                left: list[Msg] = []
                 if not failed:
                     for subject in sorted(set(subs) - want):
-                        # Drained, not unsubscribed: what nats-py holds for it still goes through the callback
-                        # (folded, or counted `not_owned`); an unsubscribe dropped it uncounted.
-                        draining.add(task := asyncio.create_task(_drain_quietly(subs.pop(subject))))
-                        task.add_done_callback(draining.discard)
-                with contextlib.suppress(nats.errors.Error, TimeoutError):
-                    await nc.flush(timeout=2)  # the server has them: a sample published now is ours
+                        sub = subs.pop(subject)
+                        left += _queued(sub)  # an unsubscribe drops them uncounted; no await until it has
+                        with contextlib.suppress(nats.errors.Error):
+                            await sub.unsubscribe()
                 self.sample_subjects = frozenset(subs)
+                await self.intake.take_backlog(left)  # folded, or counted `not_owned`
                 if failed:
                     self.subjects_changed.set()
                     await asyncio.sleep(0.25)
         finally:
-            await cancel_and_wait(draining)
             for sub in subs.values():
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
@@ -750,9 +755,15 @@ def _forget_after_stop(c: ModelController, stopped: asyncio.Future[None]) -> Non
     c.forget_claims()
 
 
-async def _drain_quietly(sub: Any) -> None:
-    with contextlib.suppress(nats.errors.Error):
-        await sub.drain()
+def _queued(sub: Subscription) -> list[Msg]:
+    """The messages nats-py has read for `sub` and not yet handed to its callback, taken out of its queue."""
+    queue = sub._pending_queue  # nats-py keeps them only here (its `drain` waits on the queue, with no bound)
+    out: list[Msg] = []
+    while True:
+        try:
+            out.append(queue.get_nowait())
+        except asyncio.QueueEmpty:
+            return out
 
 
 async def _quietly(close: Callable[[], Awaitable[None]]) -> None:

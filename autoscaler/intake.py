@@ -10,7 +10,6 @@ process's young claims and for samples being taken, at most `stand_aside_s` each
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 import time
 from collections.abc import Callable
@@ -29,8 +28,6 @@ from warmpool.protocol import QueueSample
 from warmpool.rejects import Rejections
 
 __all__ = ["INGEST_QUIET_S", "SampleIntake", "StandAside"]
-
-log = logging.getLogger("pulsescale.autoscaler")
 
 INGEST_QUIET_S: Final = 0.001
 """The sample callback silent this long: the burst it was taking is over (`SampleIntake._ingest_first`). Within a
@@ -88,6 +85,17 @@ class SampleIntake:
             # sample started goes out before the next sample.
             await asyncio.sleep(0)
             self._callback_until = time.perf_counter() + self.slice_s
+
+    async def take_backlog(self, msgs: list[Msg]) -> None:
+        """Samples nats-py had queued for a subscription the daemon dropped (its shards moved), taken as the
+        callback takes them, yielding every `slice_s`."""
+        until = time.perf_counter() + self.slice_s
+        for msg in msgs:
+            self._taken_at = time.perf_counter()
+            self.take_sample(msg.subject, msg.data)
+            if time.perf_counter() >= until:
+                await asyncio.sleep(0)
+                until = time.perf_counter() + self.slice_s
 
     def take_sample(self, subject: str, data: bytes) -> bool:
         """The cheap part of a sample: decode and check it (rejections counted), then buffer it; a rising one

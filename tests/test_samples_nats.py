@@ -58,8 +58,7 @@ async def test_a_flood_of_samples_costs_neither_the_lease_nor_a_claim(
     try:
         # A buffer smaller than the flood's keys: some samples are dropped, and must be counted. The lease and the
         # collector as `pulsescale autoscaler` ships them: with the tests' 1 s lease, CI once saw the replica resign
-        # twice during the flood (beside a vLLM test's CPU), and the samples never all counted; a subscription
-        # swapped when shards move drops what nats-py still holds for it (not reproduced here).
+        # twice during the flood (beside a vLLM test's CPU), and the samples never all counted.
         async with running_autoscaler(
             nats_server.url,
             sample_buffer=100,
@@ -256,7 +255,9 @@ async def test_a_subscription_swapped_mid_flood_loses_no_sample_nats_py_had_take
     `not_owned`), not dropped uncounted with it."""
     await put_scaler(nc, "m")
     flood = _flood()
-    async with running_autoscaler(nats_server.url) as scaler:
+    async with running_autoscaler(
+        nats_server.url, lease=LeaseSettings(), gc_freeze_every_s=GC_FREEZE_EVERY_S
+    ) as scaler:
 
         def counted() -> float:
             return sum(s.value for s in scaler.metrics.samples.collect()[0].samples if s.name.endswith("_total"))
