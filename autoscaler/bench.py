@@ -210,15 +210,26 @@ async def _floor(nc, url: str, models: list[str], value: bytes) -> list[float]: 
     return latencies
 
 
+def _scrape(port: int) -> list[str]:
+    """One autoscaler's /metrics, as lines. A blocking read: one per replica per figure, not one per series."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+        body: bytes = r.read()
+    return body.decode().splitlines()
+
+
+def _summed(lines: list[str], name: str) -> float | None:
+    """Sum of a metric's series in a scrape; None when it holds no such metric."""
+    total, seen = 0.0, False
+    for line in lines:
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+            seen = True
+    return total if seen else None
+
+
 def _metric(port: int, name: str) -> float | None:
     """Sum of a metric's series on one autoscaler's /metrics; None when it exports no such metric."""
-    total, seen = 0.0, False
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                total += float(line.rsplit(" ", 1)[1])
-                seen = True
-    return total if seen else None
+    return _summed(_scrape(port), name)
 
 
 def _metric_or(port: int, name: str, default: float = 0.0) -> float:
@@ -438,9 +449,10 @@ class _Run:
     def live(self) -> set[str]:
         return {r.identity for r in self.replicas if not r.killed and r.proc.poll() is None}
 
-    async def refresh_leases(self) -> None:
+    async def refresh_leases(self, attempts: int = 3) -> None:
         """Read the leases afresh: the named checks must not judge a lease by our watch, which lags when this
-        process is busy publishing the background samples (a lease would look expired when it is not)."""
+        process is busy publishing the background samples (a lease would look expired when it is not). A read
+        that failed (a timeout, this process saturated) is asked again, up to `attempts` rounds."""
         keys = [protocol.LEADER_LEASE_KEY, *(protocol.shard_key(s) for s in range(protocol.SHARDS))]
 
         async def one(key: str) -> None:
@@ -450,8 +462,12 @@ class _Run:
                 self.leases.apply(key, None)
             else:
                 self.leases.apply(key, entry.value)
+            keys.remove(key)
 
-        await asyncio.gather(*(one(k) for k in keys), return_exceptions=True)
+        for _ in range(attempts):
+            if not keys:
+                return
+            await asyncio.gather(*(one(k) for k in list(keys)), return_exceptions=True)
 
     async def settle(self, timeout_s: float) -> float:
         """Wait until every model has a live owner and every live replica holds a share (the shards split over
@@ -469,9 +485,13 @@ class _Run:
         """The autoscalers' own view of the same path, from their ``pulsescale_decision_seconds`` histograms: a
         sample taken in -> its first claim written, with no NATS hop or bench process on either end."""
         live = [r for r in self.replicas if not r.killed and r.proc.poll() is None]
-        total = sum(_metric_or(r.port, "pulsescale_decision_seconds_count") for r in live)
+        scrapes = []
+        for r in live:
+            with contextlib.suppress(OSError):
+                scrapes.append(_scrape(r.port))
+        total = sum(_summed(lines, "pulsescale_decision_seconds_count") or 0.0 for lines in scrapes)
         under = {
-            le: sum(_metric_or(r.port, f'pulsescale_decision_seconds_bucket{{le="{le}"}}') for r in live)
+            le: sum(_summed(lines, f'pulsescale_decision_seconds_bucket{{le="{le}"}}') or 0.0 for lines in scrapes)
             for le in ("0.002", "0.005", "0.01", "0.02", "0.05")
         }
         within = ", ".join(f"{n:.0f} within {float(le) * 1e3:.0f} ms" for le, n in under.items())
