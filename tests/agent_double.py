@@ -3,8 +3,10 @@
 It speaks exactly the agent's side of wire contract v1 — heartbeats in `pulse_agents` (with the renewal interval,
 revision 2), slot records in `pulse_slots`, request/reply on `pulse.agent.<node>.{activate,deactivate}` with the
 typed replies (`ActivateReply`, `DeactivateReply`) and fencing checks against the registry; as the holder it
-writes `activating` and then `ready` (with the endpoint) before it replies — but runs no engine. The real agent
-(nodeagent) is exercised end to end in its own tests.
+writes `activating` and then `ready` (with the endpoint) before it replies — but runs no engine. Like the real
+agent it handles each request in its own task, one activation per slot at a time, and answers a repeat of an
+activation that succeeded (same token and claim) with `ready` again: a successor finishing a predecessor's claim
+sends exactly that. The real agent (nodeagent) is exercised end to end in its own tests.
 
 Behaviours: ``ok``; ``silent`` (never answers); ``refuse`` (answers `refuse_code`, ``engine_failed`` by default).
 `stop_heartbeat()` makes the agent look dead to the registry while it keeps answering.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -57,6 +60,8 @@ class AgentDouble:
     activations: list[str] = field(default_factory=list)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _subs: list[object] = field(default_factory=list)
+    _requests: set[asyncio.Task[None]] = field(default_factory=set)
+    _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
 
     @property
     def every_s(self) -> float:
@@ -70,8 +75,9 @@ class AgentDouble:
                 SlotRecord(model=self.model, node=self.node, slot=name, state="warm", rack=self.rack,
                            weights_resident=self.resident, rootfs_mounted=self.resident, updated_at=time.time())
             )  # fmt: skip
-        self._subs.append(await self.nc.subscribe(protocol.agent_subject(self.node, "activate"), cb=self._activate))
-        self._subs.append(await self.nc.subscribe(protocol.agent_subject(self.node, "deactivate"), cb=self._deactivate))
+        for verb, handler in (("activate", self._activate), ("deactivate", self._deactivate)):
+            subject = protocol.agent_subject(self.node, verb)
+            self._subs.append(await self.nc.subscribe(subject, cb=self._spawner(handler)))
         self._tasks.append(asyncio.create_task(self._heartbeat()))
         return self
 
@@ -103,6 +109,17 @@ class AgentDouble:
         kv = (await ensure_buckets(self.nc.jetstream()))[protocol.AGENTS_BUCKET]
         await kv.put(self.node, msgspec.json.encode(raw))
 
+    def _spawner(self, handler: Callable[[Msg], Awaitable[None]]) -> Callable[[Msg], Awaitable[None]]:
+        """A subscription callback that handles each request in its own task, as the real agent does: nats-py
+        runs one callback at a time per subscription, which would serialise every activation on the node."""
+
+        async def cb(msg: Msg) -> None:
+            task = asyncio.create_task(handler(msg))
+            self._requests.add(task)
+            task.add_done_callback(self._requests.discard)
+
+        return cb
+
     def stop_heartbeat(self) -> None:
         for t in self._tasks:
             t.cancel()
@@ -112,6 +129,9 @@ class AgentDouble:
         for s in self._subs:
             with contextlib.suppress(Exception):
                 await s.unsubscribe()  # type: ignore[attr-defined]
+        for t in list(self._requests):
+            t.cancel()
+        await asyncio.gather(*self._requests, return_exceptions=True)
 
     async def _activate(self, msg: Msg) -> None:
         if self.behaviour == "silent":
@@ -129,7 +149,16 @@ class AgentDouble:
                                   token=req.token, claim_id=req.claim_id)  # fmt: skip
             await self._reply(msg, reply)
             return
+        async with self._locks.setdefault(key, asyncio.Lock()):
+            await self._activate_locked(msg, req, key)
+
+    async def _activate_locked(self, msg: Msg, req: protocol.ActivateRequest, key: str) -> None:
         rec, _ = await self.store.get(key)
+        if rec.state == "ready" and rec.claim_id == req.claim_id and rec.token == req.token:
+            repeat = ActivateReply(slot=req.slot, key=key, state="ready", endpoint=rec.endpoint, token=req.token,
+                                   claim_id=req.claim_id, repeated=True)  # fmt: skip
+            await self._reply(msg, repeat)  # a repeat of an activation that succeeded, as the real agent answers
+            return
         if rec.claim_id != req.claim_id:
             refusal = protocol.refusal(
                 ActivateReply, "foreign_claim", f"{key} is held by {rec.claim_id}", slot=req.slot
