@@ -49,19 +49,30 @@ class NatsCluster:
     def __init__(self, root: Path | None = None, *, size: int = CLUSTER_SIZE, sync_always: bool = True) -> None:
         self.root = root if root is not None else Path(tempfile.mkdtemp(prefix="pulsescale-cluster-"))
         self.names = [f"n{i}" for i in range(size)]
-        route_ports = [free_port() for _ in range(size)]
-        routes = ", ".join(f'"nats-route://127.0.0.1:{p}"' for p in route_ports)
-        self.servers = [
-            NatsServer(
-                self.root / name,
-                sync_always=sync_always,
-                extra_config=(
-                    f"server_name: {name}\n"
-                    f"cluster {{ name: {CLUSTER_NAME}, listen: 127.0.0.1:{route_ports[i]}, routes: [{routes}] }}\n"
-                ),
-            )
-            for i, name in enumerate(self.names)
-        ]
+        self.sync_always = sync_always
+        self.route_ports = [free_port() for _ in range(size)]
+        self.servers = [self._server(name, self.route_ports[i]) for i, name in enumerate(self.names)]
+
+    def _server(self, name: str, route_port: int) -> NatsServer:
+        routes = ", ".join(f'"nats-route://127.0.0.1:{p}"' for p in self.route_ports)
+        return NatsServer(
+            self.root / name,
+            sync_always=self.sync_always,
+            extra_config=(
+                f"server_name: {name}\n"
+                f"cluster {{ name: {CLUSTER_NAME}, listen: 127.0.0.1:{route_port}, routes: [{routes}] }}\n"
+            ),
+        )
+
+    def join(self, timeout_s: float = START_TIMEOUT_S) -> NatsServer:
+        """Start one more server routed to the running ones (a cluster scaled up): JetStream adds it to the meta
+        group. It is stopped with the others."""
+        port = free_port()
+        server = self._server(f"n{len(self.servers)}", port)
+        self.route_ports.append(port)
+        self.names.append(f"n{len(self.servers)}")
+        self.servers.append(server)
+        return server.start(timeout_s)
 
     @property
     def urls(self) -> list[str]:

@@ -5,6 +5,7 @@ the conftest's single nats-server, and the 3-node cluster of `tests.cluster_help
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import subprocess
@@ -139,6 +140,25 @@ async def test_the_autoscaler_flag_sets_the_replicas_of_what_it_creates(cluster:
         proc.terminate()
         _, err = proc.communicate(timeout=10)
     assert proc.returncode == 0, err.decode()
+
+
+async def test_a_third_server_joining_during_the_create_gets_the_bucket_three_replicas(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A cluster places on a peer only once it has heard from it (CI once got 2 replicas of 3 on a cluster that
+    had just formed): the detected count is asked again for `PLACEMENT_SETTLE_S` before it comes down. Here a
+    cluster of two is scaled to three while the bucket is being made."""
+    with NatsCluster(tmp_path_factory.mktemp("grow"), size=2) as pair:
+        nc = await connect.connect(connect.NatsOptions(servers=tuple(pair.urls)))
+        try:
+            create = asyncio.create_task(ensure_buckets(nc.jetstream(timeout=5.0), names=[protocol.SLOTS_BUCKET]))
+            await asyncio.sleep(0.5)
+            assert not create.done(), "the create came down to what two servers hold without waiting"
+            pair.join()
+            await asyncio.wait_for(create, registry.PLACEMENT_SETTLE_S + 10)
+            assert (await replicas(nc))[protocol.SLOTS_BUCKET] == CLUSTER_SIZE
+        finally:
+            await nc.close()
 
 
 async def test_a_cluster_of_two_gets_two_replicas_with_a_warning(

@@ -221,7 +221,8 @@ async def ensure_buckets(
         try:
             out[bucket] = await js.key_value(bucket)
         except nats.js.errors.BucketNotFoundError:
-            await _create(js, bucket, settings, replicas, detected=detected)
+            # A detected count the servers could not place is not asked again for the next bucket (see `_create`).
+            replicas = await _create(js, bucket, settings, replicas, detected=detected)
             out[bucket] = await js.key_value(bucket)
             continue
         if harden:
@@ -239,14 +240,22 @@ _PLACEMENT_ERRORS = (10074, 10005, 10023)
 _LEADER_WAIT_S = 10.0
 """How long a new replicated bucket may take to elect its stream leader (a second or so; more on a busy host)."""
 
+PLACEMENT_SETTLE_S = 5.0
+"""How long a detected replica count the cluster cannot place is asked again before it comes down: a cluster that
+has just formed places on a peer only once it has heard that peer's resources, a moment after they agree on a meta
+leader (CI once got 2 replicas of 3 on a fresh cluster of 3). A cluster that truly has fewer servers pays this once."""
 
-async def _create(
-    js: JetStreamContext, bucket: str, settings: BucketSettings, replicas: int, *, detected: bool
-) -> None:
+_PLACEMENT_RETRY_S = 0.25
+
+
+async def _create(js: JetStreamContext, bucket: str, settings: BucketSettings, replicas: int, *, detected: bool) -> int:
     """Create a bucket's stream with `replicas`, and wait until it has a leader: a write to a clustered stream
-    that has none yet gets no answer at all ("no responders"). Detected replicas the servers cannot place come
-    down one by one to what they can (said in a warning); replicas someone asked for are an error instead."""
-    for n in range(replicas, 0, -1):
+    that has none yet gets no answer at all ("no responders"). Detected replicas the servers cannot place are
+    asked again for `PLACEMENT_SETTLE_S`, then come down one by one to what they can (said in a warning); replicas
+    someone asked for are an error instead. Returns the replicas asked for last (those placed)."""
+    settle_until = time.monotonic() + PLACEMENT_SETTLE_S
+    n = replicas
+    while True:
         try:
             await js.add_stream(_bucket_stream(bucket, dataclasses.replace(settings, replicas=n)))
         except nats.js.errors.APIError as err:
@@ -259,6 +268,11 @@ async def _create(
                     f"cannot create bucket {bucket} with {n} replicas: {err.description}; set --kv-replicas or "
                     f"${KV_REPLICAS_ENV} to at most the number of JetStream servers up (1 on a single server)"
                 ) from err
+            if err.err_code != 10074 and time.monotonic() < settle_until:  # 10074: not clustered at all
+                await asyncio.sleep(_PLACEMENT_RETRY_S)
+                continue
+            log.info("bucket %s: %d replica(s) cannot be placed: %s", bucket, n, err.description)
+            n -= 1
             continue
         if n < replicas:
             log.warning(
@@ -272,6 +286,7 @@ async def _create(
     # Even a one-replica stream on a cluster is placed on some server first: until then a write gets no responder.
     # (On a single server `stream_info` says at once that there is no cluster.)
     await _wait_leader(js, f"KV_{bucket}")
+    return n
 
 
 async def _wait_leader(js: JetStreamContext, stream: str) -> None:
