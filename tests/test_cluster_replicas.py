@@ -6,10 +6,13 @@ the conftest's single nats-server, and the 3-node cluster of `tests.cluster_help
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import nats.errors
@@ -20,6 +23,8 @@ from nats.aio.client import Client
 from tests.cluster_helpers import CLUSTER_SIZE, NatsCluster
 from tests.helpers import wait_for
 from warmpool import connect, protocol, registry
+from warmpool.embedded import find_nats_server, free_port
+from warmpool.errors import NatsUnavailable
 from warmpool.registry import BucketSettings, KvReplicasError, ensure_buckets
 
 # A 3-server cluster's elections and failovers are bounded in wall-clock time: run alone (tests/conftest.py).
@@ -140,6 +145,57 @@ async def test_the_autoscaler_flag_sets_the_replicas_of_what_it_creates(cluster:
         proc.terminate()
         _, err = proc.communicate(timeout=10)
     assert proc.returncode == 0, err.decode()
+
+
+async def test_a_cluster_still_electing_its_meta_leader_is_waited_for(
+    tmp_path_factory: pytest.TempPathFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Deployed together, the autoscaler may open the buckets before the servers have elected a meta leader, while
+    every JetStream request times out: it asks again (saying so) instead of dying."""
+    c = NatsCluster(tmp_path_factory.mktemp("electing"))
+    try:
+        for s in c.servers:
+            s.launch()
+        for s in c.servers:
+            s.wait_ready(30)  # serving clients; JetStream still electing
+        nc = await connect.connect(connect.NatsOptions(servers=tuple(c.urls)))
+        try:
+            with caplog.at_level(logging.WARNING, logger="pulsescale.registry"):
+                await ensure_buckets(nc.jetstream(timeout=1.0), harden=True)
+            assert set((await replicas(nc)).values()) == {CLUSTER_SIZE}
+            assert len(await replicas(nc)) == len(protocol.BUCKETS)
+        finally:
+            await nc.close()
+    finally:
+        c.stop()
+
+
+def _server_without_jetstream(port: int) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([find_nats_server(), "-a", "127.0.0.1", "-p", str(port)], stderr=subprocess.DEVNULL)
+
+
+def _accepts(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+        return True
+    return False
+
+
+async def test_a_server_without_jetstream_is_a_named_error_at_once() -> None:
+    port = free_port()
+    proc = _server_without_jetstream(port)
+    try:
+        await wait_for(lambda: _accepts(port), 10, "the server without JetStream to listen")
+        nc = await connect.connect(connect.NatsOptions(servers=(f"nats://127.0.0.1:{port}",)))
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(NatsUnavailable, match=r"JetStream enabled \(-js\)"):
+                await ensure_buckets(nc.jetstream(timeout=1.0))
+            assert time.monotonic() - t0 < registry.JETSTREAM_WAIT_S / 2, "waited for a JetStream that is not there"
+        finally:
+            await nc.close()
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 async def test_a_third_server_joining_during_the_create_gets_the_bucket_three_replicas(

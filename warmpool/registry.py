@@ -47,6 +47,7 @@ from warmpool.errors import (
     BadMessage,
     ClaimConflict,
     InvalidTransition,
+    NatsUnavailable,
     NoSlotAvailable,
     PulsescaleError,
     SlotNotFound,
@@ -217,19 +218,60 @@ async def ensure_buckets(
     replicas = replicas_for(js._nc, settings)  # the context's connection; nats-py offers no public getter
     detected = settings.replicas is None and not os.environ.get(KV_REPLICAS_ENV)
     out: dict[str, KeyValue] = {}
+    deadline = time.monotonic() + JETSTREAM_WAIT_S
     for bucket in names:
-        try:
-            out[bucket] = await js.key_value(bucket)
-        except nats.js.errors.BucketNotFoundError:
-            # A detected count the servers could not place is not asked again for the next bucket (see `_create`).
-            replicas = await _create(js, bucket, settings, replicas, detected=detected)
-            out[bucket] = await js.key_value(bucket)
-            continue
-        if harden:
-            await _reconcile(js, bucket, replicas)
-        elif replicas > 1:
-            await _report_replicas(js, bucket, replicas)
+        while True:
+            try:
+                out[bucket], replicas = await _open(js, bucket, settings, replicas, detected=detected, harden=harden)
+                break
+            except _NOT_ANSWERING as err:
+                # nats-py turns "no responders" into a ServiceUnavailableError without a JetStream error code.
+                no_responders = not isinstance(err, nats.errors.TimeoutError) and getattr(err, "err_code", None) is None
+                if no_responders and not js._nc._server_info.get("jetstream"):  # the server's INFO, as above
+                    raise NatsUnavailable(
+                        "JetStream does not answer (no responders): start nats-server with JetStream enabled (-js)"
+                    ) from err
+                if time.monotonic() >= deadline:
+                    raise NatsUnavailable(
+                        f"JetStream did not answer for {JETSTREAM_WAIT_S:.0f} s while opening bucket {bucket}: "
+                        "is the cluster up, with a JetStream meta leader (nats server report jetstream)?"
+                    ) from err
+                log.warning(
+                    "JetStream does not answer yet (%s) opening bucket %s: a cluster still electing its meta "
+                    "leader? asking again for up to %.0f s",
+                    type(err).__name__,
+                    bucket,
+                    deadline - time.monotonic(),
+                )
+                await asyncio.sleep(_JETSTREAM_RETRY_S)
     return out
+
+
+_NOT_ANSWERING = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError)
+
+JETSTREAM_WAIT_S = 30.0
+"""How long `ensure_buckets` asks again while JetStream times out or says it is temporarily unavailable: a cluster
+deployed together with us answers nothing until its servers have elected a meta leader (a few seconds). Past this
+it is a `NatsUnavailable`; a server whose INFO says it has no JetStream at all is one at once."""
+
+_JETSTREAM_RETRY_S = 0.5
+
+
+async def _open(
+    js: JetStreamContext, bucket: str, settings: BucketSettings, replicas: int, *, detected: bool, harden: bool
+) -> tuple[KeyValue, int]:
+    """One bucket, looked up or created (see `ensure_buckets`); with the replica count for the next: a detected
+    count the servers could not place is not asked again (see `_create`)."""
+    try:
+        kv = await js.key_value(bucket)
+    except nats.js.errors.BucketNotFoundError:
+        replicas = await _create(js, bucket, settings, replicas, detected=detected)
+        return await js.key_value(bucket), replicas
+    if harden:
+        await _reconcile(js, bucket, replicas)
+    elif replicas > 1:
+        await _report_replicas(js, bucket, replicas)
+    return kv, replicas
 
 
 # JetStream's answers to a replica count the servers cannot place: "replicas > 1 not supported in non-clustered
