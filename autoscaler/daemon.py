@@ -160,6 +160,7 @@ class Autoscaler:
         self.by_shard: dict[int, set[str]] = {}
         """Models with a ScaledObject, by shard (`protocol.shard_of`)."""
         self._acquired: set[int] = set()  # shards taken, waiting for `take_over`
+        self._arrived: set[str] = set()  # models whose ScaledObject came in a shard already held, ditto
         self._stopping: dict[str, asyncio.Future[None]] = {}  # models whose lost shard's stop may still run
         self._held: set[int] = set()  # shards held, as the callbacks said (the gauges; `owns` fences)
         self.sample_subjects: frozenset[str] = frozenset()
@@ -332,8 +333,10 @@ class Autoscaler:
             self._slot_gauges(c)
             log.info("ScaledObject %s: autoscaling %s (%d slots held)", key, model, len(held))
             if self.owns_shard(shard):
-                c.adopt(self.store.records(model))
-                c.start()
+                # Its shard was taken before the ScaledObject was seen (a start can list them in either order):
+                # `take_over` adopts and starts it after restoring its stored override, as for a shard just taken.
+                self._arrived.add(model)
+                self._take_over_soon()
         else:
             c.update_record(record)
 
@@ -516,6 +519,9 @@ class Autoscaler:
         self._held.add(shard)
         self._acquired.add(shard)
         self._leading_changed()
+        self._take_over_soon()
+
+    def _take_over_soon(self) -> None:
         if self._takeover is None or self._takeover.done():
             self._takeover = asyncio.ensure_future(self.take_over())
 
@@ -549,44 +555,48 @@ class Autoscaler:
 
     async def take_over(self) -> None:
         """Rebuild the shards just taken from the buckets: adopt their models' held slots, restore their
-        overrides, then act. Shards taken while this runs are handled in the same task, overrides read once per
-        batch."""
+        overrides, then act; the same for models whose ScaledObject arrived in a shard already held. Those taken
+        or arrived while this runs are handled in the same task, overrides read once per batch. (Adopting and
+        starting are idempotent: a model met twice is harmless.)"""
         overrides: dict[str, Override] | None = None
         read_at = 0.0
-        while self._acquired:
+        while self._acquired or self._arrived:
             batch, self._acquired = self._acquired, set()
+            arrived, self._arrived = self._arrived, set()
             if overrides is None or time.monotonic() - read_at > 1.0:
                 # One read for the shards of a round (they are taken one by one, within milliseconds).
                 read_at, overrides = time.monotonic(), await self.load_overrides()
+            todo = [(shard, model) for shard in sorted(batch) for model in sorted(self.by_shard.get(shard, ()))]
+            todo += [(protocol.shard_of(m), m) for m in sorted(arrived) if protocol.shard_of(m) not in batch]
             # First adopt and start every model, so a sample arriving now acts; then the first decisions.
             started: list[ModelController] = []
             until = time.perf_counter() + self.settings.slice_s
-            for shard in sorted(batch):
-                for model in sorted(self.by_shard.get(shard, ())):
-                    if time.perf_counter() >= until:
-                        # 1,000 models' adoption and first decision is a few hundred ms: renewals run between.
-                        await asyncio.sleep(0)
-                        until = time.perf_counter() + self.settings.slice_s
-                    stopping = self._stopping.pop(model, None)
-                    if stopping is not None and not stopping.done():
-                        # Lost and taken back in one round: the old term's stop must end (and forget its books)
-                        # before this one adopts and starts, or it would undo them.
-                        await asyncio.wait([stopping])
-                    c = self.by_model.get(model)
-                    if c is None or not self.owns_shard(shard):
-                        continue  # its ScaledObject went while we yielded, or the shard moved on meanwhile
-                    c.adopt(self.store.records(model))
-                    if model in overrides:
-                        c.override = overrides[model]
-                    c.start()
-                    started.append(c)
+            for shard, model in todo:
+                if time.perf_counter() >= until:
+                    # 1,000 models' adoption and first decision is a few hundred ms: renewals run between.
+                    await asyncio.sleep(0)
+                    until = time.perf_counter() + self.settings.slice_s
+                stopping = self._stopping.pop(model, None)
+                if stopping is not None and not stopping.done():
+                    # Lost and taken back in one round: the old term's stop must end (and forget its books)
+                    # before this one adopts and starts, or it would undo them.
+                    await asyncio.wait([stopping])
+                c = self.by_model.get(model)
+                if c is None or not self.owns_shard(shard):
+                    continue  # its ScaledObject went while we yielded, or the shard moved on meanwhile
+                c.adopt(self.store.records(model))
+                if model in overrides:
+                    c.override = overrides[model]
+                c.start()
+                started.append(c)
             for c in started:
                 if time.perf_counter() >= until:
                     await asyncio.sleep(0)
                     until = time.perf_counter() + self.settings.slice_s
                 if self.by_model.get(c.model) is c and c.deps.is_leader():
                     c.evaluate(self.clock())
-            log.info("acting for %d more model(s) in shard(s) %s", len(started), ",".join(map(str, sorted(batch))))
+            where = f"shard(s) {','.join(map(str, sorted(batch)))}" if batch else "shards already held"
+            log.info("acting for %d more model(s) in %s", len(started), where)
 
     async def load_overrides(self) -> dict[str, Override]:
         """The on-call overrides stored in `pulse_leases`, by model. One that breaks the contract is counted (by

@@ -217,6 +217,21 @@ async def test_overrides_are_stored_as_records_and_a_corrupt_one_is_counted(
         assert await scaler.load_overrides() == {"n": paused}
 
 
+async def test_an_override_is_restored_for_a_scaled_object_seen_after_its_shard_was_taken(
+    nats_server: NatsServer, nc: Client, store: KvSlotStore
+) -> None:
+    """At start the shard leases may be taken before the ScaledObjects are listed (CI saw that order under load):
+    a model whose ScaledObject arrives in a shard already held gets its stored override too, not the policy."""
+    leases = (await ensure_buckets(nc.jetstream()))[protocol.LEASES_BUCKET]
+    paused = Override(kind="pause", replicas=1, expires_at=None, by="carol")
+    await leases.put(protocol.override_key("n"), protocol.encode(OverrideRecord(model="n", override=paused)))
+    async with running_autoscaler(nats_server.url) as scaler:  # leads every shard, follows no model yet
+        assert scaler.owns_shard(protocol.shard_of("n")) and "n" not in scaler.by_model
+        await put_scaler(nc, "n")
+        await wait_for(lambda: "n" in scaler.by_model, 5, "n followed")
+        await wait_for(lambda: scaler.by_model["n"].override == paused, 5, "n's stored pause restored")
+
+
 # --- following the ScaledObjects --------------------------------------------------------------------------------
 
 
