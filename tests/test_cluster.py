@@ -95,16 +95,10 @@ async def clients(cluster: NatsCluster) -> AsyncIterator[Clients]:
             await nc.close()
 
 
-async def made_buckets(nc: Client, attempts: int = 3) -> None:
-    """Every bucket, as the autoscaler makes them; asked again when a create goes unanswered (seen here once
-    in a while: the fresh cluster's meta group still settling), as a restarted autoscaler would."""
-    for attempt in range(attempts):
-        try:
-            await ensure_buckets(nc.jetstream(timeout=SETUP_TIMEOUT_S))
-            return
-        except nats.errors.TimeoutError:
-            if attempt == attempts - 1:
-                raise
+async def made_buckets(nc: Client) -> None:
+    """Every bucket, as the autoscaler makes them (`ensure_buckets` asks again while the fresh cluster's meta
+    group settles, and waits for a replica count it cannot place yet)."""
+    await ensure_buckets(nc.jetstream(timeout=SETUP_TIMEOUT_S))
 
 
 async def streams_led(nc: Client, timeout_s: float = 10.0) -> None:

@@ -23,7 +23,7 @@ from nats.aio.client import Client
 from tests.cluster_helpers import CLUSTER_SIZE, NatsCluster
 from tests.helpers import wait_for
 from warmpool import connect, protocol, registry
-from warmpool.embedded import find_nats_server, free_port
+from warmpool.embedded import NatsServer, find_nats_server, free_port
 from warmpool.errors import NatsUnavailable
 from warmpool.registry import BucketSettings, KvReplicasError, ensure_buckets
 
@@ -151,7 +151,7 @@ async def test_a_cluster_still_electing_its_meta_leader_is_waited_for(
     tmp_path_factory: pytest.TempPathFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Deployed together, the autoscaler may open the buckets before the servers have elected a meta leader, while
-    every JetStream request times out: it asks again (saying so) instead of dying."""
+    every JetStream request times out: it asks again (with a warning, when it had to) instead of dying."""
     c = NatsCluster(tmp_path_factory.mktemp("electing"))
     try:
         for s in c.servers:
@@ -196,6 +196,27 @@ async def test_a_server_without_jetstream_is_a_named_error_at_once() -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+async def test_an_account_without_jetstream_is_a_named_error_at_once(tmp_path_factory: pytest.TempPathFactory) -> None:
+    accounts = (
+        "accounts {\n"
+        "  WITH: { jetstream: enabled, users: [{user: a, password: a}] }\n"
+        "  WITHOUT: { users: [{user: b, password: b}] }\n"
+        "}\n"
+    )
+    server = NatsServer(tmp_path_factory.mktemp("accounts"), extra_config=accounts, monitor_port=None).start()
+    try:
+        nc = await connect.connect(connect.NatsOptions(servers=(f"nats://b:b@127.0.0.1:{server.port}",)))
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(NatsUnavailable, match="not enabled for account"):
+                await ensure_buckets(nc.jetstream(timeout=1.0))
+            assert time.monotonic() - t0 < registry.JETSTREAM_WAIT_S / 2, "waited for a JetStream that is not there"
+        finally:
+            await nc.close()
+    finally:
+        server.stop()
 
 
 async def test_a_third_server_joining_during_the_create_gets_the_bucket_three_replicas(

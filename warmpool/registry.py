@@ -218,19 +218,15 @@ async def ensure_buckets(
     replicas = replicas_for(js._nc, settings)  # the context's connection; nats-py offers no public getter
     detected = settings.replicas is None and not os.environ.get(KV_REPLICAS_ENV)
     out: dict[str, KeyValue] = {}
-    deadline = time.monotonic() + JETSTREAM_WAIT_S
     for bucket in names:
+        deadline: float | None = None  # from the first failure of this bucket: a slow but working create is fine
         while True:
             try:
                 out[bucket], replicas = await _open(js, bucket, settings, replicas, detected=detected, harden=harden)
                 break
             except _NOT_ANSWERING as err:
-                # nats-py turns "no responders" into a ServiceUnavailableError without a JetStream error code.
-                no_responders = not isinstance(err, nats.errors.TimeoutError) and getattr(err, "err_code", None) is None
-                if no_responders and not js._nc._server_info.get("jetstream"):  # the server's INFO, as above
-                    raise NatsUnavailable(
-                        "JetStream does not answer (no responders): start nats-server with JetStream enabled (-js)"
-                    ) from err
+                _not_answering(js, bucket, err)  # raises what will not clear by waiting
+                deadline = deadline or time.monotonic() + JETSTREAM_WAIT_S
                 if time.monotonic() >= deadline:
                     raise NatsUnavailable(
                         f"JetStream did not answer for {JETSTREAM_WAIT_S:.0f} s while opening bucket {bucket}: "
@@ -239,7 +235,7 @@ async def ensure_buckets(
                 log.warning(
                     "JetStream does not answer yet (%s) opening bucket %s: a cluster still electing its meta "
                     "leader? asking again for up to %.0f s",
-                    type(err).__name__,
+                    _describe(err),
                     bucket,
                     deadline - time.monotonic(),
                 )
@@ -249,10 +245,36 @@ async def ensure_buckets(
 
 _NOT_ANSWERING = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError)
 
-JETSTREAM_WAIT_S = 30.0
-"""How long `ensure_buckets` asks again while JetStream times out or says it is temporarily unavailable: a cluster
-deployed together with us answers nothing until its servers have elected a meta leader (a few seconds). Past this
-it is a `NatsUnavailable`; a server whose INFO says it has no JetStream at all is one at once."""
+JETSTREAM_WAIT_S = 15.0
+"""How long `ensure_buckets` asks again while JetStream times out, has no responder on a server that has JetStream,
+or says it is temporarily unavailable (10008): a cluster deployed together with us answers nothing until its
+servers have elected a meta leader (a few seconds). Past this it is a `NatsUnavailable`, before the deployed
+liveness probes (first at 10 s, three failures 5 s apart) would restart the process without saying why."""
+
+_JETSTREAM_UNAVAILABLE_FOR_NOW = 10008
+"""JetStream's "JetStream system temporarily unavailable"; its other 503s (not enabled for the account, 10039; not
+enabled, 10076) do not clear by waiting."""
+
+
+def _not_answering(js: JetStreamContext, bucket: str, err: Exception) -> None:
+    """Raise `NatsUnavailable` for a JetStream that is not coming: none on the server (its INFO says so; nats-py
+    turns "no responders" into a `ServiceUnavailableError` without an error code) or not for this account."""
+    if isinstance(err, nats.errors.TimeoutError):
+        return
+    code = getattr(err, "err_code", None)
+    if code is None and not js._nc._server_info.get("jetstream"):  # the server's INFO, as in `replicas_for`
+        raise NatsUnavailable(
+            "JetStream does not answer (no responders): start nats-server with JetStream enabled (-js)"
+        ) from err
+    if code is not None and code != _JETSTREAM_UNAVAILABLE_FOR_NOW:
+        raise NatsUnavailable(f"JetStream refused to open bucket {bucket}: {_describe(err)}") from err
+
+
+def _describe(err: Exception) -> str:
+    description = getattr(err, "description", None)
+    code = getattr(err, "err_code", None)
+    return f"{description} (JetStream error {code})" if description and code else type(err).__name__
+
 
 _JETSTREAM_RETRY_S = 0.5
 
