@@ -161,6 +161,7 @@ class Autoscaler:
         """Models with a ScaledObject, by shard (`protocol.shard_of`)."""
         self._acquired: set[int] = set()  # shards taken, waiting for `take_over`
         self._arrived: set[str] = set()  # models whose ScaledObject came in a shard already held, ditto
+        self._override_writes: dict[str, int] = {}  # model -> on-call overrides set here (see `take_over`)
         self._stopping: dict[str, asyncio.Future[None]] = {}  # models whose lost shard's stop may still run
         self._held: set[int] = set()  # shards held, as the callbacks said (the gauges; `owns` fences)
         self.sample_subjects: frozenset[str] = frozenset()
@@ -268,6 +269,8 @@ class Autoscaler:
         """Store the override (a new leader restores it) and apply it at once."""
         c = self.by_model[model]
         key = protocol.override_key(model)
+        # Counted before the write: a `take_over` that read the stored overrides before it does not restore them.
+        self._override_writes[model] = self._override_writes.get(model, 0) + 1
         if override is None:
             with contextlib.suppress(nats.js.errors.KeyNotFoundError):
                 await self._leases_kv.delete(key)
@@ -559,12 +562,14 @@ class Autoscaler:
         or arrived while this runs are handled in the same task, overrides read once per batch. (Adopting and
         starting are idempotent: a model met twice is harmless.)"""
         overrides: dict[str, Override] | None = None
+        writes: dict[str, int] = {}
         read_at = 0.0
         while self._acquired or self._arrived:
             batch, self._acquired = self._acquired, set()
             arrived, self._arrived = self._arrived, set()
             if overrides is None or time.monotonic() - read_at > 1.0:
                 # One read for the shards of a round (they are taken one by one, within milliseconds).
+                writes = dict(self._override_writes)
                 read_at, overrides = time.monotonic(), await self.load_overrides()
             todo = [(shard, model) for shard in sorted(batch) for model in sorted(self.by_shard.get(shard, ()))]
             todo += [(protocol.shard_of(m), m) for m in sorted(arrived) if protocol.shard_of(m) not in batch]
@@ -584,17 +589,20 @@ class Autoscaler:
                 c = self.by_model.get(model)
                 if c is None or not self.owns_shard(shard):
                     continue  # its ScaledObject went while we yielded, or the shard moved on meanwhile
-                c.adopt(self.store.records(model))
-                if model in overrides:
-                    c.override = overrides[model]
-                c.start()
-                started.append(c)
+                with self._contained(f"taking over {model}"):
+                    c.adopt(self.store.records(model))
+                    # An override set here since the read is newer than what was read (a resume's delete too).
+                    if model in overrides and self._override_writes.get(model, 0) == writes.get(model, 0):
+                        c.override = overrides[model]
+                    c.start()
+                    started.append(c)
             for c in started:
                 if time.perf_counter() >= until:
                     await asyncio.sleep(0)
                     until = time.perf_counter() + self.settings.slice_s
                 if self.by_model.get(c.model) is c and c.deps.is_leader():
-                    c.evaluate(self.clock())
+                    with self._contained(f"the first decision of {c.model}"):
+                        c.evaluate(self.clock())
             where = f"shard(s) {','.join(map(str, sorted(batch)))}" if batch else "shards already held"
             log.info("acting for %d more model(s) in %s", len(started), where)
 

@@ -232,6 +232,32 @@ async def test_an_override_is_restored_for_a_scaled_object_seen_after_its_shard_
         await wait_for(lambda: scaler.by_model["n"].override == paused, 5, "n's stored pause restored")
 
 
+async def test_a_resume_while_the_stored_overrides_are_read_is_not_undone(
+    nats_server: NatsServer, nc: Client, store: KvSlotStore
+) -> None:
+    """On-call resumes a model whose stored pause `take_over` has just read: the resume stands (it is newer)."""
+    leases = (await ensure_buckets(nc.jetstream()))[protocol.LEASES_BUCKET]
+    paused = Override(kind="pause", replicas=1, expires_at=None, by="carol")
+    await leases.put(protocol.override_key("n"), protocol.encode(OverrideRecord(model="n", override=paused)))
+    async with running_autoscaler(nats_server.url) as scaler:
+        read, go_on = asyncio.Event(), asyncio.Event()
+        load = scaler.load_overrides
+
+        async def slow_load() -> dict[str, Override]:
+            found = await load()
+            read.set()
+            await go_on.wait()  # the read is done; the resume lands before it is applied
+            return found
+
+        scaler.load_overrides = slow_load  # type: ignore[method-assign]
+        await put_scaler(nc, "n")
+        await asyncio.wait_for(read.wait(), 5)
+        await scaler.set_override("n", None)  # the resume, deleting the stored pause
+        go_on.set()
+        await wait_for(lambda: scaler._takeover is not None and scaler._takeover.done(), 5, "n taken over")
+        assert scaler.by_model["n"].override is None, "the stale pause was put back over the resume"
+
+
 # --- following the ScaledObjects --------------------------------------------------------------------------------
 
 
