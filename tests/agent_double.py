@@ -155,7 +155,8 @@ class AgentDouble:
     async def _activate_locked(self, msg: Msg, req: protocol.ActivateRequest, key: str) -> None:
         rec, _ = await self.store.get(key)
         if rec.state == "ready" and rec.claim_id == req.claim_id and rec.token == req.token:
-            repeat = ActivateReply(slot=req.slot, key=key, state="ready", endpoint=rec.endpoint, token=req.token,
+            endpoint = self.reply_endpoint if self.behaviour == "lie_endpoint" else rec.endpoint
+            repeat = ActivateReply(slot=req.slot, key=key, state="ready", endpoint=endpoint, token=req.token,
                                    claim_id=req.claim_id, repeated=True)  # fmt: skip
             await self._reply(msg, repeat)  # a repeat of an activation that succeeded, as the real agent answers
             return

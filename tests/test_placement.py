@@ -320,8 +320,10 @@ def test_pool_picks_as_the_scan_does(steps: list[tuple[str, int, int, int]], rac
 
 async def test_the_echo_of_our_own_claim_is_not_decoded(nc: Client, store: KvSlotStore) -> None:
     """Our claim is applied to the view when the broker acknowledges it; its echo through the watch carries a
-    revision the view already has, and is skipped before its value is decoded (decoding is the cost)."""
-    await seed_pool(store, "m", nodes=2, slots_per_node=1)
+    revision the view already has, and is skipped before its value is decoded (decoding is the cost). The broker
+    may send the echo before the acknowledgement, and the watch may then take it first and decode it (CI saw it
+    once): so most of twenty, not each, are asserted skipped."""
+    await seed_pool(store, "m", nodes=2, slots_per_node=10)
     decoded: list[str] = []
     decode = store.slots.decode
 
@@ -330,10 +332,11 @@ async def test_the_echo_of_our_own_claim_is_not_decoded(nc: Client, store: KvSlo
         return decode(key, data)
 
     store.slots.decode = counting  # type: ignore[method-assign]
-    claim = await store.claim("m")
-    other = next(k for k in ("m.node-0.s0", "m.node-1.s0") if k != claim.key)
-    # A write by someone else, after ours: once the view has it, the watch has delivered our echo too.
+    ours = [(await store.claim("m")).key for _ in range(19)]
+    (other,) = {f"m.node-{n}.s{i}" for n in range(2) for i in range(10)} - set(ours)
+    # A write by someone else, after ours: once the view has it, the watch has delivered our echoes too.
     async with await KvSlotStore.open(nc) as peer:
         await peer.claim_slot(other)
     await wait_for(lambda: (e := store.entry(other)) is not None and e[0].state == "claimed", what="the peer's claim")
-    assert decoded == [other]
+    assert decoded.count(other) == 1
+    assert len([k for k in decoded if k != other]) < len(ours) // 2, f"our echoes decoded: {decoded}"
