@@ -239,10 +239,12 @@ async def test_a_third_server_joining_during_the_create_gets_the_bucket_three_re
 
 
 async def test_a_cluster_of_two_gets_two_replicas_with_a_warning(
-    tmp_path_factory: pytest.TempPathFactory, caplog: pytest.LogCaptureFixture
+    tmp_path_factory: pytest.TempPathFactory, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Detected replicas (3 on any cluster) come down to what the servers can place, said in a warning. (A server
-    that is merely down does not count: JetStream places a bucket's third replica on it, and it catches up.)"""
+    """Detected replicas (3 on any cluster) come down to what the servers can place, said in a warning, once
+    the placement has had its settling time (shortened here). (A server that is merely down does not count:
+    JetStream places a bucket's third replica on it, and it catches up.)"""
+    monkeypatch.setattr(registry, "PLACEMENT_SETTLE_S", 1.0)
     with NatsCluster(tmp_path_factory.mktemp("pair"), size=2) as pair:
         nc = await connect.connect(connect.NatsOptions(servers=tuple(pair.urls)))
         try:
