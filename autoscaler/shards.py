@@ -300,7 +300,7 @@ class ShardLeases:
         plan = {} if legacy is not None else self._plan(members)
         give_up = [s for s in self._held if plan.get(s) != self.identity]
         take = [s for s, m in plan.items() if m == self.identity and s not in self._held and self._free(s, now)]
-        await asyncio.gather(*(self._give_up(s) for s in give_up), *(self._take(s, sent) for s in take))
+        await asyncio.gather(*(self._give_up(s) for s in give_up), *(self._take(s) for s in take))
         await self._lead()
         if self.owns(0):
             await self._sweep(now)
@@ -395,8 +395,10 @@ class ShardLeases:
             term.act_until = sent + self.settings.lease_s * self.settings.stop_fraction
             self._view.apply_local(key, lease, got.revision)
 
-    async def _take(self, shard: int, sent: float) -> None:
-        key, lease = protocol.shard_key(shard), self._lease(self.clock())
+    async def _take(self, shard: int) -> None:
+        # The term is timed from the same moment the lease is stamped, the take's own start: not the round's,
+        # which a starved replica's slow renewals may have begun a second earlier (the term would end at once).
+        sent, key, lease = self.monotonic(), protocol.shard_key(shard), self._lease(self.clock())
         try:
             rev = await take_lease(self.kv, key, protocol.encode(lease), self.identity, self.clock, self._quiet_decode)
         except _NATS_ERRORS as err:

@@ -135,6 +135,26 @@ async def fleet(nc: Client) -> AsyncIterator[Fleet]:
             await r.close()
 
 
+async def test_a_take_after_a_slow_renewal_round_keeps_its_whole_term(fleet: Fleet) -> None:
+    """A shard taken late in a round (its renewals were slow: a starved replica) is stamped when the take starts,
+    and its term is timed from then too: timed from the round's start, it lapsed moments after it was taken
+    (seen in `bench decide --models 3000 --replicas 3`: taken back, then lost again 0.4 s later)."""
+    slow = [0.5]
+
+    def models_while_the_round_is_slow() -> int:
+        fleet.advance(slow.pop() if slow else 0.0)  # the first round's renewals take 0.5 s
+        return 0
+
+    a = fleet.replica("a", count_models=models_while_the_round_is_slow)
+    await a.start()
+    await a.step()  # takes every shard, 0.5 s into the round
+    assert a.held() == frozenset(range(protocol.SHARDS))
+    fleet.advance(0.5)  # 1.0 s after the round began, 0.5 s after the take; the term is 0.8 s
+    assert all(a.owns(s) for s in range(protocol.SHARDS)), "the term was charged for the round's slow renewals"
+    fleet.advance(0.35)  # 0.85 s after the take: past the term, still before the stamped lease's end (1.0 s)
+    assert not any(a.owns(s) for s in range(protocol.SHARDS))
+
+
 async def test_one_replica_takes_every_shard_and_announces_them(fleet: Fleet) -> None:
     acquired: list[int] = []
     a = fleet.replica("a", on_acquired=acquired.append, count_models=lambda: 7)
