@@ -170,6 +170,18 @@ async def test_a_cluster_still_electing_its_meta_leader_is_waited_for(
         c.stop()
 
 
+async def _refused_at_once(url: str, match: str) -> None:
+    """Opening the buckets at `url` is a `NatsUnavailable` matching `match`, without waiting for JetStream."""
+    nc = await connect.connect(connect.NatsOptions(servers=(url,)))
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(NatsUnavailable, match=match):
+            await ensure_buckets(nc.jetstream(timeout=1.0))
+        assert time.monotonic() - t0 < registry.JETSTREAM_WAIT_S / 2, "waited for a JetStream that is not there"
+    finally:
+        await nc.close()
+
+
 def _server_without_jetstream(port: int) -> subprocess.Popen[bytes]:
     return subprocess.Popen([find_nats_server(), "-a", "127.0.0.1", "-p", str(port)], stderr=subprocess.DEVNULL)
 
@@ -185,14 +197,7 @@ async def test_a_server_without_jetstream_is_a_named_error_at_once() -> None:
     proc = _server_without_jetstream(port)
     try:
         await wait_for(lambda: _accepts(port), 10, "the server without JetStream to listen")
-        nc = await connect.connect(connect.NatsOptions(servers=(f"nats://127.0.0.1:{port}",)))
-        try:
-            t0 = time.monotonic()
-            with pytest.raises(NatsUnavailable, match=r"JetStream enabled \(-js\)"):
-                await ensure_buckets(nc.jetstream(timeout=1.0))
-            assert time.monotonic() - t0 < registry.JETSTREAM_WAIT_S / 2, "waited for a JetStream that is not there"
-        finally:
-            await nc.close()
+        await _refused_at_once(f"nats://127.0.0.1:{port}", r"JetStream enabled \(-js\)")
     finally:
         proc.kill()
         proc.wait()
@@ -207,14 +212,7 @@ async def test_an_account_without_jetstream_is_a_named_error_at_once(tmp_path_fa
     )
     server = NatsServer(tmp_path_factory.mktemp("accounts"), extra_config=accounts, monitor_port=None).start()
     try:
-        nc = await connect.connect(connect.NatsOptions(servers=(f"nats://b:b@127.0.0.1:{server.port}",)))
-        try:
-            t0 = time.monotonic()
-            with pytest.raises(NatsUnavailable, match="not enabled for account"):
-                await ensure_buckets(nc.jetstream(timeout=1.0))
-            assert time.monotonic() - t0 < registry.JETSTREAM_WAIT_S / 2, "waited for a JetStream that is not there"
-        finally:
-            await nc.close()
+        await _refused_at_once(f"nats://b:b@127.0.0.1:{server.port}", "not enabled for account")
     finally:
         server.stop()
 
