@@ -101,6 +101,20 @@ async def made_buckets(nc: Client) -> None:
     await ensure_buckets(nc.jetstream(timeout=SETUP_TIMEOUT_S))
 
 
+async def seeded(store: KvSlotStore) -> list[str]:
+    """The pool, seeded; seeded again (every write is a put or a compare-and-set of the same record) while a
+    stream of the fresh cluster answers no write (CI once: "no response from stream" on the first heartbeat,
+    after every stream had named a leader), as an agent writes again on its next heartbeat."""
+    deadline = time.monotonic() + SETUP_TIMEOUT_S
+    while True:
+        try:
+            return await seed_pool(store, MODEL, nodes=NODES, slots_per_node=SLOTS_PER_NODE)
+        except nats.js.errors.NoStreamResponseError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.25)
+
+
 async def streams_led(nc: Client, timeout_s: float = 10.0) -> None:
     """Every bucket's stream has a leader: a write right after the buckets are made can otherwise find no
     responder while the cluster still places the stream (seen once here, at the seed's first heartbeat)."""
@@ -202,7 +216,7 @@ async def assert_one_claim_write_per_slot(nc: Client, won: list[Won]) -> None:
 @pytest.mark.parametrize("which", ["follower", "leader"])
 async def test_claims_and_watches_survive_a_server_kill(cluster: NatsCluster, clients: Clients, which: str) -> None:
     seeder = clients.stores[0]
-    keys = await seed_pool(seeder, MODEL, nodes=NODES, slots_per_node=SLOTS_PER_NODE)
+    keys = await seeded(seeder)
     for bucket in (protocol.SLOTS_BUCKET, protocol.AGENTS_BUCKET):
         info = await clients.conns[0].jetstream().stream_info(f"KV_{bucket}")
         assert info.config.num_replicas == CLUSTER_SIZE, "the registry did not detect the cluster"
