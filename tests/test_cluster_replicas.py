@@ -22,7 +22,7 @@ from nats.aio.client import Client
 
 from tests.cluster_helpers import CLUSTER_SIZE, NatsCluster
 from tests.helpers import wait_for
-from warmpool import connect, protocol, registry
+from warmpool import buckets, connect, protocol, registry
 from warmpool.embedded import NatsServer, find_nats_server, free_port
 from warmpool.errors import NatsUnavailable
 from warmpool.registry import BucketSettings, KvReplicasError, ensure_buckets
@@ -177,7 +177,7 @@ async def _refused_at_once(url: str, match: str) -> None:
         t0 = time.monotonic()
         with pytest.raises(NatsUnavailable, match=match):
             await ensure_buckets(nc.jetstream(timeout=1.0))
-        assert time.monotonic() - t0 < registry.JETSTREAM_WAIT_S / 2, "waited for a JetStream that is not there"
+        assert time.monotonic() - t0 < buckets.JETSTREAM_WAIT_S / 2, "waited for a JetStream that is not there"
     finally:
         await nc.close()
 
@@ -230,7 +230,7 @@ async def test_a_third_server_joining_during_the_create_gets_the_bucket_three_re
             await asyncio.sleep(0.5)
             assert not create.done(), "the create came down to what two servers hold without waiting"
             pair.join()
-            await asyncio.wait_for(create, registry.PLACEMENT_SETTLE_S + 10)
+            await asyncio.wait_for(create, buckets.PLACEMENT_SETTLE_S + 10)
             assert (await replicas(nc))[protocol.SLOTS_BUCKET] == CLUSTER_SIZE
         finally:
             await nc.close()
@@ -242,7 +242,7 @@ async def test_a_cluster_of_two_gets_two_replicas_with_a_warning(
     """Detected replicas (3 on any cluster) come down to what the servers can place, said in a warning, once
     the placement has had its settling time (shortened here). (A server that is merely down does not count:
     JetStream places a bucket's third replica on it, and it catches up.)"""
-    monkeypatch.setattr(registry, "PLACEMENT_SETTLE_S", 1.0)
+    monkeypatch.setattr(buckets, "PLACEMENT_SETTLE_S", 1.0)
     with NatsCluster(tmp_path_factory.mktemp("pair"), size=2) as pair:
         nc = await connect.connect(connect.NatsOptions(servers=tuple(pair.urls)))
         try:
