@@ -388,8 +388,6 @@ class Autoscaler:
         else:
             self.apply_scaler(event.key, None)
 
-    # --- samples ----------------------------------------------------------------------------------------------
-
     # --- slots ------------------------------------------------------------------------------------------------
 
     async def follow_slots(self, stop: asyncio.Event) -> None:

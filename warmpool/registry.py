@@ -538,6 +538,16 @@ class KvSlotStore:
             ]
         await asyncio.wait_for(asyncio.gather(self.slots.ready.wait(), self.agents.ready.wait()), timeout_s)
 
+    async def stop_slot_watch(self) -> None:
+        """Stop following `pulse_slots`; the view keeps what it holds, and our own writes (`apply_local`). For
+        `pulsescale bench claims --without-slot-watch`, which shows what receiving our claims' echoes costs."""
+        self.slots.closed = True
+        await cancel_and_wait(self._tasks[:1])
+
+    @property
+    def watching_slots(self) -> bool:
+        return bool(self._tasks) and not self._tasks[0].done()
+
     async def close(self) -> None:
         self.slots.closed = self.agents.closed = True
         await cancel_and_wait(self._tasks)
