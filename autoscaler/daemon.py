@@ -54,7 +54,7 @@ from autoscaler.intake import SampleIntake, StandAside
 from autoscaler.leader import LeaseSettings
 from autoscaler.metrics import AutoscalerMetrics
 from autoscaler.shards import INVOLUNTARY, ShardLeases, ShardSettings
-from warmpool import connect, protocol
+from warmpool import connect, looplag, protocol
 from warmpool.errors import BadMessage, PulsescaleError, StaleToken
 from warmpool.protocol import Override, OverrideRecord, ScaledObjectSpec, ScalerRecord, StatusRow
 from warmpool.registry import BucketView, Changed, Claim, KvSlotStore, Removed, Snapshot, ensure_buckets
@@ -121,6 +121,8 @@ class AutoscalerSettings:
     gc_full_every_s: float = 3600.0
     """How often the frozen objects are handed back and collected in full (one pause of ~100 ms at 1,000 models),
     so cyclic garbage frozen with the rest is reclaimed within this long, not leaked."""
+    loop_lag: looplag.LagSettings = field(default_factory=looplag.LagSettings)
+    """The loop-lag probe behind ``pulsescale_event_loop_lag_seconds`` and its warning (`warmpool.looplag`)."""
 
 
 class Autoscaler:
@@ -880,6 +882,7 @@ async def run(
             asyncio.create_task(scaler.housekeeping(stop), name="housekeeping"),
             asyncio.create_task(scaler.intake.drain(), name="samples"),
             asyncio.create_task(scaler.follow_subjects(samples_nc, stop), name="sample-subjects"),
+            asyncio.create_task(looplag.probe(metrics.loop_lag.observe, stop, settings.loop_lag), name="loop-lag"),
             campaign,
         ]
         try:

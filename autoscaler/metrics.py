@@ -32,6 +32,8 @@ __all__ = ["AutoscalerMetrics", "ModelSeries", "build_version"]
 # Decisions live in milliseconds-to-seconds territory; activation stages in tens of ms to seconds.
 _DECISION_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 _ACTIVATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Loop stalls: a few ms is normal; 0.5 s and over eats into the 1.6 s lease fence (`warmpool.looplag`).
+_LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.5, 5.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +116,13 @@ class AutoscalerMetrics:
         self.lease_lost = Counter(
             "pulsescale_lease_lost_total",
             "Shard leases this replica lost (not renewed in time, or taken over); a hand-over or resign is not one",
+            registry=r,
+        )
+        self.loop_lag = Histogram(
+            "pulsescale_event_loop_lag_seconds",
+            "How late the event loop ran a timer that was due (sampled every 100 ms): what lease renewals, claims "
+            "and decisions waited behind at that moment",
+            buckets=_LAG_BUCKETS,
             registry=r,
         )
         self._models: dict[str, ModelSeries] = {}
