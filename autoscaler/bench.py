@@ -227,6 +227,23 @@ def _summed(lines: list[str], name: str) -> float | None:
     return total if seen else None
 
 
+def _stalls(lines: list[str], name: str, over_s: float) -> tuple[int, str] | None:
+    """From a histogram in a scrape: how many observations exceeded `over_s` (a bucket bound), and the smallest
+    bucket bound holding them all ("+Inf" past the last); None when the scrape holds no such histogram."""
+    buckets: list[tuple[float, float]] = []
+    for line in lines:
+        if line.startswith(name + "_bucket{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets.append((float(le), float(line.rsplit(" ", 1)[1])))
+    if not buckets:
+        return None
+    buckets.sort()
+    total = buckets[-1][1]
+    under = next((n for le, n in buckets if le >= over_s), total)
+    longest = next(le for le, n in buckets if n >= total)
+    return int(total - under), ("+Inf" if longest == float("inf") else f"{longest:g} s")
+
+
 def _metric(port: int, name: str) -> float | None:
     """Sum of a metric's series on one autoscaler's /metrics; None when it exports no such metric."""
     return _summed(_scrape(port), name)
@@ -256,6 +273,12 @@ def _cpu_s(pid: int) -> float | None:
 LOST_LINE = "no longer the leader"
 """What an autoscaler logs (WARNING) when it loses a lease; counted while it exports no lease-lost metric."""
 LOST_METRIC = "pulsescale_lease_lost_total"
+LAG_METRIC = "pulsescale_event_loop_lag_seconds"
+STALL_S = 0.5
+"""A loop stall this long is counted in the report (the daemon warns over the same; `warmpool.looplag`)."""
+RENEWAL_METRIC = "pulsescale_lease_renewal_seconds"
+SLOW_RENEWAL_S = 1.0
+"""A shard renewal this slow is counted in the report: two in a row and the 1.6 s fence has passed."""
 SAMPLES = "pulsescale_samples_total"
 
 
@@ -267,16 +290,21 @@ class _Replica:
     stderr: IO[str]  # the file its stderr goes to
     cpu_s: float = 0.0
     lost_metric: float | None = None  # the last scrape of LOST_METRIC; None while it exports none
+    stalls: tuple[int, str] | None = None  # the last scrape's loop stalls over STALL_S, and the longest's bucket
+    slow_renewals: tuple[int, str] | None = None  # the same for shard renewals over SLOW_RENEWAL_S
     killed: bool = False
 
     def sample(self) -> None:
-        """Refresh the CPU seconds and the lease-lost count while the process lives."""
+        """Refresh the CPU seconds, the lease-lost count and the loop stalls while the process lives."""
         if self.killed or self.proc.poll() is not None:
             return
         if (cpu := _cpu_s(self.proc.pid)) is not None:
             self.cpu_s = cpu
         with contextlib.suppress(OSError):
-            self.lost_metric = _metric(self.port, LOST_METRIC)
+            lines = _scrape(self.port)
+            self.lost_metric = _summed(lines, LOST_METRIC)
+            self.stalls = _stalls(lines, LAG_METRIC, STALL_S) or self.stalls
+            self.slow_renewals = _stalls(lines, RENEWAL_METRIC, SLOW_RENEWAL_S) or self.slow_renewals
 
     def warnings(self) -> int:
         self.stderr.flush()
@@ -705,6 +733,10 @@ class _Run:
         for i in range(n):
             m = self.models[i % len(self.models)]
             await self.nc.publish(protocol.queue_subject(m), _sample(m, self.seq + i, 0, gateway="flood"))
+            if i % BACKGROUND_YIELD_EVERY == 0:
+                # The stand-in agent answers the takeover's last activations meanwhile: without this it missed
+                # their 2.5 s deadline and the replicas churned through releases and claims during the count.
+                await asyncio.sleep(0)
         await self.nc.flush()
         deadline = time.perf_counter() + 30
         readings = list(before)
@@ -733,6 +765,19 @@ class _Run:
             r.sample()
         print(f"leases lost during the run: {sum(r.lost() for r in self.replicas)}"
               f" (from {LOST_METRIC} where exported, else {LOST_LINE!r} lines in stderr)")  # fmt: skip
+        for what, over, attr, name in (
+            ("event-loop stalls", STALL_S, "stalls", f"{LAG_METRIC}, read every 100 ms"),
+            ("shard lease renewals", SLOW_RENEWAL_S, "slow_renewals", RENEWAL_METRIC),
+        ):
+            print(
+                f"{what} over {over:g} s per replica ({name}; the longest within the bucket bound given): "
+                + "  ".join(
+                    f"{r.identity} "
+                    + (f"{got[0]} (longest <= {got[1]})" if (got := getattr(r, attr)) else "not exported")
+                    + (" (until killed)" if r.killed else "")
+                    for r in self.replicas
+                )
+            )
         print(
             "CPU seconds per replica (/proc/<pid>/stat utime+stime): "
             + "  ".join(f"{r.identity} {r.cpu_s:.1f}{' (killed)' if r.killed else ''}" for r in self.replicas)

@@ -856,6 +856,7 @@ async def run(
             count_models=scaler.models_owned,
             rejections=store.rejected,
             nc=nc,
+            on_renewal=metrics.lease_renewal_seconds.observe,
         )
         if settings.metrics_port is not None:
             runner, scaler.metrics_port = await _serve_http(scaler, settings.metrics_host, settings.metrics_port)

@@ -112,10 +112,12 @@ class LeaderElection:
     async def _try_acquire(self) -> bool:
         if self._halted:
             return False
-        sent = self.monotonic()
-        rev = await take_lease(self.kv, self.settings.key, self._encode(), self.identity, self.clock, self._decode)
-        if rev is None:
+        took = await take_lease(
+            self.kv, self.settings.key, self._encode, self.identity, self.clock, self._decode, self.monotonic
+        )
+        if took is None:
             return False
+        rev, sent = took
         self._revision = rev
         self._act_until = sent + self.settings.lease_s * self.settings.stop_fraction
         self._leading = True
@@ -188,26 +190,32 @@ class LeaderElection:
 async def take_lease(
     kv: KeyValue,
     key: str,
-    value: bytes,
+    value: Callable[[], bytes],
     identity: str,
     clock: Callable[[], float],
     decode: Callable[[bytes | None], LeaderLease | None],
-) -> int | None:
-    """Write the lease `value` under `key` if it is free, expired, unreadable or already ours (`identity`'s):
-    create, or compare-and-set on the revision read. The new revision, or None when another holder has it live or
-    another replica won the race. `decode` counts an unreadable lease (or stays quiet) and returns None for it."""
+    monotonic: Callable[[], float] = time.monotonic,
+) -> tuple[int, float] | None:
+    """Write the lease `value()` under `key` if it is free, expired, unreadable or already ours (`identity`'s):
+    create, or compare-and-set on the revision read. `value()` is called just before the write, so the lease is
+    stamped then and not a read's round trip earlier (under a broker slow to answer, that round trip was a term
+    spent before it began). The new revision and the `monotonic` time the write was sent (the term starts there),
+    or None when another holder has it live or another replica won the race. `decode` counts an unreadable lease
+    (or stays quiet) and returns None for it."""
     try:
         entry = await kv.get(key)
     except nats.js.errors.KeyNotFoundError:  # KeyDeletedError too: a resigned lease
         entry = None
     try:
         if entry is None or entry.value is None:
-            return await kv.create(key, value)
+            sent = monotonic()
+            return await kv.create(key, value()), sent
         cur = decode(entry.value)
         expired = cur is None or clock() > cur.renewed_at + cur.lease_s  # unreadable protects nobody
         if not expired and cur is not None and cur.holder != identity:
             return None
-        return await kv.update(key, value, last=entry.revision)
+        sent = monotonic()
+        return await kv.update(key, value(), last=entry.revision), sent
     except nats.js.errors.KeyWrongLastSequenceError:
         return None
 

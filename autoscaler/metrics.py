@@ -125,6 +125,13 @@ class AutoscalerMetrics:
             buckets=_LAG_BUCKETS,
             registry=r,
         )
+        self.lease_renewal_seconds = Histogram(
+            "pulsescale_lease_renewal_seconds",
+            "A shard lease renewal, from its round's start to the broker's answer (or the failure): past the "
+            "fence (80 % of the lease, 1.6 s by default) the lease is lost",
+            buckets=_LAG_BUCKETS,
+            registry=r,
+        )
         self._models: dict[str, ModelSeries] = {}
         self._samples: dict[str, Counter] = {}
 

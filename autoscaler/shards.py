@@ -13,7 +13,9 @@ and judged live by ``renewed_at + lease_s``. Shards are assigned over the live r
 shards that must move. Every round (`step`, every `renew_every_s`) a replica
 
 1. renews its replica record and, in parallel, the leases it holds (record and leases carry the same stamp, so a
-   dead replica's record lapses no later than its leases);
+   dead replica's record lapses no later than its leases). Under `campaign` each held shard is renewed by a task of
+   its own instead (`_keeper`: at once after the take, then every `renew_every_s`), and steps 2 and 3 run beside
+   the renewals, never in front of them: a renewal waits for nothing but its own round trip;
 2. gives up each held shard now assigned to another live replica: `on_lost(shard)` first (the daemon stops
    acting for its models), then deletes the lease on its revision, so the new owner takes it on its next round;
 3. takes each shard assigned to it that is free, expired or unreadable (create, or compare-and-set on the revision
@@ -42,7 +44,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -58,6 +60,7 @@ from warmpool.errors import BadMessage
 from warmpool.protocol import LeaderLease, ReplicaRecord
 from warmpool.registry import BucketView
 from warmpool.rejects import Rejections
+from warmpool.tasks import cancel_and_wait
 
 __all__ = ["INVOLUNTARY", "ShardLeases", "ShardSettings", "assign"]
 
@@ -161,10 +164,13 @@ class ShardLeases:
         monotonic: Callable[[], float] = time.monotonic,
         rejections: Rejections | None = None,
         nc: Client | None = None,
+        on_renewal: Callable[[float], None] | None = None,
     ) -> None:
         """`clock` stamps and judges leases and records (wall time, shared with the other replicas); `monotonic`
         times this replica's own terms. `count_models` fills the record's `models` (ScaledObjects in our
-        shards). `nc` is the connection `kv` uses (its reconnects re-list the view); by default kv's own."""
+        shards). `nc` is the connection `kv` uses (its reconnects re-list the view); by default kv's own.
+        `on_renewal(seconds)` gets each shard renewal's time from the round's start to its answer, or to its
+        failure: next to the loop's lag it tells a slow broker from a busy process before a lease is lost."""
         protocol.replica_key(identity)  # refuses an identity that is not one key token
         if not 0 < shards <= protocol.SHARDS:
             raise ValueError(f"shards must be in (0, {protocol.SHARDS}], not {shards}")
@@ -175,6 +181,7 @@ class ShardLeases:
         self.on_acquired = on_acquired
         self.on_lost = on_lost
         self.count_models = count_models
+        self.on_renewal = on_renewal
         self.clock = clock
         self.monotonic = monotonic
         self.rejections = rejections or Rejections(log)
@@ -187,6 +194,10 @@ class ShardLeases:
         self._halted = False
         self._legacy: str | None = None  # the older replica leading through LEADER_LEASE_KEY, while it does
         self._leader: LeaderElection | None = None  # (b): while we hold shard 0
+        self._leading = asyncio.Lock()  # one `_lead` at a time
+        self._renewing: set[int] = set()  # shards whose renewal is in flight
+        self._keeping = False  # True under `campaign`: each held shard's renewals are its keeper task's
+        self._keepers: dict[int, asyncio.Task[None]] = {}
         self._last_plan: tuple[tuple[str, ...], dict[int, str]] | None = None
         self._view = _LeasesView(self._nc, kv, msgspec.Struct, self.rejections, clock=clock)
         self._view_task: asyncio.Task[None] | None = None
@@ -262,25 +273,66 @@ class ShardLeases:
         return self._view.ready.is_set()
 
     async def step(self) -> None:
-        """One round (see the module doc). `campaign` runs one every `renew_every_s`; tests call it directly."""
+        """One round (see the module doc): the renewals, then the moves. `campaign` runs the renewals every
+        `renew_every_s` and the moves beside them; tests call this directly."""
+        if await self._step(self._renewals()):
+            await self._step(self._moves())
+
+    async def _step(self, part: Coroutine[Any, Any, bool]) -> bool:
         if self._halted:
-            return
+            part.close()
+            return False
         try:
-            await self._round()
+            return await part
         except _NATS_ERRORS as err:
             log.debug("%s: shard round failed: %s", self.identity, err)
+            return False
 
-    async def _round(self) -> None:
+    async def _renewals(self) -> bool:
+        """Step 1, and the leader lease of (b): all at once, so the next renewal is sent one round trip after this
+        one, never after a take, a hand-over or a leader-lease write too (the holder of shard 0 renewed the
+        leader lease after its shards: under a broker answering in 0.6 s it lost every lease every few seconds,
+        `bench decide --models 3000 --replicas 3`). False while there is no snapshot of the bucket yet."""
         if not await self.start(timeout_s=self.settings.renew_every_s):
-            return  # no snapshot yet: we cannot know who else is alive
+            return False  # no snapshot yet: we cannot know who else is alive
         for s in list(self._held):
             self.owns(s)  # fences lapsed terms now, even if nobody asked
         sent = self.monotonic()
         now = self.clock()  # one stamp for the record and the leases: the record never outlives them
         held = sorted(self._held)
-        await asyncio.gather(self._announce(now, held), *(self._renew(s, sent, now) for s in held))
+        if self._keeping:  # `campaign`: each shard's keeper renews it on its own
+            for s in held:
+                self._keep(s)
+            renewals = []
+        else:
+            renewals = [self._renew(s, sent, now) for s in held]
+        await asyncio.gather(self._announce(now, held), *renewals, self._lead(renewing=True))
+        return True
+
+    def _keep(self, shard: int) -> None:
+        """Under `campaign`, start the task that renews `shard` while this term of it lasts (idempotent)."""
+        term = self._held.get(shard)
+        if self._keeping and term is not None and (shard not in self._keepers or self._keepers[shard].done()):
+            self._keepers[shard] = asyncio.create_task(self._keeper(shard, term), name=f"shard-{shard}-keeper")
+
+    async def _keeper(self, shard: int, term: _Term) -> None:
+        """Renew `shard` at once, then every `renew_every_s` from each renewal's send, or as soon as a slower one
+        is answered. Each shard on its own: a renewal never waits for another's answer, a take, a hand-over or the
+        replica record, so a term lasts as long as one round trip stays under `lease_s * stop_fraction / 2`
+        (0.8 s at the defaults), right after a take too. In one round of them all, the slowest answer set the
+        pace, the holder of shard 0 renewed the leader lease after its shards, and a shard just taken waited for
+        the next round: all three lost leases under a slow broker (`bench decide --models 3000 --replicas 3`)."""
+        every = self.settings.renew_every_s
+        while not self._halted and self._held.get(shard) is term:
+            sent = self.monotonic()
+            await self._renew(shard, sent, self.clock())
+            await asyncio.sleep(max(0.0, sent + every - self.monotonic()))
+
+    async def _moves(self) -> bool:
+        """Steps 2 and 3, then the leader lease when shard 0 was just taken, and the sweep of lapsed records."""
         if self._halted or not self._view.current():
-            return  # a stale view may not move shards; renewals above never depended on it
+            return False  # a stale view may not move shards; renewals never depended on it
+        now = self.clock()
         members = [r.identity for r in self.replicas()]
         if self.identity not in members:
             members.append(self.identity)
@@ -301,9 +353,12 @@ class ShardLeases:
         give_up = [s for s in self._held if plan.get(s) != self.identity]
         take = [s for s, m in plan.items() if m == self.identity and s not in self._held and self._free(s, now)]
         await asyncio.gather(*(self._give_up(s) for s in give_up), *(self._take(s) for s in take))
-        await self._lead()
+        if self._lead_due() and not self._halted:
+            await self._lead()  # now, not a round later: an older replica must find the leader lease held
+            await self._lead()  # and its first renewal at once, as `_take` does
         if self.owns(0):
             await self._sweep(now)
+        return True
 
     async def _sweep(self, now: float) -> None:
         """The holder of shard 0 deletes replica records lapsed for `FORGET_AFTER_LEASES` leases (on their
@@ -375,8 +430,15 @@ class ShardLeases:
 
     async def _renew(self, shard: int, sent: float, now: float) -> None:
         term = self._held.get(shard)
-        if term is None:
-            return
+        if term is None or shard in self._renewing:
+            return  # one renewal of a shard at a time: a second on the same revision fails, and costs a read
+        self._renewing.add(shard)
+        try:
+            await self._renew_once(shard, term, sent, now)
+        finally:
+            self._renewing.discard(shard)
+
+    async def _renew_once(self, shard: int, term: _Term, sent: float, now: float) -> None:
         key, lease = protocol.shard_key(shard), self._lease(now)
         try:
             got = await renew_lease(
@@ -385,6 +447,9 @@ class ShardLeases:
         except _NATS_ERRORS as err:
             log.debug("%s: shard %d not renewed: %s", self.identity, shard, err)
             return  # the fence decides what a missed renewal costs
+        finally:
+            if self.on_renewal is not None:
+                self.on_renewal(self.monotonic() - sent)
         if got.revision is None:
             self._lose(shard, "another replica holds its lease")
             return
@@ -396,23 +461,31 @@ class ShardLeases:
             self._view.apply_local(key, lease, got.revision)
 
     async def _take(self, shard: int) -> None:
-        # The term is timed from the same moment the lease is stamped, the take's own start: not the round's,
-        # which a starved replica's slow renewals may have begun a second earlier (the term would end at once).
-        sent, key, lease = self.monotonic(), protocol.shard_key(shard), self._lease(self.clock())
+        # The term is timed from the moment the lease is stamped, when its write is sent (`take_lease`): not the
+        # round's start, which a starved replica's slow renewals may have begun a second earlier (the term would
+        # end at once), nor the take's read, a round trip earlier.
+        key, stamped = protocol.shard_key(shard), []
+
+        def lease() -> bytes:
+            stamped.append(self._lease(self.clock()))
+            return protocol.encode(stamped[-1])
+
         try:
-            rev = await take_lease(self.kv, key, protocol.encode(lease), self.identity, self.clock, self._quiet_decode)
+            took = await take_lease(self.kv, key, lease, self.identity, self.clock, self._quiet_decode, self.monotonic)
         except _NATS_ERRORS as err:
             log.debug("%s: shard %d not taken: %s", self.identity, shard, err)
             return
-        if rev is None:
+        if took is None:
             return
+        rev, sent = took
         if self._halted:  # `resign` ran while the take was in flight: hand it straight back
             await self._delete(shard, rev)
             return
         self._held[shard] = _Term(rev, sent + self.settings.lease_s * self.settings.stop_fraction)
-        self._view.apply_local(key, lease, rev)
+        self._view.apply_local(key, stamped[-1], rev)
         log.info("%s: owns shard %d (lease revision %d)", self.identity, shard, rev)
         self._call(self.on_acquired, shard)
+        self._keep(shard)  # its first renewal at once, not at the next round
 
     async def _give_up(self, shard: int) -> None:
         term = self._held.get(shard)
@@ -437,8 +510,22 @@ class ShardLeases:
                 await self.kv.delete(key, last=entry.revision)
                 self._view.forget(key)
 
-    async def _lead(self) -> None:
-        """(b) of the module doc: the holder of shard 0 also holds the leader lease older replicas campaign for."""
+    async def _lead(self, *, renewing: bool = False) -> None:
+        """(b) of the module doc: the holder of shard 0 also holds the leader lease older replicas campaign for.
+        The renewals only renew it (`renewing`): taking or resigning it is the moves' (`_lead_due`), so the
+        renewals never wait behind a take's two round trips. One at a time."""
+        if renewing and (self._leading.locked() or self._lead_due() or self._leader is None):
+            return
+        async with self._leading:
+            await self._lead_once()
+
+    def _lead_due(self) -> bool:
+        """The leader lease wants a take (we own shard 0 and do not lead) or a resign (we lead, or tried to,
+        without shard 0): more than a renewal."""
+        leading = self._leader is not None and self._leader.is_leader
+        return (self.owns(0) and not leading) or (not self.owns(0) and self._leader is not None)
+
+    async def _lead_once(self) -> None:
         if self.owns(0) and not self._halted:
             if self._leader is None:
                 self._leader = LeaderElection(
@@ -462,14 +549,21 @@ class ShardLeases:
     # --- running and stopping ------------------------------------------------------------------------------------
 
     async def campaign(self, stop: asyncio.Event) -> None:
-        """A round every `renew_every_s` (less the round's own time) until `stop` is set or `halt` is called."""
+        """Renewals every `renew_every_s` (less their own time) until `stop` is set or `halt` is called; after each,
+        the moves, in a task of their own that the next renewals do not wait for (a take is two round trips;
+        one moves at a time)."""
         # asyncio.wait, not wait_for: on Python 3.11 wait_for can swallow a cancellation that races its timeout.
         loop = asyncio.get_running_loop()
         stopped = asyncio.ensure_future(stop.wait())
+        moving: asyncio.Task[bool] | None = None
+        self._keeping = True
         try:
             while not stop.is_set() and not self._halted:
+                if moving is not None and moving.done() and not moving.cancelled() and (err := moving.exception()):
+                    raise err  # a bug in the moves ends the campaign, as it did when they ran inline
                 began = loop.time()
-                await self.step()
+                if await self._step(self._renewals()) and (moving is None or moving.done()):
+                    moving = asyncio.create_task(self._step(self._moves()), name=f"shard-moves-{self.identity}")
                 wait = max(0.0, self.settings.renew_every_s - (loop.time() - began))
                 # A replica that went silent frees its shards when its record lapses: look right then, not up to a
                 # renewal interval later (a dead replica's models wait lease_s + this, the issue's bar lease + 1 s).
@@ -479,6 +573,14 @@ class ShardLeases:
                 await asyncio.wait([stopped], timeout=wait)
         finally:
             stopped.cancel()
+            self._keeping = False
+            if moving is not None:
+                await cancel_and_wait([moving])
+            await self._stop_keepers()
+
+    async def _stop_keepers(self) -> None:
+        keepers, self._keepers = list(self._keepers.values()), {}
+        await cancel_and_wait(keepers)
 
     def next_lapse(self) -> float | None:
         """When the next other replica's record lapses if it is not renewed (wall clock); None: no other replica.
@@ -496,6 +598,7 @@ class ShardLeases:
         """Clean shutdown: `on_lost` for each held shard, then delete our leases (on their revision, else read
         back) and our replica record, so the others take over on their next round instead of after `lease_s`."""
         self.halt()
+        await self._stop_keepers()
         terms = dict(self._held)
         for s in sorted(terms):
             self._lose(s, "resigned")
@@ -516,6 +619,7 @@ class ShardLeases:
     async def close(self) -> None:
         """Stop the bucket's watch (`resign` does it too). Leases are left to lapse: use `resign` to hand over."""
         self._halted = True
+        await self._stop_keepers()
         self._view.closed = True
         if self._view_task is not None:
             task, self._view_task = self._view_task, None

@@ -57,6 +57,9 @@ def test_bench_decide_with_two_replicas_prints_ownership_takeover_and_the_floor(
     assert re.search(r"leases lost during the run: \d+", out), out
     assert re.search(r"CPU seconds per replica .*bench-r0 [\d.]+.*bench-r1 [\d.]+", out), out
     assert "(killed)" in out, out
+    assert re.search(r"event-loop stalls over 0.5 s per replica .*bench-r0 \d+ \(longest <= ([\d.]+ s|\+Inf)\)"
+                     r".*bench-r1 \d+ \(longest", out), out  # fmt: skip
+    assert re.search(r"shard lease renewals over 1 s per replica .*bench-r1 \d+ \(longest <= ", out), out
     length = re.search(r"run length: ([\d.]+) s", out)
     assert length and float(length[1]) < 120, out
 
@@ -84,3 +87,21 @@ def test_the_double_claim_check_counts_a_new_claim_over_a_held_one_and_not_after
     watch.on(Changed("m.n.s0", rec("warm", None), 4))  # released
     watch.on(Changed("m.n.s0", rec("claimed", "c"), 5))  # a claim after a release is fine
     assert watch.double_claims == 1 and watch.writes == 4 and "m" in watch.first_claim
+
+
+def test_the_stall_count_reads_a_histogram_scrape() -> None:
+    from autoscaler.bench import _stalls
+
+    name = "pulsescale_event_loop_lag_seconds"
+    scrape = [
+        f"# TYPE {name} histogram",
+        f'{name}_bucket{{le="0.1"}} 50.0',
+        f'{name}_bucket{{le="0.5"}} 57.0',
+        f'{name}_bucket{{le="1.0"}} 59.0',
+        f'{name}_bucket{{le="2.5"}} 60.0',
+        f'{name}_bucket{{le="+Inf"}} 60.0',
+        f"{name}_count 60.0",
+    ]
+    assert _stalls(scrape, name, 0.5) == (3, "2.5 s")
+    assert _stalls([*scrape[:3], f'{name}_bucket{{le="+Inf"}} 58.0'], name, 0.5) == (1, "+Inf")
+    assert _stalls(["other_metric 1.0"], name, 0.5) is None

@@ -155,6 +155,25 @@ async def test_a_take_after_a_slow_renewal_round_keeps_its_whole_term(fleet: Fle
     assert not any(a.owns(s) for s in range(protocol.SHARDS))
 
 
+async def test_each_renewal_reports_its_time_from_the_rounds_start(fleet: Fleet) -> None:
+    """`on_renewal` gets one reading per held shard per round, timed from the round's start on our monotonic
+    clock: a round whose replica record took 0.3 s reads 0.3 s on every renewal (none before a shard is held)."""
+    readings: list[float] = []
+    slow: list[float] = []
+
+    def models() -> int:
+        fleet.advance(slow.pop() if slow else 0.0)
+        return 0
+
+    a = fleet.replica("a", on_renewal=readings.append, count_models=models)
+    await fleet.converge([a])
+    readings.clear()
+    slow.append(0.3)
+    await fleet.round([a])
+    assert len(readings) == protocol.SHARDS, readings
+    assert all(r == pytest.approx(0.3) for r in readings), readings
+
+
 async def test_one_replica_takes_every_shard_and_announces_them(fleet: Fleet) -> None:
     acquired: list[int] = []
     a = fleet.replica("a", on_acquired=acquired.append, count_models=lambda: 7)
@@ -403,3 +422,90 @@ async def test_a_frozen_replicas_shards_move_within_lease_plus_one_renewal_on_re
         await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5)
         await a.close()
         await b.close()
+
+
+class SlowLeases:
+    """Fault injection around the real bucket, not a double: each lease read and write is sent `delay_s` late,
+    as a broker short of CPU answers (set after the start, so the takes are quick)."""
+
+    def __init__(self, kv: KeyValue) -> None:
+        self.kv = kv
+        self.delay_s = 0.0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.kv, name)  # watch and the rest: the real bucket's
+
+    async def _late(self) -> None:
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+
+    async def get(self, *a: object, **kw: object) -> object:
+        await self._late()
+        return await self.kv.get(*a, **kw)  # type: ignore[arg-type]
+
+    async def put(self, *a: object, **kw: object) -> object:
+        await self._late()
+        return await self.kv.put(*a, **kw)  # type: ignore[arg-type]
+
+    async def create(self, *a: object, **kw: object) -> object:
+        await self._late()
+        return await self.kv.create(*a, **kw)  # type: ignore[arg-type]
+
+    async def update(self, *a: object, **kw: object) -> object:
+        await self._late()
+        return await self.kv.update(*a, **kw)  # type: ignore[arg-type]
+
+    async def delete(self, *a: object, **kw: object) -> object:
+        await self._late()
+        return await self.kv.delete(*a, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.serial
+async def test_the_holder_of_shard_0_keeps_its_leases_while_each_lease_write_takes_a_second(nc: Client) -> None:
+    """Seen in `bench decide --models 3000 --replicas 3`: only the holder of shard 0 lost its leases, all of them
+    at once and again every few seconds, while no renewal took a second. Its round renewed the shards and then,
+    after them, the leader lease, so its next renewal went out two round trips after the last: with a round
+    trip of 1 s that is 3 s to the answer, past a 2.4 s fence. The renewals go out together now: 2 s."""
+    settings = ShardSettings(lease_s=3.0, renew_every_s=0.75, stop_fraction=0.8)  # the fence: 2.4 s
+    kv = (await ensure_buckets(nc.jetstream()))[protocol.LEASES_BUCKET]
+    slow = SlowLeases(kv)
+    lost: list[int] = []
+    a = ShardLeases(slow, "a", settings, on_lost=lost.append, nc=nc)  # type: ignore[arg-type]
+    stop = asyncio.Event()
+    task = asyncio.create_task(a.campaign(stop))
+    try:
+        await wait_for(lambda: a.held() == ALL and a._leader is not None and a._leader.is_leader, 10, "all held")
+        slow.delay_s = 1.0
+        await asyncio.sleep(3 * settings.lease_s * settings.stop_fraction)  # three fences
+        assert lost == [], f"lost {sorted(set(lost))} while every renewal was answered in about 1 s"
+        assert a.held() == ALL and a._leader is not None and a._leader.is_leader
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 10)
+        await a.close()
+
+
+@pytest.mark.serial
+async def test_shards_taken_while_each_lease_write_takes_a_second_are_kept(nc: Client) -> None:
+    """A take is a read and a write: its term starts when the write is sent (the lease is stamped then), and the
+    shard's keeper sends its first renewal as soon as the take is answered. Timed from the read and renewed at the
+    next round, a term of 2.4 s had 1 s left when the take was answered and its renewal came back too late: every
+    shard taken after a replica's death was lost again at once while the broker was slow (`bench decide
+    --replicas 3`)."""
+    settings = ShardSettings(lease_s=3.0, renew_every_s=0.75, stop_fraction=0.8)  # the fence: 2.4 s
+    kv = (await ensure_buckets(nc.jetstream()))[protocol.LEASES_BUCKET]
+    slow = SlowLeases(kv)
+    slow.delay_s = 1.0
+    lost: list[int] = []
+    a = ShardLeases(slow, "a", settings, on_lost=lost.append, nc=nc)  # type: ignore[arg-type]
+    stop = asyncio.Event()
+    task = asyncio.create_task(a.campaign(stop))
+    try:
+        await wait_for(lambda: a.held() == ALL, 15, "every shard taken")
+        await asyncio.sleep(2 * settings.lease_s * settings.stop_fraction)  # two fences
+        assert lost == [], f"lost {sorted(set(lost))} after taking them"
+        assert a.held() == ALL
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 10)
+        await a.close()
