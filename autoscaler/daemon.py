@@ -55,6 +55,7 @@ from autoscaler.leader import LeaseSettings
 from autoscaler.metrics import AutoscalerMetrics
 from autoscaler.shards import INVOLUNTARY, ShardLeases, ShardSettings
 from warmpool import connect, looplag, protocol
+from warmpool.buckets import list_keys
 from warmpool.errors import BadMessage, PulsescaleError, StaleToken
 from warmpool.protocol import Override, OverrideRecord, ScaledObjectSpec, ScalerRecord, StatusRow
 from warmpool.registry import BucketView, Changed, Claim, KvSlotStore, Removed, Snapshot, ensure_buckets
@@ -164,6 +165,7 @@ class Autoscaler:
         self._acquired: set[int] = set()  # shards taken, waiting for `take_over`
         self._arrived: set[str] = set()  # models whose ScaledObject came in a shard already held, ditto
         self._override_writes: dict[str, int] = {}  # model -> on-call overrides set here (see `take_over`)
+        self._rejected_overrides: set[tuple[str, int | None]] = set()  # (key, revision) of stored ones refused
         self._stopping: dict[str, asyncio.Future[None]] = {}  # models whose lost shard's stop may still run
         self._held: set[int] = set()  # shards held, as the callbacks said (the gauges; `owns` fences)
         self.sample_subjects: frozenset[str] = frozenset()
@@ -611,9 +613,8 @@ class Autoscaler:
         reason, in the registry's rejections) and logged, and its model runs on the policy."""
         out: dict[str, Override] = {}
         try:
-            keys = await self._leases_kv.keys()
-        except nats.js.errors.NoKeysError:
-            return out
+            js = self.nc.jetstream(timeout=2.0)
+            keys = await list_keys(js, protocol.LEASES_BUCKET, protocol.OVERRIDE_KEY_PREFIX)
         except (nats.errors.Error, TimeoutError) as err:
             log.warning("cannot list the stored overrides (%s); models run on the policy until one is set", err)
             return out
@@ -634,7 +635,9 @@ class Autoscaler:
                     raise BadMessage("subject_mismatch", f"an override of {record.model} stored under {key}")
                 self._check_stored(record.override)
             except BadMessage as err:
-                self.store.rejected(err, source=source)
+                if (key, entry.revision) not in self._rejected_overrides:  # counted once, however often read
+                    self._rejected_overrides.add((key, entry.revision))
+                    self.store.rejected(err, source=source)
                 continue
             out[record.model] = record.override
         return out

@@ -195,13 +195,23 @@ async def take_lease(
     clock: Callable[[], float],
     decode: Callable[[bytes | None], LeaderLease | None],
     monotonic: Callable[[], float] = time.monotonic,
+    *,
+    seen: int | None = None,
 ) -> tuple[int, float] | None:
     """Write the lease `value()` under `key` if it is free, expired, unreadable or already ours (`identity`'s):
     create, or compare-and-set on the revision read. `value()` is called just before the write, so the lease is
     stamped then and not a read's round trip earlier (under a broker slow to answer, that round trip was a term
     spent before it began). The new revision and the `monotonic` time the write was sent (the term starts there),
     or None when another holder has it live or another replica won the race. `decode` counts an unreadable lease
-    (or stays quiet) and returns None for it."""
+    (or stays quiet) and returns None for it.
+
+    `seen`: the revision at which a watch last saw the lease free by these rules (expired, or ours). The write is
+    then a compare-and-set on it straight away, one round trip instead of two (a dead replica's shards are taken
+    sooner); only when the lease has moved on since is it read as above."""
+    if seen is not None:
+        with contextlib.suppress(nats.js.errors.KeyWrongLastSequenceError):
+            sent = monotonic()
+            return await kv.update(key, value(), last=seen), sent
     try:
         entry = await kv.get(key)
     except nats.js.errors.KeyNotFoundError:  # KeyDeletedError too: a resigned lease

@@ -34,8 +34,8 @@ from nats.aio.client import Client
 
 from autoscaler import scaledobject
 from autoscaler.commands import MAX_OVERRIDE_S
+from warmpool import buckets, durations, protocol
 from warmpool import connect as nats_connect
-from warmpool import durations, protocol
 from warmpool import output as out
 from warmpool.errors import BadMessage, NatsUnavailable, PermissionDenied
 from warmpool.protocol import (
@@ -579,14 +579,12 @@ files alone: a dry run is also the offline check of a manifest, and must not han
 
 async def _written(nc: Client) -> list[protocol.ScalerRecord]:
     """Every readable record of `pulse_scalers` (none when the bucket does not exist yet)."""
+    js = nc.jetstream(timeout=5.0)
     try:
-        kv = await nc.jetstream(timeout=5.0).key_value(protocol.SCALERS_BUCKET)
+        kv = await js.key_value(protocol.SCALERS_BUCKET)
     except nats.js.errors.BucketNotFoundError:
         return []
-    try:
-        keys = await kv.keys()
-    except nats.js.errors.NoKeysError:
-        return []
+    keys = await buckets.list_keys(js, protocol.SCALERS_BUCKET)
     out: list[protocol.ScalerRecord] = []
     for key in keys:
         try:

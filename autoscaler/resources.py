@@ -35,8 +35,8 @@ import nats.js.errors
 from nats.aio.client import Client
 
 from autoscaler import crd, oncall, scaledobject
+from warmpool import buckets, durations, protocol
 from warmpool import connect as nats_connect
-from warmpool import durations, protocol
 from warmpool import output as out
 from warmpool.errors import BadMessage, PermissionDenied
 from warmpool.protocol import PoolCommand, PoolReply, PoolSlot, ScalerRecord, StatusCommand, StatusReply, StatusRow
@@ -77,10 +77,7 @@ async def read_scalers(nc: Client) -> list[ScalerRecord]:
         kv = await js.key_value(protocol.SCALERS_BUCKET)
     except nats.js.errors.BucketNotFoundError:
         return []  # nothing applied yet: the autoscaler or the first apply creates it
-    try:
-        keys = await kv.keys()
-    except nats.js.errors.NoKeysError:
-        return []
+    keys = await buckets.list_keys(js, protocol.SCALERS_BUCKET)
     records = []
     for key in sorted(keys):
         try:

@@ -470,8 +470,13 @@ class ShardLeases:
             stamped.append(self._lease(self.clock()))
             return protocol.encode(stamped[-1])
 
+        seen, free_at = self._view.value(key), None
+        if isinstance(seen, LeaderLease) and self._free(shard, self.clock()):
+            free_at = self._view.revision(key)
         try:
-            took = await take_lease(self.kv, key, lease, self.identity, self.clock, self._quiet_decode, self.monotonic)
+            took = await take_lease(
+                self.kv, key, lease, self.identity, self.clock, self._quiet_decode, self.monotonic, seen=free_at
+            )
         except _NATS_ERRORS as err:
             log.debug("%s: shard %d not taken: %s", self.identity, shard, err)
             return
@@ -562,7 +567,12 @@ class ShardLeases:
                 if moving is not None and moving.done() and not moving.cancelled() and (err := moving.exception()):
                     raise err  # a bug in the moves ends the campaign, as it did when they ran inline
                 began = loop.time()
-                if await self._step(self._renewals()) and (moving is None or moving.done()):
+                # The moves start with the renewals when the view is there (a dead replica's shards are taken
+                # one round trip sooner), else right after them (the first round starts the view).
+                moved = self._view.ready.is_set() and (moving is None or moving.done())
+                if moved:
+                    moving = asyncio.create_task(self._step(self._moves()), name=f"shard-moves-{self.identity}")
+                if await self._step(self._renewals()) and not moved and (moving is None or moving.done()):
                     moving = asyncio.create_task(self._step(self._moves()), name=f"shard-moves-{self.identity}")
                 wait = max(0.0, self.settings.renew_every_s - (loop.time() - began))
                 # A replica that went silent frees its shards when its record lapses: look right then, not up to a

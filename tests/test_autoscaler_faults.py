@@ -208,6 +208,8 @@ async def test_overrides_are_stored_as_records_and_a_corrupt_one_is_counted(
         rejected = scaler.metrics.registry.get_sample_value
         assert rejected("pulsescale_registry_rejected_records_total", {"reason": "bad_json"}) == 1
         assert rejected("pulsescale_registry_rejected_records_total", {"reason": "subject_mismatch"}) == 1
+        await scaler.load_overrides()  # read again (another shard taken later): the same records, not counted again
+        assert rejected("pulsescale_registry_rejected_records_total", {"reason": "bad_json"}) == 1
 
         held = Override(kind="scale", replicas=2, expires_at=time.time() + 60, by="dave")
         await scaler.set_override("m", held)

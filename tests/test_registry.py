@@ -9,6 +9,7 @@ import time
 from collections import Counter
 
 import nats.errors
+import nats.js.errors
 import pytest
 from nats.aio.client import Client
 
@@ -422,3 +423,22 @@ async def test_a_bucket_view_can_keep_the_last_good_record(nc: Client) -> None:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_list_keys_names_every_key_under_a_prefix_even_on_a_busy_loop(nc: Client) -> None:
+    """`buckets.list_keys` is one stream-info request, so it does not depend on a watch being handled in time (nats-
+    py's `KeyValue.keys()` may end empty when the loop is busy). Deleted keys are listed; their `get` says so."""
+    from warmpool.buckets import list_keys
+
+    kv = (await ensure_buckets(nc.jetstream()))[protocol.LEASES_BUCKET]
+    for key in ("override.b", "override.a", "shard.3", "override.gone"):
+        await kv.put(key, b"{}")
+    await kv.delete("override.gone")
+    busy = asyncio.get_running_loop()
+    for _ in range(2000):  # callbacks queued ahead of every reply
+        busy.call_soon(lambda: sum(range(200)))
+    got = await list_keys(nc.jetstream(), protocol.LEASES_BUCKET, "override.")
+    assert got == ["override.a", "override.b", "override.gone"]
+    assert await list_keys(nc.jetstream(), protocol.LEASES_BUCKET, "nothing.") == []
+    with pytest.raises(nats.js.errors.KeyNotFoundError):
+        await kv.get("override.gone")

@@ -431,6 +431,8 @@ class SlowLeases:
     def __init__(self, kv: KeyValue) -> None:
         self.kv = kv
         self.delay_s = 0.0
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.read: list[object] = []  # the keys `get` was asked for
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.kv, name)  # watch and the rest: the real bucket's
@@ -440,22 +442,28 @@ class SlowLeases:
             await asyncio.sleep(self.delay_s)
 
     async def get(self, *a: object, **kw: object) -> object:
+        self.calls["get"] += 1
+        self.read.append(a[0] if a else kw.get("key"))
         await self._late()
         return await self.kv.get(*a, **kw)  # type: ignore[arg-type]
 
     async def put(self, *a: object, **kw: object) -> object:
+        self.calls["put"] += 1
         await self._late()
         return await self.kv.put(*a, **kw)  # type: ignore[arg-type]
 
     async def create(self, *a: object, **kw: object) -> object:
+        self.calls["create"] += 1
         await self._late()
         return await self.kv.create(*a, **kw)  # type: ignore[arg-type]
 
     async def update(self, *a: object, **kw: object) -> object:
+        self.calls["update"] += 1
         await self._late()
         return await self.kv.update(*a, **kw)  # type: ignore[arg-type]
 
     async def delete(self, *a: object, **kw: object) -> object:
+        self.calls["delete"] += 1
         await self._late()
         return await self.kv.delete(*a, **kw)  # type: ignore[arg-type]
 
@@ -509,3 +517,43 @@ async def test_shards_taken_while_each_lease_write_takes_a_second_are_kept(nc: C
         stop.set()
         await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 10)
         await a.close()
+
+
+async def test_a_lease_the_view_saw_expire_is_taken_in_one_round_trip(fleet: Fleet) -> None:
+    """A dead replica's shards: the view already holds their leases and revisions, so the take is a
+    compare-and-set on the revision seen, without reading each lease again first."""
+    a = fleet.replica("a")
+    await fleet.converge([a])
+    a.halt()  # dies: nothing renewed
+    fleet.advance(SET.lease_s + 0.1)
+    counted = SlowLeases(fleet.kv)
+    b = ShardLeases(counted, "b", SET, clock=fleet.wall, monotonic=fleet.mono, nc=fleet.kv._js._nc)  # type: ignore[arg-type]
+    fleet.ever.append(b)
+    await b.start()
+    await b.step()
+    assert b.held() == ALL
+    assert not [k for k in counted.read if str(k).startswith(protocol.SHARD_KEY_PREFIX)], counted.read
+    assert counted.calls["update"] >= protocol.SHARDS, counted.calls
+
+
+async def test_a_lease_that_moved_on_since_the_view_saw_it_is_read_before_it_is_taken(fleet: Fleet) -> None:
+    """The revision seen is stale (another write landed since): the compare-and-set fails, and the take reads the
+    lease and decides on what it finds, as without a view."""
+    a = fleet.replica("a")
+    await fleet.converge([a])
+    a.halt()
+    fleet.advance(SET.lease_s + 0.1)
+    counted = SlowLeases(fleet.kv)
+    b = ShardLeases(counted, "b", SET, clock=fleet.wall, monotonic=fleet.mono, nc=fleet.kv._js._nc)  # type: ignore[arg-type]
+    fleet.ever.append(b)
+    await b.start()
+    seen = b._view.revision
+
+    def behind(key: str) -> int | None:  # the view has not yet seen the latest write of shard 7's lease
+        rev = seen(key)
+        return rev - 1 if key == protocol.shard_key(7) and rev is not None else rev
+
+    b._view.revision = behind  # type: ignore[method-assign]
+    await b.step()
+    assert b.held() == ALL, "shard 7 taken after reading its lease again"
+    assert [k for k in counted.read if str(k).startswith(protocol.SHARD_KEY_PREFIX)] == [protocol.shard_key(7)]

@@ -27,6 +27,7 @@ from warmpool import protocol
 from warmpool.errors import NatsUnavailable, PulsescaleError
 
 __all__ = [
+    "list_keys",
     "ALL_BUCKETS",
     "CLUSTER_KV_REPLICAS",
     "JETSTREAM_WAIT_S",
@@ -165,6 +166,17 @@ liveness probes (first at 10 s, three failures 5 s apart) would restart the proc
 _JETSTREAM_UNAVAILABLE_FOR_NOW = 10008
 """JetStream's "JetStream system temporarily unavailable"; its other 503s (not enabled for the account, 10039; not
 enabled, 10076) do not clear by waiting."""
+
+
+async def list_keys(js: JetStreamContext, bucket: str, prefix: str = "") -> list[str]:
+    """The keys of `bucket` under `prefix`, sorted, deleted ones included (their `get` raises
+    `KeyNotFoundError`): one stream-info request with a subjects filter. Not `KeyValue.keys()`, whose watch may
+    end before it delivered anything (nats-py signals the end when the consumer has nothing pending and the
+    subscription has handled nothing yet, which a busy event loop makes likely): a replica that took its shards in
+    a busy moment read no stored override at all, and ran paused models on the policy."""
+    subject = f"$KV.{bucket}."
+    info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"{subject}{prefix}>")
+    return sorted(s[len(subject) :] for s in (info.state.subjects or {}))
 
 
 def _not_answering(js: JetStreamContext, bucket: str, err: Exception) -> None:
