@@ -239,6 +239,8 @@ def _stalls(lines: list[str], name: str, over_s: float) -> tuple[int, str] | Non
         return None
     buckets.sort()
     total = buckets[-1][1]
+    if total == 0:
+        return 0, "none read"
     under = next((n for le, n in buckets if le >= over_s), total)
     longest = next(le for le, n in buckets if n >= total)
     return int(total - under), ("+Inf" if longest == float("inf") else f"{longest:g} s")

@@ -64,6 +64,9 @@ from warmpool.tasks import cancel_and_wait
 
 __all__ = ["Autoscaler", "AutoscalerSettings", "default_identity", "run"]
 
+OVERRIDE_READS_AT_ONCE = 32
+"""Stored overrides read in parallel when shards are taken (`Autoscaler.load_overrides`)."""
+
 log = logging.getLogger("pulsescale.autoscaler")
 
 
@@ -618,17 +621,20 @@ class Autoscaler:
         except (nats.errors.Error, TimeoutError) as err:
             log.warning("cannot list the stored overrides (%s); models run on the policy until one is set", err)
             return out
-        for key in keys:
-            if not key.startswith(protocol.OVERRIDE_KEY_PREFIX):
-                continue
+        # Read at once, a few dozen at a time: the list holds every override ever cleared too (a delete marker
+        # stays), and one read after another would hold up the first decisions of a takeover.
+        reads = asyncio.Semaphore(OVERRIDE_READS_AT_ONCE)
+
+        async def read(key: str) -> None:
             source = f"{protocol.LEASES_BUCKET}/{key}"
             try:
-                entry = await self._leases_kv.get(key)
+                async with reads:
+                    entry = await self._leases_kv.get(key)
             except nats.js.errors.KeyNotFoundError:
-                continue  # resumed meanwhile
+                return  # resumed (deleted), now or before
             except (nats.errors.Error, TimeoutError) as err:
                 log.warning("cannot read %s (%s); its model runs on the policy", source, err)
-                continue
+                return
             try:
                 record = protocol.decode(entry.value or b"", OverrideRecord)
                 if protocol.override_key(record.model) != key:
@@ -638,8 +644,10 @@ class Autoscaler:
                 if (key, entry.revision) not in self._rejected_overrides:  # counted once, however often read
                     self._rejected_overrides.add((key, entry.revision))
                     self.store.rejected(err, source=source)
-                continue
+                return
             out[record.model] = record.override
+
+        await asyncio.gather(*(read(k) for k in keys if k.startswith(protocol.OVERRIDE_KEY_PREFIX)))
         return out
 
     def _check_stored(self, override: Override) -> None:

@@ -127,8 +127,8 @@ class AutoscalerMetrics:
         )
         self.lease_renewal_seconds = Histogram(
             "pulsescale_lease_renewal_seconds",
-            "A shard lease renewal, from its round's start to the broker's answer (or the failure): past the "
-            "fence (80 % of the lease, 1.6 s by default) the lease is lost",
+            "A shard lease renewal, from its send to the broker's answer (or its failure): when renewals stop "
+            "being answered within the fence (80 % of the lease, 1.6 s by default) the lease is lost",
             buckets=_LAG_BUCKETS,
             registry=r,
         )

@@ -15,7 +15,9 @@ shards that must move. Every round (`step`, every `renew_every_s`) a replica
 1. renews its replica record and, in parallel, the leases it holds (record and leases carry the same stamp, so a
    dead replica's record lapses no later than its leases). Under `campaign` each held shard is renewed by a task of
    its own instead (`_keeper`: at once after the take, then every `renew_every_s`), and steps 2 and 3 run beside
-   the renewals, never in front of them: a renewal waits for nothing but its own round trip;
+   the renewals, never in front of them: a renewal waits for nothing but its own round trip. A lease may then be
+   stamped up to a renewal interval after the record, so a dead replica's record can lapse just before its leases:
+   the others look then and take the shards on the next round, still within ``lease_s + renew_every_s``;
 2. gives up each held shard now assigned to another live replica: `on_lost(shard)` first (the daemon stops
    acting for its models), then deletes the lease on its revision, so the new owner takes it on its next round;
 3. takes each shard assigned to it that is free, expired or unreadable (create, or compare-and-set on the revision
@@ -96,6 +98,12 @@ class ShardSettings:
             raise ValueError(f"stop_fraction ({self.stop_fraction}) must be in (0, 1): see autoscaler.leader")
 
 
+def _reap(task: asyncio.Task[Any] | None) -> None:
+    """Raise what an ended background task of the campaign raised (a bug: NATS errors are caught inside)."""
+    if task is not None and task.done() and not task.cancelled() and (err := task.exception()) is not None:
+        raise err
+
+
 def _weight(member: str, shard: int) -> bytes:
     return hashlib.blake2b(f"{member}\x00{shard}".encode(), digest_size=8).digest()
 
@@ -127,6 +135,8 @@ class _Term:
     revision: int
     act_until: float
     """Monotonic deadline: sent + lease_s * stop_fraction of the last heard renewal."""
+    renewing: bool = False
+    """A renewal of this term is in flight: a second on the same revision would fail, and cost a read."""
 
 
 class _LeasesView(BucketView[Any]):
@@ -169,8 +179,9 @@ class ShardLeases:
         """`clock` stamps and judges leases and records (wall time, shared with the other replicas); `monotonic`
         times this replica's own terms. `count_models` fills the record's `models` (ScaledObjects in our
         shards). `nc` is the connection `kv` uses (its reconnects re-list the view); by default kv's own.
-        `on_renewal(seconds)` gets each shard renewal's time from the round's start to its answer, or to its
-        failure: next to the loop's lag it tells a slow broker from a busy process before a lease is lost."""
+        `on_renewal(seconds)` gets each shard renewal's time from its send to its answer, or to its failure (under
+        `step`, from the round's start): next to the loop's lag it tells a slow broker from a busy process before
+        a lease is lost."""
         protocol.replica_key(identity)  # refuses an identity that is not one key token
         if not 0 < shards <= protocol.SHARDS:
             raise ValueError(f"shards must be in (0, {protocol.SHARDS}], not {shards}")
@@ -195,9 +206,8 @@ class ShardLeases:
         self._legacy: str | None = None  # the older replica leading through LEADER_LEASE_KEY, while it does
         self._leader: LeaderElection | None = None  # (b): while we hold shard 0
         self._leading = asyncio.Lock()  # one `_lead` at a time
-        self._renewing: set[int] = set()  # shards whose renewal is in flight
         self._keeping = False  # True under `campaign`: each held shard's renewals are its keeper task's
-        self._keepers: dict[int, asyncio.Task[None]] = {}
+        self._keepers: dict[int, tuple[_Term, asyncio.Task[None]]] = {}  # shard -> the term it keeps, and the task
         self._last_plan: tuple[tuple[str, ...], dict[int, str]] | None = None
         self._view = _LeasesView(self._nc, kv, msgspec.Struct, self.rejections, clock=clock)
         self._view_task: asyncio.Task[None] | None = None
@@ -310,10 +320,18 @@ class ShardLeases:
         return True
 
     def _keep(self, shard: int) -> None:
-        """Under `campaign`, start the task that renews `shard` while this term of it lasts (idempotent)."""
+        """Under `campaign`, start the task that renews `shard` while this term of it lasts (idempotent per term:
+        a shard lost and taken back gets a keeper of its own term at once, the old one is cancelled)."""
         term = self._held.get(shard)
-        if self._keeping and term is not None and (shard not in self._keepers or self._keepers[shard].done()):
-            self._keepers[shard] = asyncio.create_task(self._keeper(shard, term), name=f"shard-{shard}-keeper")
+        if not self._keeping or term is None:
+            return
+        kept = self._keepers.get(shard)
+        if kept is not None:
+            if kept[0] is term and not kept[1].done():
+                return
+            _reap(kept[1])  # a keeper that died of a bug ends the campaign, as the rounds' bugs do
+            kept[1].cancel()
+        self._keepers[shard] = (term, asyncio.create_task(self._keeper(shard, term), name=f"shard-{shard}-keeper"))
 
     async def _keeper(self, shard: int, term: _Term) -> None:
         """Renew `shard` at once, then every `renew_every_s` from each renewal's send, or as soon as a slower one
@@ -325,7 +343,7 @@ class ShardLeases:
         every = self.settings.renew_every_s
         while not self._halted and self._held.get(shard) is term:
             sent = self.monotonic()
-            await self._renew(shard, sent, self.clock())
+            await self._renew(shard, sent, self.clock(), term)
             await asyncio.sleep(max(0.0, sent + every - self.monotonic()))
 
     async def _moves(self) -> bool:
@@ -428,15 +446,17 @@ class ShardLeases:
             return
         self._view.apply_local(key, rec, rev)
 
-    async def _renew(self, shard: int, sent: float, now: float) -> None:
-        term = self._held.get(shard)
-        if term is None or shard in self._renewing:
-            return  # one renewal of a shard at a time: a second on the same revision fails, and costs a read
-        self._renewing.add(shard)
+    async def _renew(self, shard: int, sent: float, now: float, term: _Term | None = None) -> None:
+        """Renew `term` of `shard` (by default the one held now) unless a renewal of it is in flight, or its fence
+        has passed (a renewal then would only keep the lease from the replica it now goes to)."""
+        term = term or self._held.get(shard)
+        if term is None or term.renewing or self._held.get(shard) is not term or not self.owns(shard):
+            return
+        term.renewing = True
         try:
             await self._renew_once(shard, term, sent, now)
         finally:
-            self._renewing.discard(shard)
+            term.renewing = False
 
     async def _renew_once(self, shard: int, term: _Term, sent: float, now: float) -> None:
         key, lease = protocol.shard_key(shard), self._lease(now)
@@ -450,6 +470,8 @@ class ShardLeases:
         finally:
             if self.on_renewal is not None:
                 self.on_renewal(self.monotonic() - sent)
+        if self._held.get(shard) is not term:
+            return  # this term ended while the renewal was out (lost, given up, or taken again as a new term)
         if got.revision is None:
             self._lose(shard, "another replica holds its lease")
             return
@@ -564,15 +586,15 @@ class ShardLeases:
         self._keeping = True
         try:
             while not stop.is_set() and not self._halted:
-                if moving is not None and moving.done() and not moving.cancelled() and (err := moving.exception()):
-                    raise err  # a bug in the moves ends the campaign, as it did when they ran inline
                 began = loop.time()
                 # The moves start with the renewals when the view is there (a dead replica's shards are taken
                 # one round trip sooner), else right after them (the first round starts the view).
                 moved = self._view.ready.is_set() and (moving is None or moving.done())
                 if moved:
+                    _reap(moving)  # a bug in the moves ends the campaign, as it did when they ran inline
                     moving = asyncio.create_task(self._step(self._moves()), name=f"shard-moves-{self.identity}")
                 if await self._step(self._renewals()) and not moved and (moving is None or moving.done()):
+                    _reap(moving)
                     moving = asyncio.create_task(self._step(self._moves()), name=f"shard-moves-{self.identity}")
                 wait = max(0.0, self.settings.renew_every_s - (loop.time() - began))
                 # A replica that went silent frees its shards when its record lapses: look right then, not up to a
@@ -587,10 +609,13 @@ class ShardLeases:
             if moving is not None:
                 await cancel_and_wait([moving])
             await self._stop_keepers()
+            _reap(moving)
 
     async def _stop_keepers(self) -> None:
-        keepers, self._keepers = list(self._keepers.values()), {}
+        keepers, self._keepers = [task for _, task in self._keepers.values()], {}
         await cancel_and_wait(keepers)
+        for task in keepers:
+            _reap(task)
 
     def next_lapse(self) -> float | None:
         """When the next other replica's record lapses if it is not renewed (wall clock); None: no other replica.

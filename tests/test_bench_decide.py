@@ -105,3 +105,4 @@ def test_the_stall_count_reads_a_histogram_scrape() -> None:
     assert _stalls(scrape, name, 0.5) == (3, "2.5 s")
     assert _stalls([*scrape[:3], f'{name}_bucket{{le="+Inf"}} 58.0'], name, 0.5) == (1, "+Inf")
     assert _stalls(["other_metric 1.0"], name, 0.5) is None
+    assert _stalls([f'{name}_bucket{{le="0.5"}} 0.0', f'{name}_bucket{{le="+Inf"}} 0.0'], name, 0.5) == (0, "none read")

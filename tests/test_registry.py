@@ -425,9 +425,10 @@ async def test_a_bucket_view_can_keep_the_last_good_record(nc: Client) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def test_list_keys_names_every_key_under_a_prefix_even_on_a_busy_loop(nc: Client) -> None:
-    """`buckets.list_keys` is one stream-info request, so it does not depend on a watch being handled in time (nats-
-    py's `KeyValue.keys()` may end empty when the loop is busy). Deleted keys are listed; their `get` says so."""
+async def test_list_keys_names_every_key_under_a_prefix_deleted_ones_included(nc: Client) -> None:
+    """`buckets.list_keys` is one stream-info request, not a watch that must be handled in time (nats-py's
+    `KeyValue.keys()` may end empty when the loop is busy, as the daemon's did). Deleted keys are listed; their
+    `get` says so."""
     from warmpool.buckets import list_keys
 
     kv = (await ensure_buckets(nc.jetstream()))[protocol.LEASES_BUCKET]

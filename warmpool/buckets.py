@@ -173,7 +173,9 @@ async def list_keys(js: JetStreamContext, bucket: str, prefix: str = "") -> list
     `KeyNotFoundError`): one stream-info request with a subjects filter. Not `KeyValue.keys()`, whose watch may
     end before it delivered anything (nats-py signals the end when the consumer has nothing pending and the
     subscription has handled nothing yet, which a busy event loop makes likely): a replica that took its shards in
-    a busy moment read no stored override at all, and ran paused models on the policy."""
+    a busy moment read no stored override at all, and ran paused models on the policy. The server lists up to
+    100,000 subjects in one answer, past any fleet's ScaledObjects or overrides here (the keys of `pulse_slots` are
+    not listed this way)."""
     subject = f"$KV.{bucket}."
     info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"{subject}{prefix}>")
     return sorted(s[len(subject) :] for s in (info.state.subjects or {}))
