@@ -45,6 +45,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
@@ -207,6 +208,7 @@ class ShardLeases:
         self._leader: LeaderElection | None = None  # (b): while we hold shard 0
         self._leading = asyncio.Lock()  # one `_lead` at a time
         self._keeping = False  # True under `campaign`: each held shard's renewals are its keeper task's
+        self._epoch = 0.0  # monotonic start of `campaign`: the keepers' ticks count from it (`_next_tick`)
         self._keepers: dict[int, tuple[_Term, asyncio.Task[None]]] = {}  # shard -> the term it keeps, and the task
         self._last_plan: tuple[tuple[str, ...], dict[int, str]] | None = None
         self._view = _LeasesView(self._nc, kv, msgspec.Struct, self.rejections, clock=clock)
@@ -334,17 +336,26 @@ class ShardLeases:
         self._keepers[shard] = (term, asyncio.create_task(self._keeper(shard, term), name=f"shard-{shard}-keeper"))
 
     async def _keeper(self, shard: int, term: _Term) -> None:
-        """Renew `shard` at once, then every `renew_every_s` from each renewal's send, or as soon as a slower one
-        is answered. Each shard on its own: a renewal never waits for another's answer, a take, a hand-over or the
-        replica record, so a term lasts as long as one round trip stays under `lease_s * stop_fraction / 2`
-        (0.8 s at the defaults), right after a take too. In one round of them all, the slowest answer set the
-        pace, the holder of shard 0 renewed the leader lease after its shards, and a shard just taken waited for
-        the next round: all three lost leases under a slow broker (`bench decide --models 3000 --replicas 3`)."""
-        every = self.settings.renew_every_s
+        """Renew `shard` at once, then on each of the replica's ticks (`_next_tick`), or as soon as a slower
+        renewal is answered. Each shard on its own: a renewal never waits for another's answer, a take, a
+        hand-over or the replica record, so a term lasts as long as one round trip stays under
+        `lease_s * stop_fraction / 2` (0.8 s at the defaults), right after a take too. In one round of them all,
+        the slowest answer set the pace, the holder of shard 0 renewed the leader lease after its shards, and a
+        shard just taken waited for the next round: all three lost leases under a slow broker (`bench decide
+        --models 3000 --replicas 3`)."""
         while not self._halted and self._held.get(shard) is term:
             sent = self.monotonic()
             await self._renew(shard, sent, self.clock(), term)
-            await asyncio.sleep(max(0.0, sent + every - self.monotonic()))
+            await asyncio.sleep(max(0.0, self._next_tick(sent) - self.monotonic()))
+
+    def _next_tick(self, after: float) -> float:
+        """The first of the replica's renewal ticks (every `renew_every_s` from `campaign`'s start) after
+        `after`. The keepers renew on the same ticks, so their renewals go out and come back together, in a few
+        loop iterations a tick, as one round's did (spread out, each cost an iteration of its own, and a burst of
+        samples saw its callback paused more often: `test_the_drain_stands_aside_while_samples_are_being_taken`).
+        One answered after its next tick is renewed at once: an interval never exceeds a round trip."""
+        every = self.settings.renew_every_s
+        return self._epoch + (math.floor((after - self._epoch) / every) + 1) * every
 
     async def _moves(self) -> bool:
         """Steps 2 and 3, then the leader lease when shard 0 was just taken, and the sweep of lapsed records."""
@@ -583,7 +594,7 @@ class ShardLeases:
         loop = asyncio.get_running_loop()
         stopped = asyncio.ensure_future(stop.wait())
         moving: asyncio.Task[bool] | None = None
-        self._keeping = True
+        self._keeping, self._epoch = True, self.monotonic()
         try:
             while not stop.is_set() and not self._halted:
                 began = loop.time()
