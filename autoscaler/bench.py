@@ -324,13 +324,18 @@ class _Replica:
 class _Leases:
     """Our view of KV `pulse_leases`: the shard leases (revision 6) when there are any, else the one leader lease.
     A model's owner is the holder of its shard's lease (or of the leader lease) while ``renewed_at + lease_s`` has
-    not passed by our clock; an expired or unreadable lease owns nothing."""
+    not passed by our clock when the lease was read (a read answered late in a busy moment of this process is not
+    judged seconds later, after the other reads); an expired or unreadable lease owns nothing."""
 
     def __init__(self) -> None:
         self.leases: dict[str, protocol.LeaderLease] = {}
+        self.read_at: dict[str, float] = {}  # key -> time.time() of the read that gave its lease (none: the watch)
 
-    def apply(self, key: str, value: bytes | None) -> None:
+    def apply(self, key: str, value: bytes | None, read_at: float | None = None) -> None:
         self.leases.pop(key, None)
+        self.read_at.pop(key, None)
+        if read_at is not None:
+            self.read_at[key] = read_at
         if not value:
             return
         with contextlib.suppress(Exception):  # something else in the bucket (overrides, replicas) or a broken one
@@ -347,7 +352,8 @@ class _Leases:
     def owner_of_shard(self, now: float) -> dict[int, str | None]:
         def holder(key: str) -> str | None:
             lease = self.leases.get(key)
-            return lease.holder if lease is not None and now <= lease.renewed_at + lease.lease_s else None
+            at = min(now, self.read_at.get(key, now))
+            return lease.holder if lease is not None and at <= lease.renewed_at + lease.lease_s else None
 
         if self.sharded:
             return {s: holder(protocol.shard_key(s)) for s in range(protocol.SHARDS)}
@@ -489,9 +495,9 @@ class _Run:
             try:
                 entry = await self.leases_kv.get(key)
             except nats.js.errors.KeyNotFoundError:
-                self.leases.apply(key, None)
+                self.leases.apply(key, None, read_at=time.time())
             else:
-                self.leases.apply(key, entry.value)
+                self.leases.apply(key, entry.value, read_at=time.time())
             keys.remove(key)
 
         for _ in range(attempts):

@@ -106,3 +106,23 @@ def test_the_stall_count_reads_a_histogram_scrape() -> None:
     assert _stalls([*scrape[:3], f'{name}_bucket{{le="+Inf"}} 58.0'], name, 0.5) == (1, "+Inf")
     assert _stalls(["other_metric 1.0"], name, 0.5) is None
     assert _stalls([f'{name}_bucket{{le="0.5"}} 0.0', f'{name}_bucket{{le="+Inf"}} 0.0'], name, 0.5) == (0, "none read")
+
+
+def test_a_lease_read_is_judged_at_the_time_it_was_read() -> None:
+    """The bench's ownership samples read 33 leases, retrying failed reads: a lease read early in a slow refresh
+    is judged when it was read, not seconds later when the last read came back (it would look expired)."""
+    import time
+
+    from autoscaler.bench import _Leases
+    from warmpool import protocol
+
+    now = time.time()
+    lease = protocol.encode(protocol.LeaderLease(holder="r1", renewed_at=now - 1.5, lease_s=2.0))
+    leases = _Leases()
+    leases.apply(protocol.shard_key(0), lease, read_at=now - 1.0)  # fresh when read (0.5 s left)
+    leases.apply(protocol.shard_key(1), lease)  # from the watch: judged now
+    owners = leases.owner_of_shard(now + 1.0)
+    assert owners[0] == "r1"
+    assert owners[1] is None
+    leases.apply(protocol.shard_key(0), lease, read_at=now + 0.6)  # read after it lapsed: expired
+    assert leases.owner_of_shard(now + 1.0)[0] is None
