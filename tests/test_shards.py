@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import random
 import string
@@ -424,6 +425,22 @@ async def test_a_frozen_replicas_shards_move_within_lease_plus_one_renewal_on_re
         await b.close()
 
 
+@contextlib.asynccontextmanager
+async def campaigning(r: ShardLeases) -> AsyncIterator[None]:
+    """`r.campaign` as a task for the block; then stopped, awaited (a campaign that died of a bug raises here)
+    and closed."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(r.campaign(stop))
+    try:
+        yield
+    finally:
+        stop.set()
+        try:
+            await asyncio.wait_for(task, 10)
+        finally:
+            await r.close()
+
+
 class SlowLeases:
     """Fault injection around the real bucket, not a double: each lease read and write is sent `delay_s` late,
     as a broker short of CPU answers (set after the start, so the takes are quick)."""
@@ -437,35 +454,27 @@ class SlowLeases:
     def __getattr__(self, name: str) -> object:
         return getattr(self.kv, name)  # watch and the rest: the real bucket's
 
-    async def _late(self) -> None:
+    async def _late(self, op: str, *a: object, **kw: object) -> object:
+        self.calls[op] += 1
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
+        return await getattr(self.kv, op)(*a, **kw)
 
     async def get(self, *a: object, **kw: object) -> object:
-        self.calls["get"] += 1
         self.read.append(a[0] if a else kw.get("key"))
-        await self._late()
-        return await self.kv.get(*a, **kw)  # type: ignore[arg-type]
+        return await self._late("get", *a, **kw)
 
     async def put(self, *a: object, **kw: object) -> object:
-        self.calls["put"] += 1
-        await self._late()
-        return await self.kv.put(*a, **kw)  # type: ignore[arg-type]
+        return await self._late("put", *a, **kw)
 
     async def create(self, *a: object, **kw: object) -> object:
-        self.calls["create"] += 1
-        await self._late()
-        return await self.kv.create(*a, **kw)  # type: ignore[arg-type]
+        return await self._late("create", *a, **kw)
 
     async def update(self, *a: object, **kw: object) -> object:
-        self.calls["update"] += 1
-        await self._late()
-        return await self.kv.update(*a, **kw)  # type: ignore[arg-type]
+        return await self._late("update", *a, **kw)
 
     async def delete(self, *a: object, **kw: object) -> object:
-        self.calls["delete"] += 1
-        await self._late()
-        return await self.kv.delete(*a, **kw)  # type: ignore[arg-type]
+        return await self._late("delete", *a, **kw)
 
 
 @pytest.mark.serial
@@ -479,20 +488,12 @@ async def test_the_holder_of_shard_0_keeps_its_leases_while_each_lease_write_tak
     slow = SlowLeases(kv)
     lost: list[int] = []
     a = ShardLeases(slow, "a", settings, on_lost=lost.append, nc=nc)  # type: ignore[arg-type]
-    stop = asyncio.Event()
-    task = asyncio.create_task(a.campaign(stop))
-    try:
+    async with campaigning(a):
         await wait_for(lambda: a.held() == ALL and a._leader is not None and a._leader.is_leader, 10, "all held")
         slow.delay_s = 1.0
         await asyncio.sleep(3 * settings.lease_s * settings.stop_fraction)  # three fences
         assert lost == [], f"lost {sorted(set(lost))} while every renewal was answered in about 1 s"
         assert a.held() == ALL and a._leader is not None and a._leader.is_leader
-    finally:
-        stop.set()
-        try:
-            await asyncio.wait_for(task, 10)  # a campaign that died of a bug raises here
-        finally:
-            await a.close()
 
 
 @pytest.mark.serial
@@ -508,19 +509,11 @@ async def test_shards_taken_while_each_lease_write_takes_a_second_are_kept(nc: C
     slow.delay_s = 1.0
     lost: list[int] = []
     a = ShardLeases(slow, "a", settings, on_lost=lost.append, nc=nc)  # type: ignore[arg-type]
-    stop = asyncio.Event()
-    task = asyncio.create_task(a.campaign(stop))
-    try:
+    async with campaigning(a):
         await wait_for(lambda: a.held() == ALL, 15, "every shard taken")
         await asyncio.sleep(2 * settings.lease_s * settings.stop_fraction)  # two fences
         assert lost == [], f"lost {sorted(set(lost))} after taking them"
         assert a.held() == ALL
-    finally:
-        stop.set()
-        try:
-            await asyncio.wait_for(task, 10)  # a campaign that died of a bug raises here
-        finally:
-            await a.close()
 
 
 async def test_a_lease_the_view_saw_expire_is_taken_in_one_round_trip(fleet: Fleet) -> None:
@@ -568,9 +561,7 @@ async def test_a_shard_lost_and_taken_back_gets_a_keeper_of_its_new_term_at_once
     the new term's keeper starts with the take, so its first renewal is not a round late."""
     kv = (await ensure_buckets(nc.jetstream()))[protocol.LEASES_BUCKET]
     a = ShardLeases(kv, "a", SET, nc=nc)
-    stop = asyncio.Event()
-    task = asyncio.create_task(a.campaign(stop))
-    try:
+    async with campaigning(a):
         await wait_for(lambda: a.held() == ALL, 10, "every shard taken")
         old_term, old_keeper = a._keepers[5]
         a._lose(5, "a test: the term ends")  # as a lapsed fence does; the lease is still ours in the bucket
@@ -580,9 +571,3 @@ async def test_a_shard_lost_and_taken_back_gets_a_keeper_of_its_new_term_at_once
         assert new_keeper is not old_keeper and not new_keeper.done()
         await asyncio.sleep(0)
         assert old_keeper.done(), "the old term's keeper is gone"
-    finally:
-        stop.set()
-        try:
-            await asyncio.wait_for(task, 10)
-        finally:
-            await a.close()
