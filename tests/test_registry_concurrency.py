@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 from nats.aio.client import Client
 
+from tests.helpers import wait_for
 from warmpool.errors import ClaimConflict, NoSlotAvailable
 from warmpool.registry import Claim, KvSlotStore
 from warmpool.seed import seed_pool
@@ -41,6 +42,9 @@ async def test_a_reserved_slot_taken_by_another_process_is_not_offered_again(nc:
     slot whose reservation ends after someone else took it stays out of the pool."""
     await seed_pool(store, "m", nodes=1, slots_per_node=2)
     async with await KvSlotStore.open(nc) as peer:
+        # Its views may be ready before they hold what was written (nats-py can end a watch's initial values before
+        # delivering them, on a busy loop: seen in CI as "its agent is stale"); wait until it sees the agent.
+        await wait_for(lambda: peer.lease("node-0") is not None, 5, "the peer sees node-0's agent")
         await peer.claim_slot("m.node-0.s0")  # our view may not have this yet: our claim can lose the race
         outcomes: list[Claim | ClaimConflict | NoSlotAvailable] = []
         for _ in range(2):
