@@ -230,7 +230,7 @@ def _summed(lines: list[str], name: str) -> float | None:
     return total if seen else None
 
 
-def _stalls(lines: list[str], name: str, over_s: float) -> tuple[int, str] | None:
+def _over(lines: list[str], name: str, over_s: float) -> tuple[int, str] | None:
     """From a histogram in a scrape: how many observations exceeded `over_s` (a bucket bound), and the smallest
     bucket bound holding them all ("+Inf" past the last); None when the scrape holds no such histogram."""
     buckets: list[tuple[float, float]] = []
@@ -308,8 +308,8 @@ class _Replica:
         with contextlib.suppress(OSError):
             lines = _scrape(self.port)
             self.lost_metric = _summed(lines, LOST_METRIC)
-            self.stalls = _stalls(lines, LAG_METRIC, STALL_S) or self.stalls
-            self.slow_renewals = _stalls(lines, RENEWAL_METRIC, SLOW_RENEWAL_S) or self.slow_renewals
+            self.stalls = _over(lines, LAG_METRIC, STALL_S) or self.stalls
+            self.slow_renewals = _over(lines, RENEWAL_METRIC, SLOW_RENEWAL_S) or self.slow_renewals
 
     def warnings(self) -> int:
         self.stderr.flush()

@@ -647,7 +647,7 @@ class Autoscaler:
                 return
             out[record.model] = record.override
 
-        await asyncio.gather(*(read(k) for k in keys if k.startswith(protocol.OVERRIDE_KEY_PREFIX)))
+        await asyncio.gather(*(read(k) for k in keys))
         return out
 
     def _check_stored(self, override: Override) -> None:

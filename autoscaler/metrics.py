@@ -32,7 +32,7 @@ __all__ = ["AutoscalerMetrics", "ModelSeries", "build_version"]
 # Decisions live in milliseconds-to-seconds territory; activation stages in tens of ms to seconds.
 _DECISION_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 _ACTIVATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-# Loop stalls: a few ms is normal; 0.5 s and over eats into the 1.6 s lease fence (`warmpool.looplag`).
+# Loop stalls and lease renewals: a few ms is normal; 0.5 s and over eats into the 1.6 s lease fence.
 _LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.5, 5.0)
 
 

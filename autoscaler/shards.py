@@ -350,10 +350,9 @@ class ShardLeases:
 
     def _next_tick(self, after: float) -> float:
         """The first of the replica's renewal ticks (every `renew_every_s` from `campaign`'s start) after
-        `after`. The keepers renew on the same ticks, so their renewals go out and come back together, in a few
-        loop iterations a tick, as one round's did (spread out, each cost an iteration of its own, and a burst of
-        samples saw its callback paused more often: `test_the_drain_stands_aside_while_samples_are_being_taken`).
-        One answered after its next tick is renewed at once: an interval never exceeds a round trip."""
+        `after`. The keepers renew on the same ticks, so their renewals go out and come back together, as one
+        round's did, rather than spread over the interval. One answered after its next tick is renewed at once:
+        an interval never exceeds a round trip."""
         every = self.settings.renew_every_s
         return self._epoch + (math.floor((after - self._epoch) / every) + 1) * every
 
@@ -595,18 +594,24 @@ class ShardLeases:
         stopped = asyncio.ensure_future(stop.wait())
         moving: asyncio.Task[bool] | None = None
         self._keeping, self._epoch = True, self.monotonic()
+
+        def move() -> bool:
+            """Start the moves unless they still run from an earlier round; whether they were started."""
+            nonlocal moving
+            if moving is not None and not moving.done():
+                return False
+            _reap(moving)  # a bug in the moves ends the campaign, as it did when they ran inline
+            moving = asyncio.create_task(self._step(self._moves()), name=f"shard-moves-{self.identity}")
+            return True
+
         try:
             while not stop.is_set() and not self._halted:
                 began = loop.time()
                 # The moves start with the renewals when the view is there (a dead replica's shards are taken
                 # one round trip sooner), else right after them (the first round starts the view).
-                moved = self._view.ready.is_set() and (moving is None or moving.done())
-                if moved:
-                    _reap(moving)  # a bug in the moves ends the campaign, as it did when they ran inline
-                    moving = asyncio.create_task(self._step(self._moves()), name=f"shard-moves-{self.identity}")
-                if await self._step(self._renewals()) and not moved and (moving is None or moving.done()):
-                    _reap(moving)
-                    moving = asyncio.create_task(self._step(self._moves()), name=f"shard-moves-{self.identity}")
+                moved = self._view.ready.is_set() and move()
+                if await self._step(self._renewals()) and not moved:
+                    move()
                 wait = max(0.0, self.settings.renew_every_s - (loop.time() - began))
                 # A replica that went silent frees its shards when its record lapses: look right then, not up to a
                 # renewal interval later (a dead replica's models wait lease_s + this, the issue's bar lease + 1 s).

@@ -90,7 +90,7 @@ def test_the_double_claim_check_counts_a_new_claim_over_a_held_one_and_not_after
 
 
 def test_the_stall_count_reads_a_histogram_scrape() -> None:
-    from autoscaler.bench import _stalls
+    from autoscaler.bench import _over
 
     name = "pulsescale_event_loop_lag_seconds"
     scrape = [
@@ -102,10 +102,10 @@ def test_the_stall_count_reads_a_histogram_scrape() -> None:
         f'{name}_bucket{{le="+Inf"}} 60.0',
         f"{name}_count 60.0",
     ]
-    assert _stalls(scrape, name, 0.5) == (3, "2.5 s")
-    assert _stalls([*scrape[:3], f'{name}_bucket{{le="+Inf"}} 58.0'], name, 0.5) == (1, "+Inf")
-    assert _stalls(["other_metric 1.0"], name, 0.5) is None
-    assert _stalls([f'{name}_bucket{{le="0.5"}} 0.0', f'{name}_bucket{{le="+Inf"}} 0.0'], name, 0.5) == (0, "none read")
+    assert _over(scrape, name, 0.5) == (3, "2.5 s")
+    assert _over([*scrape[:3], f'{name}_bucket{{le="+Inf"}} 58.0'], name, 0.5) == (1, "+Inf")
+    assert _over(["other_metric 1.0"], name, 0.5) is None
+    assert _over([f'{name}_bucket{{le="0.5"}} 0.0', f'{name}_bucket{{le="+Inf"}} 0.0'], name, 0.5) == (0, "none read")
 
 
 def test_a_lease_read_is_judged_at_the_time_it_was_read() -> None:

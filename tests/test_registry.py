@@ -435,9 +435,6 @@ async def test_list_keys_names_every_key_under_a_prefix_deleted_ones_included(nc
     for key in ("override.b", "override.a", "shard.3", "override.gone"):
         await kv.put(key, b"{}")
     await kv.delete("override.gone")
-    busy = asyncio.get_running_loop()
-    for _ in range(2000):  # callbacks queued ahead of every reply
-        busy.call_soon(lambda: sum(range(200)))
     got = await list_keys(nc.jetstream(), protocol.LEASES_BUCKET, "override.")
     assert got == ["override.a", "override.b", "override.gone"]
     assert await list_keys(nc.jetstream(), protocol.LEASES_BUCKET, "nothing.") == []
