@@ -44,7 +44,10 @@ def test_bench_decide_with_two_replicas_prints_ownership_takeover_and_the_floor(
         counts = dict(re.findall(r"(bench-r\d) (\d+)", spread))
         assert set(counts) == {"bench-r0", "bench-r1"} and sum(map(int, counts.values())) == 6, out
     assert re.search(r"every model has exactly one owner: yes \((\d+)/\1 named checks passed, 0 samples", out), out
-    assert re.search(r"ownership sampled every 250 ms outside the takeover: [1-9]\d* samples, 0 found", out), out
+    # Every orphan sample, if any, was in the warm-up (replicas joining, shards handed over): none after.
+    sampled = re.search(r"ownership sampled every 250 ms outside the takeover: [1-9]\d* samples, (\d+) found [^(]*"
+                        r"\(at most \d+(?:; (\d+) in the warm-up)?\)", out)  # fmt: skip
+    assert sampled and int(sampled[1]) == int(sampled[2] or 0), out
     # The kill section: a replica killed, its models claimed again, timed against the bar.
     assert re.search(r"takeover: SIGKILL bench-r\d \(owned [1-6] models\)", out), out
     took = re.search(r"takeover time, SIGKILL -> first claim \((\d+)/(\d+) models claimed again\): p50 (\d+) ms\s+"
