@@ -12,9 +12,11 @@ import nats.errors
 import nats.js.errors
 import pytest
 from nats.aio.client import Client
+from nats.js.client import JetStreamContext
+from nats.js.kv import KeyValue
 
 from tests.helpers import ShiftedClock, wait_for
-from warmpool import connect, protocol
+from warmpool import connect, protocol, registry
 from warmpool.embedded import NatsServer
 from warmpool.errors import (
     ClaimConflict,
@@ -423,6 +425,75 @@ async def test_a_bucket_view_can_keep_the_last_good_record(nc: Client) -> None:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class EarlyMarker:
+    """Fault injection around the real bucket, not a double: its watch hands over nats-py's end-of-initial-values
+    marker before the entries, as nats-py does when they are still in flight while it asks for the consumer's
+    pending count (nats-io/nats.py#995). With `purge`, that key's messages are purged from the stream (as
+    `KeyValue.purge_deletes` does to delete markers) between the view's status read and its watch."""
+
+    def __init__(self, kv: KeyValue, js: JetStreamContext, *, purge: str | None = None) -> None:
+        self.kv, self.js, self.purge = kv, js, purge
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.kv, name)
+
+    async def status(self) -> KeyValue.BucketStatus:
+        status = await self.kv.status()
+        if self.purge is not None:
+            stream = status.stream_info.config.name or ""
+            await self.js.purge_stream(stream, subject=f"$KV.{status.bucket}.{self.purge}")
+        return status
+
+    async def watchall(self) -> KeyValue.KeyWatcher:
+        watcher = await self.kv.watchall()
+        queued = watcher._updates._queue  # type: ignore[attr-defined]  # asyncio.Queue's deque
+        await wait_for(lambda: None in queued, 5, "nats-py's marker queued after the entries")
+        queued.remove(None)
+        queued.appendleft(None)
+        return watcher
+
+
+async def _first_snapshot(view: BucketView[AgentLease]) -> tuple[Snapshot[AgentLease], float]:
+    """The view's first snapshot as published when it went ready, and how long that took."""
+    q = view.subscribe()  # before `run`: the first event is the snapshot as installed
+    task = asyncio.create_task(view.run())
+    t0 = time.monotonic()
+    try:
+        first = await asyncio.wait_for(q.get(), 10)
+        assert isinstance(first, Snapshot)
+        return first, time.monotonic() - t0
+    finally:
+        view.closed = True
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_view_is_ready_only_once_the_bucket_as_it_was_is_in_even_if_the_marker_comes_first(
+    nc: Client,
+) -> None:
+    """A view went ready holding none of the bucket when nats-py's end marker came before the entries (in CI a
+    second store called a live agent stale): it now also waits for the bucket's last revision before the watch."""
+    kv = (await ensure_buckets(nc.jetstream()))[protocol.AGENTS_BUCKET]
+    leases = {f"n{i}": AgentLease(node=f"n{i}", heartbeat_at=1.0, lease_s=2.0) for i in range(20)}
+    for node, lease in leases.items():
+        await kv.put(node, protocol.encode(lease))
+    view = BucketView(nc, EarlyMarker(kv, nc.jetstream()), AgentLease, Rejections(logging.getLogger("test")))  # type: ignore[arg-type]
+    first, _ = await _first_snapshot(view)
+    assert first.records == leases
+
+
+async def test_a_view_whose_newest_revision_was_removed_meanwhile_goes_ready_after_a_quiet_second(nc: Client) -> None:
+    kv = (await ensure_buckets(nc.jetstream()))[protocol.AGENTS_BUCKET]
+    leases = {f"n{i}": AgentLease(node=f"n{i}", heartbeat_at=1.0, lease_s=2.0) for i in range(5)}
+    for node, lease in leases.items():
+        await kv.put(node, protocol.encode(lease))
+    faulty = EarlyMarker(kv, nc.jetstream(), purge="n4")  # the newest revision
+    view = BucketView(nc, faulty, AgentLease, Rejections(logging.getLogger("test")))  # type: ignore[arg-type]
+    first, took = await _first_snapshot(view)
+    assert first.records == {k: v for k, v in leases.items() if k != "n4"}
+    assert took >= registry.SNAPSHOT_QUIET_S  # it waited for the quiet second, then took what there was
 
 
 async def test_list_keys_names_every_key_under_a_prefix_deleted_ones_included(nc: Client) -> None:

@@ -153,6 +153,9 @@ cluster the watch's consumer (nats-py's ordered consumer: one replica, in memory
 server dies the watch goes silent with our connection up, so no reconnect tells us. nats-py notices only after
 two missed idle heartbeats (10 s) and tries once to recreate it. One `CONSUMER.INFO` per silent bucket per this
 interval bounds the silence to about this plus `WATCH_PROBE_TIMEOUT_S`."""
+SNAPSHOT_QUIET_S = 1.0
+"""A listing whose end marker came but not the bucket's last revision before the watch (removed meanwhile) is
+taken as complete after this long without a delivery."""
 WATCH_PROBE_TIMEOUT_S = 1.0
 """A probe unanswered this long counts as a lost consumer (or a cluster mid-election, when a re-list is what a
 watch needs anyway): the watch is made anew, re-listing the bucket."""
@@ -294,13 +297,16 @@ class BucketView(Generic[V]):
         while not self.closed:
             reconnects = self._nc.stats["reconnects"]
             try:
+                # The newest revision before the watch starts: the snapshot holds at least up to it (see `_follow`).
+                status = await self._kv.status()
+                newest = status.stream_info.state.last_seq if status.values else 0
                 watcher = await self._kv.watchall()
             except (TimeoutError, nats.errors.Error, OSError) as err:
                 log.debug("watch not (yet) possible: %s", err)
                 await asyncio.sleep(_RELIST_POLL_S)
                 continue
             try:
-                await self._follow(watcher, reconnects)
+                await self._follow(watcher, reconnects, newest)
             finally:
                 self.listed_at = None
                 with contextlib.suppress(Exception):
@@ -319,11 +325,23 @@ class BucketView(Generic[V]):
             return True  # NotFoundError: gone with its server; a timeout: gone, or the cluster mid-election
         return False
 
-    async def _follow(self, watcher: KeyValue.KeyWatcher, reconnects: int) -> None:
+    async def _follow(self, watcher: KeyValue.KeyWatcher, reconnects: int, newest: int) -> None:
+        """Follow `watcher`: collect the initial values into a snapshot, install it, then apply each change.
+
+        The snapshot is complete when nats-py's end-of-initial-values marker has come *and* the watch delivered
+        `newest`, the bucket's last revision before the watch began. nats-py can send the marker early: before
+        deliveries still in flight when it asked for the consumer's pending count, or at a message whose pending
+        count read 0 under concurrent writes (nats-io/nats.py#995). A view then went ready holding part of the
+        bucket, or none of it (a second store called a live agent stale, in CI). Where `newest` never comes (it
+        was removed meanwhile), the snapshot is taken after `SNAPSHOT_QUIET_S` without a delivery."""
         snapshot: dict[str, tuple[V, int]] | None = {}
         kept_bad: set[str] = set()  # keys listed with an unreadable value, whose last good record stands
+        marked, delivered = False, 0  # the marker came; the newest revision the listing delivered
         heard = time.monotonic()  # when the watch last delivered, or a probe found its consumer
         while self._nc.stats["reconnects"] == reconnects and not self.closed:
+            if snapshot is not None and marked and delivered >= newest:
+                self._install(snapshot, kept_bad, reconnects)
+                snapshot = None
             try:
                 # Entries already queued are taken without `updates()`, whose `wait_for` costs a task and a timer
                 # per entry (nats-py keeps the queue only here): the echoes of concurrent claims come in bursts.
@@ -332,6 +350,15 @@ class BucketView(Generic[V]):
                 try:
                     entry = await watcher.updates(timeout=_RELIST_POLL_S)
                 except nats.errors.TimeoutError:
+                    if snapshot is not None and marked and time.monotonic() - heard >= SNAPSHOT_QUIET_S:
+                        log.debug(
+                            "%s: revision %d was not delivered (removed since?): listed up to %d",
+                            self._kv._name,
+                            newest,
+                            delivered,
+                        )
+                        delivered = newest
+                        continue
                     if time.monotonic() - heard >= WATCH_PROBE_S:
                         heard = time.monotonic()
                         if await self._consumer_lost(watcher):
@@ -343,6 +370,7 @@ class BucketView(Generic[V]):
             heard = time.monotonic()
             if isinstance(entry, KeyValue.Entry):
                 rev = entry.revision or 0
+                delivered = max(delivered, rev)
                 if snapshot is None and (cur := self._items.get(entry.key)) is not None and cur[1] >= rev:
                     continue  # our own write, already applied and published by `apply_local`: not decoded again
                 value = None
@@ -365,27 +393,29 @@ class BucketView(Generic[V]):
                     continue  # nothing to remove
                 self._set(entry.key, value, rev)
                 self._publish(Changed(entry.key, value, rev) if value is not None else Removed(entry.key, rev))
-            elif entry is None and snapshot is not None:
-                # End of the initial values: swap the whole view (deletes missed while away vanish here),
-                # keeping our own writes that are newer than the snapshot (their echo comes as a delta).
-                old = self._items
-                for key, (value, rev) in old.items():
-                    if (key in snapshot and snapshot[key][1] < rev) or key in kept_bad:
-                        snapshot[key] = (value, rev)
-                self._items = snapshot
-                if self._on_change is not None:
-                    for key in old.keys() | snapshot.keys():
-                        before, after = old.get(key), snapshot.get(key)
-                        self._on_change(key, before[0] if before else None, after[0] if after else None)
-                snapshot = None
-                self.listed_at = self._clock()
-                self._listed_reconnects = reconnects
-                self._publish(Snapshot({k: v for k, (v, _) in self._items.items()}))
-                self.ready.set()
+            elif entry is None and snapshot is not None and not marked:
+                marked = True  # the end of the initial values, by nats-py: installed once `newest` is in too
             else:
                 return  # the watcher was stopped under us
         if not self.closed:
             log.info("reconnected: re-listing the bucket")
+
+    def _install(self, snapshot: dict[str, tuple[V, int]], kept_bad: set[str], reconnects: int) -> None:
+        """Swap the whole view for a complete snapshot (deletes missed while away vanish here), keeping our own
+        writes that are newer than it (their echo comes as a delta) and the last good record of a bad one."""
+        old = self._items
+        for key, (value, rev) in old.items():
+            if (key in snapshot and snapshot[key][1] < rev) or key in kept_bad:
+                snapshot[key] = (value, rev)
+        self._items = snapshot
+        if self._on_change is not None:
+            for key in old.keys() | snapshot.keys():
+                before, after = old.get(key), snapshot.get(key)
+                self._on_change(key, before[0] if before else None, after[0] if after else None)
+        self.listed_at = self._clock()
+        self._listed_reconnects = reconnects
+        self._publish(Snapshot({k: v for k, (v, _) in self._items.items()}))
+        self.ready.set()
 
 
 # --- the store ------------------------------------------------------------------------------------------------
