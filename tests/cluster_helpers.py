@@ -30,7 +30,7 @@ import nats.errors
 import pytest
 from nats.aio.client import Client
 
-from warmpool.embedded import NatsServer, free_port
+from warmpool.embedded import NatsServer, PortTaken, free_port
 
 CLUSTER_NAME = "pulse-test"
 CLUSTER_SIZE = 3
@@ -90,7 +90,16 @@ class NatsCluster:
         for s in self.servers:
             s.launch()
         for s in self.servers:
-            s.wait_ready(timeout_s)
+            for attempt in range(5):
+                try:
+                    s.wait_ready(timeout_s)
+                    break
+                except PortTaken as err:
+                    # Its client or monitor port was taken between the pick and the bind (seen in a serial run): that
+                    # server alone is launched anew on another, its peers wait for it. A route port is in every
+                    # server's config: not picked again.
+                    if attempt == 4 or not s.relaunch_on(err):
+                        raise
         self.wait_meta_leader(timeout_s)
         return self
 

@@ -75,3 +75,19 @@ def test_a_restart_keeps_its_ports_and_says_when_one_was_taken(tmp_path: Path) -
         assert server.port == port
     finally:
         server.stop()
+
+
+def test_a_cluster_server_whose_client_port_was_taken_before_its_bind_starts_on_another(tmp_path: Path) -> None:
+    """The servers of a test cluster are launched together, without `start`'s retry: a client port taken in
+    between failed a serial run (`pytest -m serial`) once. That server alone is launched again on another port."""
+    from tests.cluster_helpers import NatsCluster
+
+    cluster = NatsCluster(tmp_path / "cluster")
+    taken = cluster.servers[1].port
+    hold = _hold(taken)
+    try:
+        with cluster:  # returns once all three agree on a meta leader
+            assert cluster.servers[1].port != taken
+            assert cluster.servers[1].proc is not None and cluster.servers[1].proc.poll() is None
+    finally:
+        hold.close()

@@ -149,14 +149,21 @@ class NatsServer:
             try:
                 self.wait_ready(timeout_s)
             except PortTaken as err:
-                # Another process took a port between our pick and the server's bind: pick again, when the
-                # taken one was ours to pick (never after a first start: a restart keeps its ports).
-                if not self._repick_ports(err.port) or attempt == 4:
+                if attempt == 4 or not self.relaunch_on(err):
                     raise
-                self.proc = None
                 continue
             return self
         raise AssertionError("unreachable")
+
+    def relaunch_on(self, err: PortTaken) -> bool:
+        """After `wait_ready` raised `err`: another process took a port between our pick and the server's bind.
+        Pick it again and launch anew, when the taken one was ours to pick (never after a first start: a restart
+        keeps its ports); False, launching nothing, when it was not."""
+        if not self._repick_ports(err.port):
+            return False
+        self.proc = None
+        self.launch()
+        return True
 
     def _repick_ports(self, taken: int | None) -> bool:
         """Pick the taken port again when it was ours to pick; False when it was not (or is unknown)."""
