@@ -88,7 +88,7 @@ class ShardSettings:
     slow broker round trip does not move shards, short enough for the issue's "lease + 1 s" handover."""
     renew_every_s: float = 0.5
     """Renew four times per lease, so one slow round trip does not lose a shard; also how soon a replica takes
-    shards that were freed or lapsed."""
+    shards that were handed over (a lapsed one is taken at its lapse: `ShardLeases.next_lapse`)."""
     stop_fraction: float = 0.8
     """A replica stops acting for a shard this far into its lease without a heard renewal, before anyone else
     may take it (clocks may disagree by up to ``lease_s * (1 - stop_fraction)``: 0.4 s by default)."""

@@ -431,10 +431,12 @@ class EarlyMarker:
     """Fault injection around the real bucket, not a double: its watch hands over nats-py's end-of-initial-values
     marker before the entries, as nats-py does when they are still in flight while it asks for the consumer's
     pending count (nats-io/nats.py#995). With `purge`, that key's messages are purged from the stream (as
-    `KeyValue.purge_deletes` does to delete markers) between the view's status read and its watch."""
+    `KeyValue.purge_deletes` does to delete markers) between the view's status read and its watch. With
+    `hold_s`, the entries come that long after the marker (a stalled delivery)."""
 
-    def __init__(self, kv: KeyValue, js: JetStreamContext, *, purge: str | None = None) -> None:
-        self.kv, self.js, self.purge = kv, js, purge
+    def __init__(self, kv: KeyValue, js: JetStreamContext, *, purge: str | None = None, hold_s: float = 0.0) -> None:
+        self.kv, self.js, self.purge, self.hold_s = kv, js, purge, hold_s
+        self.held: list[asyncio.Task[None]] = []
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.kv, name)
@@ -451,6 +453,16 @@ class EarlyMarker:
         queued = watcher._updates._queue  # type: ignore[attr-defined]  # asyncio.Queue's deque
         await wait_for(lambda: None in queued, 5, "nats-py's marker queued after the entries")
         queued.remove(None)
+        if self.hold_s:
+            entries = list(queued)
+            queued.clear()
+
+            async def later() -> None:
+                await asyncio.sleep(self.hold_s)
+                for entry in entries:
+                    watcher._updates.put_nowait(entry)
+
+            self.held.append(asyncio.create_task(later()))
         queued.appendleft(None)
         return watcher
 
@@ -494,6 +506,25 @@ async def test_a_view_whose_newest_revision_was_removed_meanwhile_goes_ready_aft
     first, took = await _first_snapshot(view)
     assert first.records == {k: v for k, v in leases.items() if k != "n4"}
     assert took >= registry.SNAPSHOT_QUIET_S  # it waited for the quiet second, then took what there was
+
+
+async def test_a_view_whose_listing_stalls_after_the_marker_waits_for_it_while_the_newest_revision_is_there(
+    nc: Client,
+) -> None:
+    """Quiet past `SNAPSHOT_QUIET_S` is not enough to go ready: the stream still holds the newest revision, so
+    the entries are on their way (a time-only fallback went ready empty here)."""
+    kv = (await ensure_buckets(nc.jetstream()))[protocol.AGENTS_BUCKET]
+    leases = {f"n{i}": AgentLease(node=f"n{i}", heartbeat_at=1.0, lease_s=2.0) for i in range(5)}
+    for node, lease in leases.items():
+        await kv.put(node, protocol.encode(lease))
+    stalled = EarlyMarker(kv, nc.jetstream(), hold_s=registry.SNAPSHOT_QUIET_S + 0.5)
+    view = BucketView(nc, stalled, AgentLease, Rejections(logging.getLogger("test")))  # type: ignore[arg-type]
+    try:
+        first, took = await _first_snapshot(view)
+    finally:
+        await asyncio.gather(*stalled.held)
+    assert first.records == leases
+    assert took >= stalled.hold_s
 
 
 async def test_list_keys_names_every_key_under_a_prefix_deleted_ones_included(nc: Client) -> None:

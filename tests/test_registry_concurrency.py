@@ -42,8 +42,8 @@ async def test_a_reserved_slot_taken_by_another_process_is_not_offered_again(nc:
     slot whose reservation ends after someone else took it stays out of the pool."""
     await seed_pool(store, "m", nodes=1, slots_per_node=2)
     async with await KvSlotStore.open(nc) as peer:
-        # Its views may be ready before they hold what was written (nats-py can end a watch's initial values before
-        # delivering them, on a busy loop: seen in CI as "its agent is stale"); wait until it sees the agent.
+        # Seen in CI as "its agent is stale": its views went ready before they held what was written (nats-py ended
+        # the watch's initial values early). `BucketView` now waits for the bucket's newest revision; kept as a check.
         await wait_for(lambda: peer.lease("node-0") is not None, 5, "the peer sees node-0's agent")
         await peer.claim_slot("m.node-0.s0")  # our view may not have this yet: our claim can lose the race
         outcomes: list[Claim | ClaimConflict | NoSlotAvailable] = []

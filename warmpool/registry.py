@@ -154,8 +154,8 @@ server dies the watch goes silent with our connection up, so no reconnect tells 
 two missed idle heartbeats (10 s) and tries once to recreate it. One `CONSUMER.INFO` per silent bucket per this
 interval bounds the silence to about this plus `WATCH_PROBE_TIMEOUT_S`."""
 SNAPSHOT_QUIET_S = 1.0
-"""A listing whose end marker came but not the bucket's last revision before the watch (removed meanwhile) is
-taken as complete after this long without a delivery."""
+"""A listing whose end marker came but not the bucket's last revision before the watch asks the stream, after this
+long without a delivery, whether that revision was removed meanwhile: then the listing is complete."""
 WATCH_PROBE_TIMEOUT_S = 1.0
 """A probe unanswered this long counts as a lost consumer (or a cluster mid-election, when a re-list is what a
 watch needs anyway): the watch is made anew, re-listing the bucket."""
@@ -300,13 +300,14 @@ class BucketView(Generic[V]):
                 # The newest revision before the watch starts: the snapshot holds at least up to it (see `_follow`).
                 status = await self._kv.status()
                 newest = status.stream_info.state.last_seq if status.values else 0
+                stream = status.stream_info.config.name or ""
                 watcher = await self._kv.watchall()
             except (TimeoutError, nats.errors.Error, OSError) as err:
                 log.debug("watch not (yet) possible: %s", err)
                 await asyncio.sleep(_RELIST_POLL_S)
                 continue
             try:
-                await self._follow(watcher, reconnects, newest)
+                await self._follow(watcher, reconnects, newest, stream)
             finally:
                 self.listed_at = None
                 with contextlib.suppress(Exception):
@@ -325,19 +326,32 @@ class BucketView(Generic[V]):
             return True  # NotFoundError: gone with its server; a timeout: gone, or the cluster mid-election
         return False
 
-    async def _follow(self, watcher: KeyValue.KeyWatcher, reconnects: int, newest: int) -> None:
+    async def _gone(self, stream: str, revision: int) -> bool:
+        """Whether the stream says `revision` is not there (any other answer, or none in time: not known gone)."""
+        js = self._nc.jetstream(timeout=WATCH_PROBE_TIMEOUT_S)
+        try:
+            await js.get_msg(stream, seq=revision)
+        except nats.js.errors.NotFoundError:
+            return True
+        except (nats.errors.Error, TimeoutError, OSError):
+            return False
+        return False
+
+    async def _follow(self, watcher: KeyValue.KeyWatcher, reconnects: int, newest: int, stream: str) -> None:
         """Follow `watcher`: collect the initial values into a snapshot, install it, then apply each change.
 
         The snapshot is complete when nats-py's end-of-initial-values marker has come *and* the watch delivered
         `newest`, the bucket's last revision before the watch began. nats-py can send the marker early: before
         deliveries still in flight when it asked for the consumer's pending count, or at a message whose pending
         count read 0 under concurrent writes (nats-io/nats.py#995). A view then went ready holding part of the
-        bucket, or none of it (a second store called a live agent stale, in CI). Where `newest` never comes (it
-        was removed meanwhile), the snapshot is taken after `SNAPSHOT_QUIET_S` without a delivery."""
+        bucket, or none of it (a second store called a live agent stale, in CI). When the watch is quiet for
+        `SNAPSHOT_QUIET_S` without `newest`, the stream is asked for it: gone (purged meanwhile), the snapshot is
+        taken; still there, the view waits on (a stalled delivery: the consumer probe re-lists if it is lost)."""
         snapshot: dict[str, tuple[V, int]] | None = {}
         kept_bad: set[str] = set()  # keys listed with an unreadable value, whose last good record stands
         marked, delivered = False, 0  # the marker came; the newest revision the listing delivered
         heard = time.monotonic()  # when the watch last delivered, or a probe found its consumer
+        asked = heard  # when the stream was last asked whether `newest` is still there
         while self._nc.stats["reconnects"] == reconnects and not self.closed:
             if snapshot is not None and marked and delivered >= newest:
                 self._install(snapshot, kept_bad, reconnects)
@@ -350,15 +364,17 @@ class BucketView(Generic[V]):
                 try:
                     entry = await watcher.updates(timeout=_RELIST_POLL_S)
                 except nats.errors.TimeoutError:
-                    if snapshot is not None and marked and time.monotonic() - heard >= SNAPSHOT_QUIET_S:
-                        log.debug(
-                            "%s: revision %d was not delivered (removed since?): listed up to %d",
-                            self._kv._name,
-                            newest,
-                            delivered,
-                        )
-                        delivered = newest
-                        continue
+                    if snapshot is not None and marked and time.monotonic() - max(heard, asked) >= SNAPSHOT_QUIET_S:
+                        asked = time.monotonic()
+                        if await self._gone(stream, newest):
+                            log.info(
+                                "%s listed up to revision %d: %d, the newest before the watch, was removed since",
+                                self._kv._name,
+                                delivered,
+                                newest,
+                            )
+                            delivered = newest
+                            continue
                     if time.monotonic() - heard >= WATCH_PROBE_S:
                         heard = time.monotonic()
                         if await self._consumer_lost(watcher):
