@@ -401,6 +401,7 @@ class _SlotWatch:
         self.held: dict[tuple[str, str, str], str] = {}  # (node, slot, claim_id) -> key, for the stand-in agent
         self.first_claim: dict[str, float] = {}  # model -> perf_counter of its first claim seen
         self.claims_after: dict[str, float] = {}  # model -> first claim seen after `since`
+        self.stamped_after: dict[str, float] = {}  # model -> that claim's `updated_at`, the claimer's wall clock
         self.since = float("inf")
         self.double_claims = 0
         self.writes = 0
@@ -425,8 +426,9 @@ class _SlotWatch:
             if rec.state == "claimed" and prev != rec.claim_id and not snapshot:
                 now = time.perf_counter()
                 self.first_claim.setdefault(rec.model, now)
-                if now >= self.since:
-                    self.claims_after.setdefault(rec.model, now)
+                if now >= self.since and rec.model not in self.claims_after:
+                    self.claims_after[rec.model] = now
+                    self.stamped_after[rec.model] = rec.updated_at
         elif prev is not None:
             del self.holder[key]
             self.held.pop((rec.node, rec.slot, prev), None)
@@ -702,6 +704,7 @@ class _Run:
         self.quiet.update(sample)
         self.in_takeover = True
         self.slots.since = t_kill = time.perf_counter()
+        wall_kill = time.time()
         os.kill(victim.proc.pid, signal.SIGKILL)
         victim.killed = True
         print(f"takeover: SIGKILL {victim.identity} (owned {len(owned)} models); pulsing {len(sample)} of them "
@@ -722,6 +725,12 @@ class _Run:
                   f" ({'met' if met else 'NOT met'})")  # fmt: skip
         else:
             print(f"{line}: bar lease_s + 1 s = {bar * 1e3:.0f} ms (NOT met)")
+        # The same claims by their writers' own stamps: what of the time is the autoscaler's, and what this process
+        # took to see the claims (its watch shares a core with the background samples it publishes).
+        stamped = [self.slots.stamped_after[m] - wall_kill for m in sample if m in self.slots.stamped_after]
+        if stamped:
+            print(f"  the same, by each claim's own stamp (updated_at, the claimer's clock): p50 "
+                  f"{float(np.percentile(stamped, 50)) * 1e3:.0f} ms   max {max(stamped) * 1e3:.0f} ms")  # fmt: skip
         # The survivors take the killed replica's leases as each expires: look once none is left without a live
         # owner (or the phase's bound has passed, and the check says so).
         while time.perf_counter() < deadline:

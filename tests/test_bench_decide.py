@@ -54,6 +54,11 @@ def test_bench_decide_with_two_replicas_prints_ownership_takeover_and_the_floor(
                      r"max (\d+) ms\s+bar lease_s \+ 1 s = (\d+) ms", out)  # fmt: skip
     assert took and took[1] == took[2] and int(took[2]) >= 1, out
     assert int(took[3]) <= int(took[4]), out
+    # The same claims by the claimers' stamps: after the kill, and no later than this process saw them (+ slack:
+    # two processes' wall clocks are one clock here, but the stamp is taken before the write is sent).
+    stamped = re.search(r"the same, by each claim's own stamp \(updated_at, the claimer's clock\): p50 (-?\d+) ms\s+"
+                        r"max (-?\d+) ms", out)  # fmt: skip
+    assert stamped and 0 < int(stamped[1]) <= int(stamped[2]) <= int(took[4]) + 50, out
     survivors = dict(re.findall(r"(bench-r\d) (\d+)", checks[-1][0]))
     assert len(survivors) == 1 and int(next(iter(survivors.values()))) == 6, out  # the survivor owns all
     assert re.search(r"slots claimed twice without a release between .*: 0$", out, re.M), out
