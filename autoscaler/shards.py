@@ -15,9 +15,9 @@ shards that must move. Every round (`step`, every `renew_every_s`) a replica
 1. renews its replica record and, in parallel, the leases it holds (record and leases carry the same stamp, so a
    dead replica's record lapses no later than its leases). Under `campaign` each held shard is renewed by a task of
    its own instead (`_keeper`: at once after the take, then every `renew_every_s`), and steps 2 and 3 run beside
-   the renewals, never in front of them: a renewal waits for nothing but its own round trip. A lease may then be
-   stamped up to a renewal interval after the record, so a dead replica's record can lapse before its leases:
-   the others look again when each lapses (`next_lapse`);
+   the renewals, in a task of their own: a renewal waits for nothing but its own round trip, and the moves wait
+   for no renewal. A lease may then be stamped up to a renewal interval after the record, so a dead replica's
+   record can lapse before its leases: the others look again when each lapses (`next_lapse`);
 2. gives up each held shard now assigned to another live replica: `on_lost(shard)` first (the daemon stops
    acting for its models), then deletes the lease on its revision, so the new owner takes it on its next round;
 3. takes each shard assigned to it that is free, expired or unreadable (create, or compare-and-set on the revision
