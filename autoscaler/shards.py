@@ -590,9 +590,8 @@ class ShardLeases:
         """Until `stop` is set or `halt` is called: the renewals (replica record, leader lease; each shard has its
         keeper) every `renew_every_s`, and the moves on the same ticks and at each lapse of another replica's
         record or lease (`next_lapse`). Each in a task of its own, one of each at a time, so neither waits for
-        the other: a take is two round trips, and the renewals' round trips, slow on a replica busy taking over
-        a thousand models, held back the take of a dead replica's last shard by 1.5 s (`bench decide --models
-        3000 --replicas 3`) when the moves ran only after them."""
+        the other: a take is two round trips, and with the moves started only once the renewals were back, a
+        slow replica-record write held back the take of a lapsed shard by as long as the write took."""
         # asyncio.wait, not wait_for: on Python 3.11 wait_for can swallow a cancellation that races its timeout.
         loop = asyncio.get_running_loop()
         every = self.settings.renew_every_s

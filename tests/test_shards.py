@@ -546,8 +546,7 @@ async def test_shards_taken_while_each_lease_write_takes_a_second_are_kept(nc: C
 @pytest.mark.serial
 async def test_a_slow_replica_record_write_does_not_hold_back_the_take_of_a_lapsed_shard(nc: Client) -> None:
     """The moves run beside the renewals, and the renewals beside the moves: with the moves started only once
-    the renewals' round trips were back, a replica busy taking over a thousand models took a dead replica's last
-    shard 1.5 s after its lapse (`bench decide --models 3000 --replicas 3`)."""
+    the renewals' round trips were back, a replica whose record write took 3 s took a lapsed shard 1.5 s late."""
     settings = ShardSettings(lease_s=3.0, renew_every_s=0.5, stop_fraction=0.8)
     kv = (await ensure_buckets(nc.jetstream()))[protocol.LEASES_BUCKET]
     now = time.time()
