@@ -774,11 +774,14 @@ class Demo:
         img = self.image
         self.rootfs_report.update(img.as_report())
         self.keeper = image_mod.Keeper(img)
+        pinned = await asyncio.to_thread(self.keeper.pin)
         self._keeper_task = asyncio.create_task(self._keep_resident(self.keeper))
         self.say(
             f"rootfs: {img.digest[:19]}... ({img.image_bytes / 1e6:.1f} MB, {img.files} files) "
             f"{'built' if img.built else 'found built'} in {img.build_s:.2f} s, loop-mounted read-only in "
-            f"{img.mount_s * 1e3:.0f} ms, {img.resident_pct:.0f} % in the page cache; every agent reuses this mount"
+            f"{img.mount_s * 1e3:.0f} ms, {img.resident_pct:.0f} % in the page cache, "
+            + (f"locked there ({pinned.files} files)" if pinned.refused is None else f"not locked ({pinned.refused})")
+            + "; every agent reuses this mount"
         )
 
     async def _keep_resident(self, keeper: image_mod.Keeper) -> None:
@@ -798,6 +801,7 @@ class Demo:
             with contextlib.suppress(BaseException):
                 await self._keeper_task  # its thread holds the image's files open for a moment: not cancelled
         if self.keeper is not None:
+            self.keeper.release()  # unlocked before the image is unmounted: its mappings hold the files open
             self.rootfs_report.update(self.keeper.as_report())
 
     def _rootfs_at(self, when: str) -> None:

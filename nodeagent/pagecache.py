@@ -21,10 +21,10 @@ import mmap
 import os
 import stat
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Residency", "Warmed", "drop", "files_under", "residency", "warm"]
+__all__ = ["Pinned", "Residency", "Warmed", "drop", "files_under", "pin", "residency", "warm"]
 
 PAGE_BYTES = mmap.PAGESIZE
 READ_CHUNK_BYTES = 1 << 20
@@ -41,6 +41,7 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
 _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+_libc.mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 
 
 @dataclass(frozen=True)
@@ -188,6 +189,57 @@ def warm(root: Path | str, paths: Iterable[Path | str] | None = None) -> Warmed:
             for fd in fds:
                 os.close(fd)
     return Warmed(files=files, read_bytes=read, skipped=skipped)
+
+
+@dataclass
+class Pinned:
+    """Files mapped read-only and locked in memory by `pin`: their pages stay resident until `release`."""
+
+    files: int = 0
+    bytes: int = 0
+    refused: str | None = None
+    """Why a lock was refused (no CAP_IPC_LOCK and RLIMIT_MEMLOCK too small), at the first file refused; None:
+    every file is pinned."""
+    _maps: list[tuple[int, int]] = field(default_factory=list, repr=False)
+
+    def release(self) -> None:
+        """Unmap (and so unlock) every file; idempotent. Needed before the filesystem can be unmounted."""
+        for addr, size in self._maps:
+            _libc.munmap(ctypes.c_void_p(addr), size)
+        self._maps.clear()
+
+
+def pin(root: Path | str, paths: Iterable[Path | str] | None = None) -> Pinned:
+    """Map each file under `root` (or of `paths`) read-only and ``mlock`` the mapping, as ``vmtouch -l`` does: the
+    lock reads the pages in, and the kernel neither evicts nor pages out locked pages, where a warm tree is
+    evicted by memory pressure or, on some kernels, with none (DAMON's proactive ``pageout`` of cold pages, as on
+    this project's test machines). Needs CAP_IPC_LOCK or an RLIMIT_MEMLOCK that covers the files: the first lock
+    refused stops pinning and says why (`Pinned.refused`); what was pinned stays pinned until `Pinned.release`.
+    A file that cannot be opened or mapped is skipped, as `warm` skips it."""
+    pinned = Pinned()
+    for path in _paths(root, paths):
+        try:
+            fd = _open(path)
+        except OSError:
+            continue
+        try:
+            size = os.fstat(fd).st_size
+            if size <= 0:
+                continue
+            addr = _libc.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
+            if addr is None or addr == _MAP_FAILED:
+                continue
+            if _libc.mlock(ctypes.c_void_p(addr), size) != 0:
+                e = ctypes.get_errno()
+                _libc.munmap(ctypes.c_void_p(addr), size)
+                pinned.refused = f"mlock of {path}: {os.strerror(e)}"
+                break
+            pinned._maps.append((addr, size))
+            pinned.files += 1
+            pinned.bytes += size
+        finally:
+            os.close(fd)  # the mapping, and its lock, outlive the descriptor
+    return pinned
 
 
 def drop(root: Path | str, paths: Iterable[Path | str] | None = None) -> int:

@@ -290,6 +290,7 @@ def _assert_rootfs_stage(r: dict[str, object], notes: list[str]) -> None:
     assert rf["mounted"] is True, rf
     assert str(rf["digest"]).startswith("sha256:") and len(str(rf["digest"])) == 71
     assert 0 < rf["image_bytes"] < 8_000_000 and rf["build_s"] < 2.0, rf  # small: the stage costs well under 2 s
+    assert rf["pin_refused"] is None and rf["pinned_bytes"] > 0, rf  # locked in (root), so no reclaim evicts it
     assert rf["resident_pct_at_pulse_start"] >= 99.0, rf
     assert rf["slots_on_image_at_pulse_start"] == rf["slots_at_pulse_start"] > 0, rf
     # One image and one mount for the host: no agent built its own or mounted it again.

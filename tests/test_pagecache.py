@@ -95,3 +95,54 @@ def test_a_manifest_naming_a_fifo_a_link_or_a_missing_file_is_skipped_not_blocki
 
 def test_an_empty_set_is_fully_resident(tmp_path: Path) -> None:
     assert pagecache.residency(tmp_path).pct == 100.0
+
+
+def _can_lock(nbytes: int) -> bool:
+    """CAP_IPC_LOCK (root here and in CI) or an RLIMIT_MEMLOCK that covers `nbytes`."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return os.geteuid() == 0 or soft == resource.RLIM_INFINITY or soft >= nbytes
+
+
+def test_a_pinned_tree_is_read_in_and_stays_resident_through_a_drop_until_released(tree: Path) -> None:
+    """What a warm tree cannot promise: pages a drop (or the kernel's own proactive page-out) would evict stay,
+    because they are locked; released, they go again."""
+    if not _can_lock(5 * MiB):
+        pytest.skip("no CAP_IPC_LOCK and RLIMIT_MEMLOCK under 5 MiB: mlock would be refused")
+    pinned = pagecache.pin(tree)
+    try:
+        assert pinned.refused is None
+        assert pinned.files == 3 and pinned.bytes == 3 * MiB + 12_345 + MiB + 1  # the empty file maps nothing
+        assert pagecache.residency(tree).pct == 100.0  # the lock read them in
+        assert pagecache.drop(tree) == 4
+        assert pagecache.residency(tree).pct == 100.0
+    finally:
+        pinned.release()
+    pinned.release()  # idempotent
+    pagecache.drop(tree)
+    assert pagecache.residency(tree).pct < 50
+
+
+def test_a_refused_lock_says_why_and_pins_nothing_more(tree: Path) -> None:
+    """Without CAP_IPC_LOCK and over RLIMIT_MEMLOCK the first lock is refused: said, and the rest not tried."""
+    import shutil
+    import subprocess
+    import sys
+
+    code = (
+        "import resource, sys; from nodeagent import pagecache\n"
+        "resource.setrlimit(resource.RLIMIT_MEMLOCK, (0, 0))\n"
+        "p = pagecache.pin(sys.argv[1]); print(p.files, p.bytes, p.refused)\n"
+    )
+    argv = [sys.executable, "-c", code, str(tree)]
+    if os.geteuid() == 0:  # root locks whatever the limit: the child runs without CAP_IPC_LOCK
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("running as root without setpriv (util-linux) to drop CAP_IPC_LOCK for the child")
+        argv = [setpriv, "--bounding-set", "-ipc_lock", "--inh-caps", "-ipc_lock", *argv]
+    out = subprocess.run(
+        argv, capture_output=True, text=True, timeout=60, check=True, cwd=Path(__file__).resolve().parents[1]
+    ).stdout.split(maxsplit=2)
+    assert out[:2] == ["0", "0"], out
+    assert out[2].startswith("mlock of ") and "not permitted" in out[2], out
