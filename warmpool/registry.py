@@ -297,10 +297,7 @@ class BucketView(Generic[V]):
         while not self.closed:
             reconnects = self._nc.stats["reconnects"]
             try:
-                # The newest revision before the watch starts: the snapshot holds at least up to it (see `_follow`).
-                status = await self._kv.status()
-                newest = status.stream_info.state.last_seq if status.values else 0
-                stream = status.stream_info.config.name or ""
+                newest, stream = await self._newest()
                 watcher = await self._kv.watchall()
             except (TimeoutError, nats.errors.Error, OSError) as err:
                 log.debug("watch not (yet) possible: %s", err)
@@ -325,6 +322,24 @@ class BucketView(Generic[V]):
         except (nats.errors.Error, TimeoutError, OSError):
             return True  # NotFoundError: gone with its server; a timeout: gone, or the cluster mid-election
         return False
+
+    async def _newest(self) -> tuple[int, str]:
+        """The bucket's newest revision before the watch starts (the snapshot holds at least up to it, see
+        `_follow`) and its stream's name. 0 when the bucket is empty, or when the server does not answer within
+        `WATCH_PROBE_TIMEOUT_S`: while a cluster elects, waiting the KV timeout here too held a re-list past 15 s
+        (tests/test_cluster.py, 2 runs in 6 beside a CPU hog), so the end marker alone decides then, as before."""
+        status = asyncio.ensure_future(self._kv.status())
+        await asyncio.wait([status], timeout=WATCH_PROBE_TIMEOUT_S)  # asyncio.wait: see `LeaderElection.campaign`
+        if not status.done():
+            status.cancel()
+            log.debug("%s: no stream info in time: the listing ends at the marker", self._kv._name)
+            return 0, ""
+        try:
+            got = status.result()
+        except (nats.errors.Error, TimeoutError, OSError) as err:
+            log.debug("%s: no stream info (%s): the listing ends at the marker", self._kv._name, err)
+            return 0, ""
+        return (got.stream_info.state.last_seq if got.values else 0), got.stream_info.config.name or ""
 
     async def _gone(self, stream: str, revision: int) -> bool:
         """Whether the stream says `revision` is not there (any other answer, or none in time: not known gone)."""
