@@ -4,8 +4,8 @@ One run, in phases (each shown live and recorded):
 
 1. **starting**: an embedded nats-server (its own store in a temporary directory), the buckets, the ScaledObject
    (``minReplicaCount`` = the replicas the base load is provisioned with), a generated tiny model, and the rootfs
-   stage (`demo.image`): as root, one real EROFS image built, loop-mounted and warmed once for every agent, kept in
-   the page cache while the run lasts; elsewhere skipped, said once.
+   stage (`demo.image`): as root, one real EROFS image built, loop-mounted and warmed once for every agent, locked
+   in the page cache until the load ends; elsewhere skipped, said once.
 2. **staging**: the autoscaler (a ``pulsescale autoscaler`` process), the node agents of the warm pool (one
    ``pulsescale agent`` process per node: they stage the weights into /dev/shm, fork their engines' zygotes and
    offer their slots) and the reference gateway (``pulsescale gateway``). The autoscaler activates the base
@@ -213,10 +213,11 @@ class Demo:
 
     async def _in_thread(self, fn: Callable[[], Any]) -> Any:
         """`fn` in a thread that cleanup waits for: a Ctrl-C while it runs must not leave a process it starts (the
-        nats-server) or files it writes behind."""
-        fut = asyncio.ensure_future(asyncio.to_thread(fn))
+        nats-server), files it writes, a mount or a lock behind. Shielded: cancelling the caller must not cancel
+        the future cleanup awaits, which would end at once while the thread runs on (a `to_thread` task did)."""
+        fut = asyncio.get_running_loop().run_in_executor(None, fn)
         self._threads.append(fut)
-        return await fut
+        return await asyncio.shield(fut)
 
     # --- messages -------------------------------------------------------------------------------------------------
 
@@ -774,7 +775,7 @@ class Demo:
         img = self.image
         self.rootfs_report.update(img.as_report())
         self.keeper = image_mod.Keeper(img)
-        pinned = await asyncio.to_thread(self.keeper.pin)
+        pinned = await self._in_thread(self.keeper.pin)  # cleanup waits for it, then `_stop_keeper` unlocks
         self._keeper_task = asyncio.create_task(self._keep_resident(self.keeper))
         self.say(
             f"rootfs: {img.digest[:19]}... ({img.image_bytes / 1e6:.1f} MB, {img.files} files) "

@@ -1,5 +1,5 @@
-"""Page-cache residency of a tree of files: warm it (``posix_fadvise(WILLNEED)`` + reads) and measure it
-(``mincore``), as vmtouch does.
+"""Page-cache residency of a tree of files: warm it (``posix_fadvise(WILLNEED)`` + reads), measure it
+(``mincore``) and pin it (``mmap`` + ``mlock``), as vmtouch does.
 
 An activation that imports its Python and site-packages from a rootfs whose pages are all resident reads nothing
 from the block device under it (the article's "0 IOPS"): the prewarm reads the files once, off the critical path,
@@ -198,8 +198,8 @@ class Pinned:
     files: int = 0
     bytes: int = 0
     refused: str | None = None
-    """Why a lock was refused (no CAP_IPC_LOCK and RLIMIT_MEMLOCK too small), at the first file refused; None:
-    every file is pinned."""
+    """Why pinning stopped, at the first file refused (mlock: EPERM without CAP_IPC_LOCK, ENOMEM past
+    RLIMIT_MEMLOCK; mmap; too many files): the rest is not locked. None: every file is pinned."""
     _maps: list[tuple[int, int]] = field(default_factory=list, repr=False)
 
     def release(self) -> None:
@@ -213,33 +213,52 @@ def pin(root: Path | str, paths: Iterable[Path | str] | None = None) -> Pinned:
     """Map each file under `root` (or of `paths`) read-only and ``mlock`` the mapping, as ``vmtouch -l`` does: the
     lock reads the pages in, and the kernel neither evicts nor pages out locked pages, where a warm tree is
     evicted by memory pressure or, on some kernels, with none (DAMON's proactive ``pageout`` of cold pages, as on
-    this project's test machines). Needs CAP_IPC_LOCK or an RLIMIT_MEMLOCK that covers the files: the first lock
-    refused stops pinning and says why (`Pinned.refused`); what was pinned stays pinned until `Pinned.release`.
-    A file that cannot be opened or mapped is skipped, as `warm` skips it."""
+    this project's test machines). Needs CAP_IPC_LOCK or an RLIMIT_MEMLOCK that covers the files. The first
+    mapping or lock refused (the limit; ``vm.max_map_count``, of which this takes at most half) stops pinning and
+    says why (`Pinned.refused`); what was pinned stays pinned until `Pinned.release`, also when this raises. A file
+    that cannot be opened is passed over, as `warm` passes it over."""
     pinned = Pinned()
-    for path in _paths(root, paths):
-        try:
-            fd = _open(path)
-        except OSError:
-            continue
-        try:
-            size = os.fstat(fd).st_size
-            if size <= 0:
+    budget = _map_budget()
+    try:
+        for path in _paths(root, paths):
+            try:
+                fd = _open(path)
+            except OSError:
                 continue
-            addr = _libc.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
-            if addr is None or addr == _MAP_FAILED:
-                continue
-            if _libc.mlock(ctypes.c_void_p(addr), size) != 0:
-                e = ctypes.get_errno()
-                _libc.munmap(ctypes.c_void_p(addr), size)
-                pinned.refused = f"mlock of {path}: {os.strerror(e)}"
-                break
-            pinned._maps.append((addr, size))
-            pinned.files += 1
-            pinned.bytes += size
-        finally:
-            os.close(fd)  # the mapping, and its lock, outlive the descriptor
+            try:
+                size = os.fstat(fd).st_size
+                if size <= 0:
+                    continue
+                if len(pinned._maps) >= budget:
+                    pinned.refused = f"{budget} files mapped, half of vm.max_map_count: {path} and the rest not locked"
+                    break
+                addr = _libc.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
+                if addr is None or addr == _MAP_FAILED:
+                    pinned.refused = f"mmap of {path}: {os.strerror(ctypes.get_errno())}"
+                    break
+                pinned._maps.append((addr, size))  # released with the rest from here on, whatever happens
+                if _libc.mlock(ctypes.c_void_p(addr), size) != 0:
+                    pinned.refused = f"mlock of {path}: {os.strerror(ctypes.get_errno())}"
+                    _libc.munmap(ctypes.c_void_p(addr), size)
+                    pinned._maps.pop()
+                    break
+                pinned.files += 1
+                pinned.bytes += size
+            finally:
+                os.close(fd)  # the mapping, and its lock, outlive the descriptor
+    except BaseException:
+        pinned.release()
+        raise
     return pinned
+
+
+def _map_budget() -> int:
+    """Half of the process's ``vm.max_map_count`` (65,530 by default): a large tree must not leave this process
+    without mappings for its threads and allocations."""
+    try:
+        return int(Path("/proc/sys/vm/max_map_count").read_text()) // 2
+    except (OSError, ValueError):
+        return 32_765
 
 
 def drop(root: Path | str, paths: Iterable[Path | str] | None = None) -> int:

@@ -225,6 +225,33 @@ def test_a_bad_token_ms_is_refused_with_its_bounds(tmp_path: Path, bad: object) 
         local.read_config(tmp_path)
 
 
+async def test_a_cancelled_step_in_a_thread_is_still_waited_for_by_the_clean_up(tmp_path: Path) -> None:
+    """A Ctrl-C while the demo mounts or locks the image in a thread: the clean-up must wait for the thread, not
+    for a future that ended at the cancel (with `to_thread` it did, while the thread ran on: the clean-up could
+    unmount the image before a lock landed)."""
+    from demo.run import Demo
+
+    demo = Demo(DemoSettings(out_dir=tmp_path / "out", headless=True), HeadlessView())
+    done = threading.Event()
+
+    def slow() -> None:
+        time.sleep(0.5)
+        done.set()
+
+    try:
+        step = asyncio.create_task(demo._in_thread(slow))
+        await asyncio.sleep(0.1)
+        step.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await step
+        for fut in demo._threads:  # what `_cleanup` awaits
+            with contextlib.suppress(BaseException):
+                await fut
+        assert done.is_set(), "the clean-up went on while the thread still ran"
+    finally:
+        await demo._cleanup()
+
+
 # --- the autoscaler's slot.ready events carry the agent's stage timings -------------------------------------------
 
 
