@@ -426,6 +426,22 @@ async def test_a_frozen_replicas_shards_move_within_lease_plus_one_renewal_on_re
         await b.close()
 
 
+async def _dead_replica(
+    kv: KeyValue, now: float, *, lease_s: float, record_lapses_in: float, leases_lapse_in: float
+) -> float:
+    """Write the record of a replica "dead" and its leases of every shard, lapsing that long after `now`, at once;
+    returns when the leases lapse."""
+    record = ReplicaRecord(
+        identity="dead", renewed_at=now + record_lapses_in - lease_s, lease_s=lease_s, started_at=now - 60, shards=[]
+    )
+    lease = protocol.encode(LeaderLease(holder="dead", renewed_at=now + leases_lapse_in - lease_s, lease_s=lease_s))
+    await asyncio.gather(
+        kv.put(protocol.replica_key("dead"), protocol.encode(record)),
+        *(kv.put(protocol.shard_key(s), lease) for s in ALL),
+    )
+    return now + leases_lapse_in
+
+
 @pytest.mark.serial
 async def test_a_dead_replicas_leases_stamped_after_its_record_are_taken_when_they_lapse(nc: Client) -> None:
     """A keeper may stamp a lease after its replica's record: the campaign looks again when the leases lapse too,
@@ -435,13 +451,7 @@ async def test_a_dead_replicas_leases_stamped_after_its_record_are_taken_when_th
     kv = (await ensure_buckets(nc.jetstream()))[protocol.LEASES_BUCKET]
     now = time.time()
     # "dead" stopped just now: its record lapses in 1 s, its leases (stamped later by its keepers) in 2 s.
-    record = ReplicaRecord(identity="dead", renewed_at=now - 5.0, lease_s=6.0, started_at=now - 60, shards=[])
-    lease = protocol.encode(LeaderLease(holder="dead", renewed_at=now - 4.0, lease_s=6.0))
-    await asyncio.gather(
-        kv.put(protocol.replica_key("dead"), protocol.encode(record)),
-        *(kv.put(protocol.shard_key(s), lease) for s in ALL),
-    )
-    free_at = now + 2.0
+    free_at = await _dead_replica(kv, now, lease_s=6.0, record_lapses_in=1.0, leases_lapse_in=2.0)
     assert time.time() < now + 1.0, "the writes took too long to tell a look at the lapse from the next round"
     b = ShardLeases(kv, "b", settings)
     async with campaigning(b):
@@ -549,15 +559,8 @@ async def test_a_slow_replica_record_write_does_not_hold_back_the_take_of_a_laps
     the renewals' round trips were back, a replica whose record write took 3 s took a lapsed shard 1.5 s late."""
     settings = ShardSettings(lease_s=3.0, renew_every_s=0.5, stop_fraction=0.8)
     kv = (await ensure_buckets(nc.jetstream()))[protocol.LEASES_BUCKET]
-    now = time.time()
     # "dead" stopped 1.5 s ago: its record and leases lapse 1.5 s from now.
-    record = ReplicaRecord(identity="dead", renewed_at=now - 1.5, lease_s=3.0, started_at=now - 60, shards=[])
-    lease = protocol.encode(LeaderLease(holder="dead", renewed_at=now - 1.5, lease_s=3.0))
-    await asyncio.gather(
-        kv.put(protocol.replica_key("dead"), protocol.encode(record)),
-        *(kv.put(protocol.shard_key(s), lease) for s in ALL),
-    )
-    free_at = now + 1.5
+    free_at = await _dead_replica(kv, time.time(), lease_s=3.0, record_lapses_in=1.5, leases_lapse_in=1.5)
     slow = SlowLeases(kv, only=frozenset({"put"}))
     slow.delay_s = 3.0  # each replica record write: a round trip of 3 s
     b = ShardLeases(slow, "b", settings, nc=nc)  # type: ignore[arg-type]
