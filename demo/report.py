@@ -1,6 +1,7 @@
 """What a demo run measured, as report.json and the article's load-test table. Pure: no I/O, times passed in.
 
-The run (`demo.run`) records four streams, each from where it happens, and this module only combines them:
+The run (`demo.run`, its `demo.recorder`) records four streams, each from where it happens, and this module only
+combines them:
 
 - the load generator's per-second counts (requests sent, 200s, 504s, other errors, latency percentiles);
 - the gateway's `QueueSample`s on ``pulse.queue.<model>`` (queue depth, in flight, its counters);

@@ -146,15 +146,15 @@ async def test_the_vllm_fleet_gets_its_server_arguments_and_an_engine_user_that_
 
     demo = Demo(DemoSettings(engine="vllm", nodes=1, slots_per_node=2), HeadlessView())
     try:
-        model = await demo._make_model()
-        argv = demo._agent_argv("nats://127.0.0.1:1", "n01", 2, model)
+        model = await demo.model.make()
+        argv = demo.fleet.agent_argv("nats://127.0.0.1:1", "n01", 2, model)
     finally:
         await demo._cleanup()
     args = argv[argv.index("--vllm-args") + 1]
     assert "--max-model-len 256" in args and "--enforce-eager" in args
     user = argv[argv.index("--engine-user") + 1]
     if os.geteuid() == 0 and not _runnable_by_others():
-        assert user == "root" and any("cannot run" in n for n in demo.notes), demo.notes
+        assert user == "root" and any("cannot run" in n for n in demo.recorder.notes), demo.recorder.notes
     else:
         assert user == "nobody"
         # ...who reads the model directory itself (not the agent's staged copy): outside the 0700 work directory.
