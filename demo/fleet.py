@@ -24,7 +24,7 @@ import aiohttp
 from demo.errors import DemoError
 from demo.model import DemoModel
 from demo.procs import Child, Processes
-from demo.rootfs_stage import RootfsStage
+from demo.rootfs_stage import DemoRootfs
 from demo.settings import MODEL, DemoSettings
 from warmpool.embedded import NatsServer, free_port
 from warmpool.protocol import Event
@@ -60,7 +60,7 @@ class Fleet:
         workdir: Path,
         *,
         model: DemoModel,
-        rootfs: RootfsStage,
+        rootfs: DemoRootfs,
         say: Callable[[str], None],
         in_thread: Callable[[Callable[[], Any]], Awaitable[Any]],
         cold_nodes: dict[str, float],

@@ -2,7 +2,7 @@
 before any agent starts, kept in the page cache while the load runs, measured at the pulse, checked against what the
 agents say of it, and released after every process of the run is stopped.
 
-What the stage finds goes into one dict, `RootfsStage.report` (report.json's ``rootfs``).
+What the stage finds goes into one dict, `DemoRootfs.report` (report.json's ``rootfs``).
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from nodeagent import rootfs
 from warmpool import protocol
 from warmpool.registry import KvSlotStore
 
-__all__ = ["RootfsStage", "unmount_under"]
+__all__ = ["DemoRootfs", "unmount_under"]
 
 log = logging.getLogger("pulsescale.demo")
 
 
-class RootfsStage:
+class DemoRootfs:
     """One image for the fleet (`prepare`), its page-cache keeper, and what the report says of both; `mode` is
     `DemoSettings.image`. `say` tells the run's view; `in_thread` runs a blocking step in a thread the run's clean-up
     waits for (`Demo._in_thread`)."""

@@ -59,7 +59,7 @@ from demo.errors import DemoError
 from demo.fleet import Fleet
 from demo.model import DemoModel
 from demo.recorder import Recorder, disk_reads
-from demo.rootfs_stage import RootfsStage, unmount_under
+from demo.rootfs_stage import DemoRootfs, unmount_under
 from demo.settings import MODEL, DemoSettings
 from demo.view import View
 from warmpool import connect, protocol
@@ -91,7 +91,7 @@ class Demo:
         self.workdir = Path(tempfile.mkdtemp(prefix="pulsescale-demo-"))
         self._threads: list[asyncio.Future[Any]] = []
         self.recorder = Recorder(view, settings.tick_s)
-        self.rootfs = RootfsStage(settings.image, self.workdir, self.recorder.say, self._in_thread)
+        self.rootfs = DemoRootfs(settings.image, self.workdir, self.recorder.say, self._in_thread)
         self.model = DemoModel(settings, self.workdir, self.recorder.say, self._in_thread)
         self.fleet = Fleet(
             settings,
