@@ -526,11 +526,13 @@ async def test_the_holder_of_shard_0_keeps_its_leases_while_each_lease_write_tak
     lost: list[int] = []
     a = ShardLeases(slow, "a", settings, on_lost=lost.append, nc=nc)  # type: ignore[arg-type]
     async with campaigning(a):
-        await wait_for(lambda: a.held() == ALL and a._leader is not None and a._leader.is_leader, 10, "all held")
+        await wait_for(
+            lambda: a.held() == ALL and a._compat.leader is not None and a._compat.leader.is_leader, 10, "all held"
+        )
         slow.delay_s = 1.0
         await asyncio.sleep(3 * settings.lease_s * settings.stop_fraction)  # three fences
         assert lost == [], f"lost {sorted(set(lost))} while every renewal was answered in about 1 s"
-        assert a.held() == ALL and a._leader is not None and a._leader.is_leader
+        assert a.held() == ALL and a._compat.leader is not None and a._compat.leader.is_leader
 
 
 @pytest.mark.serial
@@ -618,11 +620,11 @@ async def test_a_shard_lost_and_taken_back_gets_a_keeper_of_its_new_term_at_once
     a = ShardLeases(kv, "a", SET, nc=nc)
     async with campaigning(a):
         await wait_for(lambda: a.held() == ALL, 10, "every shard taken")
-        old_term, old_keeper = a._keepers[5]
-        a._lose(5, "a test: the term ends")  # as a lapsed fence does; the lease is still ours in the bucket
+        old_term, old_keeper = a._terms.keepers[5]
+        a._terms.lose(5, "a test: the term ends")  # as a lapsed fence does; the lease is still ours in the bucket
         await wait_for(lambda: 5 in a.held(), 5, "shard 5 taken back")
-        new_term, new_keeper = a._keepers[5]
-        assert new_term is a._held[5] and new_term is not old_term
+        new_term, new_keeper = a._terms.keepers[5]
+        assert new_term is a._terms.held[5] and new_term is not old_term
         assert new_keeper is not old_keeper and not new_keeper.done()
         await asyncio.sleep(0)
         assert old_keeper.done(), "the old term's keeper is gone"
