@@ -255,7 +255,7 @@ async def test_broker_sigkill_mid_claims(nats_server: NatsServer, store: KvSlotS
         by_key = Counter(w.key for w in wins)
         assert max(by_key.values()) == 1, f"held twice: {[k for k, n in by_key.items() if n > 1]}"
         assert len(wins) == 100, "some slot was never claimed after the restart"
-        assert not any(s._reserved for s in stores), "a claim cut off by the broker kept its local reservation"
+        assert not any(s._index.reserved for s in stores), "a claim cut off by the broker kept its local reservation"
         for w in wins:
             rec, rev = await stores[0].get(w.key)
             assert rec.claim_id == w.claim_id and rev == w.token
@@ -275,8 +275,8 @@ async def test_claim_outcome_is_resolved_by_reading_not_guessing(store: KvSlotSt
     """The resolver says 'held' only when the broker shows our claim id."""
     await seed_pool(store, "m", nodes=1, slots_per_node=1)
     c = await store.claim("m")
-    assert await store._resolve(c.key, c.claim_id) == c.token
-    assert await store._resolve(c.key, "someone-else") is None
+    assert await store._claims._resolve(c.key, c.claim_id) == c.token
+    assert await store._claims._resolve(c.key, "someone-else") is None
 
 
 def test_placement_pick_matches_rank() -> None:

@@ -23,7 +23,7 @@ async def test_sixteen_local_claimers_get_sixteen_slots_without_a_lost_race(stor
         assert sorted(c.key for c in claims) == sorted(keys)
         await asyncio.gather(*(store.release(c) for c in claims))
     assert store.claim_conflicts == 0
-    assert not store._reserved  # every reservation was given back
+    assert not store._index.reserved  # every reservation was given back
 
 
 async def test_in_flight_claims_count_as_load(store: KvSlotStore) -> None:
@@ -54,8 +54,8 @@ async def test_a_reserved_slot_taken_by_another_process_is_not_offered_again(nc:
                 outcomes.append(err)
         got = [o.key for o in outcomes if isinstance(o, Claim)]
         assert got == ["m.node-0.s1"]
-        assert not store._reserved
-        pool = store._pools["m"]
+        assert not store._index.reserved
+        pool = store._index.pools["m"]
         assert pool.pick(usable=lambda node, keys: list(keys), skip=(), rng=store.rng) is None
 
 
@@ -65,8 +65,8 @@ async def test_a_named_claim_of_a_slot_whose_claim_is_in_flight_loses_at_once(st
     await seed_pool(store, "m", nodes=1, slots_per_node=1)
     first = asyncio.ensure_future(store.claim("m"))
     await asyncio.sleep(0)  # the claim is picked, reserved and sent
-    assert "m.node-0.s0" in store._reserved
+    assert "m.node-0.s0" in store._index.reserved
     with pytest.raises(ClaimConflict, match="being claimed by this process"):
         await store.claim_slot("m.node-0.s0")
     assert (await first).key == "m.node-0.s0"
-    assert store.claim_conflicts == 0 and not store._reserved
+    assert store.claim_conflicts == 0 and not store._index.reserved

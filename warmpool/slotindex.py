@@ -1,0 +1,179 @@
+"""The registry's local picture: the views of `pulse_slots` and `pulse_agents`, the indexes kept in step with
+them, and every lookup a claim or a reader makes (no I/O).
+
+A claim looks only at its model's warm slots, filed by tier and node in a `placement.Pool`, and takes one only
+while its agent's lease is fresh and lists it. Slots whose claim by this process is in flight are reserved here:
+out of their pool and counted as load on their node until the broker answers. Leases are judged by the reader's
+clock, and only on a current view (`lease_lapsed`). `warmpool.registry.KvSlotStore` reads through this.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection
+
+from nats.aio.client import Client
+from nats.js.kv import KeyValue
+
+from warmpool import placement, slots
+from warmpool.bucketview import BucketView, Clock
+from warmpool.protocol import AgentLease, SlotRecord
+from warmpool.rejects import Rejections
+
+__all__ = ["SlotIndex"]
+
+
+class SlotIndex:
+    """The views of both buckets (`slots`, `agents`) and the indexes a claim picks from; reading, no I/O:
+    `record`, `entry`, `records`, `lease`, `leases`, `nodes`, `claimable`, `lease_lapsed`."""
+
+    def __init__(
+        self,
+        nc: Client,
+        slots_kv: KeyValue,
+        agents_kv: KeyValue,
+        rejected: Rejections,
+        *,
+        clock: Clock = time.time,
+    ) -> None:
+        self.clock = clock
+        self.slots: BucketView[SlotRecord] = BucketView(nc, slots_kv, SlotRecord, rejected, clock=clock)
+        self.agents: BucketView[AgentLease] = BucketView(nc, agents_kv, AgentLease, rejected, clock=clock)
+        # Indexes kept in step with the view, so a claim looks only at the model's warm and held slots.
+        self._by_model: dict[str, set[str]] = {}
+        self._warm: dict[str, dict[int, dict[str, set[str]]]] = {}  # model -> tier -> node -> keys
+        self._offered: dict[str, frozenset[str]] = {}  # node -> slot names its lease lists
+        self.pools: dict[str, placement.Pool] = {}  # model -> its warm slots filed for `placement.Pool.pick`
+        self._parked_in: dict[str, set[str]] = {}  # node -> models whose pool parked it (refiled on a lease change)
+        self.reserved: dict[str, SlotRecord] = {}
+        """Slots whose claim by this store is in flight (key -> the record the claim was built on): out of their
+        pool and counted as load on their node until the broker answers, so a concurrent local claimer neither
+        tries the same slot (a certain lost race: two round trips) nor piles onto the same node."""
+        self.slots._on_change = self._index
+        self.agents._on_change = self._index_lease
+
+    def _index(self, key: str, old: SlotRecord | None, new: SlotRecord | None) -> None:
+        for rec, delta in ((old, -1), (new, 1)):
+            if rec is None:
+                continue
+            m = rec.model
+            if delta > 0:
+                self._by_model.setdefault(m, set()).add(key)
+            else:
+                self._by_model[m].discard(key)
+            if rec.state == "warm" and not rec.drain:
+                t = placement.tier(rec)
+                keys = self._warm.setdefault(m, {}).setdefault(t, {}).setdefault(rec.node, set())
+                if delta > 0:
+                    keys.add(key)
+                    if key not in self.reserved:  # filed again when its claim is answered (`unreserve`)
+                        self._pool(m).add_warm(key, t, rec.node, rec.rack)
+                else:
+                    keys.discard(key)
+                    self._pool(m).remove_warm(key, t, rec.node)
+            elif rec.state in slots.HELD_STATES:
+                self._pool(m).held(rec.node, rec.rack, delta)
+
+    def _pool(self, model: str) -> placement.Pool:
+        pool = self.pools.get(model)
+        if pool is None:
+
+            def parked(node: str, model: str = model) -> None:
+                self._parked_in.setdefault(node, set()).add(model)
+
+            pool = self.pools[model] = placement.Pool(on_park=parked)
+        return pool
+
+    def reserve(self, key: str, rec: SlotRecord) -> None:
+        """A claim of `key` (warm in the view as `rec`) is about to be sent: take it out of its pool and count it
+        as load on its node, as a claim that already landed would be."""
+        pool = self._pool(rec.model)
+        pool.remove_warm(key, placement.tier(rec), rec.node)
+        pool.held(rec.node, rec.rack, 1)
+        self.reserved[key] = rec
+
+    def unreserve(self, key: str) -> None:
+        """The claim of `key` is answered (either way): undo `reserve`, then file the slot as the view has it now
+        (still warm when the claim was lost to a write we have not seen; the caller applies a won claim at once)."""
+        rec = self.reserved.pop(key)
+        pool = self._pool(rec.model)
+        pool.held(rec.node, rec.rack, -1)
+        cur = self.slots.value(key)
+        if cur is not None and cur.state == "warm" and not cur.drain:
+            pool.add_warm(key, placement.tier(cur), cur.node, cur.rack)
+
+    def _index_lease(self, node: str, _old: AgentLease | None, new: AgentLease | None) -> None:
+        if new is None:
+            self._offered.pop(node, None)
+        else:
+            self._offered[node] = frozenset(new.slots)
+        for model in self._parked_in.pop(node, ()):
+            if (pool := self.pools.get(model)) is not None:
+                pool.unpark(node)
+
+    def usable(self, model: str, node: str, keys: Collection[str], now: float) -> list[str]:
+        """The keys among `keys` (warm slots of `model` on `node`) that a claim may take at `now`: none unless the
+        node's lease is fresh, and only the slots that lease lists (a record alone offers nothing: any key under
+        the node can be written by its agent user). Costs at most `protocol.MAX_SLOTS_PER_NODE` lookups."""
+        lease = self.lease(node)
+        if lease is None or not lease.fresh(now):
+            return []
+        names = self._offered.get(node, frozenset())
+        if len(keys) <= len(names):
+            # A key is `protocol.slot_key`'s "<model>.<node>.<slot>" (`check_record` holds every record to it).
+            start = len(model) + len(node) + 2
+            return [k for k in keys if k[start:] in names]
+        return [key for name in names if (key := f"{model}.{node}.{name}") in keys]
+
+    # --- reading -----------------------------------------------------------------------------------------------
+
+    def record(self, key: str) -> SlotRecord | None:
+        """The slot under `key` in the view, or None."""
+        return self.slots.value(key)
+
+    def entry(self, key: str) -> tuple[SlotRecord, int] | None:
+        """(record, revision) of the slot under `key` in the view, or None."""
+        return self.slots.get(key)
+
+    def records(self, model: str | None = None) -> list[SlotRecord]:
+        """Slots in the current view (of one model, or all)."""
+        if model is None:
+            return self.slots.values()
+        return [rec for k in self._by_model.get(model, ()) if (rec := self.slots.value(k)) is not None]
+
+    def lease(self, node: str) -> AgentLease | None:
+        return self.agents.value(node)
+
+    def leases(self) -> dict[str, AgentLease]:
+        return {node: lease for node, lease, _ in self.agents.entries()}
+
+    def nodes(self) -> set[str]:
+        """Every node that has a lease or a slot in the views."""
+        return {r.node for r in self.slots.values()} | set(self.agents.keys())
+
+    def claimable(self, model: str, now: float | None = None) -> list[SlotRecord]:
+        """The model's slots that a claim could take at `now` (default: the store's clock)."""
+        now = self.clock() if now is None else now
+        out = []
+        for by_node in self._warm.get(model, {}).values():
+            for node, keys in by_node.items():
+                out += [rec for k in self.usable(model, node, keys, now) if (rec := self.record(k)) is not None]
+        return out
+
+    def lease_lapsed(self, node: str, now: float) -> bool:
+        """True only when we *know* the agent of `node` stopped renewing: its lease is missing or old in a view
+        that is current, and the agent had two heartbeat intervals since that view was listed to renew it.
+
+        A stale view (disconnected, or not re-listed since a reconnect) proves nothing: after a broker outage
+        longer than a lease, every agent's last heartbeat is old until the agents reconnect and renew."""
+        view = self.agents
+        if not view.current() or view.listed_at is None:
+            return False
+        lease = self.lease(node)
+        if lease is None:
+            return True  # withdrawn (a clean shutdown), or gone from a current listing
+        if lease.fresh(now):
+            return False
+        # Two intervals, not one: the agent reconnects on its own schedule (possibly after us), and its first
+        # write after the outage may be a stale buffered heartbeat replayed by its client.
+        return now - view.listed_at >= 2 * lease.renew_every_s
