@@ -332,6 +332,8 @@ async def test_a_failed_restage_keeps_serving_the_complete_old_version(
         assert agent.locked is not None and agent.locked.mapped_bytes == staged_v1.weights_bytes
 
         assert (await deactivate(nc, first)).ok
+        # The agent answers once it wrote `warm`; this store's view may not have seen that write yet.
+        await wait_state(store, key("s0"), "warm")
         again = await store.claim_slot(key("s0"))
         reply = await activate(nc, again)
         assert reply.ok, reply.error
