@@ -87,7 +87,7 @@ class SampleIntake:
             self._callback_until = time.perf_counter() + self.slice_s
 
     async def take_backlog(self, msgs: list[Msg]) -> None:
-        """Samples nats-py had queued for a subscription the daemon dropped (its shards moved), taken as the
+        """Samples nats-py had queued for a subscription `SampleSubscriptions` dropped (its shards moved), taken as the
         callback takes them, yielding every `slice_s`."""
         until = time.perf_counter() + self.slice_s
         for msg in msgs:

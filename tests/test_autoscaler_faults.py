@@ -243,7 +243,7 @@ async def test_a_resume_while_the_stored_overrides_are_read_is_not_undone(
     await leases.put(protocol.override_key("n"), protocol.encode(OverrideRecord(model="n", override=paused)))
     async with running_autoscaler(nats_server.url) as scaler:
         read, go_on = asyncio.Event(), asyncio.Event()
-        load = scaler.load_overrides
+        ownership, load = scaler.ownership, scaler.overrides.load
 
         async def slow_load() -> dict[str, Override]:
             found = await load()
@@ -251,12 +251,12 @@ async def test_a_resume_while_the_stored_overrides_are_read_is_not_undone(
             await go_on.wait()  # the read is done; the resume lands before it is applied
             return found
 
-        scaler.load_overrides = slow_load  # type: ignore[method-assign]
+        scaler.overrides.load = slow_load  # type: ignore[method-assign]
         await put_scaler(nc, "n")
         await asyncio.wait_for(read.wait(), 5)
         await scaler.set_override("n", None)  # the resume, deleting the stored pause
         go_on.set()
-        await wait_for(lambda: scaler._takeover is not None and scaler._takeover.done(), 5, "n taken over")
+        await wait_for(lambda: ownership._takeover is not None and ownership._takeover.done(), 5, "n taken over")
         assert scaler.by_model["n"].override is None, "the stale pause was put back over the resume"
 
 

@@ -1,0 +1,171 @@
+"""The shards this replica holds, and what it does as they come and go: the reactions to `ShardLeases`.
+
+A shard taken (`Ownership.on_shard_acquired`) is taken over in one task (`Ownership.take_over`): its models adopt
+the slots held for them, get their stored on-call overrides back (`autoscaler.overrides`), start, and decide; a
+model whose ScaledObject arrives in a shard already held is taken over the same way. A shard lost
+(`Ownership.on_shard_lost`) stops its models at once; claims in flight are left for the next owner. Either way the
+leadership gauges, the sample subscriptions (`autoscaler.subscriptions`) and the command service follow. The
+daemon composes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+from autoscaler.commands import CommandService
+from autoscaler.controller import ModelController
+from autoscaler.metrics import AutoscalerMetrics
+from autoscaler.overrides import StoredOverrides
+from autoscaler.shards import INVOLUNTARY, ShardLeases
+from warmpool import protocol
+from warmpool.protocol import Override
+from warmpool.registry import KvSlotStore
+
+__all__ = ["Ownership"]
+
+log = logging.getLogger("pulsescale.autoscaler")
+
+
+class Ownership:
+    """The held shards' models taken over and stopped (`by_model` and `by_shard`, the daemon's, shared)."""
+
+    def __init__(
+        self,
+        store: KvSlotStore,
+        overrides: StoredOverrides,
+        *,
+        by_model: dict[str, ModelController],
+        by_shard: dict[int, set[str]],
+        shards: Callable[[], ShardLeases | None],
+        commands: Callable[[], CommandService | None],
+        owns_shard: Callable[[int], bool],
+        subjects_changed: asyncio.Event,
+        metrics: AutoscalerMetrics,
+        contained: Callable[[str], AbstractContextManager[None]],
+        clock: Callable[[], float],
+        slice_s: float,
+    ) -> None:
+        self.store = store
+        self.overrides = overrides
+        self.by_model = by_model
+        self.by_shard = by_shard
+        self.shards = shards
+        """The daemon's `Autoscaler.shards` (bound once its leases are made)."""
+        self.commands = commands
+        """The daemon's `Autoscaler.commands` (bound once its service is made)."""
+        self.owns_shard = owns_shard
+        self.subjects_changed = subjects_changed
+        """The daemon's `Autoscaler.subjects_changed`: set when the models this replica owns change."""
+        self.metrics = metrics
+        self.contained = contained
+        """The daemon's `Autoscaler._contained`: a bug in one model's handling is logged, counted and survived."""
+        self.clock = clock
+        self.slice_s = slice_s
+        self.held: set[int] = set()  # shards held, as the callbacks said (the gauges; `owns` fences)
+        self.arrived: set[str] = set()  # models whose ScaledObject came in a shard already held, for `take_over`
+        self.resigning = False  # a clean resign is not a lost lease
+        self._acquired: set[int] = set()  # shards taken, waiting for `take_over`
+        self._stopping: dict[str, asyncio.Future[None]] = {}  # models whose lost shard's stop may still run
+        self._takeover: asyncio.Task[None] | None = None  # held so the task is not garbage-collected mid-run
+
+    def on_shard_acquired(self, shard: int) -> None:
+        """`ShardLeases.on_acquired`: act for the shard's models once `take_over` has adopted their slots."""
+        self.held.add(shard)
+        self._acquired.add(shard)
+        self._leading_changed()
+        self.take_over_soon()
+
+    def take_over_soon(self) -> None:
+        if self._takeover is None or self._takeover.done():
+            self._takeover = asyncio.ensure_future(self.take_over())
+
+    def on_shard_lost(self, shard: int) -> None:
+        """`ShardLeases.on_lost`: stop acting for the shard's models at once; claims in flight are left for the
+        next owner to adopt or expire. Called synchronously, also from inside a fenced `owns` check."""
+        shards = self.shards()
+        why = shards.last_loss if shards is not None else ""
+        if why in INVOLUNTARY and not self.resigning:
+            self.metrics.lease_lost.inc()
+        self.held.discard(shard)
+        self._acquired.discard(shard)
+        for model in list(self.by_shard.get(shard, ())):
+            c = self.by_model.get(model)
+            if c is not None:
+                task = asyncio.ensure_future(c.stop(release_in_flight=False))
+                task.add_done_callback(functools.partial(_forget_after_stop, c))
+                self._stopping[model] = task
+        self._leading_changed()
+
+    def _leading_changed(self) -> None:
+        leading = bool(self.held)
+        self.metrics.leader.set(1 if leading else 0)
+        self.metrics.shards_held.set(len(self.held))
+        self.subjects_changed.set()
+        service = self.commands()
+        if service is not None:
+            service.on_leadership(leading)
+
+    def models_owned(self) -> int:
+        """ScaledObjects in the shards this replica holds (its `ReplicaRecord.models`)."""
+        return sum(len(self.by_shard.get(s, ())) for s in self.held)
+
+    async def take_over(self) -> None:
+        """Rebuild the shards just taken from the buckets: adopt their models' held slots, restore their
+        overrides, then act; the same for models whose ScaledObject arrived in a shard already held. Those taken
+        or arrived while this runs are handled in the same task, overrides read once per batch. (Adopting and
+        starting are idempotent: a model met twice is harmless.)"""
+        overrides: dict[str, Override] | None = None
+        writes: dict[str, int] = {}
+        read_at = 0.0
+        while self._acquired or self.arrived:
+            batch, self._acquired = self._acquired, set()
+            arrived, self.arrived = self.arrived, set()
+            if overrides is None or time.monotonic() - read_at > 1.0:
+                # One read for the shards of a round (they are taken one by one, within milliseconds).
+                writes = dict(self.overrides.writes)
+                read_at, overrides = time.monotonic(), await self.overrides.load()
+            todo = [(shard, model) for shard in sorted(batch) for model in sorted(self.by_shard.get(shard, ()))]
+            todo += [(protocol.shard_of(m), m) for m in sorted(arrived) if protocol.shard_of(m) not in batch]
+            # First adopt and start every model, so a sample arriving now acts; then the first decisions.
+            started: list[ModelController] = []
+            until = time.perf_counter() + self.slice_s
+            for shard, model in todo:
+                if time.perf_counter() >= until:
+                    # 1,000 models' adoption and first decision is a few hundred ms: renewals run between.
+                    await asyncio.sleep(0)
+                    until = time.perf_counter() + self.slice_s
+                stopping = self._stopping.pop(model, None)
+                if stopping is not None and not stopping.done():
+                    # Lost and taken back in one round: the old term's stop must end (and forget its books)
+                    # before this one adopts and starts, or it would undo them.
+                    await asyncio.wait([stopping])
+                c = self.by_model.get(model)
+                if c is None or not self.owns_shard(shard):
+                    continue  # its ScaledObject went while we yielded, or the shard moved on meanwhile
+                with self.contained(f"taking over {model}"):
+                    c.adopt(self.store.records(model))
+                    # An override set here since the read is newer than what was read (a resume's delete too).
+                    if model in overrides and self.overrides.writes.get(model, 0) == writes.get(model, 0):
+                        c.override = overrides[model]
+                    c.start()
+                    started.append(c)
+            for c in started:
+                if time.perf_counter() >= until:
+                    await asyncio.sleep(0)
+                    until = time.perf_counter() + self.slice_s
+                if self.by_model.get(c.model) is c and c.deps.is_leader():
+                    with self.contained(f"the first decision of {c.model}"):
+                        c.evaluate(self.clock())
+            where = f"shard(s) {','.join(map(str, sorted(batch)))}" if batch else "shards already held"
+            log.info("acting for %d more model(s) in %s", len(started), where)
+
+
+def _forget_after_stop(c: ModelController, stopped: asyncio.Future[None]) -> None:
+    if not stopped.cancelled() and stopped.exception() is not None:
+        log.error("%s: stopping after deposition failed: %s", c.model, stopped.exception())
+    c.forget_claims()
