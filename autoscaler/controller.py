@@ -69,7 +69,7 @@ class Deps:
     settings: ControllerSettings = field(default_factory=ControllerSettings)
     clock: Callable[[], float] = time.time
     claims: ClaimsInFlight = field(default_factory=ClaimsInFlight)
-    """The process's claims in flight, over every model (`scaler.ClaimsInFlight`)."""
+    """The process's claims in flight, over every model (`scaler_book.ClaimsInFlight`)."""
 
 
 class ModelController:
