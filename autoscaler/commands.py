@@ -48,11 +48,17 @@ subscribes its own hand-over subject, without a queue group; a request there for
 hand-over raced a rebalance) is refused ``not_leader``, never forwarded again, so a request cannot loop.
 ``status`` of every model is answered by the front with its own rows plus those of every other live replica,
 asked in parallel on their hand-over subjects (there, a status without a model means "your own models only"); a
-replica that does not answer within `CommandSettings.peer_status_timeout_s` is named in the reply's ``error``
-(the reply stays ``ok``: the rows that came are worth showing) and its models are missing. Every row carries its
-``owner`` and ``shard``; the reply carries the live replicas. ``pool``, ``drain`` and ``undrain`` name no model
-and act on the shared registry, so any front answers them. Without a router one replica owns every model: nothing
-is handed over and the replies are as before revision 6.
+replica that does not answer within `CommandSettings.peer_status_timeout_s` is named in the reply's ``missing``
+(the reply stays ``ok``: the rows that came are worth showing) and its models are not in ``models``. Every row
+carries its ``owner`` and ``shard``; the reply carries the live replicas. ``pool``, ``drain`` and ``undrain`` name
+no model and act on the shared registry, so any front answers them. Without a router one replica owns every model:
+nothing is handed over and the replies are as before revision 6.
+
+`CommandService` is the request handling: the subscriptions and the following of leadership, then steps 0 to 4,
+7 and 8, routing included. It composes the work: `Verbs` (`autoscaler.commandverbs`: steps 5 and 6, each verb's
+checks and what it does) and `StatusRows` (`autoscaler.commandstatus`: the rows of ``status``, gathered across the
+replicas). `CommandSettings`, `ControlPlane`, `Router` and `MAX_OVERRIDE_S` live in `autoscaler.commandbase` and
+are re-exported here.
 """
 
 from __future__ import annotations
@@ -60,11 +66,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from collections.abc import Callable
+from typing import Any, Final
 
 import msgspec
 import nats.errors
@@ -74,30 +78,19 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 
-from autoscaler import scaledobject
+from autoscaler.commandbase import MAX_OVERRIDE_S, CommandSettings, ControlPlane, Outcome, Refused, Router
+from autoscaler.commandstatus import StatusRows
+from autoscaler.commandverbs import Verbs
 from warmpool import protocol, registry
 from warmpool.errors import BadMessage, DuplicateRequest
 from warmpool.protocol import (
     AuditRecord,
     Command,
     CommandReply,
-    DrainCommand,
-    DrainReply,
-    ErrorCode,
-    Override,
-    OverrideReply,
     PauseCommand,
-    PoolCommand,
-    PoolReply,
-    PoolSlot,
-    ReplicaRecord,
     ResumeCommand,
     ScaleCommand,
-    ScaledObjectSpec,
     StatusCommand,
-    StatusReply,
-    StatusRow,
-    UndrainCommand,
 )
 from warmpool.registry import KvSlotStore
 from warmpool.rejects import Rejections
@@ -114,87 +107,8 @@ __all__ = [
 
 log = logging.getLogger("pulsescale.commands")
 
-MAX_OVERRIDE_S: Final = 24 * 3600.0
-"""The longest a ``scale`` override may last (``--for``): a day covers any incident and its night; an override
-that outlives its reason holds a model at a stale count unnoticed, so a longer hold is refused — scale again when
-it lapses, or ``pause``, which is visible as paused until someone resumes it."""
-
-
-class ControlPlane(Protocol):
-    """What the command plane needs from the controller; the controller implements it."""
-
-    def spec_for(self, model: str) -> ScaledObjectSpec | None:
-        """The model's ScaledObject spec, or None for a model no ScaledObject names."""
-        ...
-
-    def models(self) -> list[str]: ...
-
-    async def set_override(self, model: str, override: Override | None) -> None:
-        """Install an on-call override (it beats the policy until it expires); None hands the model back."""
-        ...
-
-    def status(self, model: str | None) -> list[StatusRow]:
-        """One row per model (all, or `model`), its decisions newest last."""
-        ...
-
-
-class Router(Protocol):
-    """Who owns which model, from this replica's view of the shard leases (`autoscaler.shards.ShardLeases`
-    implements it). Read on every request: it must be cheap and never block."""
-
-    @property
-    def identity(self) -> str:
-        """This replica's identity (`protocol.IDENTITY_PATTERN`): its hand-over subject's token."""
-        ...
-
-    def owns_model(self, model: str) -> bool:
-        """Whether this replica holds the lease of the model's shard now."""
-        ...
-
-    def owner_of_model(self, model: str) -> str | None:
-        """Identity of the live replica holding the model's shard, or None while none does."""
-        ...
-
-    def replicas(self) -> Sequence[ReplicaRecord]:
-        """The live replicas, this one included."""
-        ...
-
-
 STATUS_IN_FLIGHT: Final = 8
 """`status` requests one replica answers at once beside the other commands (each may wait on a hung peer)."""
-
-
-@dataclass(frozen=True)
-class CommandSettings:
-    queue_group: str = "pulsescale-autoscaler"
-    """Queue group of the command subscription: while two replicas briefly both believe they lead, each request
-    still reaches only one of them."""
-    audit_max_age_s: float = 90 * 24 * 3600.0
-    """How long audit records are kept: 90 days covers a quarter's incident reviews; longer belongs in a log
-    archive, not on the broker's disk."""
-    audit_max_bytes: int = 1 << 30
-    """Size cap of the audit stream (oldest dropped first), so a misbehaving client cannot fill the broker's disk."""
-    audit_replicas: int | None = None
-    """JetStream replicas of the audit stream; None: as the registry's buckets (`registry.replicas_for`: 1 on a
-    single server, 3 on a cluster, or ``$PULSESCALE_KV_REPLICAS``)."""
-    audit_timeout_s: float = 1.0
-    """How long the audit write may take before the reply goes out anyway (logged): well under the CLI's 5 s."""
-    ledger_entries: int = 10_000
-    """Replies remembered for duplicate ids; far more than on-call traffic within one request lifetime."""
-    status_decisions: int = 10
-    """Newest decisions per model sent in a status reply; the autoscaler may keep more."""
-    max_replicas: int = scaledobject.DEFAULT_MAX_REPLICAS
-    """The largest replica count ``scale`` and ``pause`` accept, whatever a ScaledObject's maxReplicaCount says
-    (`scaledobject.DEFAULT_MAX_REPLICAS`; ``pulsescale autoscaler --max-replicas``)."""
-    max_override_s: float = MAX_OVERRIDE_S
-    """The longest ``scale --for`` accepted (`MAX_OVERRIDE_S`)."""
-    leadership_poll_s: float = 0.25
-    """How often the service checks `is_leader` to (un)subscribe: elections take a lease period (seconds), so
-    this adds little to a failover; the per-request fence covers the lag on deposition."""
-    peer_status_timeout_s: float = 1.5
-    """How long the front waits for the other replicas' rows in a ``status`` of every model: a live replica
-    answers in milliseconds, and the CLI gives up after 5 s, so a silent replica (dying, partitioned) is named in
-    the reply with time to spare instead of costing the whole answer."""
 
 
 async def ensure_audit_stream(nc: Client, settings: CommandSettings = CommandSettings()) -> None:
@@ -221,23 +135,6 @@ async def ensure_audit_stream(nc: Client, settings: CommandSettings = CommandSet
     except nats.js.errors.BadRequestError as err:
         if err.err_code != 10058:  # created meanwhile by another replica ("stream name already in use")
             raise
-
-
-@dataclass
-class _Outcome:
-    reply: bytes
-    applied: bool
-    remember: bool
-    audit_reply: dict[str, Any] | None = None
-    """What the audit record keeps of the reply, when not all of it (status and pool are summarised)."""
-
-
-class _Refused(Exception):
-    def __init__(self, code: ErrorCode, message: str, *, remember: bool = True) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.remember = remember
 
 
 class CommandService:
@@ -268,6 +165,10 @@ class CommandService:
         self.ledger = protocol.RequestLedger(settings.ledger_entries)
         self.outcomes: Counter[str] = Counter()
         """Handled requests by outcome (``applied``, an error code, ``duplicate``): a metric can read it."""
+        self.status_rows = StatusRows(nc, control, router, settings=settings)
+        """The rows of ``status``, this replica's and its peers' (`autoscaler.commandstatus`)."""
+        self.verbs = Verbs(control, store, self.status_rows, settings=settings)
+        """Each verb's checks and work, once a request is handled here (`autoscaler.commandverbs`)."""
         self._js = nc.jetstream(timeout=settings.audit_timeout_s)
         self._sub: Subscription | None = None
         self._own_sub: Subscription | None = None
@@ -403,24 +304,24 @@ class CommandService:
                 return None
             protocol.admit(req, now, self.ledger)
             if not self.is_leader():
-                raise _Refused("not_leader", "this autoscaler replica is not the leader; retry", remember=False)
-            outcome = await self._apply(verb, req, now, handed=handed)
+                raise Refused("not_leader", "this autoscaler replica is not the leader; retry", remember=False)
+            outcome = await self.verbs.apply(verb, req, now, handed=handed)
             self.outcomes["applied" if outcome.applied else "refused"] += 1
         except DuplicateRequest as dup:
             self.rejections(dup, source=subject)
             self.outcomes["duplicate"] += 1
-            outcome = _Outcome(dup.reply, applied=False, remember=False)
+            outcome = Outcome(dup.reply, applied=False, remember=False)
         except BadMessage as err:
             self.rejections(err, source=subject)
             self.outcomes[err.reason] += 1
-            outcome = _Outcome(_refusal(err.reason, err.detail or str(err)), applied=False, remember=False)
-        except _Refused as ref:
+            outcome = Outcome(_refusal(err.reason, err.detail or str(err)), applied=False, remember=False)
+        except Refused as ref:
             self.outcomes[ref.code] += 1
-            outcome = _Outcome(_refusal(ref.code, ref.message), applied=False, remember=ref.remember)
+            outcome = Outcome(_refusal(ref.code, ref.message), applied=False, remember=ref.remember)
         except Exception as err:
             log.exception("%s command failed", verb)
             self.outcomes["internal"] += 1
-            outcome = _Outcome(_refusal("internal", f"{type(err).__name__}: {err}"), applied=False, remember=False)
+            outcome = Outcome(_refusal("internal", f"{type(err).__name__}: {err}"), applied=False, remember=False)
         if req is not None and outcome.remember:
             self.ledger.record(req, outcome.reply, now)
         await self._audit(verb, req, data, outcome, now)
@@ -433,7 +334,7 @@ class CommandService:
 
     async def _hand_over(self, verb: str, req: Command, data: bytes, reply_to: str, *, handed: bool) -> bool:
         """Route a request naming a model: True when it was published, as it came, to the replica owning the
-        model (which answers it); False to handle it here; `_Refused` ``not_leader`` when nobody owns it now, or
+        model (which answers it); False to handle it here; `Refused` ``not_leader`` when nobody owns it now, or
         when it was handed here and this replica no longer owns it (never handed on again: no loops)."""
         model = _model_of(req)
         if self.router is None or model is None:
@@ -442,7 +343,7 @@ class CommandService:
             return False
         shard = protocol.shard_of(model)
         if handed:
-            raise _Refused(
+            raise Refused(
                 "not_leader",
                 f"model {model} (shard {shard}) moved off replica {self.router.identity} while the request was "
                 "handed to it: handing over; retry",
@@ -450,7 +351,7 @@ class CommandService:
             )
         owner = self.router.owner_of_model(model)
         if owner is None or owner == self.router.identity:
-            raise _Refused(
+            raise Refused(
                 "not_leader",
                 f"no autoscaler replica owns model {model} (shard {shard}) right now: handing over; retry",
                 remember=False,
@@ -465,175 +366,9 @@ class CommandService:
             raise BadMessage("bad_value", f"unknown command verb {verb!r}; known: {', '.join(protocol.CMD_VERBS)}")
         return protocol.decode(data, type_)
 
-    async def _apply(self, verb: str, req: Command, now: float, *, handed: bool = False) -> _Outcome:
-        if isinstance(req, ScaleCommand):
-            spec = self._spec(req.model)
-            self._check_bounds(req.model, spec, req.replicas, "scale")
-            if req.for_s > self.settings.max_override_s:
-                raise _Refused(
-                    "out_of_bounds",
-                    f"scale {req.model} for {req.for_s:g} s is longer than an override may last "
-                    f"({self.settings.max_override_s:g} s); scale again when it lapses, or pause it until resumed",
-                )
-            override = Override(kind="scale", replicas=req.replicas, expires_at=now + req.for_s, by=req.by)
-            await self.control.set_override(req.model, override)
-            return self._ok(OverrideReply(model=req.model, override=override))
-        if isinstance(req, PauseCommand):
-            spec = self._spec(req.model)
-            if req.replicas is not None:
-                self._check_bounds(req.model, spec, req.replicas, "pause")
-            override = Override(kind="pause", replicas=req.replicas, expires_at=None, by=req.by)
-            await self.control.set_override(req.model, override)
-            return self._ok(OverrideReply(model=req.model, override=override))
-        if isinstance(req, ResumeCommand):
-            self._spec(req.model)
-            await self.control.set_override(req.model, None)
-            return self._ok(OverrideReply(model=req.model, override=None))
-        if isinstance(req, StatusCommand):
-            return await self._status(req, now, handed=handed)
-        if isinstance(req, PoolCommand):
-            return self._pool(req.model, now)
-        if isinstance(req, DrainCommand | UndrainCommand):
-            self._check_node(req.node)
-            on = isinstance(req, DrainCommand)
-            touched = await (self.store.drain(req.node) if on else self.store.undrain(req.node))
-            return self._ok(DrainReply(node=req.node, drained=on, touched=sorted(touched)))
-        raise BadMessage("bad_value", f"unknown command verb {verb!r}")  # pragma: no cover - COMMAND_TYPES is closed
-
-    @staticmethod
-    def _ok(reply: CommandReply) -> _Outcome:
-        """A mutating command applied: its reply is remembered for a repeat of its id."""
-        return _Outcome(protocol.encode(reply), applied=True, remember=True)
-
-    def _spec(self, model: str) -> ScaledObjectSpec:
-        spec = self.control.spec_for(model)
-        if spec is None:
-            known = sorted(self.control.models())
-            listed = ", ".join(known) if known else "none (no ScaledObject is applied yet: `pulsescale apply -f`)"
-            raise _Refused("unknown_model", f"no ScaledObject names model {model!r}; known models: {listed}")
-        return spec
-
-    def _check_bounds(self, model: str, spec: ScaledObjectSpec, replicas: int, verb: str) -> None:
-        cap = self.settings.max_replicas
-        if replicas > cap:
-            raise _Refused(
-                "out_of_bounds",
-                f"{verb} {model} to {replicas} replicas is over this autoscaler's limit of {cap} replicas per model; "
-                f"raise it with `pulsescale autoscaler --max-replicas N` (or ${scaledobject.MAX_REPLICAS_ENV})",
-            )
-        lo, hi = spec.min_replica_count, spec.max_replica_count
-        if not lo <= replicas <= hi:
-            raise _Refused(
-                "out_of_bounds",
-                f"{verb} {model} to {replicas} replicas is outside its ScaledObject's "
-                f"[minReplicaCount, maxReplicaCount] = [{lo}, {hi}]",
-            )
-
-    def _check_node(self, node: str) -> None:
-        if self.store.lease(node) is not None or any(r.node == node for r in self.store.records()):
-            return
-        known = sorted({r.node for r in self.store.records()} | set(self.store.leases()))
-        raise _Refused("unknown_node", f"no agent or slot on node {node!r}; known nodes: {', '.join(known) or 'none'}")
-
-    def _trim(self, row: StatusRow) -> StatusRow:
-        if len(row.decisions) > self.settings.status_decisions:
-            row = msgspec.structs.replace(row, decisions=row.decisions[-self.settings.status_decisions :])
-        return row
-
-    def _own_rows(self, model: str | None) -> list[StatusRow]:
-        rows = [self._trim(row) for row in self.control.status(model)]
-        if self.router is None:
-            return rows
-        me = self.router.identity
-        # The daemon's rows name their owner and shard already; a control plane that does not, gets them here.
-        return [
-            row if row.owner == me else msgspec.structs.replace(row, owner=me, shard=protocol.shard_of(row.model))
-            for row in rows
-            if self.router.owns_model(row.model)
-        ]
-
-    async def _status(self, req: StatusCommand, now: float, *, handed: bool) -> _Outcome:
-        if req.model is not None:
-            self._spec(req.model)
-        rows = self._own_rows(req.model)
-        silent: list[str] = []
-        replicas: list[ReplicaRecord] = []
-        if self.router is not None:
-            replicas = sorted(self.router.replicas(), key=lambda r: r.identity)
-            if req.model is None and not handed:  # a front asking its peers: their own rows only, never on
-                peers = [r.identity for r in replicas if r.identity != self.router.identity]
-                answers = await asyncio.gather(*(self._peer_rows(p, req, now) for p in peers))
-                for peer, peer_rows in zip(peers, answers, strict=True):
-                    if peer_rows is None:
-                        silent.append(peer)
-                    else:
-                        rows += [r if r.owner else msgspec.structs.replace(r, owner=peer) for r in peer_rows]
-                rows.sort(key=lambda r: r.model)
-        reply = StatusReply(models=rows, replicas=replicas, missing=silent)
-        audit: dict[str, Any] = {"ok": True, "models": len(rows)}
-        if silent:
-            audit["silent"] = silent
-        return _Outcome(protocol.encode(reply), applied=True, remember=False, audit_reply=audit)
-
-    async def _peer_rows(self, peer: str, req: StatusCommand, now: float) -> list[StatusRow] | None:
-        """`peer`'s own rows, or None when it did not answer in time (or answered a refusal)."""
-        bound = self.settings.peer_status_timeout_s
-        ask = StatusCommand(id=uuid.uuid4().hex, expires_at=now + bound, by=req.by)
-        try:
-            msg = await self.nc.request(protocol.replica_subject(peer, "status"), protocol.encode(ask), timeout=bound)
-            reply = protocol.decode(msg.data, StatusReply)
-        except (nats.errors.Error, TimeoutError, BadMessage) as err:
-            log.warning("autoscaler replica %s did not answer status: %s", peer, err or type(err).__name__)
-            return None
-        if not reply.ok:
-            log.warning("autoscaler replica %s refused status: %s", peer, reply.error)
-            return None
-        return reply.models
-
-    def _pool(self, model: str | None, now: float) -> _Outcome:
-        records = sorted(self.store.records(model), key=lambda r: r.key)
-        if model is not None and not records:
-            self._spec(model)  # a model with neither slots nor a ScaledObject is a typo
-        slots = []
-        counts: dict[str, Counter[str]] = {}
-        for r in records:
-            lease = self.store.lease(r.node)
-            slots.append(
-                PoolSlot(
-                    key=r.key,
-                    model=r.model,
-                    node=r.node,
-                    rack=r.rack,
-                    state=r.state,
-                    drain=r.drain,
-                    agent="fresh" if lease is not None and lease.fresh(now) else "stale",
-                    resident=r.weights_resident,
-                    endpoint=r.endpoint,
-                    reason=r.reason,
-                    engine=r.engine,
-                    engine_mode=r.engine_mode,
-                )
-            )
-            counts.setdefault(r.model, Counter())[r.state] += 1
-        by_model = {m: dict(sorted(c.items())) for m, c in sorted(counts.items())}
-        # The contract caps a message at 64 KiB; a big pool sends every count but only as many slots as fit.
-        shown = len(slots)
-        while True:
-            reply = PoolReply(slots=slots[:shown], counts=by_model, now=now, truncated=len(slots) - shown)
-            try:
-                data = protocol.encode(reply)
-                break
-            except BadMessage:  # too_large
-                if not shown:
-                    raise
-                shown //= 2
-        return _Outcome(
-            data, applied=True, remember=False, audit_reply={"ok": True, "slots": len(slots), "counts": by_model}
-        )
-
     # --- audit ---------------------------------------------------------------------------------------------------
 
-    async def _audit(self, verb: str, req: Command | None, data: bytes, outcome: _Outcome, now: float) -> None:
+    async def _audit(self, verb: str, req: Command | None, data: bytes, outcome: Outcome, now: float) -> None:
         if req is not None:
             request: dict[str, Any] = msgspec.to_builtins(req)
             req_id, by = req.id, req.by

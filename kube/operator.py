@@ -34,10 +34,14 @@ What it does with a ScaledObject (`ScaledObjects`):
 - status: every `OperatorContext.status_every_s` one ``pulse.cmd.status`` request to the autoscaler; each object's
   row (`StatusRow.key`) is composed into the status (kube/status.py) and patched only when it changed. ``Active``
   is KEDA's (demand above the activation threshold within two rounds), not "has replicas". After `SILENT_ROUNDS`
-  unanswered rounds Active and Fallback become Unknown (the last counts stay). Active, Fallback and Paused flips
-  become Events.
+  (kube/statuswriter.py) unanswered rounds Active and Fallback become Unknown (the last counts stay). Active,
+  Fallback and Paused flips become Events.
 - Events: ``pulse.events.>`` (scale.decision, pool.exhausted, cold.start) become Events on every ScaledObject of the
   model, aggregated and rate-limited (kube/events.py).
+
+`ScaledObjects` holds the handlers, the verdict and the loops; it composes `Records` (kube/records.py: the records
+in `pulse_scalers` and the held slots in `pulse_slots`) and `StatusWriter` (kube/statuswriter.py: the autoscaler's
+rows and the status subresource).
 """
 
 from __future__ import annotations
@@ -51,8 +55,6 @@ import importlib
 import inspect
 import logging
 import threading
-import time
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -60,7 +62,6 @@ from typing import Any, Final
 import kopf
 import msgspec
 import nats.errors
-import nats.js.errors
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
@@ -70,6 +71,8 @@ from kube import aio
 from kube import status as status_mod
 from kube.context import FIELD_MANAGER, OperatorContext, kopf_connection
 from kube.events import EventRecorder, ObjectRef
+from kube.records import HELD_SLOT_STATES, Records, record_key
+from kube.statuswriter import StatusWriter
 from warmpool import protocol
 from warmpool.errors import BadMessage
 
@@ -90,8 +93,6 @@ __all__ = [
 
 FINALIZER: Final = "pulsescale.io/finalizer"
 PROGRESS_PREFIX: Final = "kopf.pulsescale.io"  # kopf's handler progress and last-handled state (annotations)
-HELD_SLOT_STATES: Final = frozenset({"claimed", "activating", "ready", "releasing"})
-"""Slot states that mean a model still holds the slot; the finalizer waits until none is left."""
 SLOT_POLL_S: Final = 0.5  # how often the finalizer re-reads pulse_slots while it waits
 FLUSH_EVERY_S: Final = 1.0  # how often aggregated Events are written
 EVENT_TYPES_POSTED: Final = {
@@ -103,7 +104,6 @@ OPTIONAL_PARTS: Final = ("kube.standby", "kube.coldpath")  # each has register(r
 BACKGROUND: Final = "background"
 """``ctx.extra[BACKGROUND]``: a list of ``async (stop: asyncio.Event) -> None`` that `register` of a part may append
 to; `run_operator` runs each on the caller's loop beside kopf until the stop flag is set (e.g. a NATS watch)."""
-SILENT_ROUNDS: Final = 3  # unanswered status rounds before Active/Fallback say the autoscaler is not reporting
 RECHECKED_REASONS: Final = frozenset({"TargetConflict", "ModelConflict", "ScaleTargetNotFound"})
 """Refusals that end when another object goes (or the target comes): re-checked every status round."""
 EVENT_LISTENERS: Final = "event_listeners"
@@ -123,10 +123,6 @@ def _parse_time(text: Any) -> float | None:
         return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
     except ValueError:
         return None
-
-
-def _key(namespace: str, name: str) -> str:
-    return f"{namespace}.{name}"
 
 
 def _target(body: dict[str, Any]) -> tuple[str, str] | None:
@@ -150,14 +146,35 @@ class _Known:
 
 
 class ScaledObjects:
-    """The ScaledObject handlers and the status/Event loops, over one `OperatorContext`."""
+    """The ScaledObject handlers and the status/Event loops, over one `OperatorContext`; the buckets are `Records`',
+    the status subresource `StatusWriter`'s."""
 
     def __init__(self, ctx: OperatorContext) -> None:
         self.ctx = ctx
         self.known: dict[str, _Known] = {}
-        self.rows: dict[str, protocol.StatusRow] = {}
-        self.rows_at: float | None = None  # when the autoscaler last answered `status`
         self.recorder = EventRecorder(ctx.api, component=FIELD_MANAGER, instance=ctx.identity, clock=ctx.clock)
+        self.records = Records(ctx)
+        """The records in `pulse_scalers` and the held slots in `pulse_slots` (kube/records.py)."""
+        self.status = StatusWriter(ctx, self.recorder)
+        """The autoscaler's rows and the status subresource (kube/statuswriter.py)."""
+
+    @property
+    def rows(self) -> dict[str, protocol.StatusRow]:
+        """The autoscaler's rows by key (`StatusWriter.rows`)."""
+        return self.status.rows
+
+    @rows.setter
+    def rows(self, rows: dict[str, protocol.StatusRow]) -> None:
+        self.status.rows = rows
+
+    @property
+    def rows_at(self) -> float | None:
+        """When the autoscaler last answered `status` (`StatusWriter.rows_at`)."""
+        return self.status.rows_at
+
+    @rows_at.setter
+    def rows_at(self, at: float | None) -> None:
+        self.status.rows_at = at
 
     # --- Kubernetes reads and writes (the `kubernetes` client on a worker thread) ---------------------------------
 
@@ -179,18 +196,6 @@ class ScaledObjects:
         except ApiException as err:
             if err.status == 404:
                 return None
-            raise
-        return dict(obj)
-
-    async def _patch_status(self, namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any] | None:
-        try:
-            obj: Any = await self.ctx.call(
-                self.ctx.custom.patch_namespaced_custom_object_status, GROUP, VERSION, namespace, PLURAL, name,
-                {"status": body},
-            )  # fmt: skip
-        except ApiException as err:
-            if err.status == 404:
-                return None  # gone meanwhile
             raise
         return dict(obj)
 
@@ -220,7 +225,7 @@ class ScaledObjects:
             if ometa.get("name") == name or ometa.get("deletionTimestamp") or _target(other) != target:
                 continue
             theirs = (ometa.get("creationTimestamp") or "", ometa.get("name", ""))
-            other_published = await self._read_record(_key(namespace, ometa.get("name", ""))) is not None
+            other_published = await self.records.read(record_key(namespace, ometa.get("name", ""))) is not None
             wins = other_published if other_published != published else theirs < mine
             if wins:
                 return (
@@ -229,39 +234,19 @@ class ScaledObjects:
                 )
         return None
 
-    async def _model_conflict(self, model: str, key: str) -> str | None:
-        """Another published record that scales `model`, as a message. The autoscaler runs one controller per model
-        and ignores a second record naming it (first seen wins), so this object would look Ready and do nothing.
-        Only asked while this object is not published: of two published ones the autoscaler keeps the first."""
-        try:
-            keys = await self.ctx.scalers.keys()
-        except nats.js.errors.NoKeysError:
-            return None
-        for other in sorted(keys):
-            if other == key:
-                continue
-            record = await self._read_record(other)
-            if record is not None and record.spec.model == model:
-                return (
-                    f"model {model} is already scaled by ScaledObject {record.namespace}/{record.name} "
-                    f"({protocol.SCALERS_BUCKET}/{other}); one ScaledObject per model: delete one of them, or name "
-                    "another model in this one's trigger"
-                )
-        return None
-
     async def reconcile(self, body: dict[str, Any]) -> status_mod.Verdict:
         """Validate, check the target, publish; record the verdict and patch the status. The handler of create,
         update, resume and annotation changes, and the re-check of refused objects."""
         meta = body["metadata"]
         namespace, name = meta["namespace"], meta["name"]
-        key = _key(namespace, name)
+        key = record_key(namespace, name)
         ref = ObjectRef.of(body)
         known = self.known.setdefault(key, _Known(body=body, verdict=status_mod.Verdict(False, "Pending", "")))
         async with known.lock:
             if known.verdict.reason == "Deleting":
                 return known.verdict  # the finalizer owns it now
             known.body = body
-            previous = await self._read_record(key)
+            previous = await self.records.read(key)
             try:
                 kwargs: dict[str, Any] = {"updated_at": self.ctx.clock()}
                 if self.ctx.max_replicas is not None:
@@ -284,13 +269,13 @@ class ScaledObjects:
             else:
                 reason, conflict = "TargetConflict", await self._conflict(body, previous is not None)
                 if conflict is None and previous is None:
-                    reason, conflict = "ModelConflict", await self._model_conflict(record.spec.model, key)
+                    reason, conflict = "ModelConflict", await self.records.model_conflict(record.spec.model, key)
                 paused_by_annotation = record.paused  # one-way pauses are not Paused (as KEDA): noted in its message
                 one_way = _one_way_pause(record)
                 if conflict is not None:
                     verdict = status_mod.Verdict(False, reason, conflict)
                     if previous is not None:
-                        await self._withdraw(key)
+                        await self.records.withdraw(key)
                         known.model = None
                     await self.recorder.record(ref, "Warning", reason, conflict)
                 else:
@@ -302,7 +287,7 @@ class ScaledObjects:
                         # the put below returns, and `on_nats_event` posts only for objects with a model.
                         prior_model, known.model = known.model, record.spec.model
                         try:
-                            await self.ctx.scalers.put(key, protocol.encode(record))
+                            await self.records.publish(key, record)
                         except BaseException:
                             known.model = prior_model
                             raise
@@ -324,7 +309,7 @@ class ScaledObjects:
                     if missing is not None and known.verdict.reason != missing[0]:
                         await self.recorder.record(ref, "Warning", missing[0], missing[1])
             known.verdict = verdict
-            await self._write_status(known)
+            await self.status.write(known)
             return verdict
 
     async def _target_problem(self, body: dict[str, Any]) -> tuple[str, str] | None:
@@ -353,48 +338,6 @@ class ScaledObjects:
             log.debug("reading %s/%s/%s: %s", namespace, kind, name, err)  # unknown: not held against the object
         return None
 
-    async def _read_record(self, key: str) -> protocol.ScalerRecord | None:
-        try:
-            entry = await self.ctx.scalers.get(key)
-        except nats.js.errors.KeyNotFoundError:
-            return None
-        if entry.value is None:
-            return None
-        try:
-            return protocol.decode(entry.value, protocol.ScalerRecord)
-        except BadMessage:
-            return None  # unreadable: treated as absent, overwritten by the next valid write
-
-    async def _withdraw(self, key: str) -> bool:
-        """Deletes the record (a delete marker: the autoscaler's watch sees it). True if there was one."""
-        if await self._read_record(key) is None:
-            return False
-        await self.ctx.scalers.delete(key)
-        return True
-
-    async def _write_status(self, known: _Known) -> None:
-        """Composes the status and patches it if it differs from what the object carries; Events for mode flips."""
-        body = known.body
-        meta = body["metadata"]
-        in_force = known.verdict.ready or known.verdict.in_force
-        row = self.rows.get(_key(meta["namespace"], meta["name"])) if in_force else None
-        now = self.ctx.clock()
-        silent = self.rows_at is not None and now - self.rows_at > SILENT_ROUNDS * self.ctx.status_every_s
-        composed = status_mod.compose(
-            body, known.verdict, row, now, active_window_s=2 * self.ctx.status_every_s,
-            silent_since=self.rows_at if silent else None,
-        )  # fmt: skip
-        current = body.get("status") or {}
-        patch = status_mod.body_of(composed, current)
-        if not status_mod.differs(patch, current):
-            return
-        updated = await self._patch_status(meta["namespace"], meta["name"], patch)
-        if updated is not None:
-            known.body = updated
-            ref = ObjectRef.of(updated)
-            for change in status_mod.mode_changes(current, updated.get("status") or {}):
-                await self.recorder.record(ref, change.event_type, change.reason, change.message)  # type: ignore[arg-type]
-
     # --- kopf handlers --------------------------------------------------------------------------------------
 
     async def on_change(self, body: kopf.Body, **_: Any) -> None:
@@ -406,14 +349,14 @@ class ScaledObjects:
         plain = _plain(body)
         meta = plain["metadata"]
         namespace, name = meta["namespace"], meta["name"]
-        key = _key(namespace, name)
+        key = record_key(namespace, name)
         ref = ObjectRef.of(plain)
         known = self.known.setdefault(key, _Known(body=plain, verdict=status_mod.Verdict(False, "Deleting", "")))
         async with known.lock:  # from here on, a re-check (status round) cannot publish it again
             known.body = plain
             if known.verdict.reason != "Deleting":
                 known.verdict = status_mod.Verdict(False, "Deleting", "the ScaledObject is being deleted")
-            withdrawn = await self._withdraw(key)
+            withdrawn = await self.records.withdraw(key)
         model = known.model or model_of(plain)
         if withdrawn:
             await self.recorder.record(ref, "Normal", "Unpublished", f"removed {protocol.SCALERS_BUCKET}/{key}")
@@ -423,8 +366,8 @@ class ScaledObjects:
             (c for c in (plain.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), {}
         )
         published = withdrawn or known.model is not None or ready.get("reason") in ("ScalerPublished", "Deleting")
-        if published and model is not None and not await self._model_still_scaled(model, key):
-            held = await self._held_slots(model)
+        if published and model is not None and not await self.records.model_still_scaled(model, key):
+            held = await self.records.held_slots(model)
             if held:
                 waited = runtime.total_seconds()
                 if waited < self.ctx.delete_wait_s:
@@ -434,7 +377,7 @@ class ScaledObjects:
                         f"{waited:.0f}s of at most {self.ctx.delete_wait_s:.0f}s"
                     )
                     known.verdict = status_mod.Verdict(False, "Deleting", message)
-                    await self._write_status(known)
+                    await self.status.write(known)
                     await self.recorder.record(ref, "Normal", "WaitingForSlotRelease", message)
                     raise kopf.TemporaryError(message, delay=SLOT_POLL_S)
                 await self.recorder.record(
@@ -444,46 +387,12 @@ class ScaledObjects:
                 )  # fmt: skip
         await self._restore_replicas(plain, ref)
         self.known.pop(key, None)
-        self.rows.pop(key, None)
+        self.status.rows.pop(key, None)
 
     async def on_event(self, body: kopf.Body, type: str | None, **_: Any) -> None:
         if type == "DELETED":
             meta = body.get("metadata", {})
-            self.known.pop(_key(meta.get("namespace", ""), meta.get("name", "")), None)
-
-    async def _model_still_scaled(self, model: str, except_key: str) -> bool:
-        """Whether another ScaledObject's record names `model` (its slots then stay claimed by design)."""
-        try:
-            keys = await self.ctx.scalers.keys()
-        except nats.js.errors.NoKeysError:
-            return False
-        for k in keys:
-            if k == except_key:
-                continue
-            record = await self._read_record(k)
-            if record is not None and record.spec.model == model:
-                return True
-        return False
-
-    async def _held_slots(self, model: str) -> list[str]:
-        try:
-            keys = await self.ctx.slots.keys()
-        except nats.js.errors.NoKeysError:
-            return []
-        held = []
-        for k in keys:
-            if not k.startswith(f"{model}."):
-                continue
-            try:
-                entry = await self.ctx.slots.get(k)
-                if entry.value is None:
-                    continue
-                slot = protocol.decode(entry.value, protocol.SlotRecord)
-            except (nats.js.errors.KeyNotFoundError, BadMessage):
-                continue
-            if slot.model == model and slot.state in HELD_SLOT_STATES:
-                held.append(k)
-        return held
+            self.known.pop(record_key(meta.get("namespace", ""), meta.get("name", "")), None)
 
     async def _restore_replicas(self, body: dict[str, Any], ref: ObjectRef) -> None:
         spec = body.get("spec") or {}
@@ -519,14 +428,7 @@ class ScaledObjects:
 
     async def status_round(self) -> None:
         """One status refresh: ask the autoscaler, patch each changed status, re-check refused objects."""
-        try:
-            rows = await self._ask_status()
-        except (nats.errors.Error, BadMessage, TimeoutError) as err:
-            log.debug("status request failed: %r", err)
-            rows = None
-        if rows is not None:
-            self.rows = {row.key: row for row in rows if row.key}
-            self.rows_at = self.ctx.clock()
+        await self.status.refresh()
         for key, known in list(self.known.items()):
             if known.verdict.reason in RECHECKED_REASONS:
                 meta = known.body["metadata"]
@@ -537,19 +439,7 @@ class ScaledObjects:
             if known.verdict.reason == "Deleting" or key not in self.known:
                 continue
             async with known.lock:
-                await self._write_status(known)
-
-    async def _ask_status(self) -> list[protocol.StatusRow]:
-        command = protocol.StatusCommand(
-            id=uuid.uuid4().hex, expires_at=time.time() + self.ctx.status_timeout_s, by=self.ctx.identity
-        )
-        msg = await self.ctx.nc.request(
-            protocol.cmd_subject("status"), protocol.encode(command), timeout=self.ctx.status_timeout_s
-        )
-        reply = protocol.decode(msg.data, protocol.StatusReply)
-        if not reply.ok:
-            raise BadMessage("internal", f"status refused: {reply.error}")
-        return reply.models
+                await self.status.write(known)
 
     async def on_nats_event(self, event: protocol.Event) -> None:
         posted = EVENT_TYPES_POSTED.get(event.type)

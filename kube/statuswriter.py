@@ -1,0 +1,111 @@
+"""The status subresource of the ScaledObjects: the autoscaler's rows asked each round, composed and patched.
+
+`StatusWriter.refresh` asks the autoscaler for its rows (one ``pulse.cmd.status`` request; a round it does not
+answer keeps the last rows). `StatusWriter.write` composes one object's status from the operator's verdict and its
+row (kube/status.py) and patches the status subresource only when that differs from what the object carries; after
+`SILENT_ROUNDS` unanswered rounds Active and Fallback become Unknown. Active, Fallback and Paused flips become
+Events. The rounds themselves, and which objects are written, are the handlers' (`kube.operator.ScaledObjects`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any, Final, Protocol
+
+import nats.errors
+from kubernetes.client.exceptions import ApiException
+
+from autoscaler.crd import GROUP, PLURAL, VERSION
+from kube import status as status_mod
+from kube.context import OperatorContext
+from kube.events import EventRecorder, ObjectRef
+from kube.records import record_key
+from warmpool import protocol
+from warmpool.errors import BadMessage
+
+__all__ = ["SILENT_ROUNDS", "Described", "StatusWriter"]
+
+SILENT_ROUNDS: Final = 3  # unanswered status rounds before Active/Fallback say the autoscaler is not reporting
+
+log = logging.getLogger("pulsescale.operator")
+
+
+class Described(Protocol):
+    """What one object's status is written from (one of `kube.operator.ScaledObjects.known`): its body, replaced by the
+    patched one, and the operator's verdict on it."""
+
+    body: dict[str, Any]
+
+    @property
+    def verdict(self) -> status_mod.Verdict: ...
+
+
+class StatusWriter:
+    """The autoscaler's rows and the status subresource of one `OperatorContext`'s ScaledObjects; mode flips are
+    Events through `recorder`."""
+
+    def __init__(self, ctx: OperatorContext, recorder: EventRecorder) -> None:
+        self.ctx = ctx
+        self.recorder = recorder
+        self.rows: dict[str, protocol.StatusRow] = {}
+        self.rows_at: float | None = None  # when the autoscaler last answered `status`
+
+    async def refresh(self) -> None:
+        """Asks the autoscaler for its rows and keeps them; a failed request keeps the last ones."""
+        try:
+            rows = await self._ask_status()
+        except (nats.errors.Error, BadMessage, TimeoutError) as err:
+            log.debug("status request failed: %r", err)
+            rows = None
+        if rows is not None:
+            self.rows = {row.key: row for row in rows if row.key}
+            self.rows_at = self.ctx.clock()
+
+    async def _ask_status(self) -> list[protocol.StatusRow]:
+        command = protocol.StatusCommand(
+            id=uuid.uuid4().hex, expires_at=time.time() + self.ctx.status_timeout_s, by=self.ctx.identity
+        )
+        msg = await self.ctx.nc.request(
+            protocol.cmd_subject("status"), protocol.encode(command), timeout=self.ctx.status_timeout_s
+        )
+        reply = protocol.decode(msg.data, protocol.StatusReply)
+        if not reply.ok:
+            raise BadMessage("internal", f"status refused: {reply.error}")
+        return reply.models
+
+    async def write(self, known: Described) -> None:
+        """Composes the status and patches it if it differs from what the object carries; Events for mode flips."""
+        body = known.body
+        meta = body["metadata"]
+        in_force = known.verdict.ready or known.verdict.in_force
+        row = self.rows.get(record_key(meta["namespace"], meta["name"])) if in_force else None
+        now = self.ctx.clock()
+        silent = self.rows_at is not None and now - self.rows_at > SILENT_ROUNDS * self.ctx.status_every_s
+        composed = status_mod.compose(
+            body, known.verdict, row, now, active_window_s=2 * self.ctx.status_every_s,
+            silent_since=self.rows_at if silent else None,
+        )  # fmt: skip
+        current = body.get("status") or {}
+        patch = status_mod.body_of(composed, current)
+        if not status_mod.differs(patch, current):
+            return
+        updated = await self._patch_status(meta["namespace"], meta["name"], patch)
+        if updated is not None:
+            known.body = updated
+            ref = ObjectRef.of(updated)
+            for change in status_mod.mode_changes(current, updated.get("status") or {}):
+                await self.recorder.record(ref, change.event_type, change.reason, change.message)  # type: ignore[arg-type]
+
+    async def _patch_status(self, namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any] | None:
+        try:
+            obj: Any = await self.ctx.call(
+                self.ctx.custom.patch_namespaced_custom_object_status, GROUP, VERSION, namespace, PLURAL, name,
+                {"status": body},
+            )  # fmt: skip
+        except ApiException as err:
+            if err.status == 404:
+                return None  # gone meanwhile
+            raise
+        return dict(obj)
