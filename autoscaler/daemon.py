@@ -171,6 +171,8 @@ class Autoscaler:
         self.subjects_changed = asyncio.Event()
         """The models this replica owns changed: `SampleSubscriptions.follow_subjects` re-subscribes the samples it
         needs."""
+        # The parts below copy the settings they use: `settings` is fixed for the daemon's life (a frozen dataclass;
+        # only what the daemon reads itself, such as the GC's, may be swapped on a live one, as a test does).
         self.overrides = StoredOverrides(
             nc, buckets[protocol.LEASES_BUCKET], store, clock=clock, max_replicas=settings.max_replicas
         )
@@ -294,10 +296,6 @@ class Autoscaler:
         c = self.by_model[model]
         await self.overrides.save(model, override)
         c.set_override(override)
-
-    async def load_overrides(self) -> dict[str, Override]:
-        """The on-call overrides stored in `pulse_leases`, by model (`StoredOverrides.load`)."""
-        return await self.overrides.load()
 
     def status(self, model: str | None) -> list[StatusRow]:
         """Rows of every model this replica knows (all, or `model`), each naming its shard and, as last seen, the

@@ -184,9 +184,10 @@ class SampleIntake:
         if c is None:
             self.metrics.sample("no_scaler").inc()
             return False
-        before = c.scaler.claiming
+        book = c.scaler.book  # per sample: the count itself, not through the scaler's property
+        before = book.claiming
         try:  # the daemon's `_contained`, inline: this runs for every sample
             self.metrics.sample(c.on_sample(sample, now)).inc()
         except Exception:  # noqa: BLE001 - logged with its traceback and counted there
             self.internal_error(f"a sample of {sample.model}")
-        return c.scaler.claiming > before
+        return book.claiming > before

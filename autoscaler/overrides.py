@@ -58,7 +58,8 @@ class StoredOverrides:
     async def save(self, model: str, override: Override | None) -> None:
         """Store the override under the model's key, or (None) delete it: `Autoscaler.set_override`'s write."""
         key = protocol.override_key(model)
-        # Counted before the write: a `take_over` that read the stored overrides before it does not restore them.
+        # Counted before the write: an `Ownership.take_over` that read the stored overrides before it does not
+        # restore them.
         self.writes[model] = self.writes.get(model, 0) + 1
         if override is None:
             with contextlib.suppress(nats.js.errors.KeyNotFoundError):

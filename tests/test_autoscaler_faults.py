@@ -208,7 +208,7 @@ async def test_overrides_are_stored_as_records_and_a_corrupt_one_is_counted(
         rejected = scaler.metrics.registry.get_sample_value
         assert rejected("pulsescale_registry_rejected_records_total", {"reason": "bad_json"}) == 1
         assert rejected("pulsescale_registry_rejected_records_total", {"reason": "subject_mismatch"}) == 1
-        await scaler.load_overrides()  # read again (another shard taken later): the same records, not counted again
+        await scaler.overrides.load()  # read again (another shard taken later): the same records, not counted again
         assert rejected("pulsescale_registry_rejected_records_total", {"reason": "bad_json"}) == 1
 
         held = Override(kind="scale", replicas=2, expires_at=time.time() + 60, by="dave")
@@ -216,7 +216,7 @@ async def test_overrides_are_stored_as_records_and_a_corrupt_one_is_counted(
         stored = protocol.decode((await leases.get(protocol.override_key("m"))).value or b"", OverrideRecord)
         assert stored == OverrideRecord(model="m", override=held)
         await scaler.set_override("m", None)
-        assert await scaler.load_overrides() == {"n": paused}
+        assert await scaler.overrides.load() == {"n": paused}
 
 
 async def test_an_override_is_restored_for_a_scaled_object_seen_after_its_shard_was_taken(
