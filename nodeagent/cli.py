@@ -139,6 +139,14 @@ def _agent_parser(prog: str) -> argparse.ArgumentParser:
         "read-only EROFS image (root + erofs-utils; without them the agent says so and runs without it)",
     )
     p.add_argument("--rootfs-dir", default=str(d.rootfs_dir), help=f"built images and their mounts [{d.rootfs_dir}]")
+    p.add_argument(
+        "--pin-rootfs",
+        action=argparse.BooleanOptionalAction,
+        default=d.rootfs_pin,
+        help="lock the mounted image's pages in memory (mmap + mlock; CAP_IPC_LOCK), so neither memory pressure nor "
+        "a kernel's proactive reclaim evicts them between re-checks; --no-pin-rootfs keeps them warm by re-checks "
+        "alone [on]",
+    )
     p.add_argument("--cleanup", action="store_true", help="unmount this node's rootfs images (--rootfs-dir) and exit")
     p.add_argument(
         "--check",
@@ -248,6 +256,7 @@ def _settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> AgentSett
         log_dir=Path(args.log_dir) if args.log_dir else None,
         image_source=Path(args.image) if args.image else None,
         rootfs_dir=Path(args.rootfs_dir),
+        rootfs_pin=args.pin_rootfs,
         faults=faults,
         model_url=model_url,
         shm_budget_bytes=budget,

@@ -600,7 +600,19 @@ def check_rootfs(node: _Node) -> Check:
         return Check("rootfs", "WARN", f"{a.image} ({kind}) cannot be mounted here: {why}; slots serve without it", why)
     mounted = len(rootfs.ours(Path(a.rootfs_dir)))
     there = f"; {mounted} image(s) mounted under {a.rootfs_dir} now" if mounted else ""
-    return Check("rootfs", "OK", f"{a.image} ({kind}): root, mkfs.erofs and kernel EROFS present{there}")
+    found = f"{a.image} ({kind}): root, mkfs.erofs and kernel EROFS present{there}"
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if a.pin_rootfs and not loaders._has_cap(loaders._CAP_IPC_LOCK) and soft != resource.RLIM_INFINITY:
+        return Check(
+            "rootfs",
+            "WARN",
+            f"{found}; without CAP_IPC_LOCK the image cannot be locked in memory (--pin-rootfs): it is kept warm by "
+            "re-checks alone, and pages the kernel reclaims between them are read from disk",
+            "run the agent with CAP_IPC_LOCK (Kubernetes: securityContext.capabilities.add [IPC_LOCK]) or "
+            "RLIMIT_MEMLOCK unlimited, or pass --no-pin-rootfs to say it is meant",
+        )
+    pinned = "; it is locked in memory once mounted" if a.pin_rootfs else "; not locked in memory (--no-pin-rootfs)"
+    return Check("rootfs", "OK", found + pinned)
 
 
 def check_loader(node: _Node) -> Check:

@@ -51,7 +51,9 @@ class Prewarmer:
         """The stage running now (bytes written of those to write), for the status; None between stages."""
         keeper.on_engine_exit = self._engine_exited
         s = keeper.settings
-        self.rootfs = rootfs.RootfsStage(s.image_source, s.rootfs_dir, min_resident_pct=s.rootfs_min_resident_pct)
+        self.rootfs = rootfs.RootfsStage(
+            s.image_source, s.rootfs_dir, min_resident_pct=s.rootfs_min_resident_pct, pin=s.rootfs_pin
+        )
         """The engines' EROFS rootfs (``--image``): built or found, mounted or reused, and warmed by the prewarm."""
         self._rootfs_lock = asyncio.Lock()
 
@@ -252,12 +254,14 @@ class Prewarmer:
                 log.warning("rootfs: cannot check its page-cache residency: %s", err)
 
     def release(self) -> None:
-        """Unlock and unmap the staged weights (shutdown); the staged files stay for the next start."""
+        """Unlock and unmap the staged weights and the rootfs image (shutdown); the staged files and the image's
+        mount stay for the next start."""
         if self.locked is not None:
             self.locked.release()
             self.locked = None
         if self.keeper.staged is not None:
             self.keeper.staged.close()  # the engines are gone; the files stay, the descriptors need not
+        self.rootfs.unpin()
 
     # --- keeping slots warm --------------------------------------------------------------------------------------
 

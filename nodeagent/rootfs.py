@@ -611,12 +611,20 @@ def cleanup(rootfs_dir: Path) -> list[str]:
 
 class RootfsStage:
     """The prewarm's rootfs stage: build (or find) the image, mount (or reuse) it, warm its pages, and keep them
-    warm. Blocking: the agent runs it in a thread. Without the capability it says why once and does nothing."""
+    warm: with `pin`, locked in memory (`pagecache.pin`), and re-checked before a slot is offered either way.
+    Blocking: the agent runs it in a thread. Without the capability it says why once and does nothing."""
 
-    def __init__(self, source: Path | None, rootfs_dir: Path, *, min_resident_pct: float = 99.0) -> None:
+    def __init__(
+        self, source: Path | None, rootfs_dir: Path, *, min_resident_pct: float = 99.0, pin: bool = False
+    ) -> None:
         self.source = source
         self.rootfs_dir = rootfs_dir
         self.min_resident_pct = min_resident_pct
+        self.pin = pin
+        """Lock the mounted image's pages in memory (`AgentSettings.rootfs_pin`)."""
+        self.pinned: pagecache.Pinned | None = None
+        """The lock on the current image's files; released before that image is unmounted."""
+        self._pinned_at: Path | None = None  # the mountpoint `pinned` maps
         self.rootfs: Rootfs | None = None
         self.reason: str | None = None
         self.resident_pct: float | None = None
@@ -655,6 +663,8 @@ class RootfsStage:
             images_built=self.images_built,
             mounts_reused=self.mounts_reused,
             rewarms=self.rewarms,
+            pinned_bytes=self.pinned.bytes if self.pinned is not None else 0,
+            pin_refused=self.pinned.refused if self.pinned is not None else None,
         )
 
     def _say(self, reason: str) -> None:
@@ -690,11 +700,35 @@ class RootfsStage:
             self.mounts_reused += 1
             log.info("rootfs %s: %s already mounted at %s; reused", self.source, image.digest, rootfs.mountpoint)
         self.rootfs, self.reason, self._said = rootfs, None, None
+        if self._pinned_at is not None and self._pinned_at != rootfs.mountpoint:
+            self.unpin()  # its mappings would hold the old image's files open past the unmount
         for m in ours(self.rootfs_dir):
             if m.mountpoint != rootfs.mountpoint:
                 log.info("rootfs: unmounting %s, no longer this agent's image: %s", m.mountpoint, unmount(m.mountpoint))
         self.ensure_resident()
+        if self.pin and self.pinned is None:
+            self._pin(rootfs)
         return self.status()
+
+    def _pin(self, r: Rootfs) -> None:
+        t0 = time.perf_counter()
+        pinned = pagecache.pin(r.mountpoint)
+        self.pinned, self._pinned_at = pinned, r.mountpoint
+        took = time.perf_counter() - t0
+        if pinned.refused is None:
+            log.info("rootfs %s: %d files (%d bytes) locked in memory in %.2f s", r.digest, pinned.files,
+                     pinned.bytes, took)  # fmt: skip
+        else:
+            # Once per image: the lock is not tried again until the image changes; the re-checks go on.
+            log.warning("rootfs %s: locking it in memory stopped (%s); %d bytes locked, the rest is kept warm by "
+                        "re-checks before each slot is offered (--no-pin-rootfs does not try)", r.digest,
+                        pinned.refused, pinned.bytes)  # fmt: skip
+
+    def unpin(self) -> None:
+        """Unlock the image (idempotent): before it is unmounted, since the lock's mappings hold its files open."""
+        if self.pinned is not None:
+            self.pinned.release()
+        self.pinned, self._pinned_at = None, None
 
     def ensure_resident(self) -> pagecache.Residency | None:
         """Measure the image's residency; re-warm when it is below `min_resident_pct` (what the prewarm does
@@ -719,6 +753,7 @@ class RootfsStage:
 
     def unmount(self) -> None:
         """Give the image up (the pool shrank to no slot)."""
+        self.unpin()
         if self.rootfs is not None:
             log.info("rootfs: unmounting %s: %s", self.rootfs.mountpoint, unmount(self.rootfs.mountpoint))
             self.rootfs = None

@@ -102,6 +102,11 @@ class AgentSettings:
     rootfs_min_resident_pct: float = 99.0
     """Below this share of the image's pages in the page cache a slot is warmed again before it is offered: at
     99 % an activation's imports read (almost) nothing from disk."""
+    rootfs_pin: bool = True
+    """``--no-pin-rootfs`` turns it off. Lock the mounted image's pages in memory (mmap + mlock, as ``vmtouch -l``):
+    a warm image is evicted between re-checks by memory pressure or, on kernels with proactive reclaim (DAMON
+    ``pageout``, as on this project's CI machines), with none, and the next activation reads from disk. Costs the
+    image's size in locked memory (shared with the page cache, not a copy); needs CAP_IPC_LOCK, which root has."""
     # --- staging at scale (issue 9): a URL source, the shm budget, progress ---
     model_url: str | None = None
     """Stage from this http(s) URL base (``<url>/sha256sums.txt``, ``<url>/<file>``: a P2P proxy such as Dragonfly,

@@ -8,11 +8,40 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import resource
+import shutil
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
-__all__ = ["HandClock", "ShiftedClock", "wait_for"]
+__all__ = ["HandClock", "ShiftedClock", "can_lock", "has_ipc_lock", "wait_for", "without_ipc_lock"]
+
+
+def has_ipc_lock() -> bool:
+    """CAP_IPC_LOCK in this process's effective set (bit 14 of CapEff): root in a container may lack it."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> 14 & 1)
+    return False
+
+
+def can_lock(nbytes: int) -> bool:
+    """CAP_IPC_LOCK (root here and in CI) or an RLIMIT_MEMLOCK that covers `nbytes`."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return has_ipc_lock() or soft == resource.RLIM_INFINITY or soft >= nbytes
+
+
+def without_ipc_lock(argv: list[str]) -> list[str] | None:
+    """`argv` run without CAP_IPC_LOCK (so an RLIMIT_MEMLOCK of 0 refuses every lock): as it is where this process
+    lacks it, under ``setpriv`` (util-linux) dropping it where it holds it; None where it holds it and has no
+    setpriv."""
+    if not has_ipc_lock():
+        return argv
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return None
+    return [setpriv, "--bounding-set", "-ipc_lock", "--inh-caps", "-ipc_lock", *argv]
 
 
 async def wait_for(

@@ -4,11 +4,14 @@ a disk-backed filesystem (tmp_path; tmpfs pages cannot be dropped, so a drop the
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from nodeagent import pagecache
+from tests.helpers import can_lock, without_ipc_lock
 
 MiB = 1 << 20
 
@@ -97,26 +100,10 @@ def test_an_empty_set_is_fully_resident(tmp_path: Path) -> None:
     assert pagecache.residency(tmp_path).pct == 100.0
 
 
-def _has_ipc_lock() -> bool:
-    """CAP_IPC_LOCK in this process's effective set (bit 14 of CapEff): root in a container may lack it."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("CapEff:"):
-            return bool(int(line.split()[1], 16) >> 14 & 1)
-    return False
-
-
-def _can_lock(nbytes: int) -> bool:
-    """CAP_IPC_LOCK (root here and in CI) or an RLIMIT_MEMLOCK that covers `nbytes`."""
-    import resource
-
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    return _has_ipc_lock() or soft == resource.RLIM_INFINITY or soft >= nbytes
-
-
 def test_a_pinned_tree_is_read_in_and_stays_resident_through_a_drop_until_released(tree: Path) -> None:
     """What a warm tree cannot promise: pages a drop (or the kernel's own proactive page-out) would evict stay,
     because they are locked; released, they go again."""
-    if not _can_lock(5 * MiB):
+    if not can_lock(5 * MiB):
         pytest.skip("no CAP_IPC_LOCK and RLIMIT_MEMLOCK under 5 MiB: mlock would be refused")
     pinned = pagecache.pin(tree)
     try:
@@ -134,21 +121,16 @@ def test_a_pinned_tree_is_read_in_and_stays_resident_through_a_drop_until_releas
 
 def test_a_refused_lock_says_why_and_pins_nothing_more(tree: Path) -> None:
     """Without CAP_IPC_LOCK and over RLIMIT_MEMLOCK the first lock is refused: said, and the rest not tried."""
-    import shutil
-    import subprocess
-    import sys
 
     code = (
         "import resource, sys; from nodeagent import pagecache\n"
         "resource.setrlimit(resource.RLIMIT_MEMLOCK, (0, 0))\n"
         "p = pagecache.pin(sys.argv[1]); print(p.files, p.bytes, p.refused)\n"
     )
-    argv = [sys.executable, "-c", code, str(tree)]
-    if _has_ipc_lock():  # it locks whatever the limit: the child runs without CAP_IPC_LOCK
-        setpriv = shutil.which("setpriv")
-        if setpriv is None:
-            pytest.skip("CAP_IPC_LOCK held and no setpriv (util-linux) to drop it for the child")
-        argv = [setpriv, "--bounding-set", "-ipc_lock", "--inh-caps", "-ipc_lock", *argv]
+    # With CAP_IPC_LOCK it locks whatever the limit: the child runs without it.
+    argv = without_ipc_lock([sys.executable, "-c", code, str(tree)])
+    if argv is None:
+        pytest.skip("CAP_IPC_LOCK held and no setpriv (util-linux) to drop it for the child")
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, done.stderr
     out = done.stdout.split(maxsplit=2)

@@ -29,6 +29,7 @@ import pytest
 
 from nodeagent import cli, preflight, rootfs
 from nodeagent.preflight import Check
+from tests.helpers import has_ipc_lock, without_ipc_lock
 from tests.nodeagent_helpers import MODEL, NODE, model_dir_fixture, shm_dir_fixture, tiny_source_fixture  # noqa: F401
 from warmpool import connect, protocol
 from warmpool.embedded import NatsServer
@@ -435,9 +436,38 @@ def test_the_rootfs_check_reports_what_the_agent_would(model_dir: Path, tmp_path
     (tmp_path / "image" / "bin").mkdir(parents=True)
     got = preflight.check_rootfs(node_for("--model", str(model_dir), "--image", str(tmp_path / "image")))
     why = rootfs.probe(load_module=False)
-    assert got.status == ("OK" if why is None else "WARN"), got
     if why is not None:
-        assert why in got.value and "slots serve without it" in got.value
+        assert got.status == "WARN" and why in got.value and "slots serve without it" in got.value, got
+        return
+    if has_ipc_lock():
+        assert got.status == "OK" and "locked in memory once mounted" in got.value, got
+    unpinned = preflight.check_rootfs(
+        node_for("--model", str(model_dir), "--image", str(tmp_path / "image"), "--no-pin-rootfs")
+    )
+    assert unpinned.status == "OK" and "not locked in memory (--no-pin-rootfs)" in unpinned.value, unpinned
+
+
+def test_the_rootfs_check_warns_that_an_agent_without_ipc_lock_cannot_lock_the_image(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    why = rootfs.probe(load_module=False)
+    if why is not None:
+        pytest.skip(f"EROFS rootfs: {why}")
+    (tmp_path / "image" / "bin").mkdir(parents=True)
+    code = (
+        "import resource, sys; from nodeagent import cli, preflight\n"
+        "resource.setrlimit(resource.RLIMIT_MEMLOCK, (0, 0))\n"
+        "args = cli._agent_parser('pulsescale agent').parse_args(['--model', sys.argv[1], '--image', sys.argv[2]])\n"
+        "c = preflight.check_rootfs(preflight._Node.from_args(args))\n"
+        "print(c.status, c.value, '|', c.fix)\n"
+    )
+    argv = without_ipc_lock([sys.executable, "-c", code, str(model_dir), str(tmp_path / "image")])
+    if argv is None:
+        pytest.skip("CAP_IPC_LOCK held and no setpriv (util-linux) to drop it for the child")
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("WARN ") and "cannot be locked in memory" in done.stdout, done.stdout
+    assert "IPC_LOCK" in done.stdout.split("|", 1)[1] and "--no-pin-rootfs" in done.stdout, done.stdout
 
 
 @pytest.mark.slow

@@ -27,6 +27,7 @@ import pytest
 from nats.aio.client import Client
 
 from nodeagent import pagecache, rootfs
+from tests.helpers import has_ipc_lock, without_ipc_lock
 from tests.nodeagent_helpers import (  # noqa: F401
     activate,
     completion,
@@ -346,6 +347,74 @@ def test_a_recheck_rewarms_an_image_whose_pages_were_dropped(app_dir: Path, root
     assert stage.rewarms == 1
 
 
+def _mapped_under(where: Path) -> bool:
+    """This process maps a file under `where` (a pin's mappings, /proc/self/maps)."""
+    prefix = f"{where}/"
+    return any(line.split(maxsplit=5)[-1].startswith(prefix) for line in _maps() if len(line.split()) == 6)
+
+
+def _maps() -> list[str]:
+    return Path("/proc/self/maps").read_text().splitlines()
+
+
+@needs_erofs
+def test_a_pinned_image_stays_resident_through_a_drop_and_is_unlocked_before_it_is_unmounted(
+    app_dir: Path, rootfs_dir: Path
+) -> None:
+    if not has_ipc_lock():
+        pytest.skip("no CAP_IPC_LOCK: mlock of the image would be refused")
+    stage = rootfs.RootfsStage(app_dir, rootfs_dir, pin=True)
+    try:
+        st = stage.prepare()
+        assert stage.rootfs is not None and st is not None
+        old = stage.rootfs
+        mnt = old.mountpoint
+        image_bytes = sum(p.stat().st_size for p in pagecache.files_under(mnt))
+        assert st.pinned_bytes == image_bytes > 2 << 20 and st.pin_refused is None
+        assert _mapped_under(mnt)
+        pagecache.drop(mnt)  # what memory pressure or the kernel's proactive reclaim does to a warm image
+        assert pagecache.residency(mnt).pct == 100.0
+        stage.ensure_resident()
+        assert stage.rewarms == 0
+
+        # A new image: the old one's lock goes first, so its unmount is not left lazy and its loop device goes.
+        (app_dir / "app" / "server.py").write_text(SERVER + "# v2\n")
+        st = stage.prepare()
+        assert stage.rootfs is not None and stage.rootfs.mountpoint != mnt and st is not None
+        assert not _mapped_under(mnt) and not mnt.is_mount()
+        assert rootfs.backing_file(old.device) != str(old.image.path)
+        assert st.pinned_bytes > 2 << 20 and _mapped_under(stage.rootfs.mountpoint)
+
+        new = stage.rootfs.mountpoint
+        stage.unmount()  # the pool shrank to no slot
+        assert not _mapped_under(new) and rootfs.ours(rootfs_dir) == []
+        st = stage.status()
+        assert st is not None and st.pinned_bytes == 0
+    finally:
+        stage.unpin()
+
+
+@needs_erofs
+def test_a_stage_without_ipc_lock_says_why_the_image_is_not_locked_and_keeps_it_warm(
+    app_dir: Path, rootfs_dir: Path
+) -> None:
+    code = (
+        "import json, resource, sys; from pathlib import Path; from nodeagent import rootfs\n"
+        "resource.setrlimit(resource.RLIMIT_MEMLOCK, (0, 0))\n"
+        "st = rootfs.RootfsStage(Path(sys.argv[1]), Path(sys.argv[2]), pin=True).prepare()\n"
+        "print(json.dumps([st.mounted, st.resident_pct, st.pinned_bytes, st.pin_refused]))\n"
+    )
+    argv = without_ipc_lock([sys.executable, "-c", code, str(app_dir), str(rootfs_dir)])
+    if argv is None:
+        pytest.skip("CAP_IPC_LOCK held and no setpriv (util-linux) to drop it for the child")
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    mounted, pct, pinned, refused = json.loads(done.stdout)
+    assert mounted and pct >= 99.0 and pinned == 0
+    assert refused.startswith("mlock of ") and "not permitted" in refused
+    assert "locking it in memory stopped" in done.stderr and "--no-pin-rootfs" in done.stderr
+
+
 # --- restart, pool shrink, cleanup ------------------------------------------------------------------------------------
 
 
@@ -412,7 +481,10 @@ async def test_the_agent_mounts_the_image_records_it_on_its_slots_and_reuses_it_
     app_dir: Path,
     rootfs_dir: Path,
 ) -> None:
-    cfg = settings(model_dir, shm_dir, nats_server.url, slots=2, image_source=app_dir, rootfs_dir=rootfs_dir)
+    # Not pinned (--no-pin-rootfs): the re-checks alone keep it warm, which is what this test drops pages under.
+    cfg = settings(
+        model_dir, shm_dir, nats_server.url, slots=2, image_source=app_dir, rootfs_dir=rootfs_dir, rootfs_pin=False
+    )
     async with running_agent(cfg) as (agent, _):
         for slot in ("s0", "s1"):
             rec = await wait_state(store, key(slot), "warm")
@@ -423,7 +495,7 @@ async def test_the_agent_mounts_the_image_records_it_on_its_slots_and_reuses_it_
         st = agent.status().rootfs
         assert st is not None and st.mounted and st.digest == digest and st.mountpoint == str(mnt)
         assert st.resident_pct is not None and st.resident_pct >= 99.0
-        assert st.reason is None
+        assert st.reason is None and (st.pinned_bytes, st.pin_refused) == (0, None)
 
         # Pages evicted under it: a prewarm re-checks and warms them again before the slots are offered.
         pagecache.drop(mnt)
@@ -445,6 +517,33 @@ async def test_the_agent_mounts_the_image_records_it_on_its_slots_and_reuses_it_
         st = agent.status().rootfs  # and said on the wire, where an SRE reads it
         assert st is not None and (st.mounts_reused, st.images_built, st.rewarms) == (1, 0, 0)
     assert len(rootfs.ours(rootfs_dir)) == 1
+
+
+@needs_erofs
+async def test_the_agent_locks_its_image_in_memory_says_so_and_unlocks_it_when_it_stops(
+    nats_server: NatsServer,
+    store: KvSlotStore,
+    model_dir: Path,
+    shm_dir: Path,
+    app_dir: Path,
+    rootfs_dir: Path,
+) -> None:
+    if not has_ipc_lock():
+        pytest.skip("no CAP_IPC_LOCK: mlock of the image would be refused")
+    cfg = settings(model_dir, shm_dir, nats_server.url, slots=1, image_source=app_dir, rootfs_dir=rootfs_dir)
+    assert cfg.rootfs_pin  # the default
+    async with running_agent(cfg) as (agent, _):
+        await wait_state(store, key("s0"), "warm")
+        stage = agent.prewarmer.rootfs
+        assert stage.rootfs is not None
+        mnt = stage.rootfs.mountpoint
+        st = agent.status().rootfs
+        assert st is not None and st.pinned_bytes > 2 << 20 and st.pin_refused is None
+        assert _mapped_under(mnt)
+        pagecache.drop(mnt)
+        assert pagecache.residency(mnt).pct == 100.0
+    assert not _mapped_under(mnt)  # unlocked at the stop ...
+    assert [m.mountpoint for m in rootfs.ours(rootfs_dir)] == [mnt]  # ... and still mounted for the restart
 
 
 SERVE = """\

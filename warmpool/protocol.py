@@ -38,6 +38,8 @@ Revisions of v1 (each only adds fields or tightens a request only our own autosc
   announces itself with a `ReplicaRecord` under ``replica.<identity>``. On-call commands reach any replica, which
   hands a model's command to the replica owning its shard on ``pulse.autoscaler.<identity>.cmd.<verb>``.
   `StatusRow` adds `owner` and `shard`; `StatusReply` adds `replicas` and `missing` (replicas that did not answer).
+- revision 7 (rootfs pinned): `RootfsStatus` adds `pinned_bytes` and `pin_refused`: the agent locks its mounted
+  image's pages in memory (``--pin-rootfs``, on by default) and says how much it holds and why it stopped.
 
 Pure: no I/O, no NATS import; `now` is passed in where time matters.
 """
@@ -165,7 +167,7 @@ __all__ = [
 ]
 
 VERSION: Final = 1
-CONTRACT_REVISION: Final = 6
+CONTRACT_REVISION: Final = 7
 """Revision of wire contract v1 this code speaks (see the module doc for what each revision changed)."""
 MAX_MESSAGE_BYTES: Final = 64 * 1024
 MAX_LEASE_S: Final = 300.0
@@ -1086,6 +1088,12 @@ class RootfsStatus(msgspec.Struct, kw_only=True):
     """Mounts found in place and reused rather than mounted again."""
     rewarms: Count = 0
     """Times the residency re-check found pages dropped and read the image back in."""
+    pinned_bytes: Count = 0
+    """Revision 7: bytes of the image's files this agent holds locked in memory (mmap + mlock); 0: not pinned
+    (``--no-pin-rootfs``, or the lock was refused at the first file)."""
+    pin_refused: str | None = None
+    """Revision 7: why locking the image stopped (no CAP_IPC_LOCK, RLIMIT_MEMLOCK, ...); None: all of it is locked,
+    or pinning is off."""
 
 
 class AgentSlotStatus(msgspec.Struct, kw_only=True):
