@@ -16,7 +16,7 @@ from dataclasses import replace
 from autoscaler import daemon, scaledobject
 from autoscaler.controller import ControllerSettings
 from autoscaler.leader import LeaseSettings
-from warmpool import connect, protocol, registry
+from warmpool import connect, durations, protocol, registry
 
 GC_FREEZE_EVERY_S = 1.0
 """The daemon's `AutoscalerSettings.gc_freeze_every_s` (see there)."""
@@ -61,23 +61,23 @@ def run_autoscaler(argv: list[str], prog: str) -> int:
     p.add_argument("--identity", help="replica name in the shard leases: letters, digits, - and _ [host-pid-random]")
     p.add_argument(
         "--lease",
-        type=float,
+        type=durations.duration_arg(),
         default=LeaseSettings.lease_s,
-        metavar="SECONDS",
+        metavar="DURATION",
         help=f"shard lease: a dead replica's models are taken over after this [{LeaseSettings.lease_s}]",
     )
     p.add_argument(
         "--activation-deadline",
-        type=float,
+        type=durations.duration_arg(),
         default=ControllerSettings.activation_deadline_s,
-        metavar="SECONDS",
+        metavar="DURATION",
         help=f"claim -> ready budget per slot [{ControllerSettings.activation_deadline_s}]",
     )
     p.add_argument(
         "--gc-freeze-every",
-        type=float,
+        type=durations.duration_arg(allow_zero=True),
         default=GC_FREEZE_EVERY_S,
-        metavar="SECONDS",
+        metavar="DURATION",
         help="move long-lived objects out of the cyclic garbage collector's sight this often, so a full "
         f"collection does not stop decisions for ~100 ms at 1,000 models; 0 leaves Python's collector as is "
         f"[{GC_FREEZE_EVERY_S:g}]",

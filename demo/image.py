@@ -154,7 +154,7 @@ def mount_image(source: Path, rootfs_dir: Path) -> MountedImage:
 def release(rootfs_dir: Path) -> list[str]:
     """Unmount every image mounted under `rootfs_dir` and detach the loop devices left on its images (what
     ``pulsescale agent --cleanup`` does), then remove the directory. What was done, one line each."""
-    done = rootfs.cleanup(rootfs_dir)
+    done = [f"{what}: {how}" for what, how in rootfs.cleanup(rootfs_dir)]
     if not rootfs.ours(rootfs_dir) and not rootfs.loops_backed_by(rootfs_dir / "images"):
         shutil.rmtree(rootfs_dir, ignore_errors=True)
     else:

@@ -105,7 +105,8 @@ def _agent_parser(prog: str) -> argparse.ArgumentParser:
         "--engine-cmd",
         metavar="CMDLINE",
         help="command engine: the server's command line (no shell), with {port} {host} {model_dir} {staged_dir} "
-        "{model_name} {slot} placeholders; one standby server per slot",
+        "{model_name} {slot} {rootfs} placeholders ({rootfs}: the mounted --image, empty without one); one standby "
+        "server per slot",
     )
     p.add_argument(
         "--ready-path", default=d.ready_path, help=f"standby server's readiness path (200 = healthy) [{d.ready_path}]"
@@ -147,7 +148,12 @@ def _agent_parser(prog: str) -> argparse.ArgumentParser:
         "a kernel's proactive reclaim evicts them between re-checks; --no-pin-rootfs keeps them warm by re-checks "
         "alone [on]",
     )
-    p.add_argument("--cleanup", action="store_true", help="unmount this node's rootfs images (--rootfs-dir) and exit")
+    p.add_argument(
+        "--cleanup",
+        action="store_true",
+        help="unmount this node's rootfs images (--rootfs-dir) and exit; one in use (a running agent) is left and "
+        "said, exit 1, unless --force unmounts it lazily",
+    )
     p.add_argument(
         "--check",
         action="store_true",
@@ -202,6 +208,13 @@ def _settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> AgentSett
         p.error(f"--engine-cmd is for --engine command, not {args.engine}")
     if not args.ready_path.startswith("/"):
         p.error(f"--ready-path {args.ready_path!r} must start with /")
+    if args.image:
+        from nodeagent import rootfs  # a typo'd path stops the start, as a wrong --model does
+
+        try:
+            rootfs.source_kind(Path(args.image))
+        except rootfs.BadImage as err:
+            p.error(str(err))
     if args.engine_start_timeout_s <= 0:
         p.error("--engine-start-timeout-s must be > 0")
     if args.engine_probe_s < 0:
@@ -287,11 +300,23 @@ def _cleanup(argv: list[str], prog: str) -> int:
     p = argparse.ArgumentParser(prog=f"{prog} --cleanup", description="Unmount this node's rootfs images and exit.")
     p.add_argument("--cleanup", action="store_true")
     p.add_argument("--rootfs-dir", default=str(AgentSettings(node="x", model_dir=Path("."), model_name="x").rootfs_dir))
+    p.add_argument("--force", action="store_true")
     args, _ = p.parse_known_args(argv)  # the rest of an agent command line may follow: it is not needed here
-    done = rootfs.cleanup(Path(args.rootfs_dir))
-    for line in done:
-        print(line)
-    print(f"cleanup: {len(done)} mount(s)/loop device(s) of {args.rootfs_dir} released")
+    done = rootfs.cleanup(Path(args.rootfs_dir), lazy_if_busy=args.force)
+    for what, how in done:
+        print(f"{what}: {how}")
+    counts = {how: sum(h == how for _, h in done) for how in dict.fromkeys(h for _, h in done)}
+    said = ", ".join(f"{n} {how}" for how, n in counts.items()) or "nothing mounted"
+    if any(how in rootfs.LEFT for _, how in done):
+        why = (
+            "in use: stop the agent and its engines first (a running agent keeps its image mounted and locked), "
+            "or --force to unmount lazily (gone when its last user exits)"
+            if not args.force
+            else "still in use: released when its last user (the agent, an engine) exits"
+        )
+        print(f"cleanup of {args.rootfs_dir}: {said}; {why}", file=sys.stderr)
+        return 1
+    print(f"cleanup of {args.rootfs_dir}: {said}")
     return 0
 
 

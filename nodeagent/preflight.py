@@ -43,7 +43,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final, Literal, NoReturn
 
-from nodeagent import fetch, forked, rootfs, served, staging, tinymodel
+from nodeagent import fetch, forked, pagecache, rootfs, served, staging, tinymodel
 from nodeagent.engine import cudaplan, loaders
 from nodeagent.engine.zygote import drop_privileges
 from nodeagent.errors import BadModel, BadWeights, EngineFailed, LoaderUnavailable, StagingFailed, UnsafeStagingDir
@@ -194,9 +194,16 @@ def check_flags(validate: Callable[[], object]) -> Check:
 
 def check_privileges() -> Check:
     uid = os.geteuid()
-    if uid == 0:
-        return Check("privileges", "OK", "root (uid 0): locks the weights, mounts images, drops engines to a user")
     cap = loaders._has_cap(loaders._CAP_IPC_LOCK)
+    if uid == 0:
+        if cap:
+            return Check("privileges", "OK", "root (uid 0): locks the weights, mounts images, drops engines to a user")
+        return Check(
+            "privileges",
+            "OK",
+            "root (uid 0) without CAP_IPC_LOCK: mounts images and drops engines to a user; locks only within "
+            "RLIMIT_MEMLOCK (see memlock)",
+        )
     return Check(
         "privileges",
         "WARN",
@@ -602,17 +609,26 @@ def check_rootfs(node: _Node) -> Check:
     there = f"; {mounted} image(s) mounted under {a.rootfs_dir} now" if mounted else ""
     found = f"{a.image} ({kind}): root, mkfs.erofs and kernel EROFS present{there}"
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    if a.pin_rootfs and not loaders._has_cap(loaders._CAP_IPC_LOCK) and soft != resource.RLIM_INFINITY:
+    limited = soft != resource.RLIM_INFINITY and soft < _source_bytes(Path(a.image))  # the image is about its size
+    if a.pin_rootfs and not loaders._has_cap(loaders._CAP_IPC_LOCK) and limited:
         return Check(
             "rootfs",
             "WARN",
-            f"{found}; without CAP_IPC_LOCK the image cannot be locked in memory (--pin-rootfs): it is kept warm by "
-            "re-checks alone, and pages the kernel reclaims between them are read from disk",
+            f"{found}; without CAP_IPC_LOCK, and with RLIMIT_MEMLOCK {_size(soft)} under the image's "
+            f"~{_size(_source_bytes(Path(a.image)))}, the image cannot be locked in memory (--pin-rootfs): it is "
+            "kept warm by re-checks alone, and pages the kernel reclaims between them are read from disk",
             "run the agent with CAP_IPC_LOCK (Kubernetes: securityContext.capabilities.add [IPC_LOCK]) or "
             "RLIMIT_MEMLOCK unlimited, or pass --no-pin-rootfs to say it is meant",
         )
     pinned = "; it is locked in memory once mounted" if a.pin_rootfs else "; not locked in memory (--no-pin-rootfs)"
     return Check("rootfs", "OK", found + pinned)
+
+
+def _source_bytes(source: Path) -> int:
+    """About what the built image holds: the tarball's size, or the sum of the directory's regular files."""
+    if source.is_file():
+        return source.stat().st_size
+    return sum(p.stat().st_size for p in pagecache.files_under(source))
 
 
 def check_loader(node: _Node) -> Check:
@@ -768,10 +784,11 @@ def check_metrics(node: _Node) -> Check:
         return Check("metrics", "OK", "off (--metrics-port -1)")
     where = f"{a.metrics_host}:{a.metrics_port or 'any free port'}"
     if a.metrics_port and not _port_free(a.metrics_host, a.metrics_port):
+        # A FAIL, not a WARN: the agent exits 1 at start when it cannot bind it.
         return Check(
             "metrics",
-            "WARN",
-            f"{where} in use now (an agent already running here?): a start would fail",
+            "FAIL",
+            f"{where} in use now (an agent already running here?): a start would exit 1",
             "another --metrics-port (0 = any free), or stop what holds it",
         )
     if a.metrics_host in _ALL_INTERFACES:

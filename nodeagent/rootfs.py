@@ -55,7 +55,7 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Literal
+from typing import IO, Final, Literal
 
 from nodeagent import pagecache
 from warmpool.errors import PulsescaleError
@@ -594,15 +594,27 @@ def ours(rootfs_dir: Path) -> list[Mount]:
     return [m for m in mounts() if m.mountpoint.parent == base and m.fstype == "erofs"]
 
 
-def cleanup(rootfs_dir: Path) -> list[str]:
+LEFT: Final = ("busy", "lazy", "still attached")
+"""`cleanup` outcomes that leave something in place (or in use until its last user exits)."""
+
+
+def cleanup(rootfs_dir: Path, *, lazy_if_busy: bool = True) -> list[tuple[str, str]]:
     """Unmount every image of ours and detach the loop devices left on them (``pulsescale agent --cleanup``);
-    what was done, one line each."""
-    done = []
+    (what, outcome) for each, as found afterwards: ``unmounted``; ``lazy`` (still in use: gone from the tree, the
+    mount and its loop device go when the last user exits); ``busy`` (in use and, without `lazy_if_busy`, left
+    mounted); ``detached``; ``still attached`` (a loop device in use)."""
+    done: list[tuple[str, str]] = []
     for m in ours(rootfs_dir):
-        done.append(f"{m.mountpoint}: {unmount(m.mountpoint)} ({m.source})")
+        try:
+            how = unmount(m.mountpoint, lazy_if_busy=lazy_if_busy)
+        except RootfsUnavailable:
+            how = "busy"
+        done.append((f"{m.mountpoint} ({m.source})", how))
+    if any(how == "busy" for _, how in done):
+        return done  # its loop device serves the mount left in place
     for dev in loops_backed_by(rootfs_dir / "images"):
         _detach(dev)
-        done.append(f"{dev}: detached")
+        done.append((dev, "detached" if backing_file(dev) is None else "still attached"))
     return done
 
 

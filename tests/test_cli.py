@@ -142,6 +142,9 @@ def test_daemons_take_durations_and_refuse_bad_ones_by_flag() -> None:
     assert r.returncode == 2 and "argument --timeout-s: '1d' is not a duration" in r.stderr and "write 24h" in r.stderr
     r = pulsescale("agent", "--model", ".", "--node", "n", "--lease-s=-3s")
     assert r.returncode == 2 and "argument --lease-s: '-3s' is not a duration" in r.stderr
+    for flag in ("--lease", "--activation-deadline", "--gc-freeze-every", "--nats-connect-timeout"):
+        r = pulsescale("autoscaler", flag, "soon")
+        assert r.returncode == 2 and f"argument {flag}: 'soon' is not a duration" in r.stderr, r.stderr
 
 
 def test_crd_prints_its_object_as_json_or_yaml() -> None:

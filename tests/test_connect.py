@@ -58,12 +58,15 @@ def test_connect_timeout_from_flag_or_environment(capsys: pytest.CaptureFixture[
     assert parse([], {}).connect_deadline_s == connect.DEFAULT_CONNECT_DEADLINE_S == 5.0
     assert parse([], env).connect_deadline_s == 0.5
     assert parse(["--nats-connect-timeout", "12"], env).connect_deadline_s == 12.0
-    with pytest.raises(NatsUnavailable, match="PULSESCALE_NATS_CONNECT_TIMEOUT: 'soon' is not a number of seconds"):
+    assert parse(["--nats-connect-timeout", "5s"], env).connect_deadline_s == 5.0  # a duration, as everywhere
+    assert parse([], {"PULSESCALE_NATS_CONNECT_TIMEOUT": "1500ms"}).connect_deadline_s == 1.5
+    with pytest.raises(NatsUnavailable, match="PULSESCALE_NATS_CONNECT_TIMEOUT: 'soon' is not a duration"):
         parse([], {"PULSESCALE_NATS_CONNECT_TIMEOUT": "soon"})
-    for bad in ("0", "-1", "nan", "inf", "5s"):
+    for bad in ("0", "-1", "nan", "inf", "5 parsecs"):
         with pytest.raises(SystemExit):
             parse(["--nats-connect-timeout", bad], {})
-        assert f"argument --nats-connect-timeout: '{bad}' is not a number of seconds > 0" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert f"argument --nats-connect-timeout: '{bad}' is" in err and "500ms, 90s" in err, err
 
 
 async def test_unreachable_server_is_reported_quickly() -> None:

@@ -122,6 +122,11 @@ def test_agent_refuses_bad_arguments_with_reasons(model_dir: Path, tmp_path: Pat
     assert r.returncode == 2 and ("cannot run on this node" in r.stderr or "computes on the CPU" in r.stderr)
     r = pulsescale("agent", "--node", "n1", "--model", str(tmp_path / "nope"))
     assert r.returncode == 2 and "not a directory" in r.stderr
+    r = pulsescale("agent", "--node", "n1", "--model", str(model_dir), "--image", str(tmp_path / "no-image"))
+    assert r.returncode == 2 and "--image" in r.stderr and "no such directory or file" in r.stderr, r.stderr
+    (tmp_path / "notes.txt").write_text("not an image")
+    r = pulsescale("agent", "--node", "n1", "--model", str(model_dir), "--image", str(tmp_path / "notes.txt"))
+    assert r.returncode == 2 and "not a directory and not a readable tarball" in r.stderr, r.stderr
     r = pulsescale("agent", "--node", "N.1", "--model", str(model_dir))
     assert r.returncode == 2 and "node name" in r.stderr
     bad = tmp_path / "Bad.Name"

@@ -416,6 +416,17 @@ def test_metrics_on_every_interface_warn(model_dir: Path) -> None:
     assert preflight.check_metrics(node_for("--model", str(model_dir), "--metrics-port", "0")).status == "OK"
 
 
+def test_a_metrics_port_in_use_fails_the_check_as_it_fails_the_start(model_dir: Path) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        got = preflight.check_metrics(
+            node_for("--model", str(model_dir), "--metrics-host", "127.0.0.1", "--metrics-port", str(port))
+        )
+    assert got.status == "FAIL" and "in use now" in got.value and "--metrics-port" in got.fix, got
+
+
 def test_a_gpu_loader_asked_for_where_it_cannot_run_fails_with_the_reason(model_dir: Path) -> None:
     from nodeagent.engine import loaders
 
@@ -447,26 +458,32 @@ def test_the_rootfs_check_reports_what_the_agent_would(model_dir: Path, tmp_path
     assert unpinned.status == "OK" and "not locked in memory (--no-pin-rootfs)" in unpinned.value, unpinned
 
 
-def test_the_rootfs_check_warns_that_an_agent_without_ipc_lock_cannot_lock_the_image(
-    model_dir: Path, tmp_path: Path
+@pytest.mark.parametrize("limit", [0, 1 << 20])
+def test_without_ipc_lock_the_rootfs_check_warns_only_when_the_memlock_limit_is_under_the_image(
+    model_dir: Path, tmp_path: Path, limit: int
 ) -> None:
     why = rootfs.probe(load_module=False)
     if why is not None:
         pytest.skip(f"EROFS rootfs: {why}")
     (tmp_path / "image" / "bin").mkdir(parents=True)
+    (tmp_path / "image" / "bin" / "tool").write_bytes(b"x" * 100_000)  # over a limit of 0, under 1 MiB
     code = (
         "import resource, sys; from nodeagent import cli, preflight\n"
-        "resource.setrlimit(resource.RLIMIT_MEMLOCK, (0, 0))\n"
+        "resource.setrlimit(resource.RLIMIT_MEMLOCK, (int(sys.argv[3]), int(sys.argv[3])))\n"
         "args = cli._agent_parser('pulsescale agent').parse_args(['--model', sys.argv[1], '--image', sys.argv[2]])\n"
         "c = preflight.check_rootfs(preflight._Node.from_args(args))\n"
         "print(c.status, c.value, '|', c.fix)\n"
     )
-    argv = without_ipc_lock([sys.executable, "-c", code, str(model_dir), str(tmp_path / "image")])
+    argv = without_ipc_lock([sys.executable, "-c", code, str(model_dir), str(tmp_path / "image"), str(limit)])
     if argv is None:
         pytest.skip("CAP_IPC_LOCK held and no setpriv (util-linux) to drop it for the child")
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, done.stderr
+    if limit:
+        assert done.stdout.startswith("OK ") and "locked in memory once mounted" in done.stdout, done.stdout
+        return
     assert done.stdout.startswith("WARN ") and "cannot be locked in memory" in done.stdout, done.stdout
+    assert "RLIMIT_MEMLOCK 0" in done.stdout and "~97.7 KiB" in done.stdout, done.stdout
     assert "IPC_LOCK" in done.stdout.split("|", 1)[1] and "--no-pin-rootfs" in done.stdout, done.stdout
 
 

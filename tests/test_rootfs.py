@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -452,20 +453,46 @@ def test_cleanup_cli_unmounts_our_images_and_leaves_no_loop_device(
     rootfs.RootfsStage(app_dir, rootfs_dir).prepare()
     rootfs.RootfsStage(_docker_save(tmp_path / "img.tar"), rootfs_dir / "other").prepare()
     assert len(rootfs.ours(rootfs_dir)) == 1
-    out = subprocess.run(
-        [sys.executable, "-m", "pulsescale", "agent", "--cleanup", "--rootfs-dir", str(rootfs_dir)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    out = _cleanup_cli(rootfs_dir)
     assert out.returncode == 0, out.stderr
-    assert "unmounted" in out.stdout
+    assert ": unmounted" in out.stdout and f"cleanup of {rootfs_dir}: 1 unmounted" in out.stdout, out.stdout
     assert rootfs.ours(rootfs_dir) == []
     losetup = subprocess.run(["losetup", "-a"], capture_output=True, text=True, check=True).stdout
     assert str(rootfs_dir / "images") not in losetup
     assert len(rootfs.ours(rootfs_dir / "other")) == 1  # another rootfs dir is not ours to clean
     assert str(rootfs_dir / "other" / "images") in losetup
+
+
+def _cleanup_cli(rootfs_dir: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "pulsescale", "agent", "--cleanup", "--rootfs-dir", str(rootfs_dir), *flags]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+
+
+@needs_erofs
+def test_cleanup_leaves_an_image_in_use_mounted_and_says_so_unless_forced(app_dir: Path, rootfs_dir: Path) -> None:
+    if not has_ipc_lock():
+        pytest.skip("no CAP_IPC_LOCK: the lock that keeps the image in use here would be refused")
+    stage = rootfs.RootfsStage(app_dir, rootfs_dir, pin=True)  # in use, as a running agent's image is
+    try:
+        stage.prepare()
+        assert stage.rootfs is not None
+        mnt = stage.rootfs.mountpoint
+        out = _cleanup_cli(rootfs_dir)
+        assert out.returncode == 1 and f"{mnt} " in out.stdout and ": busy" in out.stdout, out
+        assert "in use: stop the agent" in out.stderr and "--force" in out.stderr, out.stderr
+        assert mnt.is_mount() and rootfs.loops_backed_by(rootfs_dir / "images")  # left as it was, serving
+        assert (mnt / "app" / "server.py").read_text() == SERVER
+        forced = _cleanup_cli(rootfs_dir, "--force")
+        assert forced.returncode == 1 and ": lazy" in forced.stdout and "still in use" in forced.stderr, forced
+        assert not mnt.is_mount()
+    finally:
+        stage.unpin()
+    # Its last user gone, the kernel lets the lazily unmounted image and its loop device go.
+    for _ in range(50):
+        if not rootfs.loops_backed_by(rootfs_dir / "images"):
+            break
+        time.sleep(0.1)
+    assert rootfs.loops_backed_by(rootfs_dir / "images") == []
 
 
 # --- the agent ------------------------------------------------------------------------------------------------------

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import math
 import os
 import re
 import ssl
@@ -35,7 +34,7 @@ from typing import Any, Final, Literal, TypeVar
 import nats
 from nats.aio.client import Client
 
-from warmpool import natsauth
+from warmpool import durations, natsauth
 from warmpool.errors import NatsUnavailable, PermissionDenied
 
 __all__ = [
@@ -118,14 +117,8 @@ _TEXT_OPTIONS: Final = (  # NatsOptions field, argparse dest, environment variab
 )
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
-    return value
+_seconds = durations.duration_arg()
+"""A duration > 0 (``5s``, ``500ms``, plain seconds), as every other timeout flag reads one."""
 
 
 def add_nats_arguments(parser: argparse.ArgumentParser) -> None:
@@ -144,8 +137,8 @@ def add_nats_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--nats-connect-timeout",
         type=_seconds,
-        metavar="SECONDS",
-        help=f"give up on an unreachable server after this long [${_CONNECT_TIMEOUT_ENV} or "
+        metavar="DURATION",
+        help=f"give up on an unreachable server after this long (5s, 500ms) [${_CONNECT_TIMEOUT_ENV} or "
         f"{DEFAULT_CONNECT_DEADLINE_S:g}]",
     )
 
