@@ -37,7 +37,12 @@ from warmpool.protocol import (
 )
 from warmpool.registry import KvSlotStore
 
-__all__ = ["Verbs"]
+__all__ = ["Verbs", "replicas_text"]
+
+
+def replicas_text(n: int) -> str:
+    """``1 replica``, ``0 replicas``, ``3 replicas``: the count as the replies and the CLI print it."""
+    return f"{n} replica" if n == 1 else f"{n} replicas"
 
 
 class Verbs:
@@ -109,14 +114,15 @@ class Verbs:
         if replicas > cap:
             raise Refused(
                 "out_of_bounds",
-                f"{verb} {model} to {replicas} replicas is over this autoscaler's limit of {cap} replicas per model; "
-                f"raise it with `pulsescale autoscaler --max-replicas N` (or ${scaledobject.MAX_REPLICAS_ENV})",
+                f"{verb} {model} to {replicas_text(replicas)} is over this autoscaler's limit of "
+                f"{replicas_text(cap)} per model; raise it with `pulsescale autoscaler --max-replicas N` "
+                f"(or ${scaledobject.MAX_REPLICAS_ENV})",
             )
         lo, hi = spec.min_replica_count, spec.max_replica_count
         if not lo <= replicas <= hi:
             raise Refused(
                 "out_of_bounds",
-                f"{verb} {model} to {replicas} replicas is outside its ScaledObject's "
+                f"{verb} {model} to {replicas_text(replicas)} is outside its ScaledObject's "
                 f"[minReplicaCount, maxReplicaCount] = [{lo}, {hi}]",
             )
 
@@ -148,6 +154,8 @@ class Verbs:
                     reason=r.reason,
                     engine=r.engine,
                     engine_mode=r.engine_mode,
+                    rootfs_mounted=r.rootfs_mounted,
+                    image_digest=r.image_digest,
                 )
             )
             counts.setdefault(r.model, Counter())[r.state] += 1

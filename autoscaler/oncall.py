@@ -34,6 +34,7 @@ from nats.aio.client import Client
 
 from autoscaler import scaledobject
 from autoscaler.commands import MAX_OVERRIDE_S
+from autoscaler.commandverbs import replicas_text
 from warmpool import buckets, durations, protocol
 from warmpool import connect as nats_connect
 from warmpool import output as out
@@ -72,6 +73,7 @@ __all__ = [
     "parser",
     "pause",
     "pool",
+    "replicas_text",
     "request",
     "resume",
     "scale",
@@ -208,7 +210,8 @@ async def request(nc: Client, verb: str, build: Build, reply_type: type[R], args
     except nats.errors.NoRespondersError:
         raise CommandFailed(
             f"no autoscaler is answering on {subject} (is `pulsescale autoscaler` running and connected to the "
-            "same NATS? only the leader answers; during a failover retry in a few seconds)",
+            "same NATS? any replica that holds a shard answers and hands the command to the model's owner; while "
+            "none holds one, as during a failover, retry in a few seconds)",
             EXIT_NO_RESPONDERS,
         ) from None
     except nats.errors.TimeoutError:
@@ -302,7 +305,7 @@ def scale(argv: list[str], prog: str) -> int:
         until = o.expires_at if o is not None else None
         when = f" until {durations.rfc3339(until)} ({format_duration(args.for_s)})" if until else ""
         replicas = o.replicas if o is not None and o.replicas is not None else args.replicas
-        print(f"{args.model} held at {replicas} replicas{when} by {o.by if o is not None else '?'}")
+        print(f"{args.model} held at {replicas_text(replicas)}{when} by {o.by if o is not None else '?'}")
 
     return _run(prog, args, "scale", build, OverrideReply, show)
 
@@ -317,7 +320,7 @@ def pause(argv: list[str], prog: str) -> int:
         return PauseCommand(**envelope, model=args.model, replicas=args.replicas)
 
     def show(_: OverrideReply) -> None:
-        at = f"at {args.replicas} replicas" if args.replicas is not None else "at its current count"
+        at = f"at {replicas_text(args.replicas)}" if args.replicas is not None else "at its current count"
         print(f"{args.model} paused {at}; `pulsescale resume {args.model}` hands it back to the policy")
 
     return _run(prog, args, "pause", build, OverrideReply, show)

@@ -271,17 +271,26 @@ def _as_list(items: list[Any]) -> dict[str, Any]:
 # --- slots and models ---------------------------------------------------------------------------------------
 
 
+def short_digest(digest: str | None) -> str:
+    """A content digest as a table cell: its algorithm and first 12 hex digits (``sha256:0123456789ab``), or ``-``."""
+    if not digest:
+        return "-"
+    algo, sep, hexes = digest.partition(":")
+    return f"{algo}:{hexes[:12]}" if sep else digest[:12]
+
+
 def slot_rows(slots: Sequence[PoolSlot], *, wide: bool) -> tuple[list[str], list[list[str]]]:
     header = ["NAME", "MODEL", "NODE", "STATE", "AGENT", "RESIDENT", "ENDPOINT"]
     if wide:
-        header += ["RACK", "ENGINE", "ROOTFS", "REASON"]
+        header += ["RACK", "ENGINE", "ROOTFS", "IMAGE", "REASON"]
     table = []
     for s in slots:
         state = s.state + (",drain" if s.drain and s.state != "draining" else "")
         cells = [s.key, s.model, s.node, state, s.agent, "yes" if s.resident else "no", s.endpoint or "-"]
         if wide:
             engine = "/".join(x for x in (s.engine, s.engine_mode) if x) or "-"
-            cells += [s.rack or "-", engine, "mounted" if s.rootfs_mounted else "-", s.reason or "-"]
+            rootfs = "mounted" if s.rootfs_mounted else "-"
+            cells += [s.rack or "-", engine, rootfs, short_digest(s.image_digest), s.reason or "-"]
         table.append(cells)
     return header, table
 
@@ -481,7 +490,7 @@ def _decision_lines(row: StatusRow, now: float) -> list[str]:
 
 def _pause_text(rec: ScalerRecord, row: StatusRow | None) -> list[tuple[str, Any]]:
     if rec.paused_replicas is not None:
-        paused = f"true, at {rec.paused_replicas} replicas"
+        paused = f"true, at {oncall.replicas_text(rec.paused_replicas)}"
     elif rec.paused:
         paused = "true, at the current count"
     else:
@@ -541,7 +550,7 @@ def describe_scaledobject(rec: ScalerRecord, row: StatusRow | None, status_known
     o = row.override
     override = None
     if o is not None:
-        held = f"{o.replicas} replicas" if o.replicas is not None else "the current count"
+        held = oncall.replicas_text(o.replicas) if o.replicas is not None else "the current count"
         until = f" until {_when(o.expires_at, now)}" if o.expires_at is not None else " until resumed"
         override = f"{o.kind} at {held}{until}" + (f" by {o.by}" if o.by else "")
     lines += _fields(

@@ -281,7 +281,7 @@ async def test_pool_lists_slots_with_agent_freshness(nc: Client, service: Comman
         "reason": None,
         "engine": None,
         "engine_mode": None,
-        "rootfs_mounted": False,
+        "rootfs_mounted": True,  # as seeded: the slot record's, copied (revision 4)
         "image_digest": None,
     }
     assert by_key["llama.old-0.s0"]["agent"] == "stale"

@@ -23,7 +23,7 @@ from warmpool import cli as warmpool_cli
 from warmpool import connect as nats_connect
 from warmpool import durations, protocol
 from warmpool.embedded import NatsServer, free_port
-from warmpool.protocol import AuditRecord, DecisionRow, Override, ReplicaRecord, StatusRow
+from warmpool.protocol import AuditRecord, DecisionRow, Override, ReplicaRecord, SlotRecord, StatusRow
 from warmpool.registry import KvSlotStore
 from warmpool.seed import seed_pool
 
@@ -245,6 +245,18 @@ async def test_pause_resume_round_trip(cli, service: CommandService, control: Co
     ]
 
 
+async def test_one_replica_is_singular(cli, service: CommandService, control: ControlPlaneDouble) -> None:  # type: ignore[no-untyped-def]
+    code, out, _ = await cli("scale", "qwen", "--replicas", "1", "--for", "10m")
+    assert code == 0 and out.startswith("qwen held at 1 replica until ")
+    code, out, _ = await cli("pause", "llama", "--replicas", "1")
+    assert code == 0 and out == "llama paused at 1 replica; `pulsescale resume llama` hands it back to the policy\n"
+    control.specs["qwen"] = make_spec("qwen", 2, 8)
+    code, _, err = await cli("scale", "qwen", "--replicas", "1")
+    assert code == oncall.EXIT_REFUSED
+    assert err.startswith("pulsescale scale: out_of_bounds: scale qwen to 1 replica is outside its ScaledObject's")
+    assert [oncall.replicas_text(n) for n in (0, 1, 2)] == ["0 replicas", "1 replica", "2 replicas"]
+
+
 async def test_refusals_print_code_and_message(cli, service: CommandService, control: ControlPlaneDouble) -> None:  # type: ignore[no-untyped-def]
     code, out, err = await cli("scale", "mistral", "--replicas", "2")
     assert code == oncall.EXIT_REFUSED and out == ""
@@ -293,6 +305,48 @@ async def test_pool_groups_slots_by_model(cli, service: CommandService) -> None:
     assert code == 0 and json.loads(out)["counts"] == {"qwen": {"draining": 2, "warm": 2}}
 
 
+async def test_pool_get_wide_and_describe_show_the_slots_rootfs(
+    cli, service: CommandService, store: KvSlotStore
+) -> None:  # type: ignore[no-untyped-def]
+    """A slot whose agent mounted an EROFS rootfs (revision 4): the pool reply carries `rootfs_mounted` and
+    `image_digest` as the slot record has them, and `get slots -o wide` and `describe slot` show them."""
+    digest = "sha256:" + "0123456789abcdef" * 4
+    key = "qwen.node-9.s0"
+    await store.register(
+        SlotRecord(
+            model="qwen",
+            node="node-9",
+            slot="s0",
+            state="warm",
+            rack="rack-0",
+            weights_resident=True,
+            rootfs_mounted=True,
+            image_digest=digest,
+            updated_at=store.clock(),
+        )
+    )
+    code, out, err = await cli("pool", "qwen", "--json")
+    assert (code, err) == (0, "")
+    slot = {s["key"]: s for s in json.loads(out)["slots"]}[key]
+    assert (slot["rootfs_mounted"], slot["image_digest"]) == (True, digest)
+
+    code, out, err = await cli("get", "slots", key, "-o", "wide")
+    assert (code, err) == (0, "")
+    header, cells = (line.split() for line in out.splitlines())
+    assert header[7:] == ["RACK", "ENGINE", "ROOTFS", "IMAGE", "REASON"]
+    assert dict(zip(header, cells, strict=True))["ROOTFS"] == "mounted"
+    assert dict(zip(header, cells, strict=True))["IMAGE"] == "sha256:0123456789ab"  # the digest, shortened
+    code, out, _ = await cli("get", "slots", "qwen.node-0.s0", "-o", "wide")  # seeded: mounted, no digest known
+    header, cells = (line.split() for line in out.splitlines())
+    assert code == 0 and cells[header.index("ROOTFS") :][:2] == ["mounted", "-"]
+
+    code, out, err = await cli("describe", "slot", key)
+    assert (code, err) == (0, "")
+    lines = [line.split() for line in out.splitlines()]
+    assert ["Rootfs", "mounted:", "True"] in lines
+    assert ["Image", "digest:", digest] in lines
+
+
 async def test_drain_undrain_round_trip(cli, service: CommandService, store: KvSlotStore) -> None:  # type: ignore[no-untyped-def]
     code, out, _ = await cli("drain", "node-0")
     assert code == 0 and out == "node-0 drained: 2 slot(s) changed\n  qwen.node-0.s0\n  qwen.node-0.s1\n"
@@ -323,9 +377,10 @@ async def test_every_cli_command_is_audited(cli, service: CommandService, nc: Cl
 async def test_no_autoscaler_is_no_responders_not_a_timeout(cli, nc: Client) -> None:  # type: ignore[no-untyped-def]
     code, out, err = await cli("scale", "qwen", "--replicas", "2", "--timeout", "3")
     assert code == oncall.EXIT_NO_RESPONDERS == 3 and out == ""
-    assert err.startswith(
+    assert err == (
         "pulsescale scale: no autoscaler is answering on pulse.cmd.scale (is `pulsescale autoscaler` running and "
-        "connected to the same NATS?"
+        "connected to the same NATS? any replica that holds a shard answers and hands the command to the model's "
+        "owner; while none holds one, as during a failover, retry in a few seconds)\n"
     )
 
 
