@@ -3,7 +3,8 @@
 `on_activate` takes the slot's lock by the request's deadline, checks the claim against the registry (the slot's
 record comes from the registry watch, so the check usually costs no read), writes `activating` by compare-and-set
 (the fencing check proper: it succeeds only for the claim's own token), starts the armed zygote's engine, checks
-readiness (``GET /health`` and one real completion) and writes `ready` with the endpoint, as the claim's holder.
+readiness (``GET`` of its health path, `Started.health_path`, and one real completion) and writes `ready` with
+the endpoint, as the claim's holder.
 The reply carries the stage timings. The activation path does no work that can be done before: the zygote has
 imported everything and the weights are staged, verified and locked (`prewarm`).
 
@@ -168,7 +169,11 @@ class Activator:
                     t_engine = time.perf_counter()
                     stage = "readiness"
                     await readiness.check(
-                        self.session, started.endpoint, k.settings.model_name, timeout_s=req.deadline - time.time()
+                        self.session,
+                        started.endpoint,
+                        k.settings.model_name,
+                        timeout_s=req.deadline - time.time(),
+                        health_path=started.health_path,
                     )
                     t_ready = time.perf_counter()
             except TimeoutError:

@@ -227,17 +227,20 @@ class Agent:
     # --- liveness of serving engines ------------------------------------------------------------------------------
 
     async def liveness_loop(self) -> None:
-        """``GET /health`` of every serving engine every `engine_probe_interval_s`; after `engine_probe_failures`
-        failures in a row under the same claim the engine is stopped and its claim failed (`_unresponsive`). A
-        process exit is noticed at once by its adapter; this is for one that is alive and does not answer (stopped
-        with SIGSTOP by another process of the engine user, or wedged). Off the activation path: only slots that
-        are `ready` under a claim are probed, and a slot whose lock is held (deactivating) is skipped."""
+        """``GET`` of every serving engine's health path (`Started.health_path`: /health, or a standby server's
+        ``--ready-path``) every `engine_probe_interval_s`; after `engine_probe_failures` failures in a row under
+        the same claim the engine is stopped and its claim failed (`_unresponsive`). A process exit is noticed at
+        once by its adapter; this is for one that is alive and does not answer (stopped with SIGSTOP by another
+        process of the engine user, or wedged). Off the activation path: only slots that are `ready` under a claim
+        are probed, and a slot whose lock is held (deactivating) is skipped."""
         s = self.settings
         misses: dict[str, tuple[Active, int]] = {}
         while True:
             await asyncio.sleep(s.engine_probe_interval_s)
             serving = [(x, x.active) for x in self.slots.values() if x.active is not None and not x.lock.locked()]
-            results = await asyncio.gather(*(self._probe(a.started.endpoint) for _, a in serving))
+            results = await asyncio.gather(
+                *(self._probe(a.started.endpoint, a.started.health_path) for _, a in serving)
+            )
             for (slot, active), why in zip(serving, results, strict=True):
                 if why is None or slot.active is not active:
                     misses.pop(slot.name, None)
@@ -250,18 +253,18 @@ class Agent:
                     reason = f"engine unresponsive: {n} liveness probes in a row failed, last: {why}"
                     self.keeper.spawn(self._unresponsive(slot, active, reason), name=f"unresponsive-{slot.name}")
 
-    async def _probe(self, endpoint: str) -> str | None:
-        """Why `endpoint` is not alive (None: it answered 200 in time)."""
+    async def _probe(self, endpoint: str, path: str) -> str | None:
+        """Why `endpoint` is not alive (None: ``GET`` of its health `path` answered 200 in time)."""
         timeout_s = self.settings.engine_probe_timeout_s
         try:
             async with self.activator.session.get(
-                f"{endpoint}/health", timeout=aiohttp.ClientTimeout(total=timeout_s)
+                f"{endpoint}{path}", timeout=aiohttp.ClientTimeout(total=timeout_s)
             ) as r:
-                return None if r.status == 200 else f"/health answered {r.status}"
+                return None if r.status == 200 else f"{path} answered {r.status}"
         except TimeoutError:
-            return f"/health did not answer within {timeout_s * 1e3:.0f} ms"
+            return f"{path} did not answer within {timeout_s * 1e3:.0f} ms"
         except aiohttp.ClientError as err:
-            return f"/health: {type(err).__name__}: {err}"
+            return f"{path}: {type(err).__name__}: {err}"
 
     async def _unresponsive(self, slot: Slot, active: Active, reason: str) -> None:
         """Stop an engine that stopped answering, fail its claim (released: the autoscaler replaces the replica),

@@ -109,7 +109,10 @@ def _agent_parser(prog: str) -> argparse.ArgumentParser:
         "server per slot",
     )
     p.add_argument(
-        "--ready-path", default=d.ready_path, help=f"standby server's readiness path (200 = healthy) [{d.ready_path}]"
+        "--ready-path",
+        default=d.ready_path,
+        help="command engine: the server's health path (200 = healthy), asked before warm, at activation and by the "
+        f"liveness probe; vllm always uses /health [{d.ready_path}]",
     )
     p.add_argument(
         "--engine-start-timeout-s",
@@ -121,7 +124,8 @@ def _agent_parser(prog: str) -> argparse.ArgumentParser:
         "--engine-probe-s",
         type=durations.duration_arg(allow_zero=True),
         default=d.engine_probe_interval_s,
-        help=f"GET /health of each serving engine this often; {d.engine_probe_failures} failures in a row stop it "
+        help=f"GET the health path (--ready-path; /health) of each serving engine this often; "
+        f"{d.engine_probe_failures} failures in a row stop it "
         f"and fail its claim (0 = off) [{d.engine_probe_interval_s:g}]",
     )
     p.add_argument("--vllm-args", default="", metavar="ARGS", help="vllm engine: extra server arguments ['']")

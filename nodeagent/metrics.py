@@ -128,8 +128,8 @@ class AgentMetrics:
         )
         self.engines_unresponsive = Counter(
             "pulsescale_agent_engines_unresponsive_total",
-            "Serving engines stopped after failing the liveness probe (GET /health) engine_probe_failures times in "
-            "a row: their claims failed so the autoscaler replaces them",
+            "Serving engines stopped after failing the liveness probe (GET of the health path) engine_probe_failures "
+            "times in a row: their claims failed so the autoscaler replaces them",
             registry=registry,
         )
         self.foreign_records = Counter(

@@ -1,6 +1,8 @@
-"""The readiness check every engine passes before its slot is `ready`: ``GET /health`` answers 200, then one
-real 1-token completion comes back in the OpenAI shape. A health endpoint alone proves the process listens,
-not that the model computes; the completion proves both (and warms the first request's code path)."""
+"""The readiness check every engine passes before its slot is `ready`: ``GET`` of its health path answers 200,
+then one real 1-token completion comes back in the OpenAI shape. The health path is the engine's
+(`nodeagent.engine.Started.health_path`): /health for the local engine and vLLM, a ``command`` server's
+``--ready-path``. A health endpoint alone proves the process listens, not that the model computes; the
+completion proves both (and warms the first request's code path)."""
 
 from __future__ import annotations
 
@@ -20,9 +22,11 @@ _POLL_S: Final = (0.002, 0.005, 0.01, 0.02, 0.05)
 engine that answers 503 while it warms up is polled fast at first, then every 50 ms."""
 
 
-async def check(session: aiohttp.ClientSession, endpoint: str, model: str, *, timeout_s: float) -> dict[str, Any]:
-    """Wait for health, then ask for one token; returns the completion. Raises `EngineFailed` at the deadline
-    (code ``deadline``) or on a wrong answer (code ``not_ready``)."""
+async def check(
+    session: aiohttp.ClientSession, endpoint: str, model: str, *, timeout_s: float, health_path: str = "/health"
+) -> dict[str, Any]:
+    """Wait for ``GET {endpoint}{health_path}`` to answer 200, then ask for one token; returns the completion.
+    Raises `EngineFailed` at the deadline (code ``deadline``) or on a wrong answer (code ``not_ready``)."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
     attempt = 0
@@ -30,12 +34,12 @@ async def check(session: aiohttp.ClientSession, endpoint: str, model: str, *, ti
         async with asyncio.timeout(timeout_s):
             while True:
                 try:
-                    async with session.get(f"{endpoint}/health") as r:
+                    async with session.get(f"{endpoint}{health_path}") as r:
                         if r.status == 200:
                             break
-                        last = f"/health answered {r.status}"
+                        last = f"{health_path} answered {r.status}"
                 except aiohttp.ClientError as err:
-                    last = f"/health: {err}"
+                    last = f"{health_path}: {err}"
                 await asyncio.sleep(min(_POLL_S[min(attempt, len(_POLL_S) - 1)], max(0.0, deadline - time.monotonic())))
                 attempt += 1
             body = {"model": model, "prompt": PROBE_PROMPT, "max_tokens": 1, "temperature": 0}

@@ -549,6 +549,7 @@ class ServedEngine:
                 loaded_bytes=0,
                 mode=self.spec.mode,
                 engine_mode=self.spec.mode,
+                health_path=self.spec.ready_path,
             )
             return self._serving
 

@@ -68,10 +68,12 @@ class AgentSettings:
     the other verbs, and a flood of status calls cannot starve activations."""
     # --- liveness of serving engines (issue 8 review), `agent.Agent.liveness_loop` ---
     engine_probe_interval_s: float = 2.0
-    """Every serving engine is asked ``GET /health`` this often: a stopped (SIGSTOP) or wedged engine stays `ready`
+    """Every serving engine is asked ``GET`` its health path (`ready_path` for the command engine, ``/health`` for
+    the others) this often: a stopped (SIGSTOP) or wedged engine stays `ready`
     in the registry otherwise, since only a process exit is noticed. 0 turns the probe off."""
     engine_probe_timeout_s: float = 1.0
-    """One probe's bound: /health answers in milliseconds on a loaded engine (no model work); a second is a hang."""
+    """One probe's bound: a health path answers in milliseconds on a loaded engine (no model work); a second is a
+    hang."""
     engine_probe_failures: int = 3
     """Failed probes in a row after which the engine is stopped, its claim failed and released (the autoscaler
     replaces it): one slow answer under a burst is not a dead engine; three, about 9 s at the defaults, is."""
@@ -80,7 +82,8 @@ class AgentSettings:
     """The ``command`` engine's server command line (shlex-split, no shell) with ``{port}``, ``{host}``,
     ``{model_dir}``, ``{staged_dir}``, ``{model_name}``, ``{slot}`` placeholders (`served.PLACEHOLDERS`)."""
     ready_path: str = "/health"
-    """Path of the standby server's readiness URL: a slot is `warm` only once it answers 200."""
+    """The ``command`` engine's health path: a slot is `warm` only once it answers 200, activation's readiness
+    check and the liveness probe ask it too (`Started.health_path`). vLLM's server always answers ``/health``."""
     engine_start_timeout_s: float = 600.0
     """Server start to its first healthy answer, at prewarm: vLLM on CPU takes ~60 s for a tiny model, a large
     model on a GPU node minutes; beyond this the slot is `failed` with the server's last output."""

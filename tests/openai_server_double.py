@@ -2,11 +2,13 @@
 under whatever Python that user can execute), ``/health`` and ``/v1/completions`` in the OpenAI shape.
 
     python openai_server_double.py --host H --port P [--behave ok|exit|never-healthy|slow]
-        [--slot S --behave-for SLOT=KIND ...]
+        [--slot S --behave-for SLOT=KIND ...] [--health-path PATH]
 
 ``exit`` prints a line and exits 3 at once; ``never-healthy`` listens but answers 503 on /health forever; ``slow``
 answers 503 for the first health checks (a server still loading), then 200. Completions echo the pid, so a test can
-tell which process answered. It prints one line per request (its log is what the agent keeps).
+tell which process answered. It prints one line per request (its log is what the agent keeps). ``--health-path``
+serves health on another path (a server whose readiness URL is not /health); every other GET, /health included
+then, answers 404.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def main() -> int:
     p.add_argument("--model", default="tiny")
     p.add_argument("--slot", default="")
     p.add_argument("--behave-for", action="append", default=[], metavar="SLOT=KIND", help="another behaviour for SLOT")
+    p.add_argument("--health-path", default="/health", help="the path health answers on (others: 404)")
     p.add_argument("--escape-child", action="store_true", help="fork a child into its own session (as vLLM's workers)")
     args = p.parse_args()
     if args.escape_child and os.fork() == 0:
@@ -56,7 +59,7 @@ def main() -> int:
             self.wfile.write(data)
 
         def do_GET(self) -> None:
-            if self.path != "/health":
+            if self.path != args.health_path:
                 self._json(404, {"error": "not found"})
                 return
             health_checks[0] += 1

@@ -4,8 +4,9 @@ The agent arms a zygote per slot while the slot is warm (off the activation path
 activation and stops it on deactivation, keeping the zygote armed (`nodeagent.forked` is the agent's side).
 Modules: `zygote` (the pre-forked process), `local` (a numpy model behind an OpenAI-shaped HTTP server),
 `loaders` (weights into engine memory), `safetensors_check` (pure header validation). An import contract keeps
-NATS, aiohttp, prometheus_client and the registry out of this package. Readiness (``GET /health`` and one real
-completion) is checked by the agent for every engine alike (`nodeagent.readiness`).
+NATS, aiohttp, prometheus_client and the registry out of this package. Readiness (``GET`` of the engine's
+`Started.health_path` and one real completion) is checked by the agent for every engine alike
+(`nodeagent.readiness`).
 """
 
 from __future__ import annotations
@@ -36,3 +37,7 @@ class Started:
     engine_mode: str = "fork"
     """How the engine was taken into service (`warmpool.protocol.EngineMode`): ``fork`` (a zygote forked it),
     ``wake`` (a sleeping standby server was woken), ``resident`` (a standby server already held its weights)."""
+    health_path: str = "/health"
+    """The path the agent's readiness check and liveness probe ``GET`` (200 = healthy): a standby server's
+    `ServerSpec.ready_path` (``--ready-path`` for the ``command`` engine, /health for vLLM); the local engine
+    serves /health."""
