@@ -27,8 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import nats.errors
+import nats.js.errors
 import pytest
 from nats.aio.client import Client
+from nats.js.kv import KeyValue
 
 from warmpool.embedded import NatsServer, PortTaken, free_port
 
@@ -229,6 +231,22 @@ class NatsCluster:
 
     def logs(self) -> str:
         return "\n".join(f"--- {n}:\n{s.tail_log(1500)}" for n, s in zip(self.names, self.servers, strict=True))
+
+
+async def first_put(kv: KeyValue, key: str, value: bytes, *, within_s: float = 1.0) -> int:
+    """A bucket's first write just after `ensure_buckets` made it on a cluster: a write that finds no responder is
+    tried again for up to `within_s`. Even once the stream names its leader, that write found no responder in 2
+    of 7 serial phases run here (the leader's interest in the subject not yet at every server, I think; not
+    verified). A write with no responder did not land, so trying again is safe; the registry's writers treat it
+    as transient too."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return await kv.put(key, value)
+        except nats.js.errors.NoStreamResponseError:
+            if time.monotonic() >= deadline:
+                raise
+            await asyncio.sleep(0.05)
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ import nats.js.errors
 import pytest
 from nats.aio.client import Client
 
-from tests.cluster_helpers import CLUSTER_SIZE, NatsCluster
+from tests.cluster_helpers import CLUSTER_SIZE, NatsCluster, first_put
 from tests.helpers import wait_for
 from warmpool import buckets, connect, protocol, registry
 from warmpool.embedded import NatsServer, find_nats_server, free_port
@@ -71,7 +71,7 @@ async def test_a_cluster_gets_three_replicas_and_buckets_that_take_writes_at_onc
     try:
         kv = await ensure_buckets(nc.jetstream(timeout=10.0))  # a replicated create with fsync: generous on CI
         # Straight after creation (each new bucket's stream leader is waited for).
-        assert await kv[protocol.AGENTS_BUCKET].put("n", b"x") > 0
+        assert await first_put(kv[protocol.AGENTS_BUCKET], "n", b"x") > 0
         assert set((await replicas(nc)).values()) == {CLUSTER_SIZE}
     finally:
         await nc.close()
@@ -109,7 +109,7 @@ async def test_a_bucket_with_fewer_replicas_is_reported_then_raised_by_the_autos
     try:
         monkeypatch.setenv(registry.KV_REPLICAS_ENV, "1")  # e.g. made before the cluster grew to three servers
         kv = (await ensure_buckets(nc.jetstream(), names=[protocol.SLOTS_BUCKET]))[protocol.SLOTS_BUCKET]
-        rev = await kv.put("m.n.s0", b"kept")
+        rev = await first_put(kv, "m.n.s0", b"kept")
         monkeypatch.delenv(registry.KV_REPLICAS_ENV)
         with caplog.at_level(logging.WARNING, logger="pulsescale.registry"):
             await ensure_buckets(nc.jetstream(), names=[protocol.SLOTS_BUCKET])  # a role that may not update

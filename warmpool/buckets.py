@@ -239,9 +239,10 @@ _PLACEMENT_RETRY_S = 0.25
 
 async def _create(js: JetStreamContext, bucket: str, settings: BucketSettings, replicas: int, *, detected: bool) -> int:
     """Create a bucket's stream with `replicas`, and wait until it has a leader: a write to a clustered stream
-    that has none yet gets no answer at all ("no responders"). Detected replicas the servers cannot place are
-    asked again for `PLACEMENT_SETTLE_S`, then come down one by one to what they can (said in a warning); replicas
-    someone asked for are an error instead. Returns the replicas asked for last (those placed)."""
+    that has none yet gets no answer at all ("no responders"). (Rarely, the first write just after still finds
+    none, on a loaded cluster: writers treat "no responders" as transient.) Detected replicas the servers cannot
+    place are asked again for `PLACEMENT_SETTLE_S`, then come down one by one to what they can (said in a warning);
+    replicas someone asked for are an error instead. Returns the replicas asked for last (those placed)."""
     settle_until = time.monotonic() + PLACEMENT_SETTLE_S
     n = replicas
     while True:
