@@ -11,6 +11,7 @@ and exit 1, for every command, daemons included; a closed stdout pipe is a quiet
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 import sys
@@ -97,7 +98,9 @@ def _run(cmd: Command, argv: list[str], prog: str) -> int:
 def bench(argv: list[str], prog: str) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHES:
         if argv and argv[0] not in ("-h", "--help"):
-            print(f"{prog}: unknown benchmark {argv[0]!r}", file=sys.stderr)
+            close = difflib.get_close_matches(argv[0], BENCHES, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            print(f"{prog}: unknown benchmark {argv[0]!r}{hint}", file=sys.stderr)
         print(f"usage: {prog} NAME [ARGS...]\n")
         for name, cmd in BENCHES.items():
             print(f"  {name:<10}{cmd.summary}")
@@ -115,7 +118,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cmd = COMMANDS.get(argv[0])
     if cmd is None:
-        print(f"pulsescale: unknown command {argv[0]!r}\n\n{_usage()}", file=sys.stderr)
+        close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+        if close:  # a typo: one line, not the whole list
+            print(f"pulsescale: unknown command {argv[0]!r}; did you mean {close[0]!r}?", file=sys.stderr)
+        else:
+            print(f"pulsescale: unknown command {argv[0]!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     try:
         return _run(cmd, argv[1:], f"pulsescale {argv[0]}")

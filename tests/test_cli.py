@@ -23,7 +23,11 @@ def test_help_lists_every_group() -> None:
 
 def test_unknown_command_fails_with_usage() -> None:
     r = pulsescale("frobnicate")
-    assert r.returncode == 2 and "unknown command 'frobnicate'" in r.stderr
+    assert r.returncode == 2 and "unknown command 'frobnicate'" in r.stderr and "usage" in r.stderr.lower()
+    r = pulsescale("sclae")  # a typo gets the command it is close to, in one line
+    assert r.returncode == 2 and r.stderr == "pulsescale: unknown command 'sclae'; did you mean 'scale'?\n", r.stderr
+    r = pulsescale("bench", "decdie")
+    assert r.returncode == 2 and "unknown benchmark 'decdie'; did you mean 'decide'?" in r.stderr, r.stderr
 
 
 def test_help_does_not_import_the_daemons() -> None:
