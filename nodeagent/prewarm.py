@@ -21,10 +21,11 @@ import contextlib
 import logging
 import time
 
-from nodeagent import fetch, modelformat, progress, rootfs, staging
+from nodeagent import fetch, modelformat, progress, staging
 from nodeagent.engine import local as local_engine
 from nodeagent.errors import ActivationRefused, describe
 from nodeagent.metrics import AgentMetrics
+from nodeagent.rootfsstage import RootfsStage
 from nodeagent.slot import REGISTRY_ERRORS, Slot, SlotKeeper
 from warmpool import protocol
 from warmpool.errors import InvalidTransition, StaleToken
@@ -51,7 +52,7 @@ class Prewarmer:
         """The stage running now (bytes written of those to write), for the status; None between stages."""
         keeper.on_engine_exit = self._engine_exited
         s = keeper.settings
-        self.rootfs = rootfs.RootfsStage(
+        self.rootfs = RootfsStage(
             s.image_source, s.rootfs_dir, min_resident_pct=s.rootfs_min_resident_pct, pin=s.rootfs_pin
         )
         """The engines' EROFS rootfs (``--image``): built or found, mounted or reused, and warmed by the prewarm."""
@@ -226,7 +227,7 @@ class Prewarmer:
     # --- the rootfs --------------------------------------------------------------------------------------------------
 
     async def prepare_rootfs(self) -> None:
-        """Build or find the image, mount or reuse it, warm it (`rootfs.RootfsStage.prepare`); a failure is the
+        """Build or find the image, mount or reuse it, warm it (`RootfsStage.prepare`); a failure is the
         stage's reason, said once, and the slots run without it."""
         if self.rootfs.source is None:
             return

@@ -28,7 +28,8 @@ import pytest
 from nats.aio.client import Client
 
 from nodeagent import pagecache, rootfs
-from tests.helpers import has_ipc_lock, without_ipc_lock
+from nodeagent.rootfsstage import RootfsStage
+from tests.helpers import can_lock, without_ipc_lock
 from tests.nodeagent_helpers import (  # noqa: F401
     activate,
     completion,
@@ -47,6 +48,9 @@ from warmpool.embedded import NatsServer
 from warmpool.registry import KvSlotStore
 
 REASON = rootfs.probe()
+IMAGE_LOCK_BYTES = 4 << 20
+"""What locking `app_dir`'s image takes at most (its 2 MiB data file and a few small files, page-rounded)."""
+LOCK_REFUSED = "no CAP_IPC_LOCK and RLIMIT_MEMLOCK under 4 MiB: locking the image would be refused"
 F = TypeVar("F", bound=Any)
 
 
@@ -314,7 +318,7 @@ def test_after_warming_reading_the_engines_files_reads_nothing_from_the_block_de
 ) -> None:
     """The article's "0 IOPS": the loop device's read sectors do not move while the engine's files are read and
     its module imported; the control (pages dropped) shows the counter does see reads."""
-    stage = rootfs.RootfsStage(app_dir, rootfs_dir)
+    stage = RootfsStage(app_dir, rootfs_dir)
     st = stage.prepare()
     assert st is not None and st.mounted and st.reason is None
     assert st.resident_pct is not None and st.resident_pct >= 99.0
@@ -334,7 +338,7 @@ def test_after_warming_reading_the_engines_files_reads_nothing_from_the_block_de
 
 @needs_erofs
 def test_a_recheck_rewarms_an_image_whose_pages_were_dropped(app_dir: Path, rootfs_dir: Path) -> None:
-    stage = rootfs.RootfsStage(app_dir, rootfs_dir)
+    stage = RootfsStage(app_dir, rootfs_dir)
     stage.prepare()
     assert stage.rootfs is not None and stage.resident_pct is not None and stage.resident_pct >= 99.0
     assert stage.rewarms == 0
@@ -362,9 +366,9 @@ def _maps() -> list[str]:
 def test_a_pinned_image_stays_resident_through_a_drop_and_is_unlocked_before_it_is_unmounted(
     app_dir: Path, rootfs_dir: Path
 ) -> None:
-    if not has_ipc_lock():
-        pytest.skip("no CAP_IPC_LOCK: mlock of the image would be refused")
-    stage = rootfs.RootfsStage(app_dir, rootfs_dir, pin=True)
+    if not can_lock(IMAGE_LOCK_BYTES):
+        pytest.skip(LOCK_REFUSED)
+    stage = RootfsStage(app_dir, rootfs_dir, pin=True)
     try:
         st = stage.prepare()
         assert stage.rootfs is not None and st is not None
@@ -400,9 +404,9 @@ def test_a_stage_without_ipc_lock_says_why_the_image_is_not_locked_and_keeps_it_
     app_dir: Path, rootfs_dir: Path
 ) -> None:
     code = (
-        "import json, resource, sys; from pathlib import Path; from nodeagent import rootfs\n"
+        "import json, resource, sys; from pathlib import Path; from nodeagent.rootfsstage import RootfsStage\n"
         "resource.setrlimit(resource.RLIMIT_MEMLOCK, (0, 0))\n"
-        "st = rootfs.RootfsStage(Path(sys.argv[1]), Path(sys.argv[2]), pin=True).prepare()\n"
+        "st = RootfsStage(Path(sys.argv[1]), Path(sys.argv[2]), pin=True).prepare()\n"
         "print(json.dumps([st.mounted, st.resident_pct, st.pinned_bytes, st.pin_refused]))\n"
     )
     argv = without_ipc_lock([sys.executable, "-c", code, str(app_dir), str(rootfs_dir)])
@@ -421,10 +425,10 @@ def test_a_stage_without_ipc_lock_says_why_the_image_is_not_locked_and_keeps_it_
 
 @needs_erofs
 def test_a_restarted_stage_reuses_the_mount_and_builds_nothing(app_dir: Path, rootfs_dir: Path) -> None:
-    first = rootfs.RootfsStage(app_dir, rootfs_dir)
+    first = RootfsStage(app_dir, rootfs_dir)
     first.prepare()
     assert first.rootfs is not None and not first.rootfs.reused and first.images_built == 1
-    again = rootfs.RootfsStage(app_dir, rootfs_dir)  # what an agent restart makes
+    again = RootfsStage(app_dir, rootfs_dir)  # what an agent restart makes
     st = again.prepare()
     assert again.rootfs is not None and again.rootfs.reused
     assert (again.mounts_reused, again.images_built) == (1, 0)
@@ -435,7 +439,7 @@ def test_a_restarted_stage_reuses_the_mount_and_builds_nothing(app_dir: Path, ro
 
 @needs_erofs
 def test_a_new_image_unmounts_the_old_one_and_its_loop_device(app_dir: Path, rootfs_dir: Path) -> None:
-    stage = rootfs.RootfsStage(app_dir, rootfs_dir)
+    stage = RootfsStage(app_dir, rootfs_dir)
     stage.prepare()
     old = stage.rootfs
     assert old is not None
@@ -450,8 +454,8 @@ def test_a_new_image_unmounts_the_old_one_and_its_loop_device(app_dir: Path, roo
 def test_cleanup_cli_unmounts_our_images_and_leaves_no_loop_device(
     app_dir: Path, tmp_path: Path, rootfs_dir: Path
 ) -> None:
-    rootfs.RootfsStage(app_dir, rootfs_dir).prepare()
-    rootfs.RootfsStage(_docker_save(tmp_path / "img.tar"), rootfs_dir / "other").prepare()
+    RootfsStage(app_dir, rootfs_dir).prepare()
+    RootfsStage(_docker_save(tmp_path / "img.tar"), rootfs_dir / "other").prepare()
     assert len(rootfs.ours(rootfs_dir)) == 1
     out = _cleanup_cli(rootfs_dir)
     assert out.returncode == 0, out.stderr
@@ -470,9 +474,9 @@ def _cleanup_cli(rootfs_dir: Path, *flags: str) -> subprocess.CompletedProcess[s
 
 @needs_erofs
 def test_cleanup_leaves_an_image_in_use_mounted_and_says_so_unless_forced(app_dir: Path, rootfs_dir: Path) -> None:
-    if not has_ipc_lock():
-        pytest.skip("no CAP_IPC_LOCK: the lock that keeps the image in use here would be refused")
-    stage = rootfs.RootfsStage(app_dir, rootfs_dir, pin=True)  # in use, as a running agent's image is
+    if not can_lock(IMAGE_LOCK_BYTES):
+        pytest.skip(LOCK_REFUSED)
+    stage = RootfsStage(app_dir, rootfs_dir, pin=True)  # in use, as a running agent's image is
     try:
         stage.prepare()
         assert stage.rootfs is not None
@@ -555,8 +559,8 @@ async def test_the_agent_locks_its_image_in_memory_says_so_and_unlocks_it_when_i
     app_dir: Path,
     rootfs_dir: Path,
 ) -> None:
-    if not has_ipc_lock():
-        pytest.skip("no CAP_IPC_LOCK: mlock of the image would be refused")
+    if not can_lock(IMAGE_LOCK_BYTES):
+        pytest.skip(LOCK_REFUSED)
     cfg = settings(model_dir, shm_dir, nats_server.url, slots=1, image_source=app_dir, rootfs_dir=rootfs_dir)
     assert cfg.rootfs_pin  # the default
     async with running_agent(cfg) as (agent, _):
@@ -675,11 +679,11 @@ def test_without_root_the_stage_says_why_once_and_mounts_nothing(app_dir: Path, 
     script = f"""
 import logging, os, sys
 from pathlib import Path
-from nodeagent import rootfs
+from nodeagent.rootfsstage import RootfsStage
 if os.geteuid() == 0:
     os.setgroups([]); os.setgid(65534); os.setuid(65534)
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-stage = rootfs.RootfsStage(Path({str(app_dir)!r}), Path({str(tmp_path / "rfs")!r}))
+stage = RootfsStage(Path({str(app_dir)!r}), Path({str(tmp_path / "rfs")!r}))
 a, b = stage.prepare(), stage.prepare()
 print(a.mounted, b.mounted, stage.record_fields(), b.reason)
 """
@@ -708,7 +712,7 @@ def test_agents_that_start_together_on_one_rootfs_dir_build_once_and_share_one_m
     else mounted" at the digest's mountpoint and ran without the image."""
     import threading
 
-    stages = [rootfs.RootfsStage(app_dir, rootfs_dir) for _ in range(3)]
+    stages = [RootfsStage(app_dir, rootfs_dir) for _ in range(3)]
     threads = [threading.Thread(target=s.prepare) for s in stages]
     for t in threads:
         t.start()
