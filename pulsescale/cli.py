@@ -59,6 +59,9 @@ BENCHES: dict[str, Command] = {
     "claims": Command("warmpool.bench:claims", "claim latency p50/p99 and claims/s on a real nats-server", ""),
     "decide": Command("autoscaler.bench:decide", "decision latency and ingest throughput", ""),
     "activate": Command("nodeagent.bench:activate", "activation stage breakdown and loader GB/s", ""),
+    "rootfs": Command(
+        "nodeagent.bench_rootfs:bench", "an idle rootfs image's page-cache residency, warm vs locked", ""
+    ),
 }
 
 

@@ -467,6 +467,21 @@ def test_cleanup_cli_unmounts_our_images_and_leaves_no_loop_device(
     assert str(rootfs_dir / "other" / "images") in losetup
 
 
+@needs_erofs
+def test_bench_rootfs_prints_both_images_residency_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    if not can_lock(IMAGE_LOCK_BYTES):
+        pytest.skip(LOCK_REFUSED)
+    argv = ["bench", "rootfs", "--size", "2MiB", "--for", "1s", "--every", "500ms", "--dir", str(tmp_path)]
+    out = subprocess.run([sys.executable, "-m", "pulsescale", *argv], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "warm image: 100.0 % resident" in out.stdout and "pinned image: 100.0 % resident" in out.stdout, out.stdout
+    assert "bytes locked" in out.stdout and "lock refused" not in out.stdout, out.stdout
+    rows = [line for line in out.stdout.splitlines() if line.strip().startswith("t=")]
+    assert len(rows) >= 2 and all("warm" in r and "pinned  100.0 %" in r for r in rows), out.stdout
+    assert list(tmp_path.iterdir()) == []  # its images unmounted, its directory gone
+    assert str(tmp_path) not in Path("/proc/self/mountinfo").read_text()
+
+
 def _cleanup_cli(rootfs_dir: Path, *flags: str) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "pulsescale", "agent", "--cleanup", "--rootfs-dir", str(rootfs_dir), *flags]
     return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
