@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 from autoscaler import scaledobject
-from warmpool.protocol import ErrorCode, Override, ReplicaRecord, ScaledObjectSpec, StatusRow
+from warmpool.protocol import ErrorCode, OnCallSchedule, Override, ReplicaRecord, ScaledObjectSpec, StatusRow
 
 __all__ = [
     "MAX_OVERRIDE_S",
+    "MAX_SCHEDULE_AHEAD_S",
     "CommandSettings",
     "ControlPlane",
     "Outcome",
@@ -30,6 +31,10 @@ MAX_OVERRIDE_S: Final = 24 * 3600.0
 """The longest a ``scale`` override may last (``--for``): a day covers any incident and its night; an override
 that outlives its reason holds a model at a stale count unnoticed, so a longer hold is refused — scale again when
 it lapses, or ``pause``, which is visible as paused until someone resumes it."""
+
+MAX_SCHEDULE_AHEAD_S: Final = 366 * 86_400.0
+"""The furthest ahead ``pulsescale schedule`` may start a floor: a year covers next year's launch; further is a
+typo in the year, and a stored schedule nobody remembers."""
 
 
 class ControlPlane(Protocol):
@@ -43,6 +48,14 @@ class ControlPlane(Protocol):
 
     async def set_override(self, model: str, override: Override | None) -> None:
         """Install an on-call override (it beats the policy until it expires); None hands the model back."""
+        ...
+
+    def schedules_for(self, model: str) -> tuple[OnCallSchedule, ...]:
+        """The model's on-call schedules (``pulsescale schedule``), as set; its ScaledObject's are in its spec."""
+        ...
+
+    async def set_schedules(self, model: str, schedules: tuple[OnCallSchedule, ...]) -> None:
+        """Store the model's on-call schedules (a new owner restores them) and decide on them at once."""
         ...
 
     def status(self, model: str | None) -> list[StatusRow]:

@@ -21,10 +21,12 @@ Every request goes through the same steps, in this order:
    *before* the reply, so a client that got its answer can read its audit record;
 8. the reply.
 
-Idempotency. The ledger remembers the replies of the mutating verbs (scale, pause, resume, drain, undrain),
+Idempotency. The ledger remembers the replies of the mutating verbs (scale, pause, resume, drain, undrain, and
+schedule's add and delete),
 applied or refused by a check, so a repeat gets the same answer. Read-only verbs (status, pool) are not
 remembered: running them again is harmless, gives fresher data, and their replies are the large ones. Transient
-refusals (``not_leader``, ``internal``) are not remembered either, so a retry is tried again. The ledger lives in
+refusals (``not_leader``, ``internal``) are not remembered either, so a retry is tried again (nor is a
+``schedule`` that only lists). The ledger lives in
 the answering replica's memory: a retry that lands on a new owner after a failover or a hand-over is applied
 again. Every mutating command is idempotent in effect (the same override, the same drain), except that a repeated
 ``scale`` restarts its ``for_s`` from the new owner's clock.
@@ -39,8 +41,8 @@ follows `is_leader` by itself (a cheap check every `CommandSettings.leadership_p
 
 Sharding (protocol revision 6). With a `Router` (the replica's shard leases), models are split over replicas and
 `is_leader` means "holds at least one shard". Every such replica is a *front*: it answers ``pulse.cmd.<verb>`` in
-the queue group. A request naming a model (scale, pause, resume, status of one model) is handled by the front if
-it owns the model; if another live replica does, the front publishes the very same bytes to
+the queue group. A request naming a model (scale, pause, resume, schedule, status of one model) is handled by the
+front if it owns the model; if another live replica does, the front publishes the very same bytes to
 ``pulse.autoscaler.<owner>.cmd.<verb>`` with the client's inbox as reply-to, and the owner runs the whole pipeline
 (admit, ledger, checks, apply, audit, reply) — no extra round trip, one reply, one audit record. With no owner (its
 shard is being handed over) the front answers ``not_leader`` naming the model and its shard. Each replica also
@@ -90,6 +92,7 @@ from warmpool.protocol import (
     PauseCommand,
     ResumeCommand,
     ScaleCommand,
+    ScheduleCommand,
     StatusCommand,
 )
 from warmpool.registry import KvSlotStore
@@ -417,7 +420,7 @@ def _misrouted(msg: Msg, own_prefix: str | None = None) -> BadMessage | None:
 def _model_of(req: Command) -> str | None:
     """The model a request is about, when it is one the model's owner must answer (pool names a model only to
     filter the shared registry: any replica answers it)."""
-    if isinstance(req, ScaleCommand | PauseCommand | ResumeCommand | StatusCommand):
+    if isinstance(req, ScaleCommand | PauseCommand | ResumeCommand | StatusCommand | ScheduleCommand):
         return req.model
     return None
 

@@ -3,6 +3,7 @@
 `Verbs.apply` checks a request against the model's ScaledObject (``unknown_model`` listing the known ones,
 ``out_of_bounds`` saying ``[minReplicaCount, maxReplicaCount]``) or the registry (``unknown_node``), then does what
 it asks: ``scale``, ``pause`` and ``resume`` install or clear the model's override through the `ControlPlane`,
+``schedule`` adds, deletes or lists the model's on-call schedules (revision 8: `_schedule`),
 ``drain`` and ``undrain`` mark a node's slots in the registry, ``pool`` lists the registry's slots, and ``status``
 is answered by `autoscaler.commandstatus.StatusRows`. It returns an `Outcome` or raises `Refused`: the subjects,
 the ledger, the leader fence and the audit record are the service's (`autoscaler.commands`; these are steps 5 and 6
@@ -13,16 +14,17 @@ from __future__ import annotations
 
 from collections import Counter
 
-from autoscaler import scaledobject
-from autoscaler.commandbase import CommandSettings, ControlPlane, Outcome, Refused
+from autoscaler import scaledobject, schedules
+from autoscaler.commandbase import MAX_SCHEDULE_AHEAD_S, CommandSettings, ControlPlane, Outcome, Refused
 from autoscaler.commandstatus import StatusRows
-from warmpool import protocol
+from warmpool import durations, protocol
 from warmpool.errors import BadMessage
 from warmpool.protocol import (
     Command,
     CommandReply,
     DrainCommand,
     DrainReply,
+    OnCallSchedule,
     Override,
     OverrideReply,
     PauseCommand,
@@ -32,6 +34,8 @@ from warmpool.protocol import (
     ResumeCommand,
     ScaleCommand,
     ScaledObjectSpec,
+    ScheduleCommand,
+    ScheduleReply,
     StatusCommand,
     UndrainCommand,
 )
@@ -87,6 +91,8 @@ class Verbs:
             if req.model is not None:
                 self._spec(req.model)
             return await self.status.answer(req, now, handed=handed)
+        if isinstance(req, ScheduleCommand):
+            return await self._schedule(req, self._spec(req.model), now)
         if isinstance(req, PoolCommand):
             return self._pool(req.model, now)
         if isinstance(req, DrainCommand | UndrainCommand):
@@ -125,6 +131,88 @@ class Verbs:
                 f"{verb} {model} to {replicas_text(replicas)} is outside its ScaledObject's "
                 f"[minReplicaCount, maxReplicaCount] = [{lo}, {hi}]",
             )
+
+    async def _schedule(self, req: ScheduleCommand, spec: ScaledObjectSpec, now: float) -> Outcome:
+        """``schedule``: add one on-call schedule, delete one by name, or list them (with the ScaledObject's).
+        Schedules that have ended are dropped from the stored ones whenever they are written."""
+        model = req.model
+        kept = tuple(o for o in self.control.schedules_for(model) if o.schedule.window()[1] > now)
+        if req.add is not None:
+            new = req.add
+            self._check_schedule(model, spec, new, kept, now)
+            kept = (*kept, OnCallSchedule(schedule=new, by=req.by, set_at=now))
+        elif req.delete is not None:
+            gone = [o for o in kept if o.schedule.name == req.delete]
+            if not gone:
+                if any(s.name == req.delete for s in spec.schedules):
+                    why = "it is the ScaledObject's: edit its spec.schedules"
+                else:
+                    names = ", ".join(o.schedule.name for o in kept) or "none"
+                    why = f"the on-call schedules of {model} not yet ended: {names}"
+                raise Refused("unknown_schedule", f"no on-call schedule {req.delete!r} of {model}; {why}")
+            kept = tuple(o for o in kept if o.schedule.name != req.delete)
+        else:
+            rows = schedules.pending_rows(schedules.windows(spec.schedules, kept), now)
+            reply = ScheduleReply(model=model, schedules=rows)
+            return Outcome(protocol.encode(reply), applied=True, remember=False)
+        await self.control.set_schedules(model, kept)
+        rows = schedules.pending_rows(schedules.windows(spec.schedules, kept), now)
+        added = req.add.name if req.add is not None else None
+        return self._ok(ScheduleReply(model=model, schedules=rows, added=added, deleted=req.delete))
+
+    def _check_schedule(
+        self,
+        model: str,
+        spec: ScaledObjectSpec,
+        new: protocol.Schedule,
+        kept: tuple[OnCallSchedule, ...],
+        now: float,
+    ) -> None:
+        """Refuse a schedule that ends in the past, starts too far ahead, exceeds the bounds, is one too many,
+        takes a name, or overlaps another of the model (the ScaledObject's or on-call) with a different floor."""
+        start, end = new.window()
+        if end <= now:
+            raise Refused(
+                "out_of_bounds",
+                f"schedule {new.name} of {model} would have ended {durations.rfc3339(end)} "
+                f"({durations.age(now - end)} ago): check --at, --tz and the year",
+            )
+        if start > now + MAX_SCHEDULE_AHEAD_S:
+            raise Refused(
+                "out_of_bounds",
+                f"schedule {new.name} of {model} starts {durations.rfc3339(start)}, more than "
+                f"{MAX_SCHEDULE_AHEAD_S / 86_400:.0f} days ahead: check the year",
+            )
+        self._check_bounds_max(model, spec, new.replicas, f"schedule {new.name} of")
+        if len(kept) >= protocol.MAX_SCHEDULES:
+            raise Refused(
+                "out_of_bounds",
+                f"{model} has {len(kept)} on-call schedules not yet ended, the most kept; delete one first",
+            )
+        for other, source in [(s, "its ScaledObject's") for s in spec.schedules] + [
+            (o.schedule, "an on-call") for o in kept
+        ]:
+            if other.name == new.name:
+                raise Refused(
+                    "conflict",
+                    f"{model} already has {source} schedule named {new.name!r}"
+                    + ("; delete it first or pick another name" if source == "an on-call" else "; pick another name"),
+                )
+            problem = protocol.schedule_conflict([other, new])
+            if problem is not None:
+                raise Refused("conflict", f"{problem} ({other.name} is {source} schedule of {model})")
+
+    def _check_bounds_max(self, model: str, spec: ScaledObjectSpec, replicas: int, what: str) -> None:
+        """A floor is at most ``maxReplicaCount`` and the autoscaler's limit (below ``minReplicaCount`` it is
+        harmless: the floor is already higher)."""
+        cap = min(self.settings.max_replicas, spec.max_replica_count)
+        if replicas > cap:
+            bound = (
+                f"its ScaledObject's maxReplicaCount {spec.max_replica_count}"
+                if cap == spec.max_replica_count
+                else f"this autoscaler's limit of {replicas_text(cap)} per model"
+            )
+            raise Refused("out_of_bounds", f"{what} {model}: a floor of {replicas_text(replicas)} exceeds {bound}")
 
     def _check_node(self, node: str) -> None:
         if self.store.lease(node) is not None or any(r.node == node for r in self.store.records()):

@@ -7,7 +7,9 @@ controller owns the one timer that fires a deferred decision, runs it (`evaluate
 activates, releases and falls back to the cold path to match the target. Everything registry- and time-driven
 (slot changes, housekeeping, adoption at takeover) is passed through to the side it belongs to.
 
-The on-call `ControlPlane` (`autoscaler.daemon.Autoscaler`) reads `status_row` and sets `override` here.
+The on-call `ControlPlane` (`autoscaler.daemon.Autoscaler`) reads `status_row` and sets `override` and the on-call
+schedules here. A second timer fires at the next start or end of a schedule (`ModelDecider.next_boundary`), so a
+scheduled floor begins and ends on time with no sample at all (capped at `BOUNDARY_TIMER_MAX_S`, then re-armed).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Final
 
 from nats.aio.client import Client
 
@@ -27,12 +30,16 @@ from autoscaler.ingest import Accepted
 from autoscaler.metrics import AutoscalerMetrics
 from autoscaler.scaler import ClaimsInFlight, ColdPath, Events, LocalColdPath, ModelScaler, ScalerSettings
 from warmpool import protocol
-from warmpool.protocol import Override, QueueSample, ScalerRecord, SlotRecord, StatusRow
+from warmpool.protocol import OnCallSchedule, Override, QueueSample, ScalerRecord, SlotRecord, StatusRow
 from warmpool.registry import KvSlotStore
 
 __all__ = ["ColdPath", "ControllerSettings", "Deps", "LocalColdPath", "ModelController"]
 
 log = logging.getLogger("pulsescale.controller")
+
+BOUNDARY_TIMER_MAX_S: Final = 3600.0
+"""The longest the schedule-boundary timer is set for: the loop's clock is monotonic, the schedules' wall time, so a
+boundary days away is re-aimed hourly (one extra decision an hour) instead of drifting with the wall clock."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +97,8 @@ class ModelController:
             claims=deps.claims,
         )
         self._timer: asyncio.TimerHandle | None = None
+        self._boundary_timer: asyncio.TimerHandle | None = None
+        self._boundary_at: float | None = None  # the schedule boundary `_boundary_timer` is aimed at
 
     @property
     def model(self) -> str:
@@ -159,7 +168,44 @@ class ModelController:
         if self.deps.is_leader():
             # A new target that a sample caused starts `pulsescale_decision_seconds`; its first claim ends it.
             self.scaler.wake(ev.sample_at if ev.changed else None)
+        self._arm_boundary(now)
         return d
+
+    def _arm_boundary(self, now: float) -> None:
+        """Aim the boundary timer at the next schedule start or end (unchanged: left as it is)."""
+        at = self.decider.next_boundary(now) if self.deps.is_leader() else None
+        if at == self._boundary_at and (at is None or self._boundary_timer is not None):
+            return
+        self._cancel_boundary()
+        if at is None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # decided outside a loop (a test): housekeeping's `settled` still sees the boundary
+            return
+        self._boundary_at = at
+        self._boundary_timer = loop.call_later(min(max(at - now, 0.0), BOUNDARY_TIMER_MAX_S), self._boundary_fired)
+
+    def _cancel_boundary(self) -> None:
+        if self._boundary_timer is not None:
+            self._boundary_timer.cancel()
+        self._boundary_timer = None
+        self._boundary_at = None
+
+    def _boundary_fired(self) -> None:
+        self._boundary_timer = None
+        self._boundary_at = None
+        if not self.deps.is_leader():
+            return  # the shard moved on: its new owner decides
+        now = self.deps.clock()
+        self.decider.request(now)
+        self._run_due(now)
+
+    def set_schedules(self, oncall: tuple[OnCallSchedule, ...]) -> policy.Decision:
+        """Install the on-call schedules and decide at once."""
+        now = self.deps.clock()
+        self.decider.set_schedules(oncall, now)
+        return self.evaluate(now)
 
     def set_override(self, override: Override | None) -> policy.Decision:
         """Install (or, with None, drop) the on-call override and decide at once."""
@@ -176,6 +222,7 @@ class ModelController:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self._cancel_boundary()
         await self.scaler.stop(release_in_flight=release_in_flight)
 
     async def retire(self, reason: str) -> int:
@@ -183,6 +230,7 @@ class ModelController:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self._cancel_boundary()
         if not self.deps.is_leader():
             await self.scaler.stop(release_in_flight=False)  # the leader releases them
             return 0

@@ -29,6 +29,8 @@ What the conversion decides, and why:
   pulsescale name in ``metadata.name``. ``metadata.namespace`` needs no rule: a namespace is a DNS label, always
   a pulsescale name. ``spec.triggers`` gets ``maxItems`` (`MAX_TRIGGERS`, the validator's bound too), because the
   API server refuses a CEL rule whose worst-case cost over an unbounded list is too high.
+- ``spec.schedules`` (revision 8): CEL repeats the floor <= ``maxReplicaCount`` and unique names; whether two
+  windows overlap needs the zone database (DST), so the validator alone refuses it (the operator reports it).
 - `_CRD_BOUNDS` adds bounds the CRD needs beyond the wire's (none today: ``fallback.failureThreshold`` 0 is the
   wire's own minimum since revision 5).
 - The HPA ``behavior`` rules are one struct for ``scaleUp`` and ``scaleDown``, mapped differently (scale-down onto
@@ -240,6 +242,15 @@ CEL_RULES: Final[dict[str, list[dict[str, str]]]] = {
             "rule": "self.triggers.all(t, !has(t.name) || "
             "self.triggers.exists_one(u, has(u.name) && u.name == t.name))",
             "message": "trigger names must be unique within the ScaledObject",
+        },
+        {
+            "rule": "!has(self.schedules) || !has(self.maxReplicaCount) || "
+            "self.schedules.all(s, s.replicas <= self.maxReplicaCount)",
+            "message": "a schedule's `replicas` must be <= `maxReplicaCount`",
+        },
+        {
+            "rule": "!has(self.schedules) || self.schedules.all(s, self.schedules.exists_one(u, u.name == s.name))",
+            "message": "schedule names must be unique within the ScaledObject",
         },
     ],
 }

@@ -57,10 +57,11 @@ from autoscaler.retire import Retirement
 from autoscaler.shards import ShardLeases, ShardSettings
 from autoscaler.slotview import SlotCounts as SlotCounts  # importable from here too
 from autoscaler.slotview import SlotEvents
+from autoscaler.storedschedules import StoredSchedules
 from autoscaler.subscriptions import SampleSubscriptions
 from warmpool import connect, looplag, protocol
 from warmpool.errors import BadMessage
-from warmpool.protocol import Override, ScaledObjectSpec, ScalerRecord, StatusRow
+from warmpool.protocol import OnCallSchedule, Override, ScaledObjectSpec, ScalerRecord, StatusRow
 from warmpool.registry import BucketView, Changed, KvSlotStore, Removed, Snapshot, ensure_buckets
 from warmpool.rejects import Rejections
 from warmpool.tasks import cancel_and_wait
@@ -177,6 +178,10 @@ class Autoscaler:
             nc, buckets[protocol.LEASES_BUCKET], store, clock=clock, max_replicas=settings.max_replicas
         )
         """The on-call overrides stored in `pulse_leases` (`autoscaler.overrides`): a new owner restores them."""
+        self.stored_schedules = StoredSchedules(
+            nc, buckets[protocol.LEASES_BUCKET], store, clock=clock, max_replicas=settings.max_replicas
+        )
+        """The on-call schedules stored in `pulse_leases` (`autoscaler.storedschedules`): a new owner restores them."""
         self.ownership = Ownership(
             store,
             self.overrides,
@@ -190,6 +195,7 @@ class Autoscaler:
             contained=self._contained,
             clock=clock,
             slice_s=settings.slice_s,
+            schedules=self.stored_schedules,
         )
         """The shards held and the reactions to them (`autoscaler.ownership`): take over, stop."""
         # A bad edit of a ScaledObject keeps the last good one (counted), so autoscaling its model goes on.
@@ -296,6 +302,16 @@ class Autoscaler:
         c = self.by_model[model]
         await self.overrides.save(model, override)
         c.set_override(override)
+
+    def schedules_for(self, model: str) -> tuple[OnCallSchedule, ...]:
+        c = self.by_model.get(model)
+        return c.decider.oncall_schedules if c else ()
+
+    async def set_schedules(self, model: str, schedules: tuple[OnCallSchedule, ...]) -> None:
+        """Store the model's on-call schedules (a new owner restores them) and decide on them at once."""
+        c = self.by_model[model]
+        await self.stored_schedules.save(model, schedules)
+        c.set_schedules(schedules)
 
     def status(self, model: str | None) -> list[StatusRow]:
         """Rows of every model this replica knows (all, or `model`), each naming its shard and, as last seen, the

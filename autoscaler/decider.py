@@ -18,6 +18,11 @@ changes (the windows, stale gateways, cooldowns, an override's expiry) is decide
 on its own period, for the models where it can change anything: `settled` says when a decision now would repeat the
 last one exactly and leave the policy's windows as deciding would (`policy.settle_s`,
 `policy.time_events`, a gateway turning stale), and housekeeping skips those.
+
+Schedules (protocol revision 8). The ScaledObject's ``schedules`` and the on-call ones (`oncall_schedules`, set
+by ``pulsescale schedule``) are resolved to windows (`autoscaler.schedules`); the floor in force is handed to the
+policy as `policy.Observation.scheduled_floor`. A schedule's start and end are time events: `settled` is False
+across one, and `next_boundary` tells the controller when to decide with no sample at all.
 """
 
 from __future__ import annotations
@@ -29,10 +34,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Final
 
-from autoscaler import policy
+from autoscaler import policy, schedules
 from autoscaler.ingest import Accepted, ModelDemand
 from warmpool import protocol
-from warmpool.protocol import DecisionRow, Override, QueueSample, ScalerRecord, StatusRow
+from warmpool.protocol import DecisionRow, OnCallSchedule, Override, QueueSample, ScalerRecord, StatusRow
 
 __all__ = ["LEAD_TIME_MIN_SAMPLES", "DeciderSettings", "Evaluation", "ModelDecider"]
 
@@ -84,6 +89,9 @@ class ModelDecider:
         self.state = policy.initial_state(record.spec, now=now, current_replicas=current_replicas)
         self.override: Override | None = None
         """The on-call override (`scale`, `pause`); the paused annotation is read from `record`."""
+        self.oncall_schedules: tuple[OnCallSchedule, ...] = ()
+        """The on-call schedules (``pulsescale schedule``); the ScaledObject's are read from `record`."""
+        self._windows: tuple[schedules.Window, ...] | None = None  # both sources resolved; None: not yet
         self.decision: policy.Decision | None = None
         self.history: deque[DecisionRow] = deque(maxlen=settings.decisions_kept)
         """Decisions that changed the target or the mode, newest last."""
@@ -96,8 +104,9 @@ class ModelDecider:
         self._decided_demand = 0.0  # the largest single-gateway demand seen at the last decision
         self._sample_at: float | None = None  # receive time of the first sample since the last decision
         self._changed_at = now  # when the demand (or the spec) last changed: `settled` counts from it
-        self._decided_with: tuple[int, float | None, ScalerRecord] | None = None  # (ready, lead time, record)
+        self._decided_with: tuple[object, ...] | None = None  # (ready, lead time, record, rates)
         self._demand_seen: float | None = None  # the demand the last decision saw
+        self._rates_seen: tuple[float | None, float | None, float | None] = (None, None, None)  # queued, rates
         self._current_at = -math.inf  # when the state was last brought up to date (a decision or `skip`)
 
     @property
@@ -116,11 +125,31 @@ class ModelDecider:
         """The target replica count; before the first decision, the `held` count (nothing to change yet)."""
         return self.decision.desired if self.decision is not None else held
 
+    # --- schedules ------------------------------------------------------------------------------------------------
+
+    @property
+    def windows(self) -> tuple[schedules.Window, ...]:
+        """The ScaledObject's and the on-call schedules, resolved to Unix seconds (`autoscaler.schedules`)."""
+        if self._windows is None:
+            self._windows = schedules.windows(self.record.spec.schedules, self.oncall_schedules)
+        return self._windows
+
+    def set_schedules(self, oncall: tuple[OnCallSchedule, ...], now: float) -> float:
+        """New on-call schedules: the next decision uses them. Returns when that decision is due."""
+        self.oncall_schedules = oncall
+        self._windows = None
+        return self.request(now)
+
+    def next_boundary(self, now: float) -> float | None:
+        """The next start or end of a schedule after `now`: a decision is due then, samples or not."""
+        return schedules.next_boundary(self.windows, now)
+
     # --- asking for a decision ---------------------------------------------------------------------------------
 
     def update_record(self, record: ScalerRecord, now: float) -> float:
         """A live edit of the ScaledObject: the next decision uses it. Returns when that decision is due."""
         self.record = record
+        self._windows = None
         self.demand.stale_after_s = record.spec.advanced.stale_after_seconds
         self._changed_at = now
         # The windows hold what was recorded under the old spec: only `settle_s` tells when that has gone.
@@ -172,7 +201,12 @@ class ModelDecider:
         d, state, at, demand = self.decision, self.state, self._decided_at, self._demand_seen
         if d is None or demand is None or self.due_at is not None or self.override is not None or self.record.paused:
             return False
-        if self._decided_with != (ready, self.lead_time_s(), self.record) or state.last_fresh_at != self._current_at:
+        seen = self.demand.observe(now)
+        rates = (seen.queued, seen.arrival_rate, seen.completion_rate)
+        if (
+            self._decided_with != (ready, self.lead_time_s(), self.record, rates)
+            or state.last_fresh_at != self._current_at
+        ):
             return False
         # A hold of 0 replicas after a restart binds nothing (no decision goes below it): as good as none.
         if d.panic or state.hold_replicas or state.scale_downs or state.scale_ups:
@@ -193,14 +227,22 @@ class ModelDecider:
         if at < changed + policy.settle_s(self.spec) and not flat:
             return False
         events = policy.time_events(self.spec, state, self.record.created_at, demand)
-        return not any(self._current_at < t <= now for t in events)
+        if any(self._current_at < t <= now for t in events):
+            return False
+        # A schedule that started or ended since: the floor changes (`next_boundary`).
+        boundary = schedules.next_boundary(self.windows, self._current_at)
+        return boundary is None or boundary > now
 
     def skip(self, now: float) -> None:
         """Stand for a decision at `now` that `settled` said would repeat the last one: bring the state's times
         up to date as that decision would (`policy.repeat`), without running the policy."""
         assert self._demand_seen is not None
         assert self.decision is not None
-        self.state = policy.repeat(self.spec, self.state, self.decision, now, self._demand_seen)
+        q, lam, mu = self._rates_seen
+        self.state = policy.repeat(
+            self.spec, self.state, self.decision, now, self._demand_seen, queued=q, arrival_rate=lam,
+            completion_rate=mu,
+        )  # fmt: skip
         self._current_at = now
 
     def due(self, now: float) -> bool:
@@ -247,13 +289,18 @@ class ModelDecider:
             paused_scale_in=record.paused_scale_in,
             paused_scale_out=record.paused_scale_out,
             created_at=record.created_at,
+            queued=seen.queued,
+            arrival_rate=seen.arrival_rate,
+            completion_rate=seen.completion_rate,
+            scheduled_floor=schedules.floor_at(self.windows, now),
         )
         before = self.state.desired
         decision, self.state = policy.decide(self.spec, obs, self.state, now)
         self._demand_seen, self._current_at = obs.demand, now
+        self._rates_seen = (obs.queued, obs.arrival_rate, obs.completion_rate)
         # What `settled` compares; none after a decision with an override in it (its reason names the override,
         # and the next one, without it, will not).
-        self._decided_with = (ready, obs.lead_time_s, record) if obs.override is None else None
+        self._decided_with = (ready, obs.lead_time_s, record, self._rates_seen) if obs.override is None else None
         if decision.desired != before:
             self.last_scale_at = now
         previous, self.decision = self.decision, decision
@@ -280,6 +327,7 @@ class ModelDecider:
         the last decision's time)."""
         d = self.decision
         when = now if now is not None else self._decided_at
+        ws = self.windows
         return StatusRow(
             model=self.model,
             scaler=self.record.key,
@@ -299,4 +347,7 @@ class ModelDecider:
             cold_requested=cold_requested,
             last_active_at=self.state.last_active_at,
             last_scale_at=self.last_scale_at,
+            scheduled_floor=schedules.floor_at(ws, when),
+            schedules=schedules.status_rows(ws, when),
+            pool_floor=schedules.pool_floor(ws, when),
         )

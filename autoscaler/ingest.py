@@ -39,6 +39,7 @@ class GatewayView:
 @dataclass(frozen=True, slots=True)
 class Observed:
     demand: float | None  # queue + in-flight over fresh gateways; None when no gateway is fresh
+    queued: float | None  # the queue part of `demand`
     arrival_rate: float | None
     completion_rate: float | None
     fresh_gateways: int
@@ -97,7 +98,7 @@ class ModelDemand:
         return "restart" if restart else "accepted"
 
     def observe(self, now: float) -> Observed:
-        demand = 0.0
+        demand = queued = 0.0
         arrivals = completions = 0.0
         have_rate = False
         fresh = stale = 0
@@ -109,6 +110,7 @@ class ModelDemand:
                 continue
             fresh += 1
             demand += g.queue_depth + g.inflight
+            queued += g.queue_depth
             if g.arrival_rate is not None:
                 have_rate = True
                 arrivals += g.arrival_rate
@@ -116,9 +118,10 @@ class ModelDemand:
             if newest is None or g.ts > newest:
                 newest = g.ts
         if fresh == 0:
-            return Observed(None, None, None, 0, stale, None)
+            return Observed(None, None, None, None, 0, stale, None)
         return Observed(
             demand,
+            queued,
             arrivals if have_rate else None,
             completions if have_rate else None,
             fresh,

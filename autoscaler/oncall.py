@@ -1,4 +1,4 @@
-"""On-call CLI verbs: `pulsescale scale|pause|resume|status|pool|drain|undrain` and `pulsescale apply -f`.
+"""On-call CLI verbs: `pulsescale scale|pause|resume|schedule|status|pool|drain|undrain` and `pulsescale apply -f`.
 
 Each verb sends one command of the contract (`protocol.ScaleCommand`, ...) on ``pulse.cmd.<verb>`` and prints
 its typed reply (`protocol.OverrideReply`, `StatusReply`, `PoolReply`, `DrainReply`). A command gets a fresh
@@ -49,6 +49,10 @@ from warmpool.protocol import (
     ReplicaRecord,
     ResumeCommand,
     ScaleCommand,
+    Schedule,
+    ScheduleCommand,
+    ScheduleReply,
+    ScheduleRow,
     StatusCommand,
     StatusReply,
     StatusRow,
@@ -77,6 +81,8 @@ __all__ = [
     "request",
     "resume",
     "scale",
+    "schedule",
+    "schedule_lines",
     "status",
     "undrain",
 ]
@@ -337,17 +343,162 @@ def resume(argv: list[str], prog: str) -> int:
     return _run(prog, args, "resume", build, OverrideReply, lambda _: print(f"{args.model} is autoscaled again"))
 
 
+def _schedule_arg(text: str) -> float:
+    seconds = _duration_arg(text)
+    if seconds > protocol.MAX_SCHEDULE_S:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is longer than a schedule may hold ({format_duration(protocol.MAX_SCHEDULE_S)}); a longer "
+            "floor is a minReplicaCount edit"
+        )
+    return seconds
+
+
+_LOCAL: Final = re.compile(r"([0-9]{4}-[0-9]{2}-[0-9]{2})[T ]([0-9]{2}:[0-9]{2}(:[0-9]{2})?)")
+
+
+def _local_time_arg(text: str) -> str:
+    """``2026-12-24T18:00`` or ``2026-12-24 18:00`` (seconds optional), no offset: the zone is --tz."""
+    m = _LOCAL.fullmatch(text.strip())
+    if m is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a local date-time: write 2026-12-24T18:00 (or '2026-12-24 18:00'), with the zone in --tz"
+        )
+    return f"{m.group(1)}T{m.group(2)}"
+
+
+def _tag_free(err: Exception) -> str:
+    return re.sub(r"^\[\w+\] ", "", str(err))
+
+
+def schedule_lines(rows: Sequence[ScheduleRow], now: float, *, indent: str = "  ") -> list[str]:
+    """One line per schedule: in force (with the time left) or upcoming (with when it starts)."""
+    out_lines = []
+    for r in rows:
+        if r.active:
+            when = f"in force until {_when(r.ends_at, now)}"
+        elif r.starts_at > now:
+            when = f"starts {_when(r.starts_at, now)}, for {format_duration(r.duration_seconds)}"
+        else:
+            when = f"ended {_when(r.ends_at, now)}"
+        by = f" by {r.by}" if r.by else ""
+        out_lines.append(
+            f"{indent}{r.name} ({r.source}{by}): floor {replicas_text(r.replicas)} from {r.start} {r.timezone}; {when}"
+        )
+    return out_lines
+
+
+def _schedule_cell(r: StatusRow, now: float) -> str:
+    """The SCHEDULE column: the floor in force and until when, else the next one and when it starts."""
+    active = [s for s in r.schedules if s.active]
+    if active:
+        top = max(active, key=lambda s: s.replicas)
+        return f"{top.name}: floor {top.replicas}, {format_duration(max(top.ends_at - now, 0))} left"
+    upcoming = [s for s in r.schedules if s.starts_at > now]
+    if upcoming:
+        nxt = upcoming[0]
+        return f"next {nxt.name}: {nxt.replicas} in {durations.age(nxt.starts_at - now)}"
+    return "-"
+
+
+def format_schedules(reply: ScheduleReply, now: float) -> str:
+    """``pulsescale schedule MODEL --list``: the model's schedules not yet ended, both sources, soonest first."""
+    rows = reply.schedules
+    if not rows:
+        return (
+            f"{reply.model}: no schedules (add one: pulsescale schedule {reply.model} --at ... --for ... --replicas N)"
+        )
+    header = ["NAME", "SOURCE", "REPLICAS", "START", "TIMEZONE", "FOR", "STATE", "BY"]
+    table = [
+        [
+            r.name,
+            r.source,
+            str(r.replicas),
+            r.start,
+            r.timezone,
+            format_duration(r.duration_seconds),
+            (
+                f"in force, {format_duration(max(r.ends_at - now, 0))} left"
+                if r.active
+                else f"starts {durations.rfc3339(r.starts_at)} (in {durations.age(r.starts_at - now)})"
+            ),
+            r.by or "-",
+        ]
+        for r in rows
+    ]
+    return out.table(header, table)
+
+
+def schedule(argv: list[str], prog: str) -> int:
+    p = parser(
+        prog,
+        "Raise a model's floor from a time, for a while, ahead of a known event (scheduled warm-up, as KEDA's cron "
+        "scaler): the policy never goes below it meanwhile, and the warm pool is asked for the slots ahead of the "
+        "start. Without --at or --delete, lists the model's schedules (its ScaledObject's and the on-call ones).",
+    )
+    p.add_argument("model", type=_name_arg("model"))
+    act = p.add_mutually_exclusive_group()
+    act.add_argument(
+        "--at", type=_local_time_arg, metavar="LOCAL-TIME", help="start, local time in --tz: 2026-12-24T18:00"
+    )
+    act.add_argument("--delete", type=_name_arg("schedule"), metavar="NAME", help="delete the on-call schedule NAME")
+    act.add_argument("--list", action="store_true", help="list the model's schedules (the default)")
+    p.add_argument("--tz", default="UTC", metavar="ZONE", help="IANA zone of --at: Europe/Berlin [UTC]")
+    p.add_argument(
+        "--for",
+        dest="for_s",
+        type=_schedule_arg,
+        metavar="DURATION",
+        help=f"how long the floor holds: 90m, 2h, 36h; at most {format_duration(protocol.MAX_SCHEDULE_S)}",
+    )
+    p.add_argument("--replicas", type=_replicas_arg, metavar="N", help="the floor: at least N replicas")
+    p.add_argument("--name", type=_name_arg("schedule"), help="names the schedule [at-<date>-<time>]")
+    args = p.parse_args(argv)
+    add: Schedule | None = None
+    if args.at is not None:
+        if args.for_s is None or args.replicas is None:
+            p.error("--at needs --for DURATION and --replicas N")
+        name = args.name or "at-" + args.at.replace("T", "-").replace(":", "").lower()
+        try:
+            add = Schedule(
+                name=name, start=args.at, timezone=args.tz, duration_seconds=args.for_s, replicas=args.replicas
+            )
+        except (ValueError, msgspec.ValidationError) as err:
+            p.error(_tag_free(err))
+    elif args.for_s is not None or args.replicas is not None or args.name is not None or args.tz != "UTC":
+        p.error("--for, --replicas, --name and --tz go with --at")
+
+    def build(**envelope: Any) -> ScheduleCommand:
+        return ScheduleCommand(**envelope, model=args.model, add=add, delete=args.delete)
+
+    def show(reply: ScheduleReply) -> None:
+        now = time.time()
+        if add is not None:
+            begin, _ = add.window()
+            print(
+                f"{args.model}: schedule {add.name} added: floor {replicas_text(add.replicas)} from {add.start} "
+                f"{add.timezone} ({_when(begin, now)}) for {format_duration(add.duration_seconds)}"
+            )
+        elif args.delete is not None:
+            print(f"{args.model}: schedule {args.delete} deleted")
+        print(format_schedules(reply, now))
+
+    return _run(prog, args, "schedule", build, ScheduleReply, show)
+
+
 def format_status(
     rows: Sequence[StatusRow], now: float, *, replicas: Sequence[ReplicaRecord] = (), wide: bool = False
 ) -> str:
     """The `status` table; with one model, its recent decisions below it; then the autoscaler replicas when the
     reply names them. WARM counts the claimable slots; STALE the ones that read warm but whose agent's lease
     lapsed (not claimable until it heartbeats again). OWNER (the replica that owns the model's shard) shows when
-    several replicas share the models, or with `wide`, which adds SHARD."""
+    several replicas share the models, or with `wide`, which adds SHARD. SCHEDULE (revision 8) shows once any model
+    has a schedule in force or to come: the floor in force and the time left, else the next one."""
     owner = wide or len(replicas) > 1
+    scheduled = any(r.schedules for r in rows)
     header: tuple[str, ...] = (
         "MODEL", *(["OWNER"] if owner else []), *(["SHARD"] if wide else []),
-        "DESIRED", "READY", "ACTIVATING", "WARM", "STALE", "MODE", "OVERRIDE", "LAST-REASON",
+        "DESIRED", "READY", "ACTIVATING", "WARM", "STALE", "MODE", "OVERRIDE", *(["SCHEDULE"] if scheduled else []),
+        "LAST-REASON",
     )  # fmt: skip
     table = [header]
     for r in rows:
@@ -359,11 +510,17 @@ def format_status(
             *([r.owner or "-"] if owner else []),
             *([str(r.shard) if r.shard is not None else "-"] if wide else []),
         ]
-        table.append((r.model, *where, *map(str, counts), mode, _describe_override(r.override, now), r.reason or "-"))
+        sched = [_schedule_cell(r, now)] if scheduled else []
+        table.append(
+            (r.model, *where, *map(str, counts), mode, _describe_override(r.override, now), *sched, r.reason or "-")
+        )
     widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1] for row in table]
     if not rows:
         lines.append("(no models: apply a ScaledObject with `pulsescale apply -f FILE.yaml`)")
+    if len(rows) == 1 and rows[0].schedules:
+        lines += ["", f"schedules of {rows[0].model} (in force, then the next):"]
+        lines += schedule_lines(rows[0].schedules, now)
     if len(rows) == 1 and rows[0].decisions:
         lines += ["", f"recent decisions of {rows[0].model} (newest last):"]
         lines += [f"  {_when(d.ts, now)}  desired {d.desired:<4}  {d.reason}" for d in rows[0].decisions]

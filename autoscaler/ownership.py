@@ -1,7 +1,8 @@
 """The shards this replica holds, and what it does as they come and go: the reactions to `ShardLeases`.
 
 A shard taken (`Ownership.on_shard_acquired`) is taken over in one task (`Ownership.take_over`): its models adopt
-the slots held for them, get their stored on-call overrides back (`autoscaler.overrides`), start, and decide; a
+the slots held for them, get their stored on-call overrides and schedules back (`autoscaler.overrides`,
+`autoscaler.storedschedules`), start, and decide; a
 model whose ScaledObject arrives in a shard already held is taken over the same way. A shard lost
 (`Ownership.on_shard_lost`) stops its models at once; claims in flight are left for the next owner. Either way the
 leadership gauges, the sample subscriptions (`autoscaler.subscriptions`) and the command service follow. The
@@ -22,8 +23,9 @@ from autoscaler.controller import ModelController
 from autoscaler.metrics import AutoscalerMetrics
 from autoscaler.overrides import StoredOverrides
 from autoscaler.shards import INVOLUNTARY, ShardLeases
+from autoscaler.storedschedules import StoredSchedules
 from warmpool import protocol
-from warmpool.protocol import Override
+from warmpool.protocol import OnCallSchedule, Override
 from warmpool.registry import KvSlotStore
 
 __all__ = ["Ownership"]
@@ -49,9 +51,12 @@ class Ownership:
         contained: Callable[[str], AbstractContextManager[None]],
         clock: Callable[[], float],
         slice_s: float,
+        schedules: StoredSchedules | None = None,
     ) -> None:
         self.store = store
         self.overrides = overrides
+        self.schedules = schedules
+        """The on-call schedules stored in `pulse_leases` (None: not kept, as in tests of the overrides alone)."""
         self.by_model = by_model
         self.by_shard = by_shard
         self.shards = shards
@@ -121,6 +126,8 @@ class Ownership:
         starting are idempotent: a model met twice is harmless.)"""
         overrides: dict[str, Override] | None = None
         writes: dict[str, int] = {}
+        stored_schedules: dict[str, tuple[OnCallSchedule, ...]] | None = None
+        schedule_writes: dict[str, int] = {}
         read_at = 0.0
         while self._acquired or self.arrived:
             batch, self._acquired = self._acquired, set()
@@ -129,6 +136,9 @@ class Ownership:
                 # One read for the shards of a round (they are taken one by one, within milliseconds).
                 writes = dict(self.overrides.writes)
                 read_at, overrides = time.monotonic(), await self.overrides.load()
+                if self.schedules is not None:
+                    schedule_writes = dict(self.schedules.writes)
+                    stored_schedules = await self.schedules.load()
             todo = [(shard, model) for shard in sorted(batch) for model in sorted(self.by_shard.get(shard, ()))]
             todo += [(protocol.shard_of(m), m) for m in sorted(arrived) if protocol.shard_of(m) not in batch]
             # First adopt and start every model, so a sample arriving now acts; then the first decisions.
@@ -152,6 +162,10 @@ class Ownership:
                     # An override set here since the read is newer than what was read (a resume's delete too).
                     if model in overrides and self.overrides.writes.get(model, 0) == writes.get(model, 0):
                         c.override = overrides[model]
+                    written = self.schedules.writes.get(model, 0) if self.schedules is not None else 0
+                    if stored_schedules is not None and written == schedule_writes.get(model, 0):
+                        # Also none stored: deleted while another replica owned it.
+                        c.decider.set_schedules(stored_schedules.get(model, ()), self.clock())
                     c.start()
                     started.append(c)
             for c in started:

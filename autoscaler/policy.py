@@ -51,7 +51,7 @@ import math
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from autoscaler import detector
+from autoscaler import detector, need
 from warmpool.protocol import Override, ScaledObjectSpec
 
 __all__ = [
@@ -67,7 +67,7 @@ __all__ = [
     "time_events",
 ]
 
-Mode = Literal["normal", "panic", "override", "paused", "fallback", "stale", "hold", "idle"]
+Mode = Literal["normal", "panic", "override", "paused", "fallback", "stale", "hold", "idle", "scheduled"]
 
 _ROUNDING: Final = 1e-9
 """`ceil(8.000000001 / 4)` must be 2, not 3: demand sums and trends are floats."""
@@ -93,6 +93,16 @@ class Observation:
     created_at: float | None = None
     """When the ScaledObject was created (Unix s), for ``initialCooldownPeriod``; None counts from
     `PolicyState.started_at` (when this autoscaler first saw it)."""
+    queued: float | None = None
+    """The part of `demand` still waiting in the gateways' queues (the rest is in flight); None: not known, the
+    whole demand is read as in flight."""
+    arrival_rate: float | None = None
+    """Requests per second arriving at the fresh gateways (their counters' deltas); None: not known yet."""
+    completion_rate: float | None = None
+    """Requests per second the fresh gateways saw complete; None: not known yet."""
+    scheduled_floor: int | None = None
+    """The floor a scheduled warm-up in force at `now` raises the count to (`ScaledObjectSpec.schedules`); None:
+    none in force. Clamped to ``maxReplicaCount``; an on-call override still wins."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +137,11 @@ class PolicyState:
     flat: Flat | None = None
     """What every decision since the start recorded, while all recorded the same (`Flat`); None once two differed
     (or one panicked, or had an override): then only `settle_s` after the last change says the windows settled."""
+    need: need.NeedState | None = None
+    """The arrival and completion rates and the service time learnt from them (`autoscaler.need`); None until a
+    decision had rates."""
+    rec: int = 0
+    """The last fresh decision's recommendation (what `repeat` records again)."""
 
     @property
     def panic(self) -> bool:
@@ -176,6 +191,30 @@ def _trigger(spec: ScaledObjectSpec) -> tuple[float, float]:
     most replicas and the smallest activation depth activates first (KEDA takes the max over triggers)."""
     meta = [t.metadata for t in spec.triggers]
     return min(m.target_queue_depth for m in meta), min(m.activation_queue_depth for m in meta)
+
+
+def _need_config(spec: ScaledObjectSpec, target: float) -> need.NeedConfig:
+    adv = spec.advanced
+    return need.NeedConfig(
+        rate_window_s=adv.panic_window_seconds,
+        service_window_s=adv.stable_window_seconds,
+        target=target,
+        carry_s=adv.stale_after_seconds,
+    )
+
+
+def _record_need(
+    spec: ScaledObjectSpec, state: need.NeedState | None, obs: Observation, demand: float, target: float, now: float
+) -> need.NeedState | None:
+    """The rates of `obs` recorded (None kept while no decision had them)."""
+    lam, mu = _clean(obs.arrival_rate), _clean(obs.completion_rate)
+    if lam is None or mu is None:
+        return state
+    cfg = _need_config(spec, target)
+    queued = min(_clean(obs.queued) or 0.0, demand)
+    return need.record(
+        cfg, state or need.initial(cfg), now=now, arrival_rate=lam, completion_rate=mu, in_flight=demand - queued
+    )
 
 
 def _config(spec: ScaledObjectSpec, target: float, activation: float) -> detector.DetectorConfig:
@@ -342,8 +381,10 @@ def _fresh(
     lead_s: float,
     now: float,
     cooling_s: float,
+    needs: need.Need | None = None,
 ) -> tuple[int, Mode, str]:
-    """Rules 3 to 5 on fresh demand. `cooling_s`: what is left of ``initialCooldownPeriod`` (<= 0: none)."""
+    """Rules 3 to 5 on fresh demand. `cooling_s`: what is left of ``initialCooldownPeriod`` (<= 0: none); `needs`:
+    what the rates say the load needs (None: the queue depth's forecast decides)."""
     prev = state.desired
     demand = pulse.current if pulse.current is not None else 0.0
     if bounds.idle_capable and not pulse.panic:
@@ -359,9 +400,11 @@ def _fresh(
                     "idle",
                     f"idle {prev} -> {bounds.idle}: no demand above {_n(activation)} for {_n(spec.cooldown_period)} s",
                 )
-            desired, mode, reason = _scale(spec, pulse, rec, stabilised, state, bounds, activation, target, lead_s, now)
+            desired, mode, reason = _scale(
+                spec, pulse, rec, stabilised, state, bounds, activation, target, lead_s, now, needs
+            )
             return desired, mode, f"{reason}; idle at {bounds.idle} in {_n(cooling_s)} s (initialCooldownPeriod)"
-    return _scale(spec, pulse, rec, stabilised, state, bounds, activation, target, lead_s, now)
+    return _scale(spec, pulse, rec, stabilised, state, bounds, activation, target, lead_s, now, needs)
 
 
 def _scale(
@@ -375,6 +418,7 @@ def _scale(
     target: float,
     lead_s: float,
     now: float,
+    needs: need.Need | None = None,
 ) -> tuple[int, Mode, str]:
     """Rules 4 and 5: panic, or the normal recommendation with its stabilisation and rate limit."""
     adv = spec.advanced
@@ -390,10 +434,17 @@ def _scale(
     else:
         want = min(prev, stabilised)
         floor = _rate_floor(prev, state, spec, now)
+        if needs is not None and state.scale_downs:
+            # On rates the window's highest recommendation falls a replica at a time as a pulse's recommendations
+            # leave it: one step per period, not one per decision.
+            floor = prev
         raw = max(want, floor)
     desired = min(max(raw, bounds.active_floor), bounds.max)
     note = f" (bounds {bounds.active_floor}..{bounds.max})" if desired != raw else ""
     per_target = f"forecast {_n(forecast)} / target {_n(target)}"
+    if needs is not None:
+        backlog = f" + backlog {_n(needs.backlog)} (+{_n(needs.drain_replicas)})" if needs.backlog > 0 else ""
+        per_target = f"need {_n(needs.arrival_rate)} req/s x {needs.service_s:.2g} s / target {_n(target)}{backlog}"
 
     if mode == "panic":
         peak = pulse.panic_demand if pulse.panic_demand is not None else demand
@@ -405,13 +456,11 @@ def _scale(
             why = f"panic: demand {_n(peak)} >= {_n(adv.panic_threshold)} x capacity {_n(pulse.capacity)}"
         else:
             why = f"panic: demand {_n(peak)} > {_n(activation)} with nothing ready"
-        return desired, mode, f"{why} -> {desired}{note}"
+        said = f"; {per_target}" if needs is not None else ""
+        return desired, mode, f"{why} -> {desired}{note}{said}"
     if desired > prev:
-        return (
-            desired,
-            mode,
-            f"up {prev} -> {desired}: forecast {_n(forecast)} in {_n(lead_s)} s / target {_n(target)}{note}",
-        )
+        ahead = per_target if needs is not None else f"forecast {_n(forecast)} in {_n(lead_s)} s / target {_n(target)}"
+        return desired, mode, f"up {prev} -> {desired}: {ahead}{note}"
     if desired < prev:
         limited = ", rate-limited" if floor > want else ""
         return desired, mode, f"down {prev} -> {desired}: {per_target}{limited}{note}"
@@ -481,6 +530,7 @@ def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: fl
         recs = _recommendation_window(spec).record(now, prev)  # the spec's window changed: start from the count
         flat = None
     last_fresh_at, last_active_at = state.last_fresh_at, state.last_active_at
+    need_state, last_rec = state.need, state.rec
 
     if demand is None:
         desired, mode, reason = _blind(spec, state, bounds, now)
@@ -494,7 +544,31 @@ def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: fl
             last_active_at = now
         forecast = pulse.forecast_demand if pulse.forecast_demand is not None else demand
         peak = pulse.panic_demand if pulse.panic and pulse.panic_demand is not None else 0.0
-        rec = _replicas(max(forecast, peak), target)
+        need_state = _record_need(spec, need_state, obs, demand, target, now)
+        needs = (
+            need.estimate(
+                _need_config(spec, target),
+                need_state,
+                now=now,
+                queued=min(_clean(obs.queued) or 0.0, demand),
+                lead_s=lead_s,
+                since=pulse_state.panic_since if pulse.panic else None,
+            )
+            if need_state is not None
+            else None
+        )
+        if needs is not None:
+            # Little's law on the arrivals, the backlog that capacity in flight leaves: not the queue's depth.
+            rec = max(math.ceil(needs.replicas - _ROUNDING), 0)
+        elif need_state is not None:
+            # Rates but no service time yet (from idle, nothing has completed): the demand's mean (its peak in
+            # panic). Its trend over a lead time would count the backlog of the first seconds, before anything
+            # could complete, as need.
+            level = pulse.stable_demand if pulse.stable_demand is not None else demand
+            rec = _replicas(max(level, peak), target)
+        else:
+            rec = _replicas(max(forecast, peak), target)
+        last_rec = rec
         recs = recs.record(now, rec)
         flat = _flat_after(flat, demand, rec, now)
         stab_s = adv.scale_down_stabilization_seconds
@@ -512,6 +586,7 @@ def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: fl
             lead_s,
             now,
             cooling_s(spec, state, obs.created_at, now),
+            needs,
         )
         if hold is not None and desired < hold:
             floor = bounds.clamp(hold)  # the count at restart may itself be outside the (new) bounds
@@ -521,6 +596,12 @@ def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: fl
                 f" (policy: {desired})"
             )
             desired, mode = floor, "hold"
+
+    if obs.scheduled_floor is not None and desired < min(obs.scheduled_floor, bounds.max):
+        # A scheduled warm-up (the article's pre-event prewarm, KEDA's cron scaler) raises the floor, blind too.
+        floor = min(obs.scheduled_floor, bounds.max)
+        reason = f"scheduled warm-up: floor {floor} (policy: {desired})"
+        desired, mode = floor, "scheduled"
 
     if obs.paused_scale_in or obs.paused_scale_out:
         desired, mode, reason = _one_way(obs, prev, desired, mode, reason, bounds)
@@ -566,6 +647,8 @@ def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: fl
         last_fresh_at=last_fresh_at,
         last_active_at=last_active_at,
         flat=flat,
+        need=need_state,
+        rec=last_rec,
     )
     return decision, new_state
 
@@ -652,20 +735,32 @@ def time_events(
     return tuple(out)
 
 
-def repeat(spec: ScaledObjectSpec, state: PolicyState, decision: Decision, now: float, demand: float) -> PolicyState:
-    """The state `decide` leaves when, at `now`, it repeats `decision` (its last) on the same fresh `demand`, no
-    panic, no binding hold and no scale step in the period (see `settle_s`): the demand and its recommendation recorded
-    in the windows (a few microseconds; the reads, the trend and the rules are what is skipped), and the times of
-    the last fresh and the last active demand moved on, as each decision moves them."""
+def repeat(
+    spec: ScaledObjectSpec,
+    state: PolicyState,
+    decision: Decision,
+    now: float,
+    demand: float,
+    *,
+    queued: float | None = None,
+    arrival_rate: float | None = None,
+    completion_rate: float | None = None,
+) -> PolicyState:
+    """The state `decide` leaves when, at `now`, it repeats `decision` (its last) on the same fresh `demand` (and
+    the same rates), no panic, no binding hold and no scale step in the period (see `settle_s`): the demand, the
+    rates and the recommendation recorded in the windows (a few microseconds; the reads, the trend and the rules
+    are what is skipped), and the times of the last fresh and the last active demand moved on, as each decision
+    moves them."""
     target, activation = _trigger(spec)
-    forecast = decision.forecast_demand if decision.forecast_demand is not None else demand
     pulse = state.pulse
     window = pulse.window.record(now, demand)
+    obs = Observation(demand, 0, queued=queued, arrival_rate=arrival_rate, completion_rate=completion_rate)
     return dataclasses.replace(
         state,
         pulse=detector.PulseState(window, pulse.panic, pulse.panic_since, pulse.panic_condition_at),
         hold_replicas=_hold_after(spec, state.hold_replicas, window, now),  # a hold of 0 may be repeated
-        recommendations=state.recommendations.record(now, _replicas(forecast, target)),
+        recommendations=state.recommendations.record(now, state.rec),
         last_fresh_at=now,
         last_active_at=state.last_active_at if demand <= activation else now,
+        need=_record_need(spec, state.need, obs, demand, target, now),
     )

@@ -568,6 +568,8 @@ def describe_scaledobject(rec: ScalerRecord, row: StatusRow | None, status_known
         ],
         indent="  ",
     )
+    if row.schedules:
+        lines += ["  Schedules:", *oncall.schedule_lines(row.schedules, now, indent="    ")]
     lines += _decision_lines(row, now)
     return "\n".join(lines)
 
@@ -598,8 +600,11 @@ def describe_model(row: StatusRow, now: float) -> str:
             ("Last reason", row.reason or None),
             ("Last active", _when(row.last_active_at, now)),
             ("Last scale", _when(row.last_scale_at, now)),
+            ("Scheduled floor", row.scheduled_floor),
         ]
     )
+    if row.schedules:
+        lines += ["Schedules:", *oncall.schedule_lines(row.schedules, now)]
     return "\n".join(lines + _decision_lines(row, now))
 
 

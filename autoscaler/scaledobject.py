@@ -741,8 +741,11 @@ def capped(record: ScalerRecord, max_replicas: int) -> tuple[ScalerRecord, str |
     idle = spec.idle_replica_count
     if idle is not None and idle >= lo > 0:
         idle = lo - 1
+    top = min(spec.max_replica_count, max_replicas)
+    # A schedule's floor is at most maxReplicaCount (the spec's own check): cut with it.
+    schedules = [s if s.replicas <= top else msgspec.structs.replace(s, replicas=top) for s in spec.schedules]
     spec = msgspec.structs.replace(
-        spec, max_replica_count=min(spec.max_replica_count, max_replicas), min_replica_count=lo, idle_replica_count=idle
+        spec, max_replica_count=top, min_replica_count=lo, idle_replica_count=idle, schedules=schedules
     )
     paused = None if record.paused_replicas is None else min(record.paused_replicas, max_replicas)
     what = (

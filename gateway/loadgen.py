@@ -7,11 +7,13 @@ client (the coordinated-omission trap of closed-loop tools). Arrivals are Poisso
 uniform, at the rate the `PulseShape` gives at each instant.
 
 Each request is counted in the second it was sent: sent, 200s, 429s, 504s, other statuses, errors (no HTTP answer),
-and the latency percentiles of its 200s; `LoadResult` has the timeline (JSON or CSV) and the totals. From Python::
+the latency percentiles of its 200s, and how late it was sent (behind its scheduled time: a generator that cannot
+keep up says so); `LoadResult` has the timeline (JSON or CSV) and the totals. From Python::
 
     result = await run_load("http://127.0.0.1:8080", "tiny", PulseShape.from_capacity(20.0))
 
-and from a shell, ``pulsescale load http://127.0.0.1:8080 --model tiny --capacity-rps 20``.
+and from a shell, ``pulsescale load http://127.0.0.1:8080 --model tiny --capacity-rps 20``. With ``--trace FILE``
+the arrivals come from a request trace instead (`gateway.replay`).
 
 `PulseShape`, `arrivals` and `percentile` are pure (time passed in).
 """
@@ -27,15 +29,31 @@ import math
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Literal, TextIO
 
 import aiohttp
 
-__all__ = ["LoadResult", "PulseShape", "Second", "arrivals", "main", "percentile", "run_load"]
+from warmpool import traces
 
-Phase = Literal["base", "ramp", "pulse", "after"]
+__all__ = [
+    "LoadResult",
+    "PulseShape",
+    "Second",
+    "arrivals",
+    "main",
+    "percentile",
+    "print_report",
+    "run_load",
+    "send_schedule",
+]
+
+Phase = Literal["base", "ramp", "pulse", "after", "trace"]
+"""Where a second lies in the pulse; "trace" for every second of a trace replay."""
+LATE_WARN_S = 0.1
+"""Sends this far behind schedule are reported as the generator not keeping up (event-loop jitter is ~1 ms)."""
 
 
 @dataclass(frozen=True)
@@ -140,13 +158,16 @@ class Second:
     dropped: int = 0
     """Not sent: `max_outstanding` requests were already waiting for answers (the generator's own limit)."""
     latencies_s: list[float] = field(default_factory=list, repr=False)
+    late_s: list[float] = field(default_factory=list, repr=False)
+    """Per send: how long after its scheduled time it went out."""
 
     def row(self) -> dict[str, object]:
         lat = sorted(self.latencies_s)
-        out: dict[str, object] = {k: v for k, v in asdict(self).items() if k != "latencies_s"}
+        out: dict[str, object] = {k: v for k, v in asdict(self).items() if k not in ("latencies_s", "late_s")}
         for p in (50, 95, 99):
             v = percentile(lat, p)
             out[f"p{p}_ms"] = None if v is None else round(v * 1000, 2)
+        out["late_max_ms"] = round(max(self.late_s) * 1000, 2) if self.late_s else None
         return out
 
 
@@ -154,11 +175,16 @@ class Second:
 class LoadResult:
     url: str
     model: str
-    shape: PulseShape
+    """The model asked for; a trace replay's models, comma-separated."""
+    shape: PulseShape | None
+    """None for a trace replay."""
     arrivals_kind: str
+    """poisson, uniform, or trace."""
     seconds: list[Second]
     started_at: float
     """Wall time (Unix s) of t=0, to line the timeline up with other records of the run."""
+    trace: dict[str, object] | None = None
+    """A trace replay's file, format, speed and requests replayed."""
 
     def total(self, name: str) -> int:
         return sum(int(getattr(s, name)) for s in self.seconds)
@@ -188,6 +214,11 @@ class LoadResult:
         v = percentile(lat, pct)
         return None if v is None else round(v * 1000, 2)
 
+    def late_ms(self, pct: float) -> float | None:
+        """How far behind schedule sends went out, at percentile `pct` (100: the latest)."""
+        v = percentile(sorted(x for s in self.seconds for x in s.late_s), pct)
+        return None if v is None else round(v * 1000, 2)
+
     def summary(self) -> dict[str, object]:
         return {
             "sent": self.sent,
@@ -201,6 +232,8 @@ class LoadResult:
             "p95_ms": self.latency_ms(95),
             "p99_ms": self.latency_ms(99),
             "timeouts_504_in_pulse": sum(s.timeouts_504 for s in self.seconds if s.phase in ("ramp", "pulse")),
+            "late_p99_ms": self.late_ms(99),
+            "late_max_ms": self.late_ms(100),
         }
 
     def to_json(self) -> str:
@@ -208,8 +241,9 @@ class LoadResult:
             {
                 "url": self.url,
                 "model": self.model,
-                "shape": asdict(self.shape),
+                "shape": None if self.shape is None else asdict(self.shape),
                 "arrivals": self.arrivals_kind,
+                **({"trace": self.trace} if self.trace is not None else {}),
                 "started_at": self.started_at,
                 "summary": self.summary(),
                 "seconds": [s.row() for s in self.seconds],
@@ -248,12 +282,36 @@ async def run_load(
     times = arrivals(shape, kind=kind, seed=seed)
     seconds = [Second(t, shape.phase(t + 0.5), shape.rate(t + 0.5)) for t in range(math.ceil(shape.duration_s))]
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens}).encode()
+    started_at = await send_schedule(
+        url.rstrip("/") + path,
+        ((at, body) for at in times),
+        seconds,
+        request_timeout_s=request_timeout_s,
+        max_outstanding=max_outstanding,
+        on_second=on_second,
+        stop=stop,
+    )
+    return LoadResult(url, model, shape, kind, seconds, started_at)
+
+
+async def send_schedule(
+    target: str,
+    schedule: Iterable[tuple[float, bytes]],
+    seconds: list[Second],
+    *,
+    request_timeout_s: float = 120.0,
+    max_outstanding: int = 10_000,
+    on_second: Callable[[Second], None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> float:
+    """POST each `(at, body)` of `schedule` (ascending `at`, seconds from the start) to `target` at its time, open
+    loop, counting it in `seconds[int(at)]` (the last second for any later); returns the wall time (Unix s) of
+    t=0 once every request sent has its answer. Pulse runs and trace replays both send through here."""
     headers = {"Content-Type": "application/json"}
     loop = asyncio.get_running_loop()
     outstanding: set[asyncio.Task[None]] = set()
-    target = url.rstrip("/") + path
 
-    async def one(sec: Second, session: aiohttp.ClientSession) -> None:
+    async def one(sec: Second, body: bytes, session: aiohttp.ClientSession) -> None:
         t0 = loop.time()
         try:
             async with session.post(target, data=body, headers=headers) as r:
@@ -278,7 +336,7 @@ async def run_load(
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         t_start = loop.time()
         reported = 0
-        for at in times:
+        for at, body in schedule:
             if stop is not None and stop.is_set():
                 break
             delay = t_start + at - loop.time()
@@ -288,11 +346,12 @@ async def run_load(
             while on_second is not None and reported < sec.t:
                 on_second(seconds[reported])
                 reported += 1
+            sec.late_s.append(max(0.0, loop.time() - t_start - at))
             if len(outstanding) >= max_outstanding:
                 sec.dropped += 1
                 continue
             sec.sent += 1
-            task = asyncio.create_task(one(sec, session))
+            task = asyncio.create_task(one(sec, body, session))
             outstanding.add(task)
             task.add_done_callback(outstanding.discard)
         if outstanding:
@@ -300,7 +359,7 @@ async def run_load(
         while on_second is not None and reported < len(seconds):
             on_second(seconds[reported])
             reported += 1
-    return LoadResult(url, model, shape, kind, seconds, started_at)
+    return started_at
 
 
 def main(argv: list[str], prog: str, out: TextIO = sys.stdout) -> int:
@@ -308,10 +367,11 @@ def main(argv: list[str], prog: str, out: TextIO = sys.stdout) -> int:
         prog=prog,
         description="Open-loop load against an OpenAI-style endpoint (the gateway): a base rate, a pulse reached "
         "within --ramp-s, held for --hold-s, then the base again. Prints per-second sent/200/429/504/errors and "
-        "latency percentiles; --json/--csv write the timeline.",
+        "latency percentiles; --json/--csv write the timeline. With --trace, the arrivals of a request trace "
+        "instead (Azure LLM inference CSV, or t_s[,model][,tokens]).",
     )
     p.add_argument("url", help="the gateway, e.g. http://127.0.0.1:8080")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", help="the model to ask for (with --trace: for the requests whose row names none)")
     p.add_argument("--capacity-rps", type=float, help="provisioned capacity: base and pulse are percentages of it")
     p.add_argument("--base-pct", type=float, default=50.0, help="with --capacity-rps: the base [50]")
     p.add_argument("--pulse-pct", type=float, default=300.0, help="with --capacity-rps: the pulse [300]")
@@ -324,11 +384,24 @@ def main(argv: list[str], prog: str, out: TextIO = sys.stdout) -> int:
     p.add_argument("--arrivals", choices=("poisson", "uniform"), default="poisson", help="[poisson]")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompt", default="hello")
-    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        help=f"[8; with --trace, for the requests that give no generated tokens: {traces.DEFAULT_GENERATED_TOKENS}]",
+    )
     p.add_argument("--request-timeout-s", type=float, default=120.0, help="client-side bound per request [120]")
     p.add_argument("--json", metavar="FILE", help="write the timeline and totals as JSON")
     p.add_argument("--csv", metavar="FILE", help="write the per-second timeline as CSV")
+    t = p.add_argument_group("trace replay")
+    t.add_argument("--trace", metavar="FILE", help="send the requests of this trace, each at its time")
+    t.add_argument("--speed", type=float, default=1.0, help="replay this many times faster (10: offsets / 10) [1]")
+    t.add_argument("--max-requests", type=int, metavar="N", help="send at most the first N requests [all]")
+    t.add_argument("--duration-s", type=float, metavar="SECONDS", help="send only the first SECONDS (after --speed)")
     args = p.parse_args(argv)
+    if args.trace is not None:
+        return _replay(p, args, out)
+    if args.model is None:
+        p.error("the following arguments are required: --model (or give --trace)")
     try:
         if args.capacity_rps is not None:
             durations = {k: getattr(args, k) for k in ("base_s", "ramp_s", "hold_s", "after_s")}
@@ -342,9 +415,6 @@ def main(argv: list[str], prog: str, out: TextIO = sys.stdout) -> int:
     except ValueError as err:
         p.error(str(err))
 
-    def progress(s: Second) -> None:
-        print(f"t={s.t:>3}s {s.phase:<5} offered {s.offered_rps:6.1f}/s sent {s.sent}", file=sys.stderr, flush=True)
-
     result = asyncio.run(
         run_load(
             args.url,
@@ -353,29 +423,87 @@ def main(argv: list[str], prog: str, out: TextIO = sys.stdout) -> int:
             kind=args.arrivals,
             seed=args.seed,
             prompt=args.prompt,
-            max_tokens=args.max_tokens,
+            max_tokens=8 if args.max_tokens is None else args.max_tokens,
             request_timeout_s=args.request_timeout_s,
-            on_second=progress,
+            on_second=_progress,
         )
     )
+    print_report(result, out)
+    _write_files(result, args)
+    return 0
+
+
+def _progress(s: Second) -> None:
+    print(f"t={s.t:>3}s {s.phase:<5} offered {s.offered_rps:6.1f}/s sent {s.sent}", file=sys.stderr, flush=True)
+
+
+def _replay(p: argparse.ArgumentParser, args: argparse.Namespace, out: TextIO) -> int:
+    from gateway import replay
+
+    given = [f for f in ("capacity_rps", "base_rps", "pulse_rps") if getattr(args, f) is not None]
+    if given:
+        p.error(f"--trace replays the trace's arrivals: give it without --{given[0].replace('_', '-')}")
+    if not (math.isfinite(args.speed) and args.speed > 0):
+        p.error(f"--speed must be finite and > 0, not {args.speed}")
+    try:
+        trace = traces.read_trace(Path(args.trace), speed=args.speed)
+        result = asyncio.run(
+            replay.run_trace(
+                args.url,
+                trace,
+                model=args.model,
+                prompt=args.prompt,
+                default_max_tokens=traces.DEFAULT_GENERATED_TOKENS if args.max_tokens is None else args.max_tokens,
+                max_requests=args.max_requests,
+                duration_s=args.duration_s,
+                request_timeout_s=args.request_timeout_s,
+                on_second=_progress,
+            )
+        )
+    except traces.BadTrace as err:
+        p.error(str(err))
+    except replay.MissingModel as err:
+        p.error(f"{args.trace}: {err} (--model M)")
+    except ValueError as err:  # a bound below 0, a bad URL
+        p.error(str(err))
+    if trace.reordered:
+        print(f"note: {trace.reordered} rows of {args.trace} were out of time order; replayed sorted", file=out)
+    print_report(result, out)
+    _write_files(result, args)
+    return 0
+
+
+def print_report(result: LoadResult, out: TextIO) -> None:
+    """The per-second table and the totals, and a warning when sends fell `LATE_WARN_S` or more behind."""
     # The table comes once every answer is in: a second's 200s and 504s arrive after its sends.
     head = f"{'t':>4} {'phase':<6} {'offered':>7} {'sent':>5} {'200':>5} {'429':>5} {'504':>5} {'err':>4}"
-    print(head + f" {'p50_ms':>8} {'p99_ms':>8}", file=out)
+    print(head + f" {'p50_ms':>8} {'p99_ms':>8} {'late_ms':>8}", file=out)
     for s in result.seconds:
         row = s.row()
         p50 = "-" if row["p50_ms"] is None else f"{row['p50_ms']:.1f}"
         p99 = "-" if row["p99_ms"] is None else f"{row['p99_ms']:.1f}"
+        late = "-" if row["late_max_ms"] is None else f"{row['late_max_ms']:.1f}"
         print(
             f"{s.t:>4} {s.phase:<6} {s.offered_rps:>7.1f} {s.sent:>5} {s.ok:>5} {s.rejected_429:>5} "
-            f"{s.timeouts_504:>5} {s.errors + s.other_status:>4} {p50:>8} {p99:>8}",
+            f"{s.timeouts_504:>5} {s.errors + s.other_status:>4} {p50:>8} {p99:>8} {late:>8}",
             file=out,
         )
     summary = result.summary()
     print("total: " + ", ".join(f"{k} {v}" for k, v in summary.items()), file=out)
+    late_max = result.late_ms(100)
+    if late_max is not None and late_max >= LATE_WARN_S * 1000:
+        print(
+            f"behind schedule: sends went out up to {late_max:.0f} ms late (p99 {result.late_ms(99):.0f} ms): this "
+            "client could not keep up with its schedule, so the server saw the arrivals later than asked for"
+            + (" (lower --speed)" if result.trace is not None else ""),
+            file=out,
+        )
+
+
+def _write_files(result: LoadResult, args: argparse.Namespace) -> None:
     if args.json:
         with open(args.json, "w") as f:
             f.write(result.to_json())
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             f.write(result.to_csv())
-    return 0

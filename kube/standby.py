@@ -16,6 +16,12 @@ hash are replaced; extras beyond the size are deleted, newest and least useful f
 running) — never a serving one: a serving pod carries traffic and goes back to the pool (or away) when its slot is
 released. Serving pods count toward the size: the pool is the slots, busy or not.
 
+Scheduled warm-ups (protocol revision 8, `pool_size`): while a schedule is in force, or starts within
+`autoscaler.schedules.POOL_LEAD_S`, the pool is at least the schedule's floor, so the floor is reached from warm
+slots at its start. The ScaledObject's own ``spec.schedules`` are read from its body (the autoscaler need not
+answer); on-call ones (``pulsescale schedule``, kept in NATS) come through the autoscaler's status row
+(`StatusRow.pool_floor`, refreshed every status round).
+
 Serving flip (`serving_changes`, pure), from the `pulse_slots` bucket (read through a `BucketView`): when a slot
 of the model is ``ready``, one standby pod on the slot's node (``spec.nodeName``) is labelled
 ``pulsescale.io/serving=true`` and annotated ``pulsescale.io/slot=<slot key>``; when the slot leaves ``ready``
@@ -42,7 +48,9 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 import kopf
+import msgspec
 
+from autoscaler import schedules
 from autoscaler.crd import GROUP, PLURAL, VERSION
 from kube import aio, apicall, operator
 from kube.context import OperatorContext
@@ -61,6 +69,7 @@ __all__ = [
     "Plan",
     "StandbyKeeper",
     "plan",
+    "pool_size",
     "register",
     "serving_changes",
     "standby_pod",
@@ -190,6 +199,24 @@ def plan(pods: Iterable[Mapping[str, Any]], size: int, current_hash: str) -> Pla
             reasons.append(f"{_name(pod)}: warm pool shrunk to {size}")
     create = max(0, size - len(live))
     return Plan(create=create, delete=tuple(delete), reasons=tuple(reasons))
+
+
+def pool_size(body: Mapping[str, Any], now: float, row_pool_floor: int | None = None) -> int:
+    """Standby pods to keep for a ScaledObject at `now`: ``spec.warmPool.size``, raised to the floor of a schedule
+    in force or starting within `schedules.POOL_LEAD_S` (its own ``spec.schedules``, and `row_pool_floor`, the
+    autoscaler's view with the on-call ones). Schedules that do not read are ignored here (the operator's
+    validation reports them)."""
+    spec = body.get("spec") or {}
+    size = int((spec.get("warmPool") or {}).get("size") or 0)
+    floor = row_pool_floor or 0
+    raw = spec.get("schedules") if isinstance(spec, Mapping) else None
+    if raw:
+        try:
+            own = msgspec.convert(raw, list[protocol.Schedule])
+        except (msgspec.ValidationError, ValueError, TypeError):
+            own = []
+        floor = max(floor, schedules.pool_floor(schedules.windows(own), now) or 0)
+    return max(size, floor)
 
 
 def _invert(text: str) -> str:
@@ -384,7 +411,7 @@ class StandbyKeeper:
                     await self._delete(namespace, _name(pod), "its ScaledObject is being deleted")
             return
         model = _model(body)
-        size = int(((body.get("spec") or {}).get("warmPool") or {}).get("size") or 0)
+        size = pool_size(body, self.ctx.clock(), self._row_pool_floor(key))
         template = await self._template(body)
         if model is None or template is None:
             return
@@ -402,6 +429,13 @@ class StandbyKeeper:
             await self._flip(namespace, flip)
         for slot in unplaced:
             log.info("%s/%s: slot %s is ready but no standby pod runs on its node", namespace, name, slot)
+
+    def _row_pool_floor(self, key: Key) -> int | None:
+        """The autoscaler's `StatusRow.pool_floor` for the object, from the operator's last status round."""
+        so = self.ctx.extra.get("scaledobjects")
+        rows = getattr(so, "rows", None)
+        row = rows.get(f"{key[0]}.{key[1]}") if isinstance(rows, dict) else None
+        return row.pool_floor if isinstance(row, protocol.StatusRow) else None
 
     async def _template(self, body: Obj) -> Obj | None:
         meta = body["metadata"]

@@ -39,6 +39,9 @@ COMMANDS: dict[str, Command] = {
     "scale": Command("autoscaler.oncall:scale", "hold a model at N replicas for a while", "on-call"),
     "pause": Command("autoscaler.oncall:pause", "stop autoscaling a model (optionally at N replicas)", "on-call"),
     "resume": Command("autoscaler.oncall:resume", "hand a model back to the policy", "on-call"),
+    "schedule": Command(
+        "autoscaler.oncall:schedule", "raise a model's floor from a time, for a while (warm-up)", "on-call"
+    ),
     "sample": Command("warmpool.cli:sample", "publish gateway queue samples by hand (drills, demos)", "on-call"),
     "drain": Command("autoscaler.oncall:drain", "stop offering a node's slots; serving ones finish", "on-call"),
     "undrain": Command("autoscaler.oncall:undrain", "offer a drained node's slots again", "on-call"),

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
-from simulate import report, scenarios
-from simulate.engine import Delay, Empirical, Fixed
+from simulate import replay, report, scenarios
+from simulate.engine import STEP_S, Arrivals, Delay, Empirical, Fixed, Service
 from warmpool.errors import PulsescaleError
+from warmpool.traces import BadTrace, read_trace
 
 __all__ = ["BadActivations", "load_activations", "main"]
 
@@ -90,23 +93,29 @@ def main(argv: list[str], prog: str) -> int:
     p.add_argument("--timeout-s", type=float, help="queued this long -> 504 [60]")
     p.add_argument("--pulse-s", type=float, help="how long the pulse is held [600]")
     p.add_argument("--seed", type=int, help="arrival randomness [1]")
+    p.add_argument("--trace", type=Path, help="replay a request trace instead (Azure LLM CSV or t_s[,model][,tokens])")
+    p.add_argument("--speed", type=float, default=1.0, help="with --trace: compress time this many times [1]")
+    p.add_argument("--model", help="with --trace: only the requests naming this model (plain traces)")
+    p.add_argument("--min-replicas", type=int, default=1, help="with --trace: every policy's floor [1]")
+    p.add_argument("--concurrency", type=int, default=8, help="requests one replica serves at once [8]")
+    p.add_argument("--make-trace", choices=["bursty"], help="write the named trace to --out and exit")
+    p.add_argument("--no-pool-search", action="store_true", help="skip the smallest-pool search (a few more runs)")
     p.add_argument("--out", type=Path, default=Path("pulsescale-simulate"), help="[./pulsescale-simulate]")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     args = p.parse_args(argv)
 
+    if args.make_trace:
+        path = replay.write_bursty(args.out / f"{args.make_trace}.csv", seed=args.seed if args.seed is not None else 7)
+        print(f"wrote {path}")
+        return 0
     if args.instances is not None and args.instances < 1:
         p.error("--instances must be >= 1")
-    sc = scenarios.make(args.scenario, instances=args.instances)
-    if args.pool_size is not None:
-        sc = replace(sc, pool_size=max(args.pool_size, 0))
-    if args.cold_s is not None:
-        sc = replace(sc, cold_s=max(args.cold_s, 0.0))
-    if args.timeout_s is not None:
-        sc = replace(sc, service=replace(sc.service, timeout_s=args.timeout_s))
-    if args.pulse_s is not None:
-        sc = replace(sc, pulse_s=args.pulse_s)
-    if args.seed is not None:
-        sc = replace(sc, seed=args.seed)
+    if args.concurrency < 1:
+        p.error("--concurrency must be >= 1")
+    if args.min_replicas < 0:
+        p.error("--min-replicas must be >= 0")
+    if not (math.isfinite(args.speed) and args.speed > 0):
+        p.error("--speed must be a number > 0")
     warm: Delay
     if args.activations is not None:
         warm = load_activations(args.activations)
@@ -114,12 +123,56 @@ def main(argv: list[str], prog: str) -> int:
     else:
         warm = Fixed(args.activation_s if args.activation_s is not None else scenarios.DEFAULT_WARM_S)
         where = f"a fixed {warm.seconds:g} s"
+    service = Service(concurrency=args.concurrency)
+    if args.timeout_s is not None:
+        service = replace(service, timeout_s=args.timeout_s)
     t0 = time.perf_counter()
-    results = scenarios.run(sc, warm=warm)
+    if args.trace is not None:
+        try:
+            trace = read_trace(args.trace, speed=args.speed)
+        except BadTrace as err:
+            print(f"pulsescale simulate: {err}", file=sys.stderr)
+            return 2
+        if args.model:
+            trace = trace.for_model(args.model)
+        arrivals = replay.arrivals_of(trace)
+        sc = replay.scenario_for(trace, arrivals, service=service, min_replicas=args.min_replicas)
+        read_s = time.perf_counter() - t0
+        what = f"{len(trace):,} requests over {trace.duration_s:,.0f} s (x{args.speed:g}), read in {read_s:.1f} s"
+    else:
+        sc = scenarios.make(args.scenario, instances=args.instances)
+        sc = replace(sc, service=replace(sc.service, concurrency=args.concurrency, timeout_s=service.timeout_s))
+        if args.pulse_s is not None:
+            sc = replace(sc, pulse_s=args.pulse_s)
+        if args.seed is not None:
+            sc = replace(sc, seed=args.seed)
+        steps = round(sc.duration_s / STEP_S)
+        arrivals = Arrivals.from_load(sc.load, steps=steps, service_s=sc.service.service_s, seed=sc.seed)
+        what = ""
+    if args.pool_size is not None:
+        sc = replace(sc, pool_size=max(args.pool_size, 0))
+    if args.cold_s is not None:
+        sc = replace(sc, cold_s=max(args.cold_s, 0.0))
+    results = scenarios.run_arrivals(sc, arrivals, warm=warm)
+    ours = next(r for r in results if r.policy == scenarios.OURS)
     took = time.perf_counter() - t0
-    print(report.table(sc, results))
-    print(f"\nours: warm path {where}, pool {scenarios.pool_size(sc)} slots; simulated in {took:.1f} s")
-    out = report.write_json(sc, results, args.out / "simulate.json", warm_path=where, wall_s=round(took, 2))
+    recommended = None if args.no_pool_search else scenarios.recommend_pool(sc, arrivals, warm=warm, ours=ours)
+    title = None
+    if sc.trace:
+        title = (
+            f"trace {args.trace}: {what}; {sc.service.concurrency} concurrent per replica, service from tokens "
+            f"(mean {sc.service.service_s:g} s), 504 after {sc.service.timeout_s:g} s queued; floor "
+            f"{sc.floor}; cold start {sc.cold_s:g} s; the oracle's peak {sc.needed} replicas"
+        )
+    print(report.table(sc, results, title=title))
+    pool = scenarios.pool_size(sc)
+    print(f"\nours: warm path {where}, pool {pool} slots; simulated in {took:.1f} s")
+    print(report.pool_line(ours, pool, recommended))
+    out = report.write_json(
+        sc, results, args.out / "simulate.json", warm_path=where, wall_s=round(took, 2), pool_size=pool,
+        recommended_pool_size=recommended, trace=str(args.trace) if args.trace else None,
+        speed=args.speed if args.trace else None,
+    )  # fmt: skip
     print(f"wrote {out}")
     if not args.no_plot:
         print(f"wrote {report.plot(sc, results, args.out / 'simulate.png')}")

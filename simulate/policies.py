@@ -41,11 +41,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
+import numpy as np
+import numpy.typing as npt
+
 from autoscaler import policy as ours
-from simulate.engine import Metrics
+from simulate.engine import STEP_S, Arrivals, Metrics
 from warmpool.protocol import ScaledObjectSpec, ScaleTargetRef, Trigger, TriggerMetadata
 
-__all__ = ["HPA", "KEDA", "KPA", "HPABehavior", "Ours", "ScalingPolicy", "our_spec"]
+__all__ = ["HPA", "KEDA", "KPA", "HPABehavior", "Oracle", "Ours", "ScalingPolicy", "oracle_plan", "our_spec"]
 
 _EPS: Final = 1e-9
 
@@ -73,9 +76,23 @@ class Ours:
         self.panics = 0
         self.modes: dict[str, int] = {}
         """Decisions by the policy's mode (normal, panic, hold, ...): what the real policy did on this run."""
+        self._last: tuple[float, int, int] | None = None
 
     def sample(self, m: Metrics) -> int | None:
-        obs = ours.Observation(demand=m.demand, ready=m.ready, lead_time_s=m.lead_time_s)
+        # The gateway's counters read as the real ingest reads them: rates over the interval since the last sample.
+        lam = mu = None
+        if self._last is not None and m.now > self._last[0]:
+            dt = m.now - self._last[0]
+            lam, mu = (m.arrivals_total - self._last[1]) / dt, (m.completions_total - self._last[2]) / dt
+        self._last = (m.now, m.arrivals_total, m.completions_total)
+        obs = ours.Observation(
+            demand=m.demand,
+            ready=m.ready,
+            lead_time_s=m.lead_time_s,
+            queued=float(m.queued),
+            arrival_rate=lam,
+            completion_rate=mu,
+        )
         was_panic = self.state.panic
         self.decision, self.state = ours.decide(self.spec, obs, self.state, m.now)
         self.panics += int(self.decision.panic and not was_panic)
@@ -309,3 +326,42 @@ class KPA:
             return None
         self.next_tick += self.tick_s
         return self.scale(m.now, m.ready)
+
+
+def oracle_plan(
+    arrivals: Arrivals,
+    *,
+    steps: int,
+    concurrency: int,
+    activation_s: float,
+    service_s: float,
+    floor: int,
+    ceiling: int,
+) -> npt.NDArray[np.int64]:
+    """The oracle's replica count per step. It knows every request to come: at each step it needs the replicas
+    that the requests in service over the next service time fill on average if none waited (``ceil(mean busy /
+    concurrency)``, within the floor and ceiling); it starts each one `activation_s` before that, and keeps it
+    until one service time after its last need (a replica let go still holds its GPU while its requests finish,
+    so dropping it between two needs would cost as much and serve nothing). Nothing is held for a backlog: none
+    forms."""
+    ahead = max(round(activation_s / STEP_S), 0)
+    svc = max(round(service_s / STEP_S), 1)
+    busy = arrivals.busy(steps + ahead + svc).astype(np.float64)
+    smooth = np.convolve(busy, np.ones(svc) / svc, mode="full")[svc - 1 : svc - 1 + steps + ahead]
+    need = np.clip(np.ceil(smooth / max(concurrency, 1) - 1e-9), floor, max(ceiling, floor)).astype(np.int64)
+    padded = np.concatenate([np.full(svc, need[0]), need])  # the step before 0 needed what step 0 does
+    windows = np.lib.stride_tricks.sliding_window_view(padded, svc + ahead + 1)
+    return np.asarray(windows.max(axis=1)[:steps], dtype=np.int64)
+
+
+class Oracle:
+    """Replays `oracle_plan` on every 100 ms step: the lower bound a policy's GPU-seconds are measured against."""
+
+    sample_s = STEP_S
+
+    def __init__(self, plan: npt.NDArray[np.int64], *, name: str = "oracle") -> None:
+        self.name = name
+        self.plan = plan
+
+    def sample(self, m: Metrics) -> int | None:
+        return int(self.plan[min(m.step, len(self.plan) - 1)])

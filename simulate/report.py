@@ -11,11 +11,12 @@ from typing import Any
 from simulate.engine import Result
 from simulate.scenarios import Scenario
 
-__all__ = ["plot", "summary", "table", "write_json"]
+__all__ = ["oracle_of", "plot", "summary", "table", "write_json"]
 
 
-def summary(r: Result) -> dict[str, Any]:
-    """One policy's figures, all computed from the run."""
+def summary(r: Result, oracle: Result | None = None) -> dict[str, Any]:
+    """One policy's figures, all computed from the run; ratios against `oracle` when there is one."""
+    replica = r.replica_gpu_s
     return {
         "policy": r.policy,
         "requests": r.requests,
@@ -26,45 +27,86 @@ def summary(r: Result) -> dict[str, Any]:
         "in_flight_at_end": r.in_flight_at_end,
         "needed_replicas": r.needed,
         "time_to_capacity_s": r.time_to_capacity_s,
+        "p50_wait_s": round(r.wait_percentile_s(50), 3),
+        "p99_wait_s": round(r.wait_percentile_s(99), 3),
+        "max_wait_s": round(r.max_wait_s, 3),
         "p50_queue_wait_s": round(r.wait_percentile_s(50), 3),
         "p99_queue_wait_s": round(r.wait_percentile_s(99), 3),
+        "gpu_seconds": round(r.gpu_s, 1),
         "gpu_s": round(r.gpu_s, 1),
+        "replica_gpu_seconds": round(replica, 1),
+        "starting_gpu_seconds": round(r.starting_gpu_s, 1),
+        "serving_gpu_seconds": round(r.serving_gpu_s, 1),
+        "draining_gpu_seconds": round(r.draining_gpu_s, 1),
+        "standby_gpu_seconds": round(r.standby_gpu_s, 1),
         "standby_gpu_s": round(r.standby_gpu_s, 1),
+        "gpu_seconds_vs_oracle": (
+            round(replica / oracle.replica_gpu_s, 3) if oracle is not None and oracle.replica_gpu_s > 0 else None
+        ),
         "warm_starts": r.warm_starts,
         "cold_starts": r.cold_starts,
-        "peak_replicas": int(max(r.series["desired"], default=0)),
+        "peak_replicas": r.peak_replicas,
+        "peak_desired": int(max(r.series["desired"], default=0)),
     }
+
+
+def oracle_of(results: list[Result]) -> Result | None:
+    return next((r for r in results if r.policy == "oracle"), None)
 
 
 def _ttc(v: float | None) -> str:
     return "never" if v is None else f"{v:.1f} s"
 
 
-def table(sc: Scenario, results: list[Result]) -> str:
+def _wait(r: Result, q: float | None, timeout_s: float) -> str:
+    v = r.max_wait_s if q is None else r.wait_percentile_s(q)
+    return f">={v:g} s" if r.timeouts and v >= timeout_s else f"{v:.1f} s"
+
+
+def table(sc: Scenario, results: list[Result], *, title: str | None = None) -> str:
     pulse = f"{sc.pulse_rps:g} req/s" if sc.from_zero else f"{sc.pulse * 100:.0f} %"
-    head = (
+    head = title or (
         f"scenario {sc.name}: {sc.provisioned} replicas provisioned, a {pulse} pulse at "
         f"{sc.warmup_s:.0f} s for {sc.pulse_s:.0f} s needs {sc.needed} ({sc.instances} more); "
         f"{sc.service.concurrency} concurrent x {sc.service.service_s:g} s per replica, 504 after "
         f"{sc.service.timeout_s:g} s queued; cold start {sc.cold_s:g} s"
     )
-    cols = f"{'policy':<14}{'504s':>10}{'to capacity':>13}{'p99 wait':>10}{'GPU-s':>10}{'standby':>9}"
-    cols += f"{'warm':>6}{'cold':>6}{'peak':>6}"
+    oracle = oracle_of(results)
+    cols = (
+        f"{'policy':<12}{'504s':>8}{'to cap.':>9}{'p50 wait':>9}{'p99 wait':>9}{'max wait':>9}"
+        f"{'replica GPU-s':>14}{'x oracle':>9}{'standby':>9}{'GPU-s':>9}{'peak':>6}{'warm':>6}{'cold':>6}"
+    )
     lines = [head, "", cols]
+    t = sc.service.timeout_s
     for r in results:
-        s = summary(r)
-        p99 = s["p99_queue_wait_s"]
-        wait = f">={p99:g} s" if r.timeouts and p99 >= sc.service.timeout_s else f"{p99:.1f} s"
+        s = summary(r, oracle)
+        ratio = s["gpu_seconds_vs_oracle"]
         lines.append(
-            f"{r.policy:<14}{r.timeouts:>10,}{_ttc(r.time_to_capacity_s):>13}{wait:>10}{s['gpu_s']:>10,.0f}"
-            f"{s['standby_gpu_s']:>9,.0f}{r.warm_starts:>6}{r.cold_starts:>6}{s['peak_replicas']:>6}"
+            f"{r.policy:<12}{r.timeouts:>8,}{_ttc(r.time_to_capacity_s):>9}{_wait(r, 50, t):>9}{_wait(r, 99, t):>9}"
+            f"{_wait(r, None, t):>9}{r.replica_gpu_s:>14,.0f}{'-' if ratio is None else f'{ratio:.2f}':>9}"
+            f"{r.standby_gpu_s:>9,.0f}{r.gpu_s:>9,.0f}{r.peak_replicas:>6}{r.warm_starts:>6}{r.cold_starts:>6}"
         )
     lines += [
         "",
-        "to capacity: pulse start -> ready replicas >= needed; p99 wait counts a 504 at the timeout; GPU-s: starting,",
-        "serving and draining replicas plus idle warm standby slots (the 'standby' column); warm/cold: replica starts.",
+        "to cap.: pulse start -> ready replicas >= needed; waits are in the gateway queue, a 504 counted at the",
+        "timeout; replica GPU-s: starting + serving + draining replicas, x oracle its ratio to the oracle's (which",
+        "knows the load, starts each replica one activation ahead from warm slots that cost nothing idle); standby:",
+        "idle warm slots of the pool, beside it; GPU-s: both; peak: most replicas held at once; warm/cold: starts.",
     ]
     return "\n".join(lines)
+
+
+def pool_line(ours: Result, pool: int, recommended: int | None) -> str:
+    """The warm pool's own figure: what its idle slots cost, and the smallest pool that kept ours at 0 504s."""
+    rec = (
+        "ours had 504s even with this pool: a larger pool or a higher floor"
+        if recommended is None
+        else f"the smallest pool that keeps ours at 0 504s on this load: {recommended}"
+    )
+    return (
+        f"warm pool: {pool} slots, {ours.standby_gpu_s:,.0f} GPU-s idle standby, at most {ours.pool_peak_in_use} "
+        f"out at once; {rec}"
+    )
 
 
 def write_json(sc: Scenario, results: list[Result], path: Path, **extra: Any) -> Path:
@@ -85,8 +127,11 @@ def write_json(sc: Scenario, results: list[Result], path: Path, **extra: Any) ->
             "timeout_s": sc.service.timeout_s,
             "cold_start_s": sc.cold_s,
             "seed": sc.seed,
+            "trace": sc.trace,
         },
-        "policies": [summary(r) | {"series": r.series} for r in results],
+        "needed_replicas": None if sc.trace else sc.needed,
+        "oracle_peak_replicas": sc.needed if sc.trace else None,
+        "policies": [summary(r, oracle_of(results)) | {"series": r.series} for r in results],
         **extra,
     }
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Final
 
 from simulate import engine, policies
-from simulate.engine import Delay, Fixed, Load, Result, Service, Startup
+from simulate.engine import Delay, Empirical, Fixed, Load, Result, Service, Startup
 
 __all__ = [
     "ARTICLE_COLD_STAGES_S",
@@ -71,6 +71,8 @@ class Scenario:
     seed: int = 1
     from_zero: bool = False
     """An idle model: nothing provisioned, no load, then a pulse that needs `instances` replicas."""
+    trace: bool = False
+    """A replayed trace (`simulate.replay`): no pulse; `instances` is the oracle's peak, not a known need."""
 
     @property
     def provisioned(self) -> int:
@@ -127,6 +129,9 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 
+OURS: Final = "pulsescale"
+
+
 def policies_for(sc: Scenario) -> list[engine.Policy]:
     """Ours and the three baselines, each with the scenario's target, floor and ceiling."""
     target = float(sc.service.concurrency)
@@ -142,21 +147,50 @@ def policies_for(sc: Scenario) -> list[engine.Policy]:
     ]  # fmt: skip
 
 
+def activation_mean_s(warm: Delay) -> float:
+    """The oracle's activation time: the mean of the measured ones (it knows when each will be ready)."""
+    if isinstance(warm, Empirical):
+        return float(sum(warm.seconds) / len(warm.seconds))
+    if isinstance(warm, Fixed):
+        return warm.seconds
+    return DEFAULT_WARM_S
+
+
 def run(sc: Scenario, *, warm: Delay | None = None, only: set[str] | None = None) -> list[Result]:
-    """Every policy over the same trace (same seed: the same arrivals); ours with the warm path."""
+    """Every policy over the same requests (drawn once with the scenario's seed), the oracle first; ours with the
+    warm path, the oracle with warm slots that cost nothing while idle."""
     warm = warm if warm is not None else Fixed(DEFAULT_WARM_S)
+    steps = round(sc.duration_s / engine.STEP_S)
+    arrivals = engine.Arrivals.from_load(sc.load, steps=steps, service_s=sc.service.service_s, seed=sc.seed)
+    return run_arrivals(sc, arrivals, warm=warm, only=only)
+
+
+def run_arrivals(sc: Scenario, arrivals: engine.Arrivals, *, warm: Delay, only: set[str] | None = None) -> list[Result]:
+    """`run` on given requests (a scenario's draw, or a replayed trace)."""
     pool = pool_size(sc)
     cold = Fixed(sc.cold_s)
+    steps = round(sc.duration_s / engine.STEP_S)
+    lead = activation_mean_s(warm)
+    oracle = policies.Oracle(
+        policies.oracle_plan(
+            arrivals, steps=steps, concurrency=sc.service.concurrency, activation_s=lead,
+            service_s=sc.service.service_s, floor=sc.floor, ceiling=sc.ceiling,
+        )
+    )  # fmt: skip
     results = []
-    for pol in policies_for(sc):
+    for pol in [oracle, *policies_for(sc)]:
         if only is not None and pol.name not in only:
             continue
-        is_ours = isinstance(pol, policies.Ours)
-        startup = Startup(cold=cold, warm=warm, pool_size=pool) if is_ours else Startup(cold=cold)
+        if isinstance(pol, policies.Oracle):
+            startup = Startup(cold=cold, warm=Fixed(lead), pool_size=1 << 30, standby_cost=False)
+        elif isinstance(pol, policies.Ours):
+            startup = Startup(cold=cold, warm=warm, pool_size=pool)
+        else:
+            startup = Startup(cold=cold)
         results.append(
             engine.run(
                 pol,
-                load=sc.load,
+                load=arrivals,
                 service=sc.service,
                 startup=startup,
                 duration_s=sc.duration_s,
@@ -168,3 +202,21 @@ def run(sc: Scenario, *, warm: Delay | None = None, only: set[str] | None = None
             )
         )
     return results
+
+
+def recommend_pool(sc: Scenario, arrivals: engine.Arrivals, *, warm: Delay, ours: Result) -> int | None:
+    """The smallest warm pool that keeps ours at 0 504s on these requests (a binary search of runs of ours alone,
+    at most `ours.pool_peak_in_use`: a pool that size starts nothing cold); None when ours had 504s even with its
+    pool."""
+    if ours.timeouts > 0:
+        return None
+    hi = ours.pool_peak_in_use  # 0 504s there: the same run as `ours`, no slot missing
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi) // 2
+        got = run_arrivals(replace(sc, pool_size=mid), arrivals, warm=warm, only={OURS})
+        if got[0].timeouts == 0:
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi

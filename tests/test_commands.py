@@ -18,7 +18,7 @@ from nats.aio.msg import Msg
 from autoscaler.commands import CommandService, CommandSettings
 from tests.helpers import ShiftedClock
 from warmpool import protocol
-from warmpool.protocol import AuditRecord, DecisionRow, Override, ScaledObjectSpec, StatusRow
+from warmpool.protocol import AuditRecord, DecisionRow, OnCallSchedule, Override, ScaledObjectSpec, StatusRow
 from warmpool.registry import KvSlotStore
 from warmpool.seed import seed_pool
 
@@ -45,6 +45,7 @@ class ControlPlaneDouble:
         self.calls: list[tuple[str, Override | None]] = []
         self.decisions: dict[str, list[DecisionRow]] = {}
         self.fail_next: Exception | None = None
+        self.schedules: dict[str, tuple[OnCallSchedule, ...]] = {}
 
     def spec_for(self, model: str) -> ScaledObjectSpec | None:
         return self.specs.get(model)
@@ -58,6 +59,12 @@ class ControlPlaneDouble:
             raise err
         self.calls.append((model, override))
         self.overrides[model] = override
+
+    def schedules_for(self, model: str) -> tuple[OnCallSchedule, ...]:
+        return self.schedules.get(model, ())
+
+    async def set_schedules(self, model: str, schedules: tuple[OnCallSchedule, ...]) -> None:
+        self.schedules[model] = schedules
 
     def status(self, model: str | None) -> list[StatusRow]:
         rows = []

@@ -1,6 +1,7 @@
 """The load generator: its shape and arrivals as pure tables, then a few seconds against the real gateway (in front of
 real HTTP upstreams, slots in the real `pulse_slots`): every request counted once, open loop (sending never waits
-for answers), 504s counted per second, the CLI and its JSON/CSV, and the Locust file headless."""
+for answers), 504s counted per second, the CLI and its JSON/CSV, and the Locust file headless; then trace replay
+against a real loopback server that records what it got (times, models, max_tokens, prompts) and the CLI's --trace."""
 
 from __future__ import annotations
 
@@ -11,16 +12,23 @@ import json
 import os
 import shutil
 import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
+from aiohttp import web
 from nats.aio.client import Client
 
-from gateway.loadgen import PulseShape, arrivals, percentile, run_load
+from gateway.loadgen import PulseShape, arrivals, percentile, print_report, run_load
+from gateway.replay import MissingModel, run_trace
 from tests.gateway_helpers import MODEL, Upstream, running_gateway, set_slot, upstreams
 from tests.helpers import wait_for
 from warmpool.embedded import NatsServer
 from warmpool.registry import KvSlotStore
+from warmpool.traces import read_trace
 
 LOCUSTFILE = Path(__file__).resolve().parent.parent / "gateway" / "locustfile.py"
 
@@ -165,3 +173,134 @@ async def test_locustfile_runs_headless_against_the_gateway(
             assert int(row["Request Count"]) > 0 and int(row["Failure Count"]) == 0
             # Locust stops its users mid-request at the time limit: those reached the gateway but are not in its stats.
             assert a.answered == gw.queues[MODEL].completions_total >= int(row["Request Count"])
+
+
+# --- trace replay (gateway.replay): against a real HTTP server on loopback that records what it got -------------
+
+
+@asynccontextmanager
+async def recording_server() -> AsyncIterator[tuple[str, list[tuple[float, dict[str, Any]]]]]:
+    """An OpenAI-style completions server on 127.0.0.1 that answers at once and records (arrival time, body)."""
+    got: list[tuple[float, dict[str, Any]]] = []
+    loop = asyncio.get_running_loop()
+
+    async def completions(request: web.Request) -> web.Response:
+        got.append((loop.time(), await request.json()))
+        return web.json_response({"choices": [{"text": "ok"}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = runner.addresses[0][1]
+        yield f"http://127.0.0.1:{port}", got
+    finally:
+        await runner.cleanup()
+
+
+PLAIN_TRACE = """# a small replay: t_s,model,tokens
+t_s,model,tokens
+0.0,alpha,5
+1.0,beta,
+2.0,alpha,0
+4.0,,3
+"""
+
+
+async def test_trace_replay_sends_each_request_at_its_time(tmp_path: Path) -> None:
+    (tmp_path / "t.csv").write_text(PLAIN_TRACE)
+    trace = read_trace(tmp_path / "t.csv", speed=20)  # offsets 0, 50, 100, 200 ms
+    async with recording_server() as (url, got):
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        result = await run_trace(url, trace, model="gamma", prompt="hi", default_max_tokens=16)
+    bodies = [b for _, b in got]
+    # Rows name their model, or get the default; max_tokens from the trace (at least 1), the default where none.
+    assert [(b["model"], b["max_tokens"], b["prompt"]) for b in bodies] == [
+        ("alpha", 5, "hi"), ("beta", 16, "hi"), ("alpha", 1, "hi"), ("gamma", 3, "hi")]  # fmt: skip
+    arrived = [at - t0 for at, _ in got]
+    assert [a >= t - 0.005 for a, t in zip(arrived, (0.0, 0.05, 0.1, 0.2), strict=True)] == [True] * 4, arrived
+    assert (result.sent, result.ok, result.errors, result.model, result.arrivals_kind) == (
+        4, 4, 0, "alpha,beta,gamma", "trace")  # fmt: skip
+    assert [s.phase for s in result.seconds] == ["trace"] and result.seconds[0].offered_rps == 4
+    late = result.late_ms(100)
+    assert late is not None and late < 100, late
+    doc = json.loads(result.to_json())
+    assert doc["trace"] == {"file": str(tmp_path / "t.csv"), "format": "plain", "speed": 20.0, "requests": 4,
+                            "of": 4, "duration_s": 0.2} and doc["shape"] is None  # fmt: skip
+    assert doc["summary"]["late_max_ms"] == late
+    # Bounded: the first N requests, or the first seconds of the replay; a row naming no model needs a default.
+    async with recording_server() as (url, got):
+        assert (await run_trace(url, trace, model="gamma", max_requests=2)).sent == 2
+        assert (await run_trace(url, trace, duration_s=0.1)).sent == 2  # 0 and 50 ms; alpha and beta are named
+        with pytest.raises(MissingModel, match="1 of the trace's requests name no model"):
+            await run_trace(url, trace)
+    assert len(got) == 4
+
+
+async def test_trace_replay_prompts_are_about_the_context_length(tmp_path: Path) -> None:
+    (tmp_path / "a.csv").write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,300,7\n2023-11-16 18:15:46.7,0,2\n"
+    )
+    async with recording_server() as (url, got):
+        result = await run_trace(url, read_trace(tmp_path / "a.csv"), model="tiny")
+    assert result.ok == 2 and [b["model"] for _, b in got] == ["tiny", "tiny"]
+    assert [(len(b["prompt"].split()), b["max_tokens"]) for _, b in got] == [(300, 7), (1, 2)]
+
+
+async def test_a_replay_that_falls_behind_says_so(tmp_path: Path) -> None:
+    (tmp_path / "t.csv").write_text("0\n0.01\n0.02\n0.5\n")
+    trace = read_trace(tmp_path / "t.csv")
+    async with recording_server() as (url, _):
+        # The client's event loop stalls for 0.3 s right as the replay starts (a stand-in for a client too slow for
+        # its schedule): the first three sends go out ~0.3 s late, the last on time.
+        asyncio.get_running_loop().call_soon(time.sleep, 0.3)
+        result = await run_trace(url, trace, model="tiny")
+    assert result.ok == 4
+    late = result.late_ms(100)
+    assert late is not None and late >= 250, late
+    out = io.StringIO()
+    print_report(result, out)
+    assert "behind schedule: sends went out up to" in out.getvalue() and "lower --speed" in out.getvalue()
+
+
+async def test_pulsescale_load_trace_command(tmp_path: Path) -> None:
+    (tmp_path / "t.csv").write_text(PLAIN_TRACE)
+    (tmp_path / "bad.csv").write_text("t_s,model,tokens\n0,a,1\n1,b,many\n")
+
+    async def load(*args: str) -> tuple[int, str, str]:
+        proc = await asyncio.create_subprocess_exec(
+            *[sys.executable, "-m", "pulsescale", "load", url, *args],
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": os.getcwd()},
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode is not None
+        return proc.returncode, out.decode(), err.decode()
+
+    async with recording_server() as (url, got):
+        rc, out, err = await load("--trace", str(tmp_path / "t.csv"), "--speed", "50", "--model", "gamma",
+                                  "--max-tokens", "9", "--json", str(tmp_path / "r.json"))  # fmt: skip
+        assert rc == 0, err
+        assert [(b["model"], b["max_tokens"]) for _, b in got] == [
+            ("alpha", 5),
+            ("beta", 9),
+            ("alpha", 1),
+            ("gamma", 3),
+        ]
+        doc = json.loads((tmp_path / "r.json").read_text())
+        assert doc["summary"]["sent"] == doc["summary"]["ok"] == 4 and doc["trace"]["speed"] == 50
+        assert "total: sent 4, ok 4" in out and "late_max_ms" in out and "behind schedule" not in out
+        # A bad trace, a row naming no model without --model, and a pulse option with --trace: exit 2, one message.
+        rc, out, err = await load("--trace", str(tmp_path / "bad.csv"))
+        assert rc == 2 and f"trace {tmp_path / 'bad.csv'} line 3: tokens 'many' is not a whole number" in err
+        rc, _, err2 = await load("--trace", str(tmp_path / "t.csv"))
+        assert rc == 2 and "1 of the trace's requests name no model" in err2 and "(--model M)" in err2
+        rc, _, err3 = await load("--trace", str(tmp_path / "t.csv"), "--capacity-rps", "10")
+        assert rc == 2 and "without --capacity-rps" in err3
+        assert "Traceback" not in err + err2 + err3
+    assert len(got) == 4

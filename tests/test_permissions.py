@@ -292,6 +292,7 @@ async def test_a_role_is_refused_what_it_must_not_do(
         ("gateway", ["apply", "-f", "-"], f"$JS.API.STREAM.INFO.KV_{protocol.SCALERS_BUCKET}"),
         ("oncall", ["sample", MODEL, "--queue-depth", "9"], f"pulse.queue.{MODEL}"),
         ("operator", ["pause", MODEL], "pulse.cmd.pause"),
+        ("gateway", ["schedule", MODEL, "--list"], "pulse.cmd.schedule"),
         ("agent-n1", ["drain", "n2"], "pulse.cmd.drain"),
     ],
     ids=lambda v: v if isinstance(v, str) else " ".join(v[:1]),

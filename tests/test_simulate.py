@@ -29,7 +29,9 @@ def test_seed_puts_ours_ahead_of_every_baseline_on_504s_and_time_to_capacity(tmp
     doc = json.loads((tmp_path / "simulate.json").read_text())
     assert (tmp_path / "simulate.png").stat().st_size > 10_000
     rows = {p["policy"]: p for p in doc["policies"]}
-    assert set(rows) == {"pulsescale", "HPA v2", "KEDA", "Knative KPA"}
+    assert set(rows) == {"oracle", "pulsescale", "HPA v2", "KEDA", "Knative KPA"}
+    oracle = rows.pop("oracle")
+    assert oracle["timeouts"] == 0 and oracle["standby_gpu_seconds"] == 0 and oracle["gpu_seconds_vs_oracle"] == 1
     ours = rows.pop("pulsescale")
     assert ours["timeouts"] == 0
     assert ours["time_to_capacity_s"] is not None
@@ -96,7 +98,7 @@ def test_accounting_holds_for_an_overloaded_fleet_with_a_queue_bound() -> None:
 def test_accounting_holds_for_every_policy_of_the_seed_scenario() -> None:
     sc = replace(scenarios.make("seed", instances=20), pulse_s=240.0, after_s=60.0)
     results = scenarios.run(sc)
-    assert len(results) == len(scenarios.policies_for(sc))  # every policy ran: the checks below cover them all
+    assert len(results) == len(scenarios.policies_for(sc)) + 1  # every policy and the oracle ran
     hpa = scenarios.run(sc, only={"HPA v2"})[0].requests
     for res in results:
         assert res.requests == res.ok + res.timeouts + res.rejected + res.queued_at_end + res.in_flight_at_end
@@ -180,7 +182,7 @@ def test_cli_reads_an_activations_file_and_names_it(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert "2 measured activations" in r.stdout
     doc = json.loads((tmp_path / "simulate.json").read_text())
-    assert doc["policies"][0]["time_to_capacity_s"] >= 2.5
+    assert next(p for p in doc["policies"] if p["policy"] == "pulsescale")["time_to_capacity_s"] >= 2.5
     bad = pulsescale("simulate", "--activations", str(tmp_path / "missing"), "--no-plot", "--out", str(tmp_path))
     assert bad.returncode == 1 and "cannot read --activations" in bad.stderr
 
@@ -192,4 +194,42 @@ def test_zero_scenario_keda_activates_on_its_poll_and_ours_serves_from_the_pool(
     first = next(t for t, d in zip(keda.series["t"], keda.series["desired"], strict=True) if d > 0)
     assert first >= sc.warmup_s and first % 30 == 0  # KEDA's own 0 -> 1, on a 30 s poll
     assert rows["pulsescale"].timeouts == 0 and rows["pulsescale"].warm_starts > 0
-    assert all(r.timeouts > 0 for name, r in rows.items() if name != "pulsescale")
+    assert all(r.timeouts > 0 for name, r in rows.items() if name not in ("pulsescale", "oracle"))
+
+
+@pytest.mark.parametrize("activation_s", [0.1, 2.55, 30.0])
+def test_seed_ours_asks_for_the_need_not_the_backlog(activation_s: float) -> None:
+    """Issue 23: 0 504s, peak <= 1.10 x needed, no cold start, replica GPU-seconds <= 1.15 x the oracle's."""
+    sc = scenarios.make("seed")
+    rows = {r.policy: r for r in scenarios.run(sc, warm=Fixed(activation_s), only={"oracle", "pulsescale"})}
+    ours, oracle = rows["pulsescale"], rows["oracle"]
+    assert ours.timeouts == 0 and ours.cold_starts == 0
+    assert ours.peak_replicas <= 1.10 * sc.needed
+    assert ours.replica_gpu_s <= 1.15 * oracle.replica_gpu_s
+    assert oracle.standby_gpu_s == 0 and oracle.timeouts == 0
+
+
+def test_a_trace_replays_with_the_oracle_and_a_pool_recommendation(tmp_path: Path) -> None:
+    made = pulsescale("simulate", "--make-trace", "bursty", "--out", str(tmp_path))
+    assert made.returncode == 0, made.stderr
+    r = pulsescale("simulate", "--trace", str(tmp_path / "bursty.csv"), "--speed", "10", "--no-plot",
+                   "--out", str(tmp_path))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    doc = json.loads((tmp_path / "simulate.json").read_text())
+    rows = {p["policy"]: p for p in doc["policies"]}
+    for key in ("policy", "timeouts", "p99_wait_s", "gpu_seconds", "standby_gpu_seconds", "gpu_seconds_vs_oracle",
+                "peak_replicas", "cold_starts"):  # fmt: skip
+        assert all(key in p for p in rows.values()), key
+    ours = rows["pulsescale"]
+    assert ours["timeouts"] == min(p["timeouts"] for p in rows.values())
+    assert ours["p99_wait_s"] <= min(p["p99_wait_s"] for n, p in rows.items() if n != "oracle")
+    assert doc["recommended_pool_size"] is not None and 0 <= doc["recommended_pool_size"] <= doc["pool_size"]
+    assert doc["needed_replicas"] is None and doc["oracle_peak_replicas"] >= 1
+    assert "smallest pool" in r.stdout
+
+
+def test_a_bad_trace_row_names_its_line(tmp_path: Path) -> None:
+    f = tmp_path / "t.csv"
+    f.write_text("t_s,model,tokens\n0.0,m,10\n0.5,m,ten\n")
+    r = pulsescale("simulate", "--trace", str(f), "--no-plot", "--out", str(tmp_path))
+    assert r.returncode == 2 and "line 3" in r.stderr and "Traceback" not in r.stderr

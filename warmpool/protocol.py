@@ -40,16 +40,32 @@ Revisions of v1 (each only adds fields or tightens a request only our own autosc
   `StatusRow` adds `owner` and `shard`; `StatusReply` adds `replicas` and `missing` (replicas that did not answer).
 - revision 7 (rootfs pinned): `RootfsStatus` adds `pinned_bytes` and `pin_refused`: the agent locks its mounted
   image's pages in memory (``--pin-rootfs``, on by default) and says how much it holds and why it stopped.
+- revision 8 (scheduled warm-up, KEDA's cron scaler): `ScaledObjectSpec` adds `schedules` (`Schedule`: `name`,
+  `start` a local ISO-8601 date-time, `timezone` an IANA zone, `durationSeconds`, `replicas`), each raising the
+  model's floor to `replicas` from its start for its duration; a new on-call verb ``schedule``
+  (`ScheduleCommand`: add one, delete one by name, or list; answered by `ScheduleReply`) keeps on-call schedules
+  under ``schedule.<model>`` in `pulse_leases` (`ScheduleRecord`), so a new owner keeps them; `StatusRow` adds
+  `scheduled_floor`, `schedules` (`ScheduleRow`: those in force and the next to start) and `pool_floor` (the
+  slots the warm pool should hold, from `autoscaler.schedules.POOL_LEAD_S` before a start). Schedules whose windows
+  overlap with different `replicas` are refused ``bad_value`` (identical floors may overlap: the floor is the same
+  either way); `replicas` over `maxReplicaCount`, a duration over `MAX_SCHEDULE_S`, an unknown zone are refused.
+  The verb's refusals: ``out_of_bounds`` (floor over ``maxReplicaCount`` or the autoscaler's limit, already ended,
+  starting more than a year ahead, too many schedules), ``conflict`` (overlaps another schedule of the model with a
+  different floor, or the name is taken) and ``unknown_schedule`` (delete of a name it does not have): two new
+  `ERROR_CODES`.
 
 Pure: no I/O, no NATS import; `now` is passed in where time matters.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import math
 import re
 import zlib
+import zoneinfo
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Annotated, Any, Final, Literal, TypeVar, get_args
 
 import msgspec
@@ -138,6 +154,17 @@ __all__ = [
     "HorizontalPodAutoscalerConfig",
     "ScaleCommand",
     "ScaleTargetRef",
+    "Schedule",
+    "ScheduleCommand",
+    "ScheduleRecord",
+    "ScheduleReply",
+    "ScheduleRow",
+    "OnCallSchedule",
+    "MAX_SCHEDULES",
+    "MAX_SCHEDULE_S",
+    "SCHEDULE_KEY_PREFIX",
+    "check_schedules",
+    "schedule_key",
     "ScaledObjectSpec",
     "ScalerRecord",
     "Trigger",
@@ -167,7 +194,7 @@ __all__ = [
 ]
 
 VERSION: Final = 1
-CONTRACT_REVISION: Final = 7
+CONTRACT_REVISION: Final = 8
 """Revision of wire contract v1 this code speaks (see the module doc for what each revision changed)."""
 MAX_MESSAGE_BYTES: Final = 64 * 1024
 MAX_LEASE_S: Final = 300.0
@@ -207,7 +234,7 @@ LEASES_BUCKET: Final = "pulse_leases"
 BUCKETS: Final = (SLOTS_BUCKET, AGENTS_BUCKET, SCALERS_BUCKET, LEASES_BUCKET)
 """Every bucket of the registry."""
 
-CMD_VERBS: Final = ("scale", "pause", "resume", "status", "pool", "drain", "undrain")
+CMD_VERBS: Final = ("scale", "pause", "resume", "status", "pool", "drain", "undrain", "schedule")
 AGENT_VERBS: Final = ("prewarm", "activate", "deactivate", "status")
 EngineMode = Literal["fork", "wake", "resident"]
 SlotState = Literal["prewarming", "warm", "claimed", "activating", "ready", "releasing", "failed", "draining"]
@@ -239,6 +266,15 @@ IDENTITY_PATTERN: Final = r"^[A-Za-z0-9_-]{1,128}$"
 """An autoscaler replica's identity: one subject token and one key token (no dots, no wildcards)."""
 OVERRIDE_KEY_PREFIX: Final = "override."
 """Keys ``override.<model>`` in `pulse_leases` hold on-call overrides, so a new leader keeps them."""
+SCHEDULE_KEY_PREFIX: Final = "schedule."
+"""Keys ``schedule.<model>`` in `pulse_leases` hold a model's on-call schedules (`ScheduleRecord`, revision 8), so
+a new owner of its shard keeps them."""
+MAX_SCHEDULES: Final = 16
+"""The most schedules one ScaledObject lists, and the most on-call schedules one model keeps (revision 8): a
+launch, a few rehearsals and the week's peaks; the overlap check compares every pair."""
+MAX_SCHEDULE_S: Final = 7 * 86_400.0
+"""The longest one schedule may hold its floor (revision 8): a week covers any event's run-up; a longer floor is
+a `minReplicaCount` edit, which a review sees, not a schedule someone forgets."""
 
 # Machine-readable rejection reasons; metrics label on these, so they never change meaning.
 REASONS: Final = (
@@ -269,6 +305,8 @@ ErrorCode = Literal[
     # longer than allowed
     "out_of_bounds",
     "unknown_node",  # no agent or slot on the node
+    "conflict",  # revision 8: a schedule overlaps another with a different floor, or its name is taken
+    "unknown_schedule",  # revision 8: no on-call schedule of the model has that name
     # node agent (pulse.agent.<node>.<verb>)
     "bad_message",  # the request broke the contract; `reason` says how
     "unknown_slot",  # the node has no such slot
@@ -449,6 +487,20 @@ class DrainCommand(Command, kw_only=True):
     node: Name
 
 
+class ScheduleCommand(Command, kw_only=True):
+    """Revision 8: a model's on-call schedules: `add` one (refused when it ends in the past, overlaps another with
+    a different floor, or exceeds ``maxReplicaCount``), `delete` one by name, or (neither) list them all."""
+
+    model: Name
+    add: Schedule | None = None
+    delete: Name | None = None
+
+    def _validate(self) -> None:
+        super()._validate()
+        if self.add is not None and self.delete is not None:
+            raise ValueError("[bad_value] a schedule command either adds or deletes, not both")
+
+
 class UndrainCommand(Command, kw_only=True):
     node: Name
 
@@ -461,6 +513,7 @@ COMMAND_TYPES: Final[dict[str, type[Command]]] = {
     "pool": PoolCommand,
     "drain": DrainCommand,
     "undrain": UndrainCommand,
+    "schedule": ScheduleCommand,
 }
 
 # --- autoscaler -> nodeagent (pulse.agent.<node>.<verb>) -------------------------------------------------------
@@ -720,6 +773,99 @@ class WarmPool(_Spec, kw_only=True):
     loader: Literal["auto", "host", "cuda-pinned", "kvikio"] = "auto"
 
 
+LOCAL_TIME_PATTERN: Final = r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}(:[0-9]{2})?$"
+"""`Schedule.start`: an ISO-8601 local date-time without an offset (``2026-12-24T18:00``); the zone is `timezone`."""
+_LOCAL_TIME_RE: Final = re.compile(LOCAL_TIME_PATTERN)
+ZONE_PATTERN: Final = r"^[A-Za-z0-9_+-]+(/[A-Za-z0-9_+-]+)*$"
+"""An IANA zone name (``Europe/Berlin``, ``UTC``): path segments only, so the name never reaches outside the zone
+database (``..`` or an absolute path)."""
+_ZONE_RE: Final = re.compile(ZONE_PATTERN)
+
+
+def zone(name: str) -> zoneinfo.ZoneInfo:
+    """The IANA zone `name`, or ValueError ``[bad_value]`` naming it."""
+    if not _ZONE_RE.fullmatch(name):
+        raise ValueError(f"[bad_value] `timezone` {name!r} is not an IANA zone name (Europe/Berlin, UTC, ...)")
+    try:
+        return zoneinfo.ZoneInfo(name)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError, OSError):
+        raise ValueError(
+            f"[bad_value] `timezone` {name!r} is not a zone this machine's zone database knows (an IANA name such "
+            "as Europe/Berlin, America/New_York or UTC)"
+        ) from None
+
+
+class Schedule(_Spec, kw_only=True):
+    """A scheduled warm-up before a known event (KEDA's cron scaler): from `start` (local time in `timezone`) for
+    `durationSeconds`, the model's count is at least `replicas`, and the warm pool is asked
+    for that many slots ahead of it. A local time that does not exist (skipped by a DST change) is read with the
+    offset before the change (02:30 on a spring-forward night starts at 03:30); one that exists twice (fall-back)
+    is the first. The duration is elapsed time, whatever the clocks do meanwhile."""
+
+    name: Name
+    """Names the schedule: unique among the ScaledObject's (and among a model's on-call schedules)."""
+    start: Annotated[str, msgspec.Meta(max_length=32, extra_json_schema={"pattern": LOCAL_TIME_PATTERN})]
+    """When the floor starts: an ISO-8601 local date-time without offset, ``2026-12-24T18:00`` or
+    ``2026-12-24T18:00:00``, in `timezone`."""
+    duration_seconds: Annotated[float, msgspec.Meta(gt=0, le=MAX_SCHEDULE_S)]
+    """How long the floor holds from `start`, in seconds (at most a week)."""
+    replicas: Count
+    """The floor: at least this many replicas while the schedule is in force (at most `maxReplicaCount`)."""
+    timezone: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] = "UTC"
+    """IANA zone `start` is read in (``Europe/Berlin``); default UTC."""
+
+    def __post_init__(self) -> None:
+        if not _LOCAL_TIME_RE.fullmatch(self.start):
+            raise ValueError(
+                f"[bad_value] `start` {self.start!r} is not a local date-time YYYY-MM-DDTHH:MM[:SS] (no offset: the "
+                "zone is `timezone`)"
+            )
+        try:
+            dt.datetime.fromisoformat(self.start)
+        except ValueError as err:
+            raise ValueError(f"[bad_value] `start` {self.start!r} is not a date-time: {err}") from None
+        zone(self.timezone)
+
+    def window(self) -> tuple[float, float]:
+        """(start, end) in Unix seconds: the floor holds for start <= now < end."""
+        local = dt.datetime.fromisoformat(self.start).replace(tzinfo=zone(self.timezone))
+        begin = local.timestamp()
+        return begin, begin + self.duration_seconds
+
+
+def schedule_conflict(schedules: Sequence[Schedule], *, max_replicas: int | None = None) -> str | None:
+    """What is wrong with a set of schedules together, or None: more than `MAX_SCHEDULES`, a name twice, a floor
+    over `max_replicas`, or two windows that overlap with different floors ("overlaps badly": which floor holds
+    would depend on the order they were written; identical floors may overlap, e.g. to extend one)."""
+    if len(schedules) > MAX_SCHEDULES:
+        return f"{len(schedules)} schedules; at most {MAX_SCHEDULES} are kept per model"
+    names: set[str] = set()
+    for s in schedules:
+        if s.name in names:
+            return f"two schedules are named {s.name!r}; names must be unique"
+        names.add(s.name)
+        if max_replicas is not None and s.replicas > max_replicas:
+            return (
+                f"schedule {s.name!r} raises the floor to {s.replicas} replicas, over `maxReplicaCount` {max_replicas}"
+            )
+    windows = [(s, *s.window()) for s in schedules]
+    for i, (a, a0, a1) in enumerate(windows):
+        for b, b0, b1 in windows[i + 1 :]:
+            if a0 < b1 and b0 < a1 and a.replicas != b.replicas:
+                return (
+                    f"schedules {a.name!r} ({a.replicas} replicas) and {b.name!r} ({b.replicas} replicas) overlap with "
+                    "different floors; make them not overlap, or give them the same replicas"
+                )
+    return None
+
+
+def check_schedules(schedules: Sequence[Schedule], *, max_replicas: int | None = None) -> None:
+    """`schedule_conflict` as a ValueError ``[bad_value]`` (what the decoders turn into a rejection reason)."""
+    problem = schedule_conflict(schedules, max_replicas=max_replicas)
+    if problem is not None:
+        raise ValueError(f"[bad_value] {problem}")
+
+
 class ScaledObjectSpec(_Spec, kw_only=True):
     scale_target_ref: ScaleTargetRef
     triggers: Annotated[list[Trigger], msgspec.Meta(min_length=1)]
@@ -736,6 +882,9 @@ class ScaledObjectSpec(_Spec, kw_only=True):
     initial_cooldown_period: Annotated[float, msgspec.Meta(ge=0, le=86_400 * 7)] = 0.0
     """Revision 5, as KEDA: seconds after the ScaledObject is created before it may scale down to
     `idleReplicaCount`/zero."""
+    schedules: Annotated[list[Schedule], msgspec.Meta(max_length=MAX_SCHEDULES)] = []
+    """Revision 8: scheduled warm-ups (KEDA's cron scaler): each raises the floor to its `replicas` from its
+    `start` for its `durationSeconds`. Windows that overlap must have the same `replicas`."""
 
     def __post_init__(self) -> None:
         if self.min_replica_count > self.max_replica_count:
@@ -744,6 +893,8 @@ class ScaledObjectSpec(_Spec, kw_only=True):
             raise ValueError("[bad_value] `idleReplicaCount` must be < `minReplicaCount` (as in KEDA)")
         if len({t.metadata.model for t in self.triggers}) != 1:
             raise ValueError("[bad_value] all triggers of one ScaledObject must name the same model")
+        if self.schedules:
+            check_schedules(self.schedules, max_replicas=self.max_replica_count)
 
     @property
     def model(self) -> str:
@@ -850,6 +1001,28 @@ def override_key(model: str) -> str:
     return _check(OVERRIDE_KEY_PREFIX + model, "model", model)
 
 
+class OnCallSchedule(msgspec.Struct, kw_only=True, frozen=True):
+    """Revision 8: a schedule set by ``pulsescale schedule``, with who set it and when (Unix s)."""
+
+    schedule: Schedule
+    by: Text = ""
+    set_at: float = 0.0
+
+
+class ScheduleRecord(Message, kw_only=True):
+    """Revision 8: the value under ``schedule.<model>`` in `pulse_leases`: the model's on-call schedules."""
+
+    model: Name
+    schedules: Annotated[list[OnCallSchedule], msgspec.Meta(max_length=MAX_SCHEDULES)] = []
+
+    def _validate(self) -> None:
+        check_schedules([s.schedule for s in self.schedules])
+
+
+def schedule_key(model: str) -> str:
+    return _check(SCHEDULE_KEY_PREFIX + model, "model", model)
+
+
 def shard_of(model: str, shards: int = SHARDS) -> int:
     """The shard a model belongs to: CRC-32 of its name, so every replica (and every version) agrees."""
     return zlib.crc32(model.encode()) % shards
@@ -938,6 +1111,33 @@ class DrainReply(CommandReply, kw_only=True):
     touched: list[str] = []
 
 
+class ScheduleRow(msgspec.Struct, kw_only=True):
+    """Revision 8: one schedule as `status` and ``schedule --list`` show it, its window resolved to Unix seconds."""
+
+    name: Name
+    source: Literal["scaledobject", "oncall"]
+    """Where it comes from: the ScaledObject's `schedules`, or ``pulsescale schedule``."""
+    replicas: Count
+    start: str
+    timezone: str
+    duration_seconds: float
+    starts_at: float
+    ends_at: float
+    active: bool = False
+    """In force at the reply's time."""
+    by: str = ""
+    """Who set an on-call schedule."""
+
+
+class ScheduleReply(CommandReply, kw_only=True):
+    """Reply to ``schedule`` (revision 8): the model's schedules that have not ended, soonest first, both sources."""
+
+    model: Name | None = None
+    schedules: list[ScheduleRow] = []
+    added: str | None = None
+    deleted: str | None = None
+
+
 class DecisionRow(msgspec.Struct, kw_only=True):
     ts: float
     desired: Count
@@ -977,6 +1177,13 @@ class StatusRow(msgspec.Struct, kw_only=True):
     """Revision 6: identity of the autoscaler replica that owns the model's shard; None while none does."""
     shard: int | None = None
     """Revision 6: the model's shard (`shard_of`)."""
+    scheduled_floor: Count | None = None
+    """Revision 8: the floor the schedules in force raise the count to (before ``maxReplicaCount``); None: none."""
+    schedules: list[ScheduleRow] = []
+    """Revision 8: the schedules in force, then the next one to start (if any)."""
+    pool_floor: Count | None = None
+    """Revision 8: the slots the warm pool should hold for the schedules, from a lead time before their start (the
+    operator keeps at least this many standby pods); None: no schedule in force or about to start."""
 
 
 class StatusReply(CommandReply, kw_only=True):
