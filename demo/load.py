@@ -1,16 +1,23 @@
-"""The demo's load: the gateway package's open-loop generator (`gateway.loadgen.run_load`) with the article's
-shape, and its per-second counts as the demo records them.
+"""The demo's load: an open-loop generator with the article's shape (the gateway package's pure `PulseShape` and
+`arrivals`), keeping every request it sent as a `demo.measures.Request` (sent, ended, HTTP status or why none).
 
-The generator counts each request in the second it was *sent* (its answer may come seconds later), and hands each
-second over (`on_second`) once that second's sends are done; the `Second` objects it hands over keep counting the
-answers as they arrive, so the totals here grow until the last answer is in.
+Open loop, as `gateway.loadgen.run_load`: each request is sent on a schedule fixed before the run, never waiting for
+earlier answers. The demo keeps each request rather than per-second counts: its report needs every status apart
+(a 502 is not a 504), latencies of every answer (a 504 is 5 s of a client's wait) and when each 200 completed (the
+served rate, which no replica count can exceed), none of which `run_load`'s per-second counts keep.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import math
+import time
 from typing import Literal
 
+import aiohttp
+
+from demo.measures import CLIENT_TIMEOUT, CONNECTION_ERROR, Request
 from demo.report import LoadSecond
 from gateway import loadgen
 
@@ -34,7 +41,8 @@ def shape_of(
 
 
 class LoadRun:
-    """One run of the generator against the gateway at `url`."""
+    """One run of the load against the gateway at `url`: `run` sends it; `requests` holds every request that has
+    ended, `sent` and `dropped` count by send second."""
 
     def __init__(
         self,
@@ -46,6 +54,7 @@ class LoadRun:
         timeout_s: float,
         kind: Literal["uniform", "poisson"] = "uniform",
         seed: int = 0,
+        max_outstanding: int = 10_000,
     ) -> None:
         self.url = url
         self.model = model
@@ -54,57 +63,122 @@ class LoadRun:
         self.timeout_s = timeout_s
         self.seed = seed
         self.kind: Literal["uniform", "poisson"] = kind
-        self.handed: list[loadgen.Second] = []
-        self.result: loadgen.LoadResult | None = None
+        self.max_outstanding = max_outstanding
+        """The generator's own limit of requests awaiting answers; beyond it a request is `dropped`, not sent."""
+        n = max(1, math.ceil(shape.duration_s))
+        self.sent = [0] * n
+        self.dropped = [0] * n
+        self.requests: list[Request] = []
+        self.started_at: float | None = None
+        """Wall time (Unix s) of t=0."""
+        self.sending_done = False
+        self._t0: float | None = None
 
-    async def run(self, stop: asyncio.Event | None = None) -> loadgen.LoadResult:
-        self.result = await loadgen.run_load(
-            self.url,
-            self.model,
-            self.shape,
-            kind=self.kind,
-            seed=self.seed,
-            prompt="Say something about autoscaling.",
-            max_tokens=self.max_tokens,
-            request_timeout_s=self.timeout_s,
-            on_second=self.handed.append,
-            stop=stop,
-        )
-        return self.result
+    def elapsed(self) -> float:
+        """Seconds since t=0 (0 before the run)."""
+        return 0.0 if self._t0 is None else asyncio.get_running_loop().time() - self._t0
 
-    def _seconds(self) -> list[loadgen.Second]:
-        return self.result.seconds if self.result is not None else list(self.handed)
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Send the shape's requests and wait for every answer (each bounded by `timeout_s`); `stop` ends the
+        sending early."""
+        times = loadgen.arrivals(self.shape, kind=self.kind, seed=self.seed)
+        body = json.dumps(
+            {"model": self.model, "prompt": "Say something about autoscaling.", "max_tokens": self.max_tokens}
+        ).encode()
+        headers = {"Content-Type": "application/json"}
+        target = self.url.rstrip("/") + "/v1/completions"
+        loop = asyncio.get_running_loop()
+        outstanding: set[asyncio.Task[None]] = set()
+
+        async def one(sent_s: float, session: aiohttp.ClientSession, t0: float) -> None:
+            status: int | None = None
+            error: str | None = None
+            try:
+                async with session.post(target, data=body, headers=headers) as r:
+                    await r.read()
+                    status = r.status
+            except TimeoutError:
+                error = CLIENT_TIMEOUT
+            except (aiohttp.ClientError, OSError):
+                error = CONNECTION_ERROR
+            self.requests.append(Request(sent_s, loop.time() - t0, status, error))
+
+        connector = aiohttp.TCPConnector(limit=self.max_outstanding)
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            self.started_at, t0 = time.time(), loop.time()
+            self._t0 = t0
+            for at in times:
+                if stop is not None and stop.is_set():
+                    break
+                delay = t0 + at - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                # Counted in the second it went out (a late send's second, not its schedule's): as `seconds` groups.
+                sent_s = loop.time() - t0
+                sec = min(int(sent_s), len(self.sent) - 1)
+                if len(outstanding) >= self.max_outstanding:
+                    self.dropped[sec] += 1
+                    continue
+                self.sent[sec] += 1
+                task = asyncio.create_task(one(sent_s, session, t0))
+                outstanding.add(task)
+                task.add_done_callback(outstanding.discard)
+            self.sending_done = True
+            if outstanding:
+                await asyncio.wait(set(outstanding))
 
     def seconds(self) -> list[LoadSecond]:
-        """Every second handed over so far (all of them once the run is over), as the report records them."""
+        """Every second whose sends are done (all of them once the run is over, and the seconds after the load
+        while answers still complete), as the report records them: counts and latency by send second, the 200s
+        also by the second they completed in."""
+        if self.started_at is None:
+            return []
+        if self.sending_done:
+            last_done = max((r.done_s for r in self.requests), default=0.0)
+            n = max(len(self.sent), math.floor(last_done) + 1)
+        else:
+            n = min(len(self.sent), math.floor(self.elapsed()))
+        by_send: list[list[Request]] = [[] for _ in range(n)]
+        served = [0] * n
+        for r in self.requests:
+            s = min(int(r.sent_s), len(self.sent) - 1)
+            if s < n:
+                by_send[s].append(r)
+            if r.status == 200 and int(r.done_s) < n:
+                served[int(r.done_s)] += 1
         out = []
-        for s in self._seconds():
-            lat = sorted(s.latencies_s)
+        for t in range(n):
+            rs = by_send[t]
+            lat = sorted(r.latency_s for r in rs)
             p50, p99 = loadgen.percentile(lat, 50), loadgen.percentile(lat, 99)
             out.append(
                 LoadSecond(
-                    t=float(s.t),
-                    sent=s.sent,
-                    ok=s.ok,
-                    timeouts=s.timeouts_504,
-                    errors=s.rejected_429 + s.other_status + s.errors,
+                    t=float(t),
+                    sent=self.sent[t] if t < len(self.sent) else 0,
+                    ok=sum(1 for r in rs if r.status == 200),
+                    timeouts=sum(1 for r in rs if r.status == 504),
+                    errors=sum(1 for r in rs if r.status not in (200, 504)),
                     p50_ms=None if p50 is None else p50 * 1e3,
                     p99_ms=None if p99 is None else p99 * 1e3,
-                    rejected=s.rejected_429,
-                    dropped=s.dropped,
+                    rejected=sum(1 for r in rs if r.status == 429),
+                    dropped=self.dropped[t] if t < len(self.dropped) else 0,
+                    served=served[t],
                 )
             )
         return out
 
     def totals(self) -> dict[str, int]:
-        secs = self._seconds()
+        """Requests sent, and of those ended: 200s, 504s, other errors (429s, other statuses, no answer)."""
+        rs = self.requests
         return {
-            "sent": sum(s.sent for s in secs),
-            "ok": sum(s.ok for s in secs),
-            "timeouts": sum(s.timeouts_504 for s in secs),
-            "errors": sum(s.rejected_429 + s.other_status + s.errors for s in secs),
-            "rejected_429": sum(s.rejected_429 for s in secs),
-            "other_status": sum(s.other_status for s in secs),
-            "connection_errors": sum(s.errors for s in secs),
-            "dropped": sum(s.dropped for s in secs),
+            "sent": sum(self.sent),
+            "ended": len(rs),
+            "ok": sum(1 for r in rs if r.status == 200),
+            "timeouts": sum(1 for r in rs if r.status == 504),
+            "errors": sum(1 for r in rs if r.status not in (200, 504)),
+            "rejected_429": sum(1 for r in rs if r.status == 429),
+            "other_status": sum(1 for r in rs if r.status is not None and r.status not in (200, 429, 504)),
+            "connection_errors": sum(1 for r in rs if r.status is None),
+            "dropped": sum(self.dropped),
         }

@@ -1,7 +1,8 @@
 """What a run records as it goes, each stream from where it happens (`demo.report` combines them): the gateway's
 queue samples, the autoscaler's events, the slot registry counted every tick, the phases and what the demo said; and
 the live view's `Snapshot`, filled in from them every tick. `disk_reads` reads the host's disk counter (the run reads
-it at the pulse's start and end).
+it at the pulse's start and end); `gateway_counters` reads the gateway's own answer counters from its ``/metrics``
+once the load has drained.
 """
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ import contextlib
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 from nats.aio.msg import Msg
+from prometheus_client.parser import text_string_to_metric_families
 
 from demo import load as load_mod
 from demo import report as report_mod
@@ -23,7 +27,7 @@ from warmpool.errors import BadMessage
 from warmpool.protocol import Event, QueueSample
 from warmpool.registry import KvSlotStore
 
-__all__ = ["ACTIVATING_STATES", "Recorder", "disk_reads"]
+__all__ = ["ACTIVATING_STATES", "Recorder", "disk_reads", "gateway_counters", "parse_gateway_metrics"]
 
 ACTIVATING_STATES = frozenset({"claimed", "activating"})
 
@@ -41,6 +45,43 @@ def disk_reads() -> int | None:
             continue
         total += int(f[3])
     return total
+
+
+def parse_gateway_metrics(text: str, model: str) -> dict[str, Any]:
+    """`model`'s answers by HTTP status (``pulsescale_gateway_responses_total``) and its arrival -> answer histogram
+    (``pulsescale_gateway_request_seconds``: ``count``, ``sum`` and cumulative ``buckets`` as [le, count]) from the
+    gateway's Prometheus text."""
+    statuses: dict[str, int] = {}
+    hist: dict[str, Any] = {"count": 0, "sum": 0.0, "buckets": []}
+    for family in text_string_to_metric_families(text):
+        for smp in family.samples:
+            if smp.labels.get("model") != model:
+                continue
+            if smp.name == "pulsescale_gateway_responses_total":
+                statuses[smp.labels["code"]] = int(smp.value)
+            elif smp.name == "pulsescale_gateway_request_seconds_count":
+                hist["count"] = int(smp.value)
+            elif smp.name == "pulsescale_gateway_request_seconds_sum":
+                hist["sum"] = round(smp.value, 4)
+            elif smp.name == "pulsescale_gateway_request_seconds_bucket" and smp.labels["le"] != "+Inf":
+                hist["buckets"].append([float(smp.labels["le"]), int(smp.value)])  # +Inf: the count
+    hist["buckets"].sort()
+    return {"responses_by_status": dict(sorted(statuses.items())), "request_seconds": hist}
+
+
+async def gateway_counters(url: str, model: str) -> dict[str, Any] | None:
+    """`parse_gateway_metrics` of the gateway at `url`; None (the report says so) when it cannot be read."""
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as session,
+            session.get(f"{url.rstrip('/')}/metrics") as r,
+        ):
+            if r.status != 200:
+                return None
+            text = await r.text()
+    except (aiohttp.ClientError, OSError):
+        return None
+    return parse_gateway_metrics(text, model)
 
 
 class Recorder:

@@ -1,13 +1,17 @@
-"""What a demo run measured, as report.json and the article's load-test table. Pure: no I/O, times passed in.
+"""What a demo run measured, as report.json. Pure: no I/O, times passed in (`demo.table` prints it).
 
-The run (`demo.run`, its `demo.recorder`) records four streams, each from where it happens, and this module only
+The run (`demo.run`, its `demo.recorder`) records five streams, each from where it happens, and this module only
 combines them:
 
-- the load generator's per-second counts (requests sent, 200s, 504s, other errors, latency percentiles);
+- the load generator's requests, each with its send and end time and its HTTP status (or why none), and the
+  per-second counts made from them (sent, 200s, 504s, other errors, latency percentiles, 200s by completion);
 - the gateway's `QueueSample`s on ``pulse.queue.<model>`` (queue depth, in flight, its counters);
 - the autoscaler's events on ``pulse.events.<model>`` (``slot.claimed``/``slot.ready`` with the agent's stage
   timings, ``cold.start``, ``scale.decision``...);
-- the slot registry, sampled every tick (replicas ready / activating / warm).
+- the slot registry, sampled every tick (replicas ready / activating / warm);
+- the gateway's own counters from its ``/metrics`` once the load has drained (answers by status, its latency
+  histogram), which report.json carries beside the load generator's figures so they can be checked against each
+  other.
 
 Every figure in the report is computed from those records (a test recomputes them from its own subscription).
 """
@@ -19,6 +23,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from demo import measures
+from demo.measures import Request, Window
 from gateway.loadgen import percentile
 from warmpool.protocol import Event, QueueSample
 
@@ -29,7 +35,6 @@ __all__ = [
     "RunRecord",
     "Tick",
     "activations",
-    "article_table",
     "build_report",
     "ready_count_at",
     "time_to_capacity",
@@ -63,6 +68,8 @@ class LoadSecond:
     """Of `errors`: 429s (the gateway's queue was full)."""
     dropped: int = 0
     """Not sent at all: the generator's own limit of outstanding requests was reached."""
+    served: int = 0
+    """200s that *completed* in this second (the others count by send second): the rate the replicas served."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +131,13 @@ class RunRecord:
     """Said once during the run (the rootfs stage skipped, ...): copied into the report."""
     load_totals: dict[str, int] = field(default_factory=dict)
     """The load generator's own totals, when it keeps them (sent, ok, timeouts, errors)."""
+    requests: list[Request] = field(default_factory=list)
+    """Every request the load generator sent and saw end (times since `load_start`)."""
+    offered_end: float | None = None
+    """Wall time the offered load ended (its last second; `load_end` is after the drain); None: `load_end`."""
+    gateway_metrics: dict[str, Any] | None = None
+    """The gateway's own counters scraped from its ``/metrics`` after the drain (`demo.recorder.gateway_counters`):
+    ``responses_by_status`` and the ``request_seconds`` histogram; None when it could not be read."""
     rootfs: dict[str, Any] | None = None
     """The rootfs stage (`demo.image`): ``mode``, ``mounted``, and when mounted its ``digest``, sizes, build, mount
     and warm times and the page-cache residency and slots on the image at the pulse's start and end; when not, the
@@ -229,6 +243,16 @@ def build_report(rec: RunRecord, config: dict[str, Any], *, pulse_rps: float, ti
     for e in rec.events:
         by_type[e.type] = by_type.get(e.type, 0) + 1
     cold_events = [e for e in _sorted(rec.events) if e.type == "cold.start"]
+    pulse_w = Window(p0, rec.pulse_end - rec.load_start)
+    by_phase = measures.cold_path_phases(cold_events, rec.load_start, pulse_w)
+    cold_phases = {
+        # Asks (count) in each phase; each ask states the whole shortfall of its moment.
+        "before_load": by_phase["asks"]["before_load"],
+        "during_base": by_phase["asks"]["base"],
+        "during_pulse": by_phase["asks"]["pulse"],
+        "after_pulse": by_phase["asks"]["after"],
+        "most_replicas_in_one_ask": by_phase["most_replicas_in_one_ask"],
+    }
     during_pulse = [a for a in acts if a.claimed_at >= rec.pulse_start]
     desired = [t.desired for t in rec.ticks if t.desired is not None]
     return {
@@ -261,10 +285,7 @@ def build_report(rec: RunRecord, config: dict[str, Any], *, pulse_rps: float, ti
         "peak_ready": max((t.ready for t in rec.ticks), default=0),
         "peak_desired": max(desired, default=None),
         "peak_queue_depth": max((s.queue_depth for s in rec.samples), default=0),
-        "latency_ms": {
-            "p50": _round(percentile(sorted(s.p50_ms for s in rec.seconds if s.p50_ms is not None), 50)),
-            "p99_worst_second": _round(max((s.p99_ms for s in rec.seconds if s.p99_ms is not None), default=None)),
-        },
+        **_costs(rec, config, service_s),
         "replica_capacity_rps": round(1 / service_s, 2) if service_s else None,
         "replica_service_ms": round(service_s * 1e3, 2),
         "load_started_at": rec.load_start,
@@ -282,12 +303,20 @@ def build_report(rec: RunRecord, config: dict[str, Any], *, pulse_rps: float, ti
             "completions_total": last.completions_total,
             "timeouts_total": last.timeouts_total,
             "samples": len(rec.samples),
+            # Its /metrics (None: not read): every answer it gave by status, and its arrival -> answer histogram.
+            "metrics": rec.gateway_metrics,
         },
         "cold_path": {
             "requests": [
-                {"at_s": round(e.ts - rec.pulse_start, 3), "replicas": e.desired, "reason": e.reason}
+                {
+                    "at_s": round(e.ts - rec.pulse_start, 3),
+                    "phase": measures.phase_of(e.ts - rec.load_start, pulse_w),
+                    "replicas": e.desired,
+                    "reason": e.reason,
+                }
                 for e in cold_events
             ],
+            **cold_phases,
             "nodes_started": {n: round(t - rec.pulse_start, 3) for n, t in sorted(rec.cold_nodes.items())},
             "node_start_to_warm_s": {
                 n: round(rec.cold_warm_at[n] - t, 3) for n, t in sorted(rec.cold_nodes.items()) if n in rec.cold_warm_at
@@ -305,8 +334,12 @@ def build_report(rec: RunRecord, config: dict[str, Any], *, pulse_rps: float, ti
                 "ok": s.ok,
                 "timeouts": s.timeouts,
                 "errors": s.errors,
+                "rejected": s.rejected,
+                "dropped": s.dropped,
                 "p50_ms": _round(s.p50_ms),
                 "p99_ms": _round(s.p99_ms),
+                "served": s.served,
+                "needed": measures.needed_for(s.sent, 1 / service_s) if service_s else None,
             }
             for s in rec.seconds
         ],
@@ -327,118 +360,43 @@ def build_report(rec: RunRecord, config: dict[str, Any], *, pulse_rps: float, ti
     }
 
 
+def _costs(rec: RunRecord, config: dict[str, Any], service_s: float) -> dict[str, Any]:
+    """What the pulse cost (`demo.measures`): latency by phase (every request that ended, whatever its answer: a
+    504 is a client's wait too; and the 200s alone), the answers by status, replica-seconds against the needed ones,
+    the base's replicas against its need, and the autoscaler's steps on the flat load after the pulse."""
+    pulse_w = Window(rec.pulse_start - rec.load_start, rec.pulse_end - rec.load_start)
+    load_w = Window(0.0, (rec.offered_end if rec.offered_end is not None else rec.load_end) - rec.load_start)
+    phases = {"base": Window(0.0, pulse_w.start), "pulse": pulse_w, "after": Window(pulse_w.end, math.inf)}
+    reqs = rec.requests
+    ok = [r for r in reqs if r.status == 200]
+    latency = {"overall": measures.latency(reqs)}
+    latency |= {name: measures.latency(r for r in reqs if r.sent_s in w) for name, w in phases.items()}
+    worst = max((s.p99_ms for s in rec.seconds if s.p99_ms is not None), default=None)
+    statuses = measures.by_status(reqs)
+    cap = 1 / service_s if service_s else 0.0
+    changes = [(ts - rec.load_start, n) for ts, n in serving_changes(rec.events)]
+    sent = [s.sent for s in rec.seconds]
+    advanced = (config.get("scaled_object") or {}).get("advanced") or {}
+    decisions = [e for e in rec.events if e.type == "scale.decision"]
+    return {
+        "latency_ms": {**latency, "p99_worst_second": _round(worst)},
+        "latency_ok_ms": {
+            "overall": measures.latency(ok),
+            "pulse": measures.latency(r for r in ok if r.sent_s in pulse_w),
+        },
+        "responses_by_status": statuses,
+        "non_200": sum(n for k, n in statuses.items() if k != "200"),
+        "replicas": measures.replica_seconds(changes, load_w, sent, cap),
+        "base": measures.base_phase(changes, phases["base"], sent, cap, float(config.get("base_utilisation") or 1.0)),
+        "after_pulse": measures.after_pulse(
+            decisions,
+            rec.load_start,
+            Window(pulse_w.end, load_w.end),
+            float(advanced.get("scaleDownStabilizationSeconds") or 0.0),
+            config.get("base_replicas"),
+        ),
+    }
+
+
 def _round(v: float | None, nd: int = 2) -> float | None:
     return None if v is None else round(v, nd)
-
-
-# --- the article's table ------------------------------------------------------------------------------------------
-
-
-def _fmt_s(v: float | None) -> str:
-    return "never" if v is None else f"{v:.2f} s"
-
-
-def _fmt_ms(v: float | None) -> str:
-    return "-" if v is None else f"{v:.0f} ms" if v >= 10 else f"{v:.1f} ms"
-
-
-def _rootfs_cell(r: dict[str, Any]) -> str:
-    if not r.get("mounted"):
-        return f"skipped ({r.get('reason') or 'not run'})"
-    resident = r.get("resident_pct_at_pulse_start", r.get("resident_pct_at_mount"))
-    on = r.get("slots_on_image_at_pulse_start")
-    of = r.get("slots_at_pulse_start")
-    return (
-        f"mounted {str(r['digest'])[:19]}... once per host ({r['image_bytes'] / 1e6:.1f} MB, built "
-        f"{r['build_s']:.2f} s, mount {r['mount_s'] * 1e3:.0f} ms)"
-        + ("" if resident is None else f", {resident:.0f} % resident at the pulse")
-        + ("" if on is None else f", {on}/{of} slots on it")
-    )
-
-
-def article_table(report: dict[str, Any]) -> str:
-    """The article's load-test table with a column of this run's measured figures, and the stage breakdown of each
-    activation (plain text: it ends headless runs and logs as well as the live view)."""
-    cfg = report["config"]
-    c2r = report["claim_to_ready_ms"]
-    needed = report["needed_replicas"]
-    cold = report["cold_path"]["node_start_to_warm_s"]
-    cold_s = max(cold.values()) if cold else None
-    one_pod = f"{_fmt_ms(c2r['p50'])} p50 claim->ready"
-    if cold_s is not None:
-        delay = cfg.get("cold_delay_s") or 0
-        one_pod += f"; cold path {f'{delay:g} s delay + ' if delay else ''}{cold_s:.1f} s node start + claim"
-    disk = report["host_disk_reads_during_pulse"]
-    a = ARTICLE
-    rootfs = report.get("rootfs") or {}
-    rows = [
-        ("metric", "classic (article)", "pulsescale (article)", "this run"),
-        (
-            "one pod, end-to-end cold start",
-            f"{a['cold_start_s']['classic']} s",
-            f"{a['cold_start_s']['optimised']} s",
-            one_pod,
-        ),
-        (
-            "client 504s during the pulse",
-            f"{a['timeouts']['classic']:,}",
-            str(a["timeouts"]["optimised"]),
-            f"{report['timeouts_during_pulse']:,} (of {report['requests']:,} requests; {report['timeouts']:,} in all)",
-        ),
-        (
-            "engine rootfs (image pull and unpack -> EROFS mount)",
-            f"{a['rootfs_s']['classic']:g} s per pod",
-            f"{a['rootfs_s']['optimised']} s",
-            _rootfs_cell(rootfs),
-        ),
-        (
-            "host disk reads during scale-out",
-            f"{a['disk_read_iops']['classic']:,} IOPS",
-            "0",
-            "n/a" if disk is None else f"{disk:,} reads (/proc/diskstats, whole host)",
-        ),
-        (
-            f"all needed instances up ({needed} here, {a['instances']} in the article)",
-            f"{a['all_up_s']['classic']:.0f} s",
-            f"{a['all_up_s']['optimised']} s",
-            _fmt_s(report["time_to_capacity_s"]) + " after the pulse start",
-        ),
-    ]
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    lines = [
-        f"pulsescale demo: {cfg['nodes']} nodes x {cfg['slots_per_node']} slots, pool {cfg['pool_size']}, "
-        f"base {cfg['base_rps']:g} req/s on {cfg['base_replicas']} replicas, pulse {cfg['pulse'] * 100:.0f} % "
-        f"= {report['pulse']['rps']:g} req/s for {cfg['pulse_s']:g} s, needs {needed} replicas "
-        f"({report['replica_capacity_rps']} req/s each)",
-        "",
-    ]
-    for i, r in enumerate(rows):
-        lines.append("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
-        if i == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    acts = report["activations"]
-    if acts:
-        lines += ["", "activations (claim -> ready, the agent's stages; times from the pulse start):"]
-        head = ("node/slot", "path", "claimed", "claim->ready", "token", "load", "engine", "readiness", "agent total")
-        body = [
-            (
-                f"{x['node']}/{x['slot']}",
-                x["path"],
-                f"{x['claimed_at_s']:+.2f} s",
-                _fmt_ms(x["claim_to_ready_ms"]),
-                *(_fmt_ms(x["stages_ms"].get(s)) for s in STAGES),
-            )
-            for x in acts
-        ]
-        w2 = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
-        lines.append("  ".join(c.ljust(w) for c, w in zip(head, w2, strict=True)).rstrip())
-        lines += ["  ".join(c.ljust(w) for c, w in zip(r, w2, strict=True)).rstrip() for r in body]
-    start = report["pulse"]["start_s"]
-    for req in report["cold_path"]["requests"]:
-        if req["at_s"] >= -start:  # asked while the load ran (before it: the pool was still staging)
-            lines.append(f"cold path at {req['at_s']:+.2f} s: {req['replicas']} more replica(s) asked for")
-    for node, took in report["cold_path"]["node_start_to_warm_s"].items():
-        lines.append(f"cold path: {node} started from nothing, warm after {took:.2f} s")
-    for note in report["notes"]:
-        lines.append(f"note: {note}")
-    return "\n".join(lines)

@@ -3,9 +3,10 @@
 One run, in phases (each shown live and recorded):
 
 1. **starting**: an embedded nats-server (its own store in a temporary directory), the buckets, the ScaledObject
-   (``minReplicaCount`` = the replicas the base load is provisioned with), a generated tiny model, and the rootfs
-   stage (`demo.image`): as root, one real EROFS image built, loop-mounted and warmed once for every agent, locked
-   in the page cache until the load ends; elsewhere skipped, said once.
+   (``minReplicaCount`` = the replicas the base load is provisioned with; written once the pool holds their warm
+   slots), a generated tiny model, and the rootfs stage (`demo.image`): as root, one real EROFS image built,
+   loop-mounted and warmed once for every agent, locked in the page cache until the load ends; elsewhere skipped,
+   said once.
 2. **staging**: the autoscaler (a ``pulsescale autoscaler`` process), the node agents of the warm pool (one
    ``pulsescale agent`` process per node: they stage the weights into /dev/shm, fork their engines' zygotes and
    offer their slots) and the reference gateway (``pulsescale gateway``). The autoscaler activates the base
@@ -55,10 +56,11 @@ from nats.aio.msg import Msg
 
 from demo import load as load_mod
 from demo import report as report_mod
+from demo import table as table_mod
 from demo.errors import DemoError
 from demo.fleet import Fleet
 from demo.model import DemoModel
-from demo.recorder import Recorder, disk_reads
+from demo.recorder import Recorder, disk_reads, gateway_counters
 from demo.rootfs_stage import DemoRootfs, unmount_under
 from demo.settings import MODEL, DemoSettings
 from demo.view import View
@@ -133,9 +135,10 @@ class Demo:
 
     # --- the parts ------------------------------------------------------------------------------------------------
 
-    def _scaler(self) -> ScalerRecord:
+    def _scaler_spec(self) -> dict[str, Any]:
+        """The ScaledObject's spec as the demo writes it (and report.json's config records it)."""
         s = self.s
-        raw = {
+        return {
             "scaleTargetRef": {"name": MODEL},
             "minReplicaCount": s.base_replicas,
             "maxReplicaCount": s.fleet_slots,
@@ -156,26 +159,35 @@ class Demo:
             },
             "warmPool": {"size": s.warm_slots, "engine": s.engine},
         }
-        spec = protocol.decode(msgspec.json.encode(raw), ScaledObjectSpec)
+
+    def _scaler(self) -> ScalerRecord:
+        spec = protocol.decode(msgspec.json.encode(self._scaler_spec()), ScaledObjectSpec)
         return ScalerRecord(namespace="demo", name=MODEL, spec=spec, updated_at=time.time())
 
     # --- phases ---------------------------------------------------------------------------------------------------
 
-    async def _wait_warm(self) -> None:
-        """Until the pool is warm and the base replicas serve (the progress bar), or `ready_timeout_s`."""
+    async def _wait_warm(self, apply: Callable[[], Awaitable[Any]]) -> None:
+        """Until the pool is warm and the base replicas serve (the progress bar), or `ready_timeout_s`. The
+        ScaledObject is written (`apply`) once the pool holds the base replicas' warm slots (or is all warm, when
+        smaller): written earlier, the autoscaler finds no warm slot for ``minReplicaCount`` and asks the cold path
+        before any load."""
         self.recorder.phase("staging")
         want = self.s.warm_slots
         self.recorder.snap.stage_total = max(want, self.s.base_replicas)
         timeout_s = self.s.vllm_ready_timeout_s if self.s.engine == "vllm" else self.s.ready_timeout_s
         deadline = time.monotonic() + timeout_s
         next_check = time.monotonic() + 2
+        applied = False
         while True:
             self.fleet.check_children()
             ready, activating, warm = self.recorder.counts(self.store)
             self.recorder.snap.stage_done = min(self.recorder.snap.stage_total, ready + warm + activating)
             self.recorder.snap.stage_note = f"{ready} ready (base {self.s.base_replicas}), {warm} warm"
             self.recorder.tick(None, self.store)
-            if ready + warm >= want and ready >= self.s.base_replicas and activating == 0:
+            if not applied and warm >= min(self.s.base_replicas, want):  # a pool smaller than the base: all of it
+                await apply()
+                applied = True
+            if applied and ready + warm >= want and ready >= self.s.base_replicas and activating == 0:
                 return
             if time.monotonic() > next_check:
                 next_check = time.monotonic() + 2
@@ -239,7 +251,7 @@ class Demo:
             self.store = KvSlotStore(self.nc, buckets)
             await self.store.start()
             rec = self._scaler()
-            await buckets[protocol.SCALERS_BUCKET].put(rec.key, protocol.encode(rec))
+            scalers = buckets[protocol.SCALERS_BUCKET]
             self.fleet.model_dir = await self.model.make()
             self.fleet.shm_root.mkdir(mode=0o755)
             await self.rootfs.prepare()
@@ -247,7 +259,7 @@ class Demo:
             for node, slots in self.fleet.warm_nodes:
                 self.fleet.start_agent(url, node, slots, self.fleet.model_dir, cold=False)
             self.gateway_url = await self.fleet.start_gateway(url)
-            await self._wait_warm()
+            await self._wait_warm(lambda: scalers.put(rec.key, protocol.encode(rec)))
             await self.rootfs.ask_agents(self.nc, self.fleet.warm_nodes)
             service_s = await self._calibrate()
             self.pulse_rps = s.pulse_rps_for(service_s)
@@ -307,9 +319,10 @@ class Demo:
             await asyncio.wait_for(task, s.drain_s + s.request_timeout_s + 5)
             load_end = time.time()
             await self.recorder.settle_samples(runner)
-            assert runner.result is not None
+            gateway_metrics = await gateway_counters(self.gateway_url, MODEL)
+            assert runner.started_at is not None
             # The generator's own t=0 (a few ms after ours): the per-second series and the pulse are timed from it.
-            load_start = runner.result.started_at
+            load_start = runner.started_at
             pulse_start, pulse_end = load_start + s.pulse_start_s, load_start + s.pulse_start_s + s.pulse_len_s
         finally:
             stop_ticks.set()
@@ -332,6 +345,9 @@ class Demo:
             disk_reads=None if reads0 is None or reads1 is None else reads1 - reads0,
             notes=list(self.recorder.notes),
             load_totals=runner.totals(),
+            requests=list(runner.requests),
+            offered_end=load_start + shape.duration_s,
+            gateway_metrics=gateway_metrics,
         )
         await self.rootfs.stop_keeper()
         rec.rootfs = dict(self.rootfs.report)
@@ -349,6 +365,7 @@ class Demo:
             pulse_start_s=s.pulse_start_s,
             pulse_s=s.pulse_len_s,
             service_s=service_s,
+            scaled_object=self._scaler_spec(),
             engine_user=self.model.engine_user,
             vllm_args=self.model.vllm_args or None,
             machine={"cpus": os.cpu_count(), "python": sys.version.split()[0], "root": os.geteuid() == 0},
@@ -376,7 +393,7 @@ class Demo:
         except Exception as err:  # noqa: BLE001 - the report stands without its picture; say why
             self.recorder.say(f"no plot: {err}")
             plot_path = None
-        table = report_mod.article_table(report)
+        table = table_mod.article_table(report)
         return DemoResult(report, table, report_path, plot_path, [])
 
     async def _cleanup(self) -> None:

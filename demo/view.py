@@ -79,6 +79,7 @@ class HeadlessView:
                 f"queue {snap.queue_depth:4d} inflight {snap.inflight:3d} replicas {snap.ready} ready "
                 f"{snap.activating} activating {snap.warm} warm"
                 + ("" if snap.desired is None else f" desired {snap.desired}")
+                + ("" if snap.p99_ms is None else f" p99 {snap.p99_ms:.0f}ms")
             )
         print(line, file=self.out, flush=True)
 
