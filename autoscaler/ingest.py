@@ -9,14 +9,20 @@ counter goes down) resets that gateway's baseline instead of reading as negative
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Final, Literal
 
 from warmpool.protocol import QueueSample
 
 __all__ = ["Accepted", "GatewayView", "ModelDemand", "Observed"]
 
 Accepted = Literal["accepted", "restart", "duplicate", "out_of_order"]
+
+RATE_SPAN_S: Final = 0.1
+"""Rates are taken over at least this much of the gateway's own time (its sample period): a gateway publishes on
+change too, up to every 10 ms, and a rate over one such gap (one arrival in 10 ms: 100 req/s) is noise that the
+policy, keeping one value per 100 ms, would sample unevenly."""
 
 
 @dataclass(slots=True)
@@ -31,9 +37,11 @@ class GatewayView:
     arrivals_total: int
     completions_total: int
     timeouts_total: int
-    arrival_rate: float | None = None  # req/s over the last two samples of this run
+    arrival_rate: float | None = None  # req/s over the last `RATE_SPAN_S` or more of this run
     completion_rate: float | None = None
     restarts: int = 0
+    marks: deque[tuple[float, int, int]] = field(default_factory=deque)
+    """(ts, arrivals_total, completions_total) of this run's recent samples; the first is the rates' reference."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,12 +89,21 @@ class ModelDemand:
                 return "duplicate"
             if s.seq < last.seq:
                 return "out_of_order"
-            dt = s.ts - last.ts
+            marks = last.marks
+            if not marks:
+                marks.append((last.ts, last.arrivals_total, last.completions_total))
+            # The newest reference at least RATE_SPAN_S older than this sample.
+            while len(marks) > 1 and marks[1][0] <= s.ts - RATE_SPAN_S:
+                marks.popleft()
+            ref_ts, ref_arrivals, ref_completions = marks[0]
+            dt = s.ts - ref_ts
             if dt > 0:
-                last.arrival_rate = (s.arrivals_total - last.arrivals_total) / dt
-                last.completion_rate = (s.completions_total - last.completions_total) / dt
+                last.arrival_rate = (s.arrivals_total - ref_arrivals) / dt
+                last.completion_rate = (s.completions_total - ref_completions) / dt
+            marks.append((s.ts, s.arrivals_total, s.completions_total))
         else:
             last.arrival_rate = last.completion_rate = None  # no baseline in the new run yet
+            last.marks.clear()
             last.restarts += 1
         last.seq, last.ts, last.received_at = s.seq, s.ts, now
         last.queue_depth, last.inflight = s.queue_depth, s.inflight

@@ -129,7 +129,8 @@ class PolicyState:
     recommendations: detector.TimeWindow
     """Per-bucket max of the normal-mode recommendation, over the scale-down stabilisation window."""
     scale_downs: tuple[tuple[float, int], ...] = ()
-    """``(when, replicas removed)`` within the last scale-down period, for the rate limit."""
+    """``(when, replicas removed)`` within the last scale-down period (or stabilisation window, if longer), for the
+    rate limit and the gap between steps (`_step_gap_s`)."""
     scale_ups: tuple[tuple[float, int], ...] = ()
     """``(when, replicas added)`` within the last scale-down period: HPA takes them off the period's start count."""
     last_fresh_at: float | None = None
@@ -142,6 +143,9 @@ class PolicyState:
     decision had rates."""
     rec: int = 0
     """The last fresh decision's recommendation (what `repeat` records again)."""
+    lows: detector.TimeWindow | None = None
+    """The rates' recommendations over the panic window, negated (its peak is their lowest): outside panic a
+    count goes up only once the whole window asked for it; None until a decision had rates."""
 
     @property
     def panic(self) -> bool:
@@ -193,28 +197,27 @@ def _trigger(spec: ScaledObjectSpec) -> tuple[float, float]:
     return min(m.target_queue_depth for m in meta), min(m.activation_queue_depth for m in meta)
 
 
-def _need_config(spec: ScaledObjectSpec, target: float) -> need.NeedConfig:
-    adv = spec.advanced
-    return need.NeedConfig(
-        rate_window_s=adv.panic_window_seconds,
-        service_window_s=adv.stable_window_seconds,
-        target=target,
-        carry_s=adv.stale_after_seconds,
-    )
-
-
 def _record_need(
-    spec: ScaledObjectSpec, state: need.NeedState | None, obs: Observation, demand: float, target: float, now: float
+    cfg: need.NeedConfig,
+    state: need.NeedState | None,
+    obs: Observation,
+    demand: float,
+    now: float,
+    surge: bool = False,
 ) -> need.NeedState | None:
     """The rates of `obs` recorded (None kept while no decision had them)."""
     lam, mu = _clean(obs.arrival_rate), _clean(obs.completion_rate)
     if lam is None or mu is None:
         return state
-    cfg = _need_config(spec, target)
     queued = min(_clean(obs.queued) or 0.0, demand)
     return need.record(
-        cfg, state or need.initial(cfg), now=now, arrival_rate=lam, completion_rate=mu, in_flight=demand - queued
-    )
+        cfg, state or need.initial(cfg), now=now, arrival_rate=lam, completion_rate=mu, in_flight=demand - queued,
+        ready=max(obs.ready, 0), queued=queued, surge=surge,
+    )  # fmt: skip
+
+
+def _lows_window(spec: ScaledObjectSpec) -> detector.TimeWindow:
+    return detector.TimeWindow.empty(spec.advanced.panic_window_seconds, combine="max")
 
 
 def _config(spec: ScaledObjectSpec, target: float, activation: float) -> detector.DetectorConfig:
@@ -309,6 +312,12 @@ def _rate_floor(prev: int, state: PolicyState, spec: ScaledObjectSpec, now: floa
         keep = min(keep, by_pods) if adv.scale_down_select_policy == "Max" else max(keep, by_pods)
     # A limit above the count (steps down already used up) holds the count, as HPA's; never below zero.
     return min(prev, max(keep, 0))
+
+
+def _step_gap_s(spec: ScaledObjectSpec) -> float:
+    """On rates, the least time between two scale-in steps: the stabilisation window, or the period if longer."""
+    adv = spec.advanced
+    return max(adv.scale_down_stabilization_seconds, adv.scale_down_period_seconds)
 
 
 def _rate_text(spec: ScaledObjectSpec) -> str:
@@ -433,10 +442,12 @@ def _scale(
         raw = rec
     else:
         want = min(prev, stabilised)
+        if needs is not None:
+            want = min(prev, max(want, math.ceil(needs.high - need.TOLERANCE)))  # the rate may be that high yet
         floor = _rate_floor(prev, state, spec, now)
-        if needs is not None and state.scale_downs:
+        if needs is not None and any(now - ts < _step_gap_s(spec) for ts, _ in state.scale_downs):
             # On rates the window's highest recommendation falls a replica at a time as a pulse's recommendations
-            # leave it: one step per period, not one per decision.
+            # leave it: one step per stabilisation window (or period), not one per decision.
             floor = prev
         raw = max(want, floor)
     desired = min(max(raw, bounds.active_floor), bounds.max)
@@ -530,7 +541,7 @@ def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: fl
         recs = _recommendation_window(spec).record(now, prev)  # the spec's window changed: start from the count
         flat = None
     last_fresh_at, last_active_at = state.last_fresh_at, state.last_active_at
-    need_state, last_rec = state.need, state.rec
+    need_state, last_rec, lows = state.need, state.rec, state.lows
 
     if demand is None:
         desired, mode, reason = _blind(spec, state, bounds, now)
@@ -544,22 +555,23 @@ def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: fl
             last_active_at = now
         forecast = pulse.forecast_demand if pulse.forecast_demand is not None else demand
         peak = pulse.panic_demand if pulse.panic and pulse.panic_demand is not None else 0.0
-        need_state = _record_need(spec, need_state, obs, demand, target, now)
+        need_cfg = need.config(spec, target)
+        need_state = _record_need(need_cfg, need_state, obs, demand, now, pulse.panic_condition)
         needs = (
             need.estimate(
-                _need_config(spec, target),
+                need_cfg,
                 need_state,
                 now=now,
                 queued=min(_clean(obs.queued) or 0.0, demand),
                 lead_s=lead_s,
-                since=pulse_state.panic_since if pulse.panic else None,
+                demand=demand,
             )
             if need_state is not None
             else None
         )
         if needs is not None:
             # Little's law on the arrivals, the backlog that capacity in flight leaves: not the queue's depth.
-            rec = max(math.ceil(needs.replicas - _ROUNDING), 0)
+            rec = max(math.ceil(needs.replicas - need.TOLERANCE), 0)
         elif need_state is not None:
             # Rates but no service time yet (from idle, nothing has completed): the demand's mean (its peak in
             # panic). Its trend over a lead time would count the backlog of the first seconds, before anything
@@ -570,13 +582,20 @@ def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: fl
             rec = _replicas(max(forecast, peak), target)
         last_rec = rec
         recs = recs.record(now, rec)
+        up_to = rec
+        if needs is not None:
+            lows = (lows or _lows_window(spec)).record(now, -rec)
+            if not pulse.panic:
+                # A rise outside panic is believed once it held a panic window: a rate's 2-sigma minute on a small
+                # model would add a replica and take it back a stabilisation window later.
+                up_to = min(rec, int(-(lows.peak(now, adv.panic_window_seconds) or -rec)))
         flat = _flat_after(flat, demand, rec, now)
         stab_s = adv.scale_down_stabilization_seconds
         stabilised = recs.peak(now, stab_s) if stab_s > 0 else None
         desired, mode, reason = _fresh(
             spec,
             pulse,
-            rec,
+            up_to,
             rec if stabilised is None else max(int(stabilised), rec),
             state,
             bounds,
@@ -617,7 +636,7 @@ def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: fl
             reason = f"{_describe(override)} expired, policy resumed: {reason}"
 
     period_s = adv.scale_down_period_seconds
-    scale_downs = tuple(entry for entry in state.scale_downs if now - entry[0] < period_s)
+    scale_downs = tuple(entry for entry in state.scale_downs if now - entry[0] < max(period_s, _step_gap_s(spec)))
     scale_ups = tuple(entry for entry in state.scale_ups if now - entry[0] < period_s)
     # Only the policy's own steps, as HPA stores only its own rescales: an on-call override's count is the person's
     # (as a `kubectl scale` is to an HPA), and the policy resumes from it with a fresh period start.
@@ -649,6 +668,7 @@ def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: fl
         flat=flat,
         need=need_state,
         rec=last_rec,
+        lows=lows,
     )
     return decision, new_state
 
@@ -754,7 +774,8 @@ def repeat(
     target, activation = _trigger(spec)
     pulse = state.pulse
     window = pulse.window.record(now, demand)
-    obs = Observation(demand, 0, queued=queued, arrival_rate=arrival_rate, completion_rate=completion_rate)
+    ready = state.need.ready if state.need is not None else 0  # `settled` held it: the same ready count
+    obs = Observation(demand, ready, queued=queued, arrival_rate=arrival_rate, completion_rate=completion_rate)
     return dataclasses.replace(
         state,
         pulse=detector.PulseState(window, pulse.panic, pulse.panic_since, pulse.panic_condition_at),
@@ -762,5 +783,6 @@ def repeat(
         recommendations=state.recommendations.record(now, state.rec),
         last_fresh_at=now,
         last_active_at=state.last_active_at if demand <= activation else now,
-        need=_record_need(spec, state.need, obs, demand, target, now),
+        need=_record_need(need.config(spec, target), state.need, obs, demand, now),
+        lows=state.lows.record(now, -state.rec) if state.lows is not None else None,
     )

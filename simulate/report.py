@@ -82,16 +82,18 @@ def table(sc: Scenario, results: list[Result], *, title: str | None = None) -> s
         s = summary(r, oracle)
         ratio = s["gpu_seconds_vs_oracle"]
         lines.append(
-            f"{r.policy:<12}{r.timeouts:>8,}{_ttc(r.time_to_capacity_s):>9}{_wait(r, 50, t):>9}{_wait(r, 99, t):>9}"
+            f"{r.policy:<12}{r.timeouts:>8,}{'-' if sc.trace else _ttc(r.time_to_capacity_s):>9}"
+            f"{_wait(r, 50, t):>9}{_wait(r, 99, t):>9}"
             f"{_wait(r, None, t):>9}{r.replica_gpu_s:>14,.0f}{'-' if ratio is None else f'{ratio:.2f}':>9}"
             f"{r.standby_gpu_s:>9,.0f}{r.gpu_s:>9,.0f}{r.peak_replicas:>6}{r.warm_starts:>6}{r.cold_starts:>6}"
         )
     lines += [
         "",
-        "to cap.: pulse start -> ready replicas >= needed; waits are in the gateway queue, a 504 counted at the",
-        "timeout; replica GPU-s: starting + serving + draining replicas, x oracle its ratio to the oracle's (which",
-        "knows the load, starts each replica one activation ahead from warm slots that cost nothing idle); standby:",
-        "idle warm slots of the pool, beside it; GPU-s: both; peak: most replicas held at once; warm/cold: starts.",
+        "to cap.: pulse start -> ready replicas >= needed (none on a trace); waits are in the gateway queue, a 504",
+        "counted at the timeout; replica GPU-s: starting + serving + draining replicas, x oracle its ratio to the",
+        "oracle's (which knows the load, starts each replica one activation ahead from warm slots that cost nothing",
+        "idle); standby: idle warm slots of the pool, beside it; GPU-s: both; peak: most replicas held at once;",
+        "warm/cold: replica starts.",
     ]
     return "\n".join(lines)
 

@@ -122,11 +122,11 @@ def test_two_samples_with_the_same_timestamp() -> None:
     d = ModelDemand("m", stale_after_s=1.0)
     d.add(s("a", 1, T0, q=2, arr=10, comp=10), T0)
     d.add(s("a", 2, T0 + 0.1, q=2, arr=20, comp=10), T0 + 0.1)
-    # In order, same timestamp (two samples in one clock tick): accepted, its level used, no rate over 0 s
-    # (the rate from the last interval stands).
+    # In order, same timestamp (two samples in one clock tick): accepted, its level used, no rate over 0 s: its
+    # arrivals count over the reference interval (RATE_SPAN_S), 15 in 0.1 s.
     assert d.add(s("a", 3, T0 + 0.1, q=9, arr=25, comp=10), T0 + 0.15) == "accepted"
     o = d.observe(T0 + 0.15)
-    assert o.demand == 9 and o.arrival_rate == pytest.approx(100)
+    assert o.demand == 9 and o.arrival_rate == pytest.approx(150)
     # Reordered within that tick (lower seq, same timestamp): a late packet of this run, not a new run.
     assert d.add(s("a", 2, T0 + 0.1, q=5, arr=20, comp=10), T0 + 0.16) == "out_of_order"
     assert d.gateways["a"].restarts == 0 and d.observe(T0 + 0.16).demand == 9
@@ -160,3 +160,16 @@ def test_staleness_and_forgetting_boundaries() -> None:
     assert o.demand is None and o.fresh_gateways == 0 and o.stale_gateways == 1
     assert d.forget_stale(T0 + 10.0, older_than_s=10.0) == 0  # only *longer* than the limit is gone
     assert d.forget_stale(T0 + 11.0, older_than_s=10.0) == 1
+
+
+def test_rates_are_taken_over_a_gateway_period_not_one_on_change_gap() -> None:
+    """A gateway publishes on change, up to every 10 ms: one arrival in 10 ms is not 100 req/s. The rate is over
+    the newest reference at least `RATE_SPAN_S` old: 10 req/s, steady, read at every sample."""
+    d = ModelDemand("m", stale_after_s=1.0)
+    seen = []
+    for i in range(40):  # an arrival every 100 ms, each published 10 ms after the 100 ms tick's sample
+        tick = T0 + 0.1 * i
+        d.add(s("a", 2 * i + 1, tick, q=0, arr=i, comp=i), tick)
+        d.add(s("a", 2 * i + 2, tick + 0.01, q=0, arr=i + 1, comp=i), tick + 0.01)
+        seen.append(d.observe(tick + 0.01).arrival_rate)
+    assert all(r == pytest.approx(10.0, rel=0.1) for r in seen[2:]), seen[:6]
