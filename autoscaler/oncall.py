@@ -118,14 +118,19 @@ def _timeout_arg(text: str) -> float:
     return seconds
 
 
-def _override_duration_arg(text: str) -> float:
+def _bounded_duration(text: str, limit_s: float, what: str, instead: str) -> float:
+    """A duration flag of at most `limit_s`; over it, the refusal says the bound and what to do `instead`."""
     seconds = _duration_arg(text)
-    if seconds > MAX_OVERRIDE_S:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is longer than an override may last ({format_duration(MAX_OVERRIDE_S)}); scale again when it "
-            "lapses, or use `pause`, which holds until `resume`"
-        )
+    if seconds > limit_s:
+        raise argparse.ArgumentTypeError(f"{text!r} is longer than {what} ({format_duration(limit_s)}); {instead}")
     return seconds
+
+
+def _override_duration_arg(text: str) -> float:
+    return _bounded_duration(
+        text, MAX_OVERRIDE_S, "an override may last", "scale again when it lapses, or use `pause`, which holds until "
+        "`resume`"
+    )  # fmt: skip
 
 
 # ASCII digits only: `str.isdigit` and `int` also read other scripts' digits ("\u0663" as 3), a count that one
@@ -344,13 +349,9 @@ def resume(argv: list[str], prog: str) -> int:
 
 
 def _schedule_arg(text: str) -> float:
-    seconds = _duration_arg(text)
-    if seconds > protocol.MAX_SCHEDULE_S:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is longer than a schedule may hold ({format_duration(protocol.MAX_SCHEDULE_S)}); a longer "
-            "floor is a minReplicaCount edit"
-        )
-    return seconds
+    return _bounded_duration(
+        text, protocol.MAX_SCHEDULE_S, "a schedule may hold", "a longer floor is a minReplicaCount edit"
+    )
 
 
 _LOCAL: Final = re.compile(r"([0-9]{4}-[0-9]{2}-[0-9]{2})[T ]([0-9]{2}:[0-9]{2}(:[0-9]{2})?)")

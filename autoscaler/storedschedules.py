@@ -10,28 +10,18 @@ The daemon composes it.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
 from collections.abc import Callable
 
-import nats.errors
-import nats.js.errors
 from nats.aio.client import Client
 from nats.js.kv import KeyValue
 
+from autoscaler.storedrecords import StoredRecords
 from warmpool import protocol
-from warmpool.buckets import list_keys
 from warmpool.errors import BadMessage
 from warmpool.protocol import OnCallSchedule, ScheduleRecord
 from warmpool.registry import KvSlotStore
 
 __all__ = ["StoredSchedules"]
-
-READS_AT_ONCE = 32
-"""Stored schedule records read in parallel when shards are taken."""
-
-log = logging.getLogger("pulsescale.autoscaler")
 
 
 class StoredSchedules:
@@ -46,66 +36,42 @@ class StoredSchedules:
         clock: Callable[[], float],
         max_replicas: int,
     ) -> None:
-        self.nc = nc
-        self.store = store
         self.clock = clock
         self.max_replicas = max_replicas
         """`AutoscalerSettings.max_replicas`: a stored floor over it is refused."""
-        self.writes: dict[str, int] = {}  # model -> writes made here (see `Ownership.take_over`)
-        self._leases_kv = leases_kv
-        self._rejected: set[tuple[str, int | None]] = set()  # (key, revision) of stored records refused
+        self._records = StoredRecords(
+            nc,
+            leases_kv,
+            store,
+            kind=ScheduleRecord,
+            prefix=protocol.SCHEDULE_KEY_PREFIX,
+            key_of=protocol.schedule_key,
+            model_of=lambda r: r.model,
+            what="schedules",
+        )
+
+    @property
+    def writes(self) -> dict[str, int]:
+        """Model -> writes made here (see `Ownership.take_over`)."""
+        return self._records.writes
 
     async def save(self, model: str, schedules: tuple[OnCallSchedule, ...]) -> None:
         """Store the model's on-call schedules; with none, delete the key."""
-        key = protocol.schedule_key(model)
-        self.writes[model] = self.writes.get(model, 0) + 1  # before the write: see `Ownership.take_over`
-        if not schedules:
-            with contextlib.suppress(nats.js.errors.KeyNotFoundError):
-                await self._leases_kv.delete(key)
-        else:
-            record = ScheduleRecord(model=model, schedules=list(schedules))
-            await self._leases_kv.put(key, protocol.encode(record))
+        record = ScheduleRecord(model=model, schedules=list(schedules)) if schedules else None
+        await self._records.put(model, record)
 
     async def load(self) -> dict[str, tuple[OnCallSchedule, ...]] | None:
         """The on-call schedules stored in `pulse_leases`, by model; None when they cannot be listed (the models
         keep what they had). A record that breaks the contract is counted (by reason, in the registry's
         rejections) and logged, and its model runs on its ScaledObject's schedules alone."""
-        out: dict[str, tuple[OnCallSchedule, ...]] = {}
-        try:
-            js = self.nc.jetstream(timeout=2.0)
-            keys = await list_keys(js, protocol.LEASES_BUCKET, protocol.SCHEDULE_KEY_PREFIX)
-        except (nats.errors.Error, TimeoutError) as err:
-            log.warning("cannot list the stored schedules (%s); models keep the on-call schedules they had", err)
-            return None
-        reads = asyncio.Semaphore(READS_AT_ONCE)
+        got = await self._records.read_all(self._check, unread="its ScaledObject's schedules")
+        return None if got is None else {model: tuple(r.schedules) for model, r in got.items()}
 
-        async def read(key: str) -> None:
-            source = f"{protocol.LEASES_BUCKET}/{key}"
-            try:
-                async with reads:
-                    entry = await self._leases_kv.get(key)
-            except nats.js.errors.KeyNotFoundError:
-                return
-            except (nats.errors.Error, TimeoutError) as err:
-                log.warning("cannot read %s (%s); its model runs on its ScaledObject's schedules", source, err)
-                return
-            try:
-                record = protocol.decode(entry.value or b"", ScheduleRecord)
-                if protocol.schedule_key(record.model) != key:
-                    raise BadMessage("subject_mismatch", f"schedules of {record.model} stored under {key}")
-                for s in record.schedules:
-                    if s.schedule.replicas > self.max_replicas:
-                        raise BadMessage(
-                            "bad_value",
-                            f"schedule {s.schedule.name} holds {s.schedule.replicas} replicas, over the limit of "
-                            f"{self.max_replicas}",
-                        )
-            except BadMessage as err:
-                if (key, entry.revision) not in self._rejected:
-                    self._rejected.add((key, entry.revision))
-                    self.store.rejected(err, source=source)
-                return
-            out[record.model] = tuple(record.schedules)
-
-        await asyncio.gather(*(read(k) for k in keys))
-        return out
+    def _check(self, record: ScheduleRecord) -> None:
+        for s in record.schedules:
+            if s.schedule.replicas > self.max_replicas:
+                raise BadMessage(
+                    "bad_value",
+                    f"schedule {s.schedule.name} holds {s.schedule.replicas} replicas, over the limit of "
+                    f"{self.max_replicas}",
+                )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -101,17 +102,26 @@ def clock() -> ShiftedClock:
     return ShiftedClock()
 
 
-@pytest.fixture
-async def service(
-    nc: Client, store: KvSlotStore, control: ControlPlaneDouble, clock: ShiftedClock
+@contextlib.asynccontextmanager
+async def serving(
+    nc: Client, control: ControlPlaneDouble, store: KvSlotStore, **kwargs: Any
 ) -> AsyncIterator[CommandService]:
-    await seed_pool(store, "qwen", nodes=2, slots_per_node=2)
-    svc = CommandService(nc, control, store, clock=clock)
+    """A started command service over the double, stopped at the end whatever happened."""
+    svc = CommandService(nc, control, store, **kwargs)
     await svc.start()
     try:
         yield svc
     finally:
         await svc.stop()
+
+
+@pytest.fixture
+async def service(
+    nc: Client, store: KvSlotStore, control: ControlPlaneDouble, clock: ShiftedClock
+) -> AsyncIterator[CommandService]:
+    await seed_pool(store, "qwen", nodes=2, slots_per_node=2)
+    async with serving(nc, control, store, clock=clock) as svc:
+        yield svc
 
 
 def request(verb: str, **fields: Any) -> dict[str, Any]:

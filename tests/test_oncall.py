@@ -18,7 +18,7 @@ from nats.aio.msg import Msg
 from autoscaler import oncall, resources
 from autoscaler.commands import CommandService
 from pulsescale import cli as dispatcher
-from tests.test_commands import ControlPlaneDouble, make_spec
+from tests.test_commands import ControlPlaneDouble, make_spec, serving
 from warmpool import cli as warmpool_cli
 from warmpool import connect as nats_connect
 from warmpool import durations, protocol
@@ -36,12 +36,8 @@ def control() -> ControlPlaneDouble:
 @pytest.fixture
 async def service(nc: Client, store: KvSlotStore, control: ControlPlaneDouble) -> AsyncIterator[CommandService]:
     await seed_pool(store, "qwen", nodes=2, slots_per_node=2)
-    svc = CommandService(nc, control, store)
-    await svc.start()
-    try:
+    async with serving(nc, control, store) as svc:
         yield svc
-    finally:
-        await svc.stop()
 
 
 Run = Callable[..., "asyncio.Future[tuple[int, str, str]]"]

@@ -22,7 +22,7 @@ from nats.aio.client import Client
 
 from autoscaler.commands import CommandService
 from pulsescale import cli as dispatcher
-from tests.test_commands import ControlPlaneDouble, make_spec
+from tests.test_commands import ControlPlaneDouble, make_spec, serving
 from warmpool.embedded import NatsServer
 from warmpool.protocol import DecisionRow
 from warmpool.registry import KvSlotStore
@@ -59,12 +59,8 @@ def control() -> ControlPlaneDouble:
 @pytest.fixture
 async def service(nc: Client, store: KvSlotStore, control: ControlPlaneDouble) -> AsyncIterator[CommandService]:
     await seed_pool(store, "qwen", nodes=2, slots_per_node=1)
-    svc = CommandService(nc, control, store)
-    await svc.start()
-    try:
+    async with serving(nc, control, store) as svc:
         yield svc
-    finally:
-        await svc.stop()
 
 
 @pytest.fixture

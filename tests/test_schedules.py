@@ -23,7 +23,7 @@ from kube import standby
 from pulsescale import cli as dispatcher
 from tests.helpers import HandClock, wait_for
 from tests.test_autoscaler import put_scaler, running_autoscaler
-from tests.test_commands import ControlPlaneDouble, make_spec, request, send
+from tests.test_commands import ControlPlaneDouble, make_spec, request, send, serving
 from warmpool import protocol
 from warmpool.embedded import NatsServer
 from warmpool.errors import BadMessage
@@ -315,12 +315,8 @@ def control() -> ControlPlaneDouble:
 
 @pytest.fixture
 async def service(nc: Client, store: KvSlotStore, control: ControlPlaneDouble) -> AsyncIterator[CommandService]:
-    svc = CommandService(nc, control, store)
-    await svc.start()
-    try:
+    async with serving(nc, control, store) as svc:
         yield svc
-    finally:
-        await svc.stop()
 
 
 def ahead(seconds: float) -> str:
