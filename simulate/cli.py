@@ -98,6 +98,7 @@ def main(argv: list[str], prog: str) -> int:
     p.add_argument("--model", help="with --trace: only the requests naming this model (plain traces)")
     p.add_argument("--min-replicas", type=int, default=1, help="with --trace: every policy's floor [1]")
     p.add_argument("--concurrency", type=int, default=8, help="requests one replica serves at once [8]")
+    p.add_argument("--stabilization-s", type=float, help="our scaleDownStabilizationSeconds [60]")
     p.add_argument("--make-trace", choices=["bursty"], help="write the named trace to --out and exit")
     p.add_argument("--no-pool-search", action="store_true", help="skip the smallest-pool search (a few more runs)")
     p.add_argument("--out", type=Path, default=Path("pulsescale-simulate"), help="[./pulsescale-simulate]")
@@ -151,6 +152,10 @@ def main(argv: list[str], prog: str) -> int:
         what = ""
     if args.pool_size is not None:
         sc = replace(sc, pool_size=max(args.pool_size, 0))
+    if args.stabilization_s is not None:
+        if not (math.isfinite(args.stabilization_s) and 0 <= args.stabilization_s <= 86_400):
+            p.error("--stabilization-s must be between 0 and 86400")
+        sc = replace(sc, stabilization_s=args.stabilization_s)
     if args.cold_s is not None:
         sc = replace(sc, cold_s=max(args.cold_s, 0.0))
     results = scenarios.run_arrivals(sc, arrivals, warm=warm)

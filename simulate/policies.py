@@ -46,20 +46,25 @@ import numpy.typing as npt
 
 from autoscaler import policy as ours
 from simulate.engine import STEP_S, Arrivals, Metrics
-from warmpool.protocol import ScaledObjectSpec, ScaleTargetRef, Trigger, TriggerMetadata
+from warmpool.protocol import Advanced, ScaledObjectSpec, ScaleTargetRef, Trigger, TriggerMetadata
 
 __all__ = ["HPA", "KEDA", "KPA", "HPABehavior", "Oracle", "Ours", "ScalingPolicy", "oracle_plan", "our_spec"]
 
 _EPS: Final = 1e-9
 
 
-def our_spec(*, target: float, min_replicas: int, max_replicas: int, model: str = "sim") -> ScaledObjectSpec:
-    """The ScaledObject our policy runs with: the same target, floor and ceiling as the baselines, defaults else."""
+def our_spec(
+    *, target: float, min_replicas: int, max_replicas: int, model: str = "sim", stabilization_s: float | None = None
+) -> ScaledObjectSpec:
+    """The ScaledObject our policy runs with: the same target, floor and ceiling as the baselines, defaults else
+    (`stabilization_s`: ``scaleDownStabilizationSeconds``, when given)."""
+    advanced = Advanced() if stabilization_s is None else Advanced(scale_down_stabilization_seconds=stabilization_s)
     return ScaledObjectSpec(
         scale_target_ref=ScaleTargetRef(name=model),
         triggers=[Trigger(type="gateway-queue", metadata=TriggerMetadata(model=model, target_queue_depth=target))],
         min_replica_count=min_replicas,
         max_replica_count=max_replicas,
+        advanced=advanced,
     )
 
 

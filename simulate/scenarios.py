@@ -71,6 +71,8 @@ class Scenario:
     seed: int = 1
     from_zero: bool = False
     """An idle model: nothing provisioned, no load, then a pulse that needs `instances` replicas."""
+    stabilization_s: float | None = None
+    """Our ``scaleDownStabilizationSeconds``; None: the ScaledObject's default (60 s)."""
     trace: bool = False
     """A replayed trace (`simulate.replay`): no pulse; `instances` is the oracle's peak, not a known need."""
 
@@ -138,8 +140,8 @@ def policies_for(sc: Scenario) -> list[engine.Policy]:
     floor, ceiling = sc.floor, sc.ceiling
     start = sc.floor
     return [
-        policies.Ours(policies.our_spec(target=target, min_replicas=floor, max_replicas=ceiling),
-                      initial_replicas=start),
+        policies.Ours(policies.our_spec(target=target, min_replicas=floor, max_replicas=ceiling,
+                                        stabilization_s=sc.stabilization_s), initial_replicas=start),
         policies.HPA(target=target, min_replicas=max(floor, 1), max_replicas=ceiling),
         policies.KEDA(policies.HPA(target=target, min_replicas=max(floor, 1), max_replicas=ceiling),
                       min_replicas=floor),

@@ -165,6 +165,10 @@ def _line(keys: _Keys, values: _Values, k_now: int, bucket_s: float) -> tuple[fl
     y_mean = float(values.sum()) / n
     dx = x - x_mean
     slope = float(dx @ (values - y_mean)) / float(dx @ dx)
+    if abs(slope) < 1e-9:
+        # Float noise of a flat line (9e-17 for 1, 0, 1 at one time): the detector sums exactly and reads 0, and
+        # the sign decides whether the forecast is held at the demand.
+        slope = 0.0
     return y_mean - slope * x_mean, slope
 
 
