@@ -191,3 +191,189 @@ def test_without_a_service_time_the_queue_depth_decides() -> None:
         st = need.record(cfg, st, now=k * 0.1, arrival_rate=160.0, completion_rate=0.0, in_flight=16.0 * k)
     assert st.service_s is None
     assert need.estimate(cfg, st, now=3.0, queued=0.0, lead_s=0.1) is None
+
+
+# --- autoscaler.need on a hand clock, reading by reading -------------------------------------------------------
+
+CFG = need.NeedConfig(rate_window_s=6.0, service_window_s=60.0, target=8.0, carry_s=1.0)
+
+
+def feed(
+    st: need.NeedState,
+    start: float,
+    seconds: float,
+    *,
+    lam: float,
+    mu: float,
+    busy: float,
+    ready: int = 0,
+    queued: float = 0.0,
+    surge: bool = False,
+    cfg: need.NeedConfig = CFG,
+) -> need.NeedState:
+    """Readings every 100 ms from `start` for `seconds` (inclusive of both ends)."""
+    for k in range(round(seconds / 0.1) + 1):
+        st = need.record(cfg, st, now=round(start + 0.1 * k, 6), arrival_rate=lam, completion_rate=mu,
+                         in_flight=busy, ready=ready, queued=queued, surge=surge)  # fmt: skip
+    return st
+
+
+def test_the_config_reads_the_scaled_objects_windows() -> None:
+    spec = our_spec(target=4.0, min_replicas=1, max_replicas=10)
+    cfg = need.config(spec, 4.0)
+    adv = spec.advanced
+    assert cfg == need.NeedConfig(adv.panic_window_seconds, adv.stable_window_seconds, 4.0, adv.stale_after_seconds)
+
+
+def test_the_service_time_is_learnt_once_a_full_window_balances() -> None:
+    st = feed(need.initial(CFG), 0.0, 5.9, lam=600, mu=600, busy=1200)
+    assert st.service_s is None  # 5.9 s of a 6 s window: not yet
+    st = feed(st, 6.0, 0.0, lam=600, mu=600, busy=1200)
+    assert st.service_s == pytest.approx(2.0) and st.recorded_at == 6.0
+    # Out of balance (arrivals 30 % over completions, not saturated): nothing learnt.
+    off = feed(need.initial(CFG), 0.0, 6.0, lam=780, mu=600, busy=1200)
+    assert off.service_s is None
+    # No completions, or nothing in flight: nothing to divide.
+    assert feed(need.initial(CFG), 0.0, 6.0, lam=0, mu=0, busy=0).service_s is None
+
+
+def test_the_service_time_moves_by_the_time_since_the_last_reading_over_the_stable_window() -> None:
+    st = feed(need.initial(CFG), 0.0, 6.0, lam=600, mu=600, busy=1200)
+    nxt = need.record(CFG, st, now=6.1, arrival_rate=600, completion_rate=600, in_flight=1800)
+    seen = (1200 * 59 + 1800) / 60 / 600  # the window's (6 s: 60 readings) mean in flight over its completions
+    assert nxt.service_s == pytest.approx(2.0 + (seen - 2.0) * 0.1 / 60, rel=1e-9)
+    # After a long silence the new reading is the whole of it (the weight stops at 1).
+    late = need.record(CFG, st, now=1006.0, arrival_rate=600, completion_rate=600, in_flight=1800)
+    assert late.service_s == pytest.approx(3.0)
+
+
+def test_saturation_is_tracked_at_one_ready_count_and_teaches_the_service_time() -> None:
+    st = feed(need.initial(CFG), 0.0, 1.0, lam=600, mu=400, busy=800, ready=100, queued=1)
+    assert st.saturated_since == 0.0  # one request queued counts
+    st = feed(st, 1.1, 4.8, lam=600, mu=400, busy=800, ready=100, queued=50)
+    assert st.saturated_since == 0.0 and st.service_s is None  # 5.9 s saturated: not yet a window
+    st = feed(st, 6.0, 0.0, lam=600, mu=400, busy=800, ready=100, queued=50)
+    assert st.service_s == pytest.approx(2.0)  # 800 busy / 400 completed: Little's law while saturated
+    moved = feed(st, 6.1, 0.0, lam=600, mu=400, busy=800, ready=101, queued=50)
+    assert moved.saturated_since == 6.1  # a new ready count starts it again
+    calm = feed(moved, 6.2, 0.0, lam=600, mu=400, busy=800, ready=101, queued=0)
+    assert calm.saturated_since is None
+
+
+def test_once_known_the_service_time_waits_a_window_and_a_service_time_of_saturation() -> None:
+    st = feed(need.initial(CFG), 0.0, 6.0, lam=400, mu=400, busy=800)  # 2 s learnt, balanced
+    st = feed(st, 6.1, 7.8, lam=600, mu=400, busy=800, ready=100, queued=50)  # saturated from 6.1 to 13.9
+    assert st.service_s == pytest.approx(2.0)
+    # 7.9 s saturated < the window (6 s) + the service time (2 s): the completions may still be the old rate's.
+    early = need.record(CFG, st, now=14.0, arrival_rate=600, completion_rate=400, in_flight=1600, ready=100, queued=50)
+    assert early.service_s == pytest.approx(2.0)
+    late = need.record(CFG, early, now=14.2, arrival_rate=600, completion_rate=400, in_flight=1600, ready=100,
+                       queued=50)  # fmt: skip
+    assert late.service_s is not None and late.service_s > 2.0 + 1e-6
+
+
+def test_a_surge_is_dated_from_its_first_reading() -> None:
+    st = feed(need.initial(CFG), 0.0, 1.0, lam=10, mu=10, busy=20)
+    assert st.surge_since is None
+    st = feed(st, 1.1, 0.5, lam=60, mu=10, busy=20, surge=True)
+    assert st.surge_since == 1.1
+    assert feed(st, 1.7, 0.0, lam=60, mu=10, busy=20).surge_since is None
+
+
+def test_new_windows_on_a_spec_change() -> None:
+    st = feed(need.initial(CFG), 0.0, 6.0, lam=600, mu=600, busy=1200)
+    assert st.service_s is not None
+    for changed in (
+        need.NeedConfig(6.0, 30.0, 8.0, 1.0),  # another stable window
+        need.NeedConfig(6.0, 60.0, 8.0, 2.0),  # another staleness (the windows' carry)
+    ):
+        fresh = need.record(changed, st, now=6.1, arrival_rate=600, completion_rate=600, in_flight=1200)
+        assert fresh.service_s is None and fresh.arrivals.first_ts == 6.1
+
+
+def learnt(lam: float = 600.0, *, seconds: float = 6.0, cfg: need.NeedConfig = CFG) -> need.NeedState:
+    """`lam` req/s for `seconds`, balanced, 2 s each (learnt once a window is full)."""
+    return feed(need.initial(cfg), 0.0, seconds, lam=lam, mu=lam, busy=lam * 2, cfg=cfg)
+
+
+def low(lam: float, span: float) -> float:
+    return lam - need.RATE_Z * math.sqrt(lam / span)
+
+
+def test_the_estimate_reads_the_rate_over_the_panic_window_or_the_data_there_is() -> None:
+    st = learnt()
+    got = need.estimate(CFG, st, now=6.0, queued=0.0, lead_s=0.1)
+    assert got is not None and got.arrival_rate == pytest.approx(low(600, 6.0))
+    assert got.service_s == pytest.approx(2.0)
+    assert got.replicas == pytest.approx(low(600, 6.0) * 2.0 / 8.0)
+    assert got.high == pytest.approx((600 + (600 - low(600, 6.0))) * 2.0 / 8.0)
+    # A short stable window (the demo's 6 s): the service time is learnt on the panic window all the same.
+    short = need.NeedConfig(1.0, 6.0, 1.0, 1.0)
+    st2 = learnt(60.0, seconds=2.0, cfg=short)
+    got2 = need.estimate(short, st2, now=2.0, queued=0.0, lead_s=0.5)
+    assert got2 is not None and got2.arrival_rate == pytest.approx(low(60, 1.0))
+
+
+def test_a_surge_reads_the_rate_from_its_start() -> None:
+    st = learnt(100.0, seconds=30.0)
+    st = feed(st, 30.1, 2.9, lam=600, mu=100, busy=200, surge=True)  # 30.1 .. 33.0: 30 readings
+    got = need.estimate(CFG, st, now=33.0, queued=0.0, lead_s=0.1)
+    assert got is not None and got.arrival_rate == pytest.approx(low(600, 3.0), rel=1e-6)
+
+
+def test_a_young_window_reads_over_what_it_has() -> None:
+    st = feed(need.initial(CFG), 0.0, 6.0, lam=600, mu=600, busy=1200)
+    later = feed(st, 6.1, 0.0, lam=600, mu=600, busy=1200)
+    assert need.estimate(CFG, later, now=6.1, queued=0.0, lead_s=0.1) is not None
+    # Learnt on 6 s, the rate over the whole of the data: the same as the window's.
+    got = need.estimate(CFG, st, now=6.0, queued=0.0, lead_s=0.1)
+    assert got is not None and got.arrival_rate == pytest.approx(low(600, 6.0))
+
+
+def test_what_exists_bounds_the_need_of_a_burst() -> None:
+    """A 1 s burst of 2 s requests: 600 exist, and 60 more arrive in the lead time; not 1,200."""
+    st = learnt()
+    got = need.estimate(CFG, st, now=6.0, queued=0.0, lead_s=0.1, demand=600.0)
+    assert got is not None
+    assert got.replicas == pytest.approx((600 + low(600, 6.0) * 0.1) / 8.0)
+    assert got.high == pytest.approx((600 + (2 * 600 - low(600, 6.0)) * 0.1) / 8.0)
+    roomy = need.estimate(CFG, st, now=6.0, queued=0.0, lead_s=0.1, demand=5000.0)
+    assert roomy is not None and roomy.replicas == pytest.approx(low(600, 6.0) * 2.0 / 8.0)
+
+
+def test_a_saturated_count_bounds_the_need_from_below() -> None:
+    """100 replicas busy for 10 s complete 300 req/s, 3 each: 600 arriving need 200 of them, whatever the 1.5 s
+    service time learnt at a lighter load says (150)."""
+    st = feed(need.initial(CFG), 0.0, 6.0, lam=600, mu=600, busy=900)  # 1.5 s learnt
+    st = feed(st, 6.1, 9.9, lam=600, mu=300, busy=800, ready=100, queued=50)
+    assert st.service_s is not None
+    w = st.service_s
+    got = need.estimate(CFG, st, now=16.0, queued=0.0, lead_s=0.1)
+    assert got is not None
+    assert got.replicas - got.drain_replicas == pytest.approx(max(low(600, 6.0) / 3.0, low(600, 6.0) * w / 8.0))
+    assert got.high == pytest.approx(max((2 * 600 - low(600, 6.0)) / 3.0, (2 * 600 - low(600, 6.0)) * w / 8.0))
+
+
+def test_a_short_service_time_is_a_service_time() -> None:
+    """The demo's engines answer in ~50 ms: a need of 3 replicas, not none."""
+    short = need.NeedConfig(1.0, 6.0, 1.0, 1.0)
+    st = feed(need.initial(short), 0.0, 6.0, lam=60, mu=60, busy=3, cfg=short)
+    got = need.estimate(short, st, now=6.0, queued=0.0, lead_s=0.5)
+    assert got is not None and got.service_s == pytest.approx(0.05)
+    assert got.replicas == pytest.approx(low(60, 1.0) * 0.05)
+
+
+def test_a_queue_with_nothing_ready_reads_no_throughput() -> None:
+    """Every replica gone while requests still complete and queue: no per-replica throughput to divide by."""
+    st = learnt()
+    st = feed(st, 6.1, 10.0, lam=600, mu=300, busy=600, ready=0, queued=100)
+    got = need.estimate(CFG, st, now=16.1, queued=100.0, lead_s=0.1)
+    assert got is not None and got.replicas - got.drain_replicas == pytest.approx(low(600, 6.0) * 2.0 / 8.0)
+
+
+def test_a_small_models_drain_is_at_most_one_replica() -> None:
+    """5 % of a 2-replica need is a tenth of one: a growing backlog may still add one replica, never two."""
+    st = feed(need.initial(CFG), 0.0, 6.0, lam=8, mu=8, busy=16)
+    st = feed(st, 6.1, 1.0, lam=8, mu=2, busy=16)  # completions fell to 2 req/s: the backlog grows
+    got = need.estimate(CFG, st, now=7.1, queued=500.0, lead_s=2.5)
+    assert got is not None and got.drain_replicas == pytest.approx(1.0)
