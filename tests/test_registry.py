@@ -527,6 +527,67 @@ async def test_a_view_whose_listing_stalls_after_the_marker_waits_for_it_while_t
     assert took >= stalled.hold_s
 
 
+class Deafened:
+    """Fault injection around the real bucket, not a double: the view's first watch, once `deafen` is called, hands
+    over nothing more. `reset`: as nats-py's ordered consumer does after a gap or two missed heartbeats, the watch
+    moves to a new inbox, and the ask for a consumer there fails (as while a cluster elects), so the old consumer
+    lives on delivering to an inbox nobody reads. `drop`: the deliveries still come and are lost on the way."""
+
+    def __init__(self, kv: KeyValue, fault: str) -> None:
+        self.kv, self.fault = kv, fault
+        self.first: KeyValue.KeyWatcher | None = None
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.kv, name)
+
+    async def watchall(self) -> KeyValue.KeyWatcher:
+        watcher = await self.kv.watchall()
+        self.first = self.first or watcher
+        return watcher
+
+    async def deafen(self) -> None:
+        assert self.first is not None and self.first._sub is not None
+        if self.fault == "drop":
+
+            async def lost(entry: object) -> None:
+                pass
+
+            self.first._updates.put = lost  # type: ignore[method-assign]
+            return
+        jsi = self.first._sub._sub._jsi  # type: ignore[attr-defined]
+
+        async def refused() -> None:
+            pass
+
+        jsi.recreate_consumer = refused
+        await jsi.reset_ordered_consumer(jsi._sseq + 1)
+
+
+@pytest.mark.parametrize("fault", ["reset", "drop"])
+async def test_a_watch_that_hears_nothing_more_while_its_consumer_lives_is_made_anew(nc: Client, fault: str) -> None:
+    """After a follower's kill in CI a store's view missed a lease for 15 s: its consumer was there, so the probe
+    kept the watch. The view now also re-lists when the consumer delivers elsewhere or sent what it never got."""
+    kv = (await ensure_buckets(nc.jetstream()))[protocol.AGENTS_BUCKET]
+    first = AgentLease(node="n1", heartbeat_at=1.0, lease_s=2.0)
+    await kv.put("n1", protocol.encode(first))
+    deaf = Deafened(kv, fault)
+    view = BucketView(nc, deaf, AgentLease, Rejections(logging.getLogger("test")))  # type: ignore[arg-type]
+    task = asyncio.create_task(view.run())
+    try:
+        await wait_for(lambda: view.value("n1") == first, 5, "the first snapshot")
+        await deaf.deafen()
+        later = AgentLease(node="n2", heartbeat_at=1.0, lease_s=2.0)
+        await kv.put("n2", protocol.encode(later))
+        # nats-py alone never hears it (its next reset fails the same way; dropped deliveries look delivered).
+        took = await wait_for(lambda: view.value("n2") == later, 10, "the view to see the write made while deaf")
+        assert view.relists >= 1
+        assert took >= registry.WATCH_PROBE_S - 0.5  # by the probe, after the silence it allows
+    finally:
+        view.closed = True
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 async def test_list_keys_names_every_key_under_a_prefix_deleted_ones_included(nc: Client) -> None:
     """`buckets.list_keys` is one stream-info request, not a watch that must be handled in time (nats-py's
     `KeyValue.keys()` may end empty when the loop is busy, as the daemon's did). Deleted keys are listed; their

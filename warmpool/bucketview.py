@@ -3,8 +3,9 @@
 `BucketView` holds key -> (record, revision) for a bucket and tells subscribers what changed (`Snapshot`, then
 `Changed` / `Removed`). It is the registry's read side of both its buckets (`warmpool.registry`), and the autoscaler
 follows `pulse_scalers` with one. `check_record` is the rule every record read from a bucket is held to.
-On a cluster a watch can also go silent with the connection up (its consumer lived on a server that died): a
-view silent for `WATCH_PROBE_S` asks whether its consumer still exists, and re-lists if not.
+On a cluster a watch can also go silent with the connection up (its consumer lived on a server that died, or
+nats-py moved the watch to a new inbox and could not make the consumer for it): a view silent for `WATCH_PROBE_S`
+asks the server about its consumer, and re-lists unless it delivers to the view and holds nothing the view missed.
 """
 
 from __future__ import annotations
@@ -89,11 +90,13 @@ def check_record(key: str, value: msgspec.Struct) -> None:
 
 _RELIST_POLL_S = 0.25  # how often the view checks for a reconnect while idle; bounds re-list latency
 WATCH_PROBE_S = 2.0
-"""How long a watch may be silent before the view asks the server whether its consumer still exists. On a
-cluster the watch's consumer (nats-py's ordered consumer: one replica, in memory) lives on one server; when that
-server dies the watch goes silent with our connection up, so no reconnect tells us. nats-py notices only after
-two missed idle heartbeats (10 s) and tries once to recreate it. One `CONSUMER.INFO` per silent bucket per this
-interval bounds the silence to about this plus `WATCH_PROBE_TIMEOUT_S`."""
+"""How long a watch may be silent before the view asks the server about its consumer. On a cluster the watch's
+consumer (nats-py's ordered consumer: one replica, in memory) lives on one server; when that server dies the watch
+goes silent with our connection up, so no reconnect tells us. nats-py notices only after two missed idle heartbeats
+(10 s), or at a gap in the deliveries, and then moves the watch to a new inbox and asks for a consumer there once:
+when that ask fails (a cluster mid-election), the old consumer, still named by the watch, lives on for its 5 min
+inactivity threshold delivering to an inbox nobody reads. One `CONSUMER.INFO` per silent bucket per this interval
+bounds the silence to about this plus `WATCH_PROBE_TIMEOUT_S`."""
 SNAPSHOT_QUIET_S = 1.0
 """A listing whose end marker came but not the bucket's last revision before the watch asks the stream, after this
 long without a delivery, whether that revision was removed meanwhile: then the listing is complete."""
@@ -252,17 +255,25 @@ class BucketView(Generic[V]):
                     await watcher.stop()
             self.relists += 1
 
-    async def _consumer_lost(self, watcher: KeyValue.KeyWatcher) -> bool:
-        """Ask the server for the watch's consumer: True when it says it is gone or does not answer in time."""
+    async def _consumer_lost(self, watcher: KeyValue.KeyWatcher, delivered: int) -> bool:
+        """Ask the server for the watch's consumer: lost when it is gone or does not answer in time, when it
+        delivers to another inbox than the watch reads (see `WATCH_PROBE_S`), or when it sent or holds revisions
+        newer than `delivered`, the newest the watch handed over (CI: a store's view missed a lease for 15 s after a
+        follower's kill while the consumer probe found a consumer)."""
         sub = watcher._sub  # nats-py keeps the watch's subscription (and the consumer's name) only here
         if sub is None:
             return True
         js = self._nc.jetstream(timeout=WATCH_PROBE_TIMEOUT_S)
         try:
-            await js.consumer_info(sub._stream, sub._consumer)
+            info = await js.consumer_info(sub._stream, sub._consumer)
         except (nats.errors.Error, TimeoutError, OSError):
             return True  # NotFoundError: gone with its server; a timeout: gone, or the cluster mid-election
-        return False
+        inbox = getattr(getattr(sub, "_sub", None), "_subject", None)  # moved by nats-py's reset; sub's own is not
+        if inbox is not None and info.config.deliver_subject != inbox:
+            log.debug("%s: the watch reads %s, its consumer delivers to %s", self._kv._name, inbox, info.config)
+            return True
+        sent = info.delivered.stream_seq if info.delivered is not None else 0
+        return bool(info.num_pending) or (sent or 0) > delivered
 
     async def _newest(self) -> tuple[int, str]:
         """The bucket's newest revision before the watch starts (the snapshot holds at least up to it, see
@@ -333,9 +344,11 @@ class BucketView(Generic[V]):
                             continue
                     if time.monotonic() - heard >= WATCH_PROBE_S:
                         heard = time.monotonic()
-                        if await self._consumer_lost(watcher):
+                        if await self._consumer_lost(watcher, delivered):
                             log.warning(
-                                "the watch of %s lost its consumer (its server is gone?): re-listing", self._kv._name
+                                "the watch of %s lost its deliveries (its consumer's server is gone, or nats-py's"
+                                " reset of it failed): re-listing",
+                                self._kv._name,
                             )
                             return
                     continue

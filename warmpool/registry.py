@@ -9,8 +9,9 @@ A `KvSlotStore` keeps a view of both buckets from KV watches (snapshot, then del
 reconnect, since watches do not resume by themselves). Claims pick candidates from the view and let the
 compare-and-set say whether the view was current: reads are not read-your-writes, so no decision rests on one.
 `BucketView` is that view for any bucket of contract records; the autoscaler follows `pulse_scalers` with one.
-On a cluster a watch can also go silent with the connection up (its consumer lived on a server that died): a
-view silent for `WATCH_PROBE_S` asks whether its consumer still exists, and re-lists if not.
+On a cluster a watch can also go silent with the connection up (its consumer lived on a server that died, or
+nats-py's reset of it failed): a view silent for `WATCH_PROBE_S` asks the server about its consumer, and re-lists
+unless it delivers to the view and holds nothing the view missed.
 
 The buckets are made and opened by `warmpool.buckets` (re-exported here): `replicas_for` replicas, raised by the
 autoscaler on an existing bucket that has fewer; other roles report it.
