@@ -413,6 +413,8 @@ class DetectorConfig:
     """With no ready replica, any panic demand above this is panic-worthy (there is no capacity to compare with)."""
     carry_s: float = 1.0
     """A level is carried over gaps between samples up to this long (the staleness limit), not longer."""
+    calm_s: float | None = None
+    """Panic is left this long after its condition last held; None: `stable_window_s` (Knative's rule)."""
 
     @property
     def window_s(self) -> float:
@@ -425,7 +427,7 @@ class PulseState:
     panic: bool = False
     panic_since: float | None = None
     panic_condition_at: float | None = None
-    """The last time the panic condition held; panic ends one stable window after it."""
+    """The last time the panic condition held; panic ends `DetectorConfig.calm_s` after it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -445,6 +447,10 @@ class Pulse:
     panic_condition: bool
     entered_panic: bool
     left_panic: bool
+
+
+def _calm_s(config: DetectorConfig) -> float:
+    return config.stable_window_s if config.calm_s is None else config.calm_s
 
 
 def initial(config: DetectorConfig) -> PulseState:
@@ -528,7 +534,7 @@ def observe(
         entered = not panic
         panic, condition_at = True, now
         since = now if entered else since
-    elif panic and (condition_at is None or now - condition_at >= config.stable_window_s):
+    elif panic and (condition_at is None or now - condition_at >= _calm_s(config)):
         panic, since, left = False, None, True
     pulse = Pulse(True, demand, stable, panic_demand, forecast, slope, capacity, panic, condition, entered, left)
     return pulse, PulseState(window, panic, since, condition_at)

@@ -51,6 +51,8 @@ import math
 from dataclasses import dataclass
 from typing import Final, Literal
 
+import msgspec
+
 from autoscaler import detector, need
 from warmpool.protocol import Override, ScaledObjectSpec
 
@@ -142,7 +144,10 @@ class PolicyState:
     """The arrival and completion rates and the service time learnt from them (`autoscaler.need`); None until a
     decision had rates."""
     rec: int = 0
-    """The last fresh decision's recommendation (what `repeat` records again)."""
+    """The last fresh decision's recommendation (what `repeat` records again in `lows`)."""
+    held: int = 0
+    """What the last fresh decision recorded in `recommendations`: its recommendation, or on rates the count the
+    rate's upper bound may need if higher (what `repeat` records there again)."""
     lows: detector.TimeWindow | None = None
     """The rates' recommendations over the panic window, negated (its peak is their lowest): outside panic a
     count goes up only once the whole window asked for it; None until a decision had rates."""
@@ -220,9 +225,12 @@ def _lows_window(spec: ScaledObjectSpec) -> detector.TimeWindow:
     return detector.TimeWindow.empty(spec.advanced.panic_window_seconds, combine="max")
 
 
-def _config(spec: ScaledObjectSpec, target: float, activation: float) -> detector.DetectorConfig:
+def _config(
+    spec: ScaledObjectSpec, target: float, activation: float, scale_in: ScaleIn | None = None
+) -> detector.DetectorConfig:
     adv = spec.advanced
     return detector.DetectorConfig(
+        calm_s=scale_in.calm_s if scale_in is not None else None,
         stable_window_s=adv.stable_window_seconds,
         panic_window_s=adv.panic_window_seconds,
         panic_threshold=adv.panic_threshold,
@@ -232,8 +240,68 @@ def _config(spec: ScaledObjectSpec, target: float, activation: float) -> detecto
     )
 
 
+AUTO_HOLD_MAX_S: Final = 60.0
+"""The longest scale-in hold an unset stabilisation takes (revision 8's default window): a lead time of minutes, the
+cold path's, holds no longer than an HPA-like window would."""
+SET_STABILIZATION_PERIOD_S: Final = 60.0
+"""`scaleDownPeriodSeconds` left unset where the stabilisation is set: revision 8's default, so a ScaledObject that
+sets only the window scales as it did."""
+SET_STABILIZATION_PERCENT: Final = 50.0
+"""`scaleDownPercent` left unset where the stabilisation is set: revision 8's default, for the same reason."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleIn:
+    """The scale-in windows in force: a field that is set as given, an unset one from the lead time (revision 9).
+
+    Bringing a released replica back costs one lead time from the warm pool (claim -> ready), so an idle replica
+    is held about that long (ski rental's break-even) but never less than a panic window, the evidence a rise needs
+    too, and never more than `AUTO_HOLD_MAX_S`. HPA's 300 s and Knative's 60 s windows price a cold start of
+    minutes: held after each 10 s burst of the bursty trace replayed 10x, 60 s windows spent 2.1 x the oracle's
+    replica-seconds, the hold 1.17 x (README, `pulsescale simulate --trace`)."""
+
+    hold_s: float
+    """The stabilisation window: scale down to the highest recommendation over it."""
+    period_s: float
+    """The scale-down rate's period."""
+    percent: float
+    """The share of the replicas the scale-down rate removes per period."""
+    calm_s: float
+    """Panic is left this long after its condition last held: the stable window, or the hold where it is unset."""
+    auto: bool
+    """The stabilisation window was unset: `hold_s` comes from the lead time."""
+
+
+def scale_in(spec: ScaledObjectSpec, lead_s: float) -> ScaleIn:
+    """The scale-in windows at a measured lead time of `lead_s` (claim -> ready p90) for `spec`."""
+    adv = spec.advanced
+    stab, period, percent = adv.scale_down_stabilization_seconds, adv.scale_down_period_seconds, adv.scale_down_percent
+    if not isinstance(stab, msgspec.UnsetType):
+        return ScaleIn(
+            stab,
+            SET_STABILIZATION_PERIOD_S if isinstance(period, msgspec.UnsetType) else period,
+            SET_STABILIZATION_PERCENT if isinstance(percent, msgspec.UnsetType) else percent,
+            adv.stable_window_seconds,
+            auto=False,
+        )
+    hold = min(max(lead_s, adv.panic_window_seconds), AUTO_HOLD_MAX_S)
+    return ScaleIn(
+        hold,
+        hold if isinstance(period, msgspec.UnsetType) else period,
+        100.0 if isinstance(percent, msgspec.UnsetType) else percent,
+        min(adv.stable_window_seconds, hold),
+        auto=True,
+    )
+
+
+def _span_s(spec: ScaledObjectSpec) -> float:
+    """The recommendations' window: the longest stabilisation `scale_in` can resolve to for `spec`."""
+    stab = spec.advanced.scale_down_stabilization_seconds
+    return max(AUTO_HOLD_MAX_S if isinstance(stab, msgspec.UnsetType) else stab, detector.BUCKET_S)
+
+
 def _recommendation_window(spec: ScaledObjectSpec) -> detector.TimeWindow:
-    return detector.TimeWindow.empty(spec.advanced.scale_down_stabilization_seconds, combine="max")
+    return detector.TimeWindow.empty(_span_s(spec), combine="max")
 
 
 def _n(x: float) -> str:
@@ -296,16 +364,16 @@ def _in_period(changes: tuple[tuple[float, int], ...], period_s: float, now: flo
     return sum(n for ts, n in changes if now - ts < period_s)
 
 
-def _rate_floor(prev: int, state: PolicyState, spec: ScaledObjectSpec, now: float) -> int:
+def _rate_floor(prev: int, state: PolicyState, spec: ScaledObjectSpec, windows: ScaleIn, now: float) -> int:
     """The lowest count the scale-down policies allow now, as HPA's ``calculateScaleDownLimitWithBehaviors``."""
     adv = spec.advanced
     if adv.scale_down_select_policy == "Disabled":
         return prev
-    period_s = adv.scale_down_period_seconds
+    period_s = windows.period_s
     at_period_start = prev - _in_period(state.scale_ups, period_s, now) + _in_period(state.scale_downs, period_s, now)
     # HPA's int32(float64(start) * (1 - float64(value)/100)): the same float expression, truncated, so the count
     # is HPA's bit for bit (a ceiling kept one replica more: 25 % of 10 kept 8 where HPA keeps 7).
-    keep = int(at_period_start * (1 - adv.scale_down_percent / 100))
+    keep = int(at_period_start * (1 - windows.percent / 100))
     if adv.scale_down_pods is not None:
         by_pods = at_period_start - adv.scale_down_pods
         # Max: the policy that removes more (keeps fewer) wins; Min: the one that removes fewer.
@@ -314,19 +382,18 @@ def _rate_floor(prev: int, state: PolicyState, spec: ScaledObjectSpec, now: floa
     return min(prev, max(keep, 0))
 
 
-def _step_gap_s(spec: ScaledObjectSpec) -> float:
+def _step_gap_s(windows: ScaleIn) -> float:
     """On rates, the least time between two scale-in steps: the stabilisation window, or the period if longer."""
-    adv = spec.advanced
-    return max(adv.scale_down_stabilization_seconds, adv.scale_down_period_seconds)
+    return max(windows.hold_s, windows.period_s)
 
 
-def _rate_text(spec: ScaledObjectSpec) -> str:
+def _rate_text(spec: ScaledObjectSpec, windows: ScaleIn) -> str:
     """The scale-down policies for a reason string: ``50 %/60 s``, ``max(50 %, 2 pods)/60 s``."""
     adv = spec.advanced
-    pct = f"{_n(adv.scale_down_percent)} %"
+    pct = f"{_n(windows.percent)} %"
     if adv.scale_down_pods is not None:
         pct = f"{adv.scale_down_select_policy.lower()}({pct}, {adv.scale_down_pods} pods)"
-    return f"{pct}/{_n(adv.scale_down_period_seconds)} s"
+    return f"{pct}/{_n(windows.period_s)} s"
 
 
 def _fallback_count(spec: ScaledObjectSpec, prev: int) -> tuple[int, str]:
@@ -390,6 +457,7 @@ def _fresh(
     lead_s: float,
     now: float,
     cooling_s: float,
+    windows: ScaleIn,
     needs: need.Need | None = None,
 ) -> tuple[int, Mode, str]:
     """Rules 3 to 5 on fresh demand. `cooling_s`: what is left of ``initialCooldownPeriod`` (<= 0: none); `needs`:
@@ -410,10 +478,10 @@ def _fresh(
                     f"idle {prev} -> {bounds.idle}: no demand above {_n(activation)} for {_n(spec.cooldown_period)} s",
                 )
             desired, mode, reason = _scale(
-                spec, pulse, rec, stabilised, state, bounds, activation, target, lead_s, now, needs
+                spec, pulse, rec, stabilised, state, bounds, activation, target, lead_s, now, windows, needs
             )
             return desired, mode, f"{reason}; idle at {bounds.idle} in {_n(cooling_s)} s (initialCooldownPeriod)"
-    return _scale(spec, pulse, rec, stabilised, state, bounds, activation, target, lead_s, now, needs)
+    return _scale(spec, pulse, rec, stabilised, state, bounds, activation, target, lead_s, now, windows, needs)
 
 
 def _scale(
@@ -427,6 +495,7 @@ def _scale(
     target: float,
     lead_s: float,
     now: float,
+    windows: ScaleIn,
     needs: need.Need | None = None,
 ) -> tuple[int, Mode, str]:
     """Rules 4 and 5: panic, or the normal recommendation with its stabilisation and rate limit."""
@@ -444,8 +513,8 @@ def _scale(
         want = min(prev, stabilised)
         if needs is not None:
             want = min(prev, max(want, math.ceil(needs.high - need.TOLERANCE)))  # the rate may be that high yet
-        floor = _rate_floor(prev, state, spec, now)
-        if needs is not None and any(now - ts < _step_gap_s(spec) for ts, _ in state.scale_downs):
+        floor = _rate_floor(prev, state, spec, windows, now)
+        if needs is not None and any(now - ts < _step_gap_s(windows) for ts, _ in state.scale_downs):
             # On rates the window's highest recommendation falls a replica at a time as a pulse's recommendations
             # leave it: one step per stabilisation window (or period), not one per decision.
             floor = prev
@@ -462,7 +531,7 @@ def _scale(
         if not pulse.panic_condition:
             last = state.pulse.panic_condition_at
             quiet_s = now - last if last is not None else 0.0
-            why = f"panic: holding, {_n(max(adv.stable_window_seconds - quiet_s, 0.0))} s until calm"
+            why = f"panic: holding, {_n(max(windows.calm_s - quiet_s, 0.0))} s until calm"
         elif pulse.capacity > 0:
             why = f"panic: demand {_n(peak)} >= {_n(adv.panic_threshold)} x capacity {_n(pulse.capacity)}"
         else:
@@ -478,11 +547,11 @@ def _scale(
     if note or rec >= prev:
         return desired, mode, f"steady at {prev}: {per_target}{note}"
     if want >= prev:
-        stab = _n(adv.scale_down_stabilization_seconds)
+        stab = _n(windows.hold_s)
         return desired, mode, f"steady at {prev}: stabilising, max {stabilised} over {stab} s (now {rec})"
     if adv.scale_down_select_policy == "Disabled":
         return desired, mode, f"steady at {prev}: scale-down disabled (scaleDownSelectPolicy), policy wants {want}"
-    return desired, mode, f"steady at {prev}: scale-down rate {_rate_text(spec)} used"
+    return desired, mode, f"steady at {prev}: scale-down rate {_rate_text(spec, windows)} used"
 
 
 def cooling_s(spec: ScaledObjectSpec, state: PolicyState, created_at: float | None, now: float) -> float:
@@ -520,11 +589,12 @@ def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: fl
     lead_s = obs.lead_time_s
     if lead_s is None or not math.isfinite(lead_s) or lead_s <= 0:
         lead_s = adv.lead_time_seconds
+    windows = scale_in(spec, lead_s)  # the whole lead time: a cold path's minutes make bringing one back dear
     # The slope is fitted on one panic window of history; extrapolating it much further is guessing (a cold start's
     # minutes-long claim -> ready time would turn noise into dozens of replicas).
     lead_s = min(lead_s, max(adv.panic_window_seconds, adv.lead_time_seconds))
     pulse, pulse_state = detector.observe(
-        _config(spec, target, activation),
+        _config(spec, target, activation, windows),
         state.pulse,
         now=now,
         demand=demand,
@@ -537,11 +607,11 @@ def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: fl
 
     recs = state.recommendations
     flat = state.flat
-    if recs.span_s != max(adv.scale_down_stabilization_seconds, detector.BUCKET_S):
+    if recs.span_s != _span_s(spec):
         recs = _recommendation_window(spec).record(now, prev)  # the spec's window changed: start from the count
         flat = None
     last_fresh_at, last_active_at = state.last_fresh_at, state.last_active_at
-    need_state, last_rec, lows = state.need, state.rec, state.lows
+    need_state, last_rec, last_held, lows = state.need, state.rec, state.held, state.lows
 
     if demand is None:
         desired, mode, reason = _blind(spec, state, bounds, now)
@@ -580,8 +650,13 @@ def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: fl
             rec = _replicas(max(level, peak), target)
         else:
             rec = _replicas(max(forecast, peak), target)
-        last_rec = rec
-        recs = recs.record(now, rec)
+        last_rec = last_held = rec
+        if needs is not None:
+            # The stabilisation window holds the count the rate's upper bound may need: scale-in waits until the
+            # rate could not have been that high for a whole window (at one instant, a steady 18 req/s read over
+            # 6 s dipped low enough once a minute, and 5 replicas went to 4 at 4.5 replicas' work).
+            last_held = max(rec, math.ceil(needs.high - need.TOLERANCE))
+        recs = recs.record(now, last_held)
         up_to = rec
         if needs is not None:
             lows = (lows or _lows_window(spec)).record(now, -rec)
@@ -590,7 +665,7 @@ def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: fl
                 # model would add a replica and take it back a stabilisation window later.
                 up_to = min(rec, int(-(lows.peak(now, adv.panic_window_seconds) or -rec)))
         flat = _flat_after(flat, demand, rec, now)
-        stab_s = adv.scale_down_stabilization_seconds
+        stab_s = windows.hold_s
         stabilised = recs.peak(now, stab_s) if stab_s > 0 else None
         desired, mode, reason = _fresh(
             spec,
@@ -605,6 +680,7 @@ def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: fl
             lead_s,
             now,
             cooling_s(spec, state, obs.created_at, now),
+            windows,
             needs,
         )
         if hold is not None and desired < hold:
@@ -635,8 +711,8 @@ def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: fl
         else:
             reason = f"{_describe(override)} expired, policy resumed: {reason}"
 
-    period_s = adv.scale_down_period_seconds
-    scale_downs = tuple(entry for entry in state.scale_downs if now - entry[0] < max(period_s, _step_gap_s(spec)))
+    period_s = windows.period_s
+    scale_downs = tuple(entry for entry in state.scale_downs if now - entry[0] < _step_gap_s(windows))
     scale_ups = tuple(entry for entry in state.scale_ups if now - entry[0] < period_s)
     # Only the policy's own steps, as HPA stores only its own rescales: an on-call override's count is the person's
     # (as a `kubectl scale` is to an HPA), and the policy resumes from it with a fresh period start.
@@ -668,6 +744,7 @@ def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: fl
         flat=flat,
         need=need_state,
         rec=last_rec,
+        held=last_held,
         lows=lows,
     )
     return decision, new_state
@@ -704,12 +781,10 @@ def settle_s(spec: ScaledObjectSpec) -> float:
     remembers a period of steps. Summed, not maxed: each starts when the one before has settled. Two buckets of
     slack for keys that round either way."""
     adv = spec.advanced
+    # Unset windows at their longest (`scale_in` at a lead time of AUTO_HOLD_MAX_S or more): settling later is safe.
+    longest = scale_in(spec, AUTO_HOLD_MAX_S)
     return (
-        adv.stable_window_seconds
-        + adv.panic_window_seconds
-        + adv.scale_down_stabilization_seconds
-        + adv.scale_down_period_seconds
-        + 2 * detector.BUCKET_S
+        adv.stable_window_seconds + adv.panic_window_seconds + longest.hold_s + longest.period_s + 2 * detector.BUCKET_S
     )
 
 
@@ -780,7 +855,7 @@ def repeat(
         state,
         pulse=detector.PulseState(window, pulse.panic, pulse.panic_since, pulse.panic_condition_at),
         hold_replicas=_hold_after(spec, state.hold_replicas, window, now),  # a hold of 0 may be repeated
-        recommendations=state.recommendations.record(now, state.rec),
+        recommendations=state.recommendations.record(now, state.held),
         last_fresh_at=now,
         last_active_at=state.last_active_at if demand <= activation else now,
         need=_record_need(need.config(spec, target), state.need, obs, demand, now),

@@ -98,7 +98,12 @@ def main(argv: list[str], prog: str) -> int:
     p.add_argument("--model", help="with --trace: only the requests naming this model (plain traces)")
     p.add_argument("--min-replicas", type=int, default=1, help="with --trace: every policy's floor [1]")
     p.add_argument("--concurrency", type=int, default=8, help="requests one replica serves at once [8]")
-    p.add_argument("--stabilization-s", type=float, help="our scaleDownStabilizationSeconds [60]")
+    p.add_argument(
+        "--stabilization-s",
+        type=float,
+        help="our scaleDownStabilizationSeconds (set: revision 8's windows, 60 s period, 50 %%) [unset: the hold "
+        "from the lead time]",
+    )
     p.add_argument("--make-trace", choices=["bursty"], help="write the named trace to --out and exit")
     p.add_argument("--no-pool-search", action="store_true", help="skip the smallest-pool search (a few more runs)")
     p.add_argument("--out", type=Path, default=Path("pulsescale-simulate"), help="[./pulsescale-simulate]")

@@ -32,10 +32,12 @@ def run(
     min_replicas: int = 1,
     max_replicas: int = 1000,
     seed: int = 3,
+    stabilization_s: float | None = None,
 ) -> list[tuple[float, int, int, str]]:
     """(t, desired, ready, mode) after every decision."""
     rng = np.random.default_rng(seed)
-    spec = our_spec(target=float(CONCURRENCY), min_replicas=min_replicas, max_replicas=max_replicas)
+    spec = our_spec(target=float(CONCURRENCY), min_replicas=min_replicas, max_replicas=max_replicas,
+                    stabilization_s=stabilization_s)  # fmt: skip
     state = policy.initial_state(spec, now=0.0, current_replicas=replicas)
     ready, desired = replicas, replicas
     coming: deque[float] = deque()  # ready times of replicas asked for
@@ -130,20 +132,26 @@ def test_a_trickle_from_idle_asks_for_what_it_needs_only(activation_s: float) ->
     assert max(d for _, d, _, _ in rows) == 1
 
 
+@pytest.mark.parametrize("stabilization_s", [None, 60.0])
 @pytest.mark.parametrize("activation_s", [0.1, 2.55, 30.0])
-def test_scale_in_keeps_its_stabilisation(activation_s: float) -> None:
-    """600 -> 140 req/s: no step down within the stabilisation window (60 s) after the load fell, at most one step
-    per scale-down period after it, and none up."""
+def test_scale_in_keeps_its_stabilisation(activation_s: float, stabilization_s: float | None) -> None:
+    """600 -> 140 req/s: no step down within the stabilisation window after the load fell (unset: the hold, one
+    lead time between the panic window and 60 s), at most one step per window after it, and none up."""
     rows = run(lambda t: 140.0 if t >= 90 else 600.0, seconds=300, activation_s=activation_s, replicas=150,
-               min_replicas=1)  # fmt: skip
+               min_replicas=1, stabilization_s=stabilization_s)  # fmt: skip
+    spec = our_spec(target=float(CONCURRENCY), min_replicas=1, max_replicas=1000, stabilization_s=stabilization_s)
+    hold_s = policy.scale_in(spec, activation_s).hold_s
+    assert hold_s == (stabilization_s or min(max(activation_s, 6.0), 60.0))
     after = [(t, d) for t, d, _, _ in rows if t >= 90]
     # Within the window the count stays at the pulse's (the window's highest recommendation; a replica or two of
     # noise held in panic may go).
-    assert min(d for t, d in after if t < 150) >= 0.9 * needed(600)
+    assert min(d for t, d in after if t < 90 + hold_s) >= 0.9 * needed(600)
     pairs = list(itertools.pairwise(after))
     assert not [t for (_, prev), (t, d) in pairs if d > prev]
-    steps = [t for (_, prev), (t, d) in pairs if d < prev and t >= 150]
-    assert steps and all(b - a >= 60 - 1e-6 for a, b in itertools.pairwise(steps)), steps
+    steps = [t for (_, prev), (t, d) in pairs if d < prev and t >= 90 + hold_s]
+    assert steps and all(b - a >= hold_s - 1e-6 for a, b in itertools.pairwise(steps)), steps
+    if stabilization_s is None:  # the hold, and 100 % per hold: it got there (60 s and 50 %/60 s: still on its way)
+        assert after[-1][1] <= 1.15 * needed(140), after[-1]  # within the rate's upper bound (140 + 2 sigma: 37)
 
 
 def test_the_rate_is_a_lower_bound_that_tightens_with_evidence() -> None:

@@ -4,7 +4,9 @@ Each scenario starts at T0 from `initial_state` and feeds rows: ``Row(dt, demand
 `dt` seconds after the previous one (``repeat=n``: n samples `dt` apart, checks on the last). A row checks only
 what it names; ``spec=`` edits the ScaledObject live from that row on; ``paused_in``/``paused_out``/``created_at``
 are the ScaledObject record's (KEDA's pause annotations, its creation time). Defaults: targetQueueDepth 4, panic at 2x,
-windows 60 s / 6 s, stabilisation 60 s, 50 %/60 s.
+windows 60 s / 6 s, stabilisation 60 s, 50 %/60 s: `make_spec` sets revision 8's stabilisation and period (`SET`),
+since these tables are about the windows' mechanics; `auto_spec` leaves them unset (the scale-in hold from the lead
+time, revision 9), as a ScaledObject that does not name them.
 """
 
 from __future__ import annotations
@@ -23,12 +25,26 @@ from warmpool.protocol import Advanced, Fallback, ScaledObjectSpec, ScaleTargetR
 T0 = 1_700_000_000.0
 
 
+SET: dict[str, Any] = {
+    "scale_down_stabilization_seconds": 60.0,
+    "scale_down_period_seconds": 60.0,
+    "scale_down_percent": 50.0,
+}
+"""Revision 8's defaults, spelled out."""
+
+
+def auto_spec(**kw: Any) -> ScaledObjectSpec:
+    """`make_spec` with the stabilisation and the period unset (the ScaledObject's defaults since revision 9)."""
+    return make_spec(windows={}, **kw)
+
+
 def make_spec(
     *,
     target: float = 4.0,
     activation: float = 0.0,
     advanced: dict[str, Any] | None = None,
     fallback: tuple[int, int] | None = None,
+    windows: dict[str, Any] = SET,
     **kw: Any,
 ) -> ScaledObjectSpec:
     kw.setdefault("min_replica_count", 1)
@@ -42,7 +58,7 @@ def make_spec(
             )
         ],
         fallback=None if fallback is None else Fallback(failure_threshold=fallback[0], replicas=fallback[1]),
-        advanced=Advanced(**(advanced or {})),
+        advanced=Advanced(**{**windows, **(advanced or {})}),
         **kw,
     )
 
@@ -152,6 +168,56 @@ def test_no_scale_down_in_panic_and_leaving_it_after_a_stable_window() -> None:
             Row(0.1, 4, 6, repeat=60, want=3, panic=False, mode="normal"),
         ],
     )
+
+
+@pytest.mark.parametrize("lead_s", [0.1, 2.55, 30.0])
+def test_unset_windows_hold_for_a_lead_time_then_scale_in_at_once(lead_s: float) -> None:
+    """Revision 9: with the stabilisation unset, panic is left one hold (a lead time, at least a panic window)
+    after its condition, the panic's recommendations are held one more hold, then the count goes to the need in
+    one step (100 % per hold). Bringing a replica back costs a lead time; HPA's windows price minutes."""
+    hold = max(lead_s, 6.0)
+    steps = round(hold / 0.1)
+    run(
+        auto_spec(),
+        [
+            dataclasses.replace(SETTLED, lead_s=lead_s),
+            Row(0.1, 24, 2, want=6, panic=True, lead_s=lead_s),
+            Row(0.1, 4, 6, repeat=steps - 1, want=6, panic=True, reason="s until calm", lead_s=lead_s),
+            Row(
+                0.1,
+                4,
+                6,
+                want=6,
+                panic=False,
+                mode="normal",
+                reason=f"stabilising, max 6 over {hold:g} s",
+                lead_s=lead_s,
+            ),
+            # The panic window's peak (24: 6 replicas) was recorded until it left that window, 6 s after the pulse.
+            Row(0.1, 4, 6, repeat=56, want=6, panic=False, lead_s=lead_s),
+            Row(0.1, 4, 6, repeat=4, want=1, mode="normal", lead_s=lead_s),  # in one step: 100 % per hold
+        ],
+    )
+
+
+@pytest.mark.parametrize(
+    ("advanced", "lead_s", "want"),
+    [
+        ({}, 0.1, (6.0, 6.0, 100.0, 6.0)),  # at least a panic window: a fall needs the evidence a rise needs
+        ({}, 30.0, (30.0, 30.0, 100.0, 30.0)),
+        ({}, 600.0, (60.0, 60.0, 100.0, 60.0)),  # a cold path's minutes hold no longer than revision 8's window
+        ({"stable_window_seconds": 20.0}, 30.0, (30.0, 30.0, 100.0, 20.0)),  # panic is never held past it
+        ({"scale_down_period_seconds": 15.0, "scale_down_percent": 25.0}, 0.1, (6.0, 15.0, 25.0, 6.0)),
+        ({"scale_down_stabilization_seconds": 10.0}, 0.1, (10.0, 60.0, 50.0, 60.0)),  # set: revision 8's meaning
+        ({"scale_down_stabilization_seconds": 0.0}, 30.0, (0.0, 60.0, 50.0, 60.0)),
+    ],
+)
+def test_the_scale_in_windows_in_force(advanced: dict[str, float], lead_s: float, want: tuple[float, ...]) -> None:
+    from autoscaler.policy import scale_in
+
+    windows = scale_in(make_spec(windows={}, advanced=advanced), lead_s)
+    assert (windows.hold_s, windows.period_s, windows.percent, windows.calm_s) == want
+    assert windows.auto == ("scale_down_stabilization_seconds" not in advanced)
 
 
 def test_panic_from_zero_ready() -> None:

@@ -53,6 +53,13 @@ Revisions of v1 (each only adds fields or tightens a request only our own autosc
   starting more than a year ahead, too many schedules), ``conflict`` (overlaps another schedule of the model with a
   different floor, or the name is taken) and ``unknown_schedule`` (delete of a name it does not have): two new
   `ERROR_CODES`.
+- revision 9 (a scale-in hold sized from the warm path): `Advanced.scaleDownStabilizationSeconds`,
+  `scaleDownPeriodSeconds` and `scaleDownPercent` may be left unset, and are unset by default (revision 8: 60 s,
+  60 s, 50 %). Unset, the stabilisation window is the scale-in hold, one measured lead time (claim -> ready p90)
+  between the panic window and 60 s, and panic is left that long after its condition (not a stable window); an
+  unset period is the hold too and an unset percent 100, or 60 s and 50 % where the stabilisation is set. A value
+  that is set means what it meant, so a ScaledObject that spells out revision 8's defaults scales as before.
+  Records are unchanged: an unset field is absent.
 
 Pure: no I/O, no NATS import; `now` is passed in where time matters.
 """
@@ -194,7 +201,7 @@ __all__ = [
 ]
 
 VERSION: Final = 1
-CONTRACT_REVISION: Final = 8
+CONTRACT_REVISION: Final = 9
 """Revision of wire contract v1 this code speaks (see the module doc for what each revision changed)."""
 MAX_MESSAGE_BYTES: Final = 64 * 1024
 MAX_LEASE_S: Final = 300.0
@@ -746,10 +753,20 @@ class Advanced(_Spec, kw_only=True):
     panic_window_seconds: Seconds = 6.0
     panic_threshold: Annotated[float, msgspec.Meta(ge=1, le=1000)] = 2.0
     """Panic when panic-window demand >= this x ready capacity (Knative's default 200 %)."""
-    scale_down_stabilization_seconds: Annotated[float, msgspec.Meta(ge=0, le=86_400)] = 60.0
-    scale_down_percent: Annotated[float, msgspec.Meta(gt=0, le=100)] = 50.0
-    """At most this share of the replicas (and at least one) is removed per `scaleDownPeriodSeconds`."""
-    scale_down_period_seconds: Seconds = 60.0
+    scale_down_stabilization_seconds: Annotated[float, msgspec.Meta(ge=0, le=86_400)] | msgspec.UnsetType = (
+        msgspec.UNSET
+    )
+    """Scale down to the highest recommendation of this window. Unset (revision 9): the scale-in hold, one
+    measured lead time (claim -> ready p90) kept between `panicWindowSeconds` and 60 s, and panic is then left that
+    long after its condition: bringing a released replica back costs one lead time from the warm pool, so an idle
+    one is not held longer than the warm path makes worth it."""
+    scale_down_percent: Annotated[float, msgspec.Meta(gt=0, le=100)] | msgspec.UnsetType = msgspec.UNSET
+    """At most this share of the replicas (and at least one) is removed per `scaleDownPeriodSeconds`. Unset
+    (revision 9): 100 while the stabilisation window is unset too (the hold paces scale-in: one step per hold), else
+    50 (revision 8's default)."""
+    scale_down_period_seconds: Seconds | msgspec.UnsetType = msgspec.UNSET
+    """The period of the scale-down rate. Unset (revision 9): the scale-in hold while the stabilisation window is
+    unset too, else 60 s."""
     stale_after_seconds: Seconds = 1.0
     """A gateway silent this long leaves the demand sum (ten of the gateways' 100 ms sample intervals)."""
     lead_time_seconds: Seconds = 2.5
