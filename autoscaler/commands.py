@@ -37,7 +37,9 @@ picked. Subscriptions use the queue group `CommandSettings.queue_group`, so whil
 (until the old one's deposition unsubscribes it) a request is still handled once; and `is_leader` is checked on
 every request, so the old leader answers ``not_leader`` rather than acting after it lost the lease. The service
 follows `is_leader` by itself (a cheap check every `CommandSettings.leadership_poll_s`); the election's
-``on_elected`` / ``on_deposed`` may also call `on_leadership` to (un)subscribe at once.
+``on_elected`` / ``on_deposed`` may also call `on_leadership` to (un)subscribe at once. It (un)subscribes only
+on a live connection, never while nats-py reconnects (see `CommandService.set_leading`): after a broker restart
+the connection holds exactly one subscription per subject.
 
 Sharding (protocol revision 6). With a `Router` (the replica's shard leases), models are split over replicas and
 `is_leader` means "holds at least one shard". Every such replica is a *front*: it answers ``pulse.cmd.<verb>`` in
@@ -210,16 +212,35 @@ class CommandService:
             await asyncio.sleep(self.settings.leadership_poll_s)
             leading = self.is_leader()
             if leading != self.subscribed:
-                try:
-                    await self.set_leading(leading)
-                except nats.errors.Error as err:  # disconnected: try again on the next check
-                    log.warning("could not %s on-call commands: %s", "answer" if leading else "stop answering", err)
+                await self._try_set_leading(leading)
+
+    async def _try_set_leading(self, leading: bool) -> None:
+        try:
+            await self.set_leading(leading)
+        except nats.errors.Error as err:  # closed or draining: the next check tries again
+            log.warning("could not %s on-call commands: %s", "answer" if leading else "stop answering", err)
 
     async def set_leading(self, leading: bool) -> None:
-        """Subscribe (leader) or unsubscribe (standby); idempotent. With a router, the hand-over subject too: it
-        is subscribed first, so a front never hands a request to a replica that could not yet hear it."""
+        """Subscribe (`leading`, and `is_leader` says so now) or unsubscribe; idempotent. With a router, the
+        hand-over subject too: it is subscribed first, so a front never hands a request to a replica that could
+        not yet hear it.
+
+        `leading` may be stale when this runs (`on_leadership` schedules it; a burst of shard losses schedules
+        "still leading" for every shard but the last), so subscribing also takes `is_leader` now. And the
+        subscriptions change only while the connection is up (`stop` excepted): while it is down this does
+        nothing, and `_follow_leadership` catches up once it is back. nats-py queues the SUB of a subscribe made
+        while it reconnects, and an unsubscribe while it reconnects drops the subscription on our side with no
+        UNSUB and the queued SUB still sent: after a broker restart the server held a second queue-group
+        subscription that nobody read, and took every other on-call command. A subscription made while
+        connected is replayed by nats-py on each reconnect, so a leader that loses and retakes its shards in a
+        broker outage comes back with its one subscription."""
         async with self._lock:
-            if leading and self._started and self._sub is None:
+            want = leading and self._started and self.is_leader()
+            if (self._sub is not None) if want else (self._sub is None and self._own_sub is None):
+                return  # as wanted already
+            if self._started and not self.nc.is_connected:
+                return  # for `_follow_leadership`, once connected
+            if want and self._sub is None:
                 if self.router is not None and self._own_sub is None:
                     own = protocol.replica_subject(self.router.identity, "*")
                     self._own_sub = await self.nc.subscribe(own, cb=self._on_msg)  # no queue group: ours alone
@@ -231,7 +252,7 @@ class CommandService:
                     # this replica announced itself must not get "no responders".
                     await self.nc.flush()
                 log.info("answering on-call commands on %s", protocol.CMD_WILDCARD)
-            elif not leading and self._sub is not None:
+            elif not want:
                 subs = [s for s in (self._sub, self._own_sub) if s is not None]
                 self._sub = self._own_sub = None
                 for sub in subs:
@@ -243,7 +264,7 @@ class CommandService:
 
     def on_leadership(self, leading: bool) -> None:
         """Synchronous hook for the election's ``on_elected`` / ``on_deposed``; schedules `set_leading`."""
-        task = asyncio.get_running_loop().create_task(self.set_leading(leading), name="commands-leadership")
+        task = asyncio.get_running_loop().create_task(self._try_set_leading(leading), name="commands-leadership")
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 

@@ -8,14 +8,27 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import resource
 import shutil
 import time
+import urllib.request
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["HandClock", "ShiftedClock", "can_lock", "has_ipc_lock", "wait_for", "without_ipc_lock"]
+from warmpool.embedded import NatsServer
+
+__all__ = [
+    "HandClock",
+    "ShiftedClock",
+    "broker_subscriptions",
+    "can_lock",
+    "has_ipc_lock",
+    "wait_for",
+    "without_ipc_lock",
+]
 
 
 def has_ipc_lock() -> bool:
@@ -42,6 +55,18 @@ def without_ipc_lock(argv: list[str]) -> list[str] | None:
     if setpriv is None:
         return None
     return [setpriv, "--bounding-set", "-ipc_lock", "--inh-caps", "-ipc_lock", *argv]
+
+
+def broker_subscriptions(server: NatsServer, connection: str) -> Counter[tuple[str, str]]:
+    """(subject, queue group or "") of each subscription `server` holds for its one client connection named
+    `connection`, as its monitoring port's ``/connz`` lists them: what the broker delivers to, whatever the client
+    believes it subscribed."""
+    assert server.monitor_port is not None, "the server has no monitoring port"
+    url = f"http://127.0.0.1:{server.monitor_port}/connz?subs=detail"
+    with urllib.request.urlopen(url, timeout=5) as r:
+        conns = [c for c in json.loads(r.read())["connections"] if c.get("name") == connection]
+    assert len(conns) == 1, f"{len(conns)} connections named {connection!r}"
+    return Counter((s["subject"], s.get("qgroup", "")) for s in conns[0].get("subscriptions_list_detail") or [])
 
 
 async def wait_for(

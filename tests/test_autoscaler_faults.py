@@ -6,14 +6,16 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections import Counter
 
 import msgspec
+import nats.errors
 import pytest
 from nats.aio.client import Client
 
 from autoscaler.leader import LeaseSettings
 from tests.agent_double import AgentDouble
-from tests.helpers import wait_for
+from tests.helpers import broker_subscriptions, wait_for
 from tests.test_autoscaler import (  # noqa: F401 - cancel_gateways is an autouse fixture
     Gateway,
     cancel_gateways,
@@ -114,6 +116,92 @@ async def test_a_dead_agent_is_still_replaced(nats_server: NatsServer, nc: Clien
     finally:
         await a.stop()
         await b.stop()
+
+
+# --- on-call commands after a broker restart -------------------------------------------------------------------------
+
+RESTART_OUTAGE_S = 2.5
+"""Longer than a shard term without renewals (``lease_s * stop_fraction``, 1.6 s) and than the lease itself (2 s):
+the autoscaler loses every shard while the broker is gone and takes them all again once it is back."""
+
+
+def command_subscriptions(nats_server: NatsServer) -> Counter[tuple[str, str]]:
+    """The broker's subscriptions on command subjects for the autoscaler's connection (`running_autoscaler`'s)."""
+    subs = broker_subscriptions(nats_server, "test-autoscaler")
+    return Counter({s: n for s, n in subs.items() if ".cmd." in s[0]})
+
+
+def oncall_commands(model: str) -> list[protocol.Command]:
+    """One of every verb, as the CLI sends it; every one must be answered."""
+    exp = time.time() + 10
+
+    def ids() -> str:
+        return uuid.uuid4().hex
+
+    return [
+        protocol.StatusCommand(id=ids(), expires_at=exp, by="test"),
+        protocol.ScaleCommand(id=ids(), expires_at=exp, by="test", model=model, replicas=2, for_s=60.0),
+        protocol.PauseCommand(id=ids(), expires_at=exp, by="test", model=model),
+        protocol.StatusCommand(id=ids(), expires_at=exp, by="test", model=model),
+        protocol.ResumeCommand(id=ids(), expires_at=exp, by="test", model=model),
+        protocol.PoolCommand(id=ids(), expires_at=exp, by="test"),
+        protocol.DrainCommand(id=ids(), expires_at=exp, by="test", node="node-x"),
+        protocol.UndrainCommand(id=ids(), expires_at=exp, by="test", node="node-x"),
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.serial  # "answered within 1 s of convergence" is a wall-clock bound: run alone (tests/conftest.py)
+async def test_every_oncall_command_is_answered_after_each_broker_restart(
+    nats_server: NatsServer, nc: Client, store: KvSlotStore
+) -> None:
+    """Three broker restarts, each longer than a shard term: the autoscaler loses its shards while the broker is
+    gone and takes them again. Within 1 s of its views re-listing and every shard held again, every on-call verb
+    is answered, and the broker holds exactly one subscription per command subject for it. (nats-py replays on
+    reconnect a subscription made, and dropped, while it reconnected: the queue group had a second member nobody
+    read, and every other command went unanswered.)"""
+    await put_scaler(nc, "m")
+    verbs = {t: v for v, t in protocol.COMMAND_TYPES.items()}
+    async with running_autoscaler(nats_server.url, lease=LeaseSettings()) as scaler:
+        shards, service = scaler.shards, scaler.commands
+        assert shards is not None and service is not None
+        own = protocol.replica_subject(shards.identity, "*")  # the hand-over subject, no queue group
+        expected = Counter({(protocol.CMD_WILDCARD, service.settings.queue_group): 1, (own, ""): 1})
+        assert command_subscriptions(nats_server) == expected
+
+        def converged() -> bool:
+            views = (scaler.store.slots, scaler.store.agents, scaler.scalers)
+            return all(v.current() for v in views) and len(shards.held()) == protocol.SHARDS
+
+        for run in range(3):
+            nats_server.kill()
+            await asyncio.sleep(RESTART_OUTAGE_S)
+            assert not scaler.is_leader(), "the shard terms outlived the outage"
+            nats_server.restart()
+            await wait_for(converged, 10, "views re-listed and every shard held again")
+            deadline = time.monotonic() + 1.0
+            while True:  # the first answer within 1 s of convergence (no responders: ask again)
+                req = protocol.StatusCommand(id=uuid.uuid4().hex, expires_at=time.time() + 10, by="test")
+                left = deadline - time.monotonic()
+                assert left > 0, f"restart {run}: no answer within 1 s of convergence"
+                try:
+                    msg = await nc.request(protocol.cmd_subject("status"), protocol.encode(req), timeout=left)
+                    break
+                except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                    await asyncio.sleep(0.05)
+            assert msgspec.json.decode(msg.data)["ok"], msg.data
+            for cmd in [*oncall_commands("m"), *oncall_commands("m")]:
+                verb = verbs[type(cmd)]
+                try:
+                    msg = await nc.request(protocol.cmd_subject(verb), protocol.encode(cmd), timeout=1.0)
+                except nats.errors.Error as err:
+                    raise AssertionError(f"restart {run}: {verb} went unanswered ({err!r})") from err
+                reply = msgspec.json.decode(msg.data)
+                if verb in ("drain", "undrain"):
+                    assert reply["error"]["code"] == "unknown_node", reply
+                else:
+                    assert reply["ok"], (verb, reply)
+            assert command_subscriptions(nats_server) == expected, f"restart {run}"
 
 
 # --- status counts only claimable slots as warm (issue 7, section 2) -------------------------------------------------

@@ -17,8 +17,9 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from autoscaler.commands import CommandService, CommandSettings
-from tests.helpers import ShiftedClock
+from tests.helpers import ShiftedClock, broker_subscriptions, wait_for
 from warmpool import protocol
+from warmpool.embedded import NatsServer
 from warmpool.protocol import AuditRecord, DecisionRow, OnCallSchedule, Override, ScaledObjectSpec, StatusRow
 from warmpool.registry import KvSlotStore
 from warmpool.seed import seed_pool
@@ -414,6 +415,7 @@ async def test_only_the_leader_subscribes(nc: Client, store: KvSlotStore, contro
                 break
             await asyncio.sleep(0.01)
         assert not svc.subscribed
+        leading = True  # elected: the election's state says so before it calls back
         svc.on_leadership(True)  # the election's callback: subscribes without waiting for the poll
         for _ in range(5):  # a few loop turns, far less than the 20 ms poll
             await asyncio.sleep(0)
@@ -421,6 +423,45 @@ async def test_only_the_leader_subscribes(nc: Client, store: KvSlotStore, contro
     finally:
         await svc.stop()
     assert not svc.subscribed
+
+
+async def test_a_callback_saying_leading_after_the_lead_was_lost_does_not_subscribe(
+    nc: Client, store: KvSlotStore, control: ControlPlaneDouble
+) -> None:
+    """`on_leadership` runs later than it was called: a burst of shard losses calls it with "still leading" for
+    every shard but the last, and those may run after the last one's "not leading"."""
+    async with serving(
+        nc, control, store, is_leader=lambda: False, settings=CommandSettings(leadership_poll_s=60)
+    ) as svc:
+        svc.on_leadership(True)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not svc.subscribed
+
+
+async def test_leadership_that_flaps_while_the_broker_is_down_leaves_one_subscription(
+    nats_server: NatsServer, nc: Client, store: KvSlotStore, control: ControlPlaneDouble
+) -> None:
+    """Deposed, elected and deposed again while nats-py reconnects, leading once the broker is back. nats-py
+    queues the SUB of a subscription made while it reconnects and, when that one is dropped before the
+    reconnect, sends that SUB anyway with no UNSUB: the broker held two queue-group subscriptions on
+    ``pulse.cmd.*`` for this connection, one never read, and every other command went unanswered."""
+    leading = True
+    settings = CommandSettings(leadership_poll_s=0.02)
+    async with serving(nc, control, store, is_leader=lambda: leading, settings=settings) as svc:
+        nats_server.kill()
+        await wait_for(lambda: nc.is_reconnecting, 5, "nats-py to see the broker go")
+        for leading in (False, True, False):
+            await svc.set_leading(leading)
+            await asyncio.sleep(0.05)  # and the poll's turns in between
+        leading = True
+        nats_server.restart()
+        await wait_for(lambda: nc.is_connected and svc.subscribed, 10, "connected and answering again")
+        await nc.flush()
+        subs = broker_subscriptions(nats_server, "pytest")
+        assert {s: n for s, n in subs.items() if ".cmd." in s[0]} == {(protocol.CMD_WILDCARD, settings.queue_group): 1}
+        for _ in range(6):
+            assert (await send(nc, "status", request("status")))["ok"]
 
 
 async def test_a_deposed_leader_refuses_until_it_unsubscribes(
