@@ -49,7 +49,7 @@ import msgspec
 import nats.js.errors
 import numpy as np
 
-from autoscaler import policy
+from autoscaler import settling
 from autoscaler.controller import Deps, LocalColdPath, ModelController
 from autoscaler.metrics import AutoscalerMetrics
 from warmpool import connect, protocol
@@ -455,7 +455,7 @@ their own; `--gateways-in-step` puts them all at one (a pulse then waits behind 
 BACKGROUND_YIELD_EVERY = 200
 """The background samples yield to the event loop after this many publishes (a publish rarely yields itself)."""
 WARM_UP_S = 3.5
-"""Steady traffic before the pulses, past the windows' settling (`policy.trend_settle_s` of the bench's spec):
+"""Steady traffic before the pulses, past the windows' settling (`settling.trend_settle_s` of the bench's spec):
 a model is skipped from the turn after its first decision on settled windows, one or two turns of
 `redecide_every_s` (1 s) later."""
 OWNERSHIP_EVERY_S = 0.25
@@ -880,9 +880,9 @@ async def _end_to_end(args: argparse.Namespace) -> None:
         stop = asyncio.Event()
         bg = asyncio.create_task(run.background(stop))
         owners = asyncio.create_task(run.watch_ownership(stop))
-        # Steady traffic until the models' windows settle (`policy.trend_settle_s`): a fleet's models are timed
+        # Steady traffic until the models' windows settle (`settling.trend_settle_s`): a fleet's models are timed
         # as they run, not in their first seconds, when housekeeping still re-decides every one of them.
-        await asyncio.sleep(WARM_UP_S + policy.trend_settle_s(_spec("m0")))
+        await asyncio.sleep(WARM_UP_S + settling.trend_settle_s(_spec("m0")))
         settled = await run.settle(READY_TIMEOUT_S)
         run.phase = "pulses"
         print(f"ownership settled {settled:.1f} s after the pulses' warm-up")

@@ -16,8 +16,8 @@ of samples is one decision, never a polling period. A sample above the largest s
 decision may be a pulse, and is decided at once. A sample that changes nothing asks for nothing: what time alone
 changes (the windows, stale gateways, cooldowns, an override's expiry) is decided by the controller's housekeeping,
 on its own period, for the models where it can change anything: `settled` says when a decision now would repeat the
-last one exactly and leave the policy's windows as deciding would (`policy.settle_s`,
-`policy.time_events`, a gateway turning stale), and housekeeping skips those.
+last one exactly and leave the policy's windows as deciding would (`settling.settle_s`,
+`settling.time_events`, a gateway turning stale), and housekeeping skips those.
 
 Schedules (protocol revision 8). The ScaledObject's ``schedules`` and the on-call ones (`oncall_schedules`, set
 by ``pulsescale schedule``) are resolved to windows (`autoscaler.schedules`); the floor in force is handed to the
@@ -34,7 +34,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Final
 
-from autoscaler import policy, schedules
+from autoscaler import policy, schedules, settling
 from autoscaler.ingest import Accepted, ModelDemand
 from warmpool import protocol
 from warmpool.protocol import DecisionRow, OnCallSchedule, Override, QueueSample, ScalerRecord, StatusRow
@@ -195,8 +195,8 @@ class ModelDecider:
         """Deciding at `now` with `ready` replicas would repeat the last decision exactly (reason and figures too),
         so housekeeping may `skip` it. Conservative: False unless the last decision had fresh demand, no panic, no
         hold after restart, no scale step still within its period, no override or pause, the same ready count,
-        lead time and ScaledObject, was taken `policy.settle_s` after the demand last changed (a gateway turning
-        stale is a change), and no time event (`policy.time_events`) falls since the state was last brought up to
+        lead time and ScaledObject, was taken `settling.settle_s` after the demand last changed (a gateway turning
+        stale is a change), and no time event (`settling.time_events`) falls since the state was last brought up to
         date (a decision, or `skip`)."""
         d, state, at, demand = self.decision, self.state, self._decided_at, self._demand_seen
         if d is None or demand is None or self.due_at is not None or self.override is not None or self.record.paused:
@@ -223,10 +223,10 @@ class ModelDecider:
         # Windows that only ever held this demand (`PolicyState.flat`) need not wait for older values to leave:
         # a fleet's models start steady, and waiting `settle_s` (minutes) re-decided every one on every turn.
         # ...unless the demand changed since the last decision other than by a sample (`touch`: gateways forgotten).
-        flat = stale_at < at and self._changed_at <= at and policy.flat_settled(self.spec, state, at)
-        if at < changed + policy.settle_s(self.spec) and not flat:
+        flat = stale_at < at and self._changed_at <= at and settling.flat_settled(self.spec, state, at)
+        if at < changed + settling.settle_s(self.spec) and not flat:
             return False
-        events = policy.time_events(self.spec, state, self.record.created_at, demand)
+        events = settling.time_events(self.spec, state, self.record.created_at, demand)
         if any(self._current_at < t <= now for t in events):
             return False
         # A schedule that started or ended since: the floor changes (`next_boundary`).
@@ -235,11 +235,11 @@ class ModelDecider:
 
     def skip(self, now: float) -> None:
         """Stand for a decision at `now` that `settled` said would repeat the last one: bring the state's times
-        up to date as that decision would (`policy.repeat`), without running the policy."""
+        up to date as that decision would (`settling.repeat`), without running the policy."""
         assert self._demand_seen is not None
         assert self.decision is not None
         q, lam, mu = self._rates_seen
-        self.state = policy.repeat(
+        self.state = settling.repeat(
             self.spec, self.state, self.decision, now, self._demand_seen, queued=q, arrival_rate=lam,
             completion_rate=mu,
         )  # fmt: skip

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from autoscaler import need, policy
+from autoscaler import need, policy, scalein
 from simulate.policies import our_spec
 
 CONCURRENCY = 8
@@ -140,7 +140,7 @@ def test_scale_in_keeps_its_stabilisation(activation_s: float, stabilization_s: 
     rows = run(lambda t: 140.0 if t >= 90 else 600.0, seconds=300, activation_s=activation_s, replicas=150,
                min_replicas=1, stabilization_s=stabilization_s)  # fmt: skip
     spec = our_spec(target=float(CONCURRENCY), min_replicas=1, max_replicas=1000, stabilization_s=stabilization_s)
-    hold_s = policy.scale_in(spec, activation_s).hold_s
+    hold_s = scalein.scale_in(spec, activation_s).hold_s
     assert hold_s == (stabilization_s or min(max(activation_s, 6.0), 60.0))
     after = [(t, d) for t, d, _, _ in rows if t >= 90]
     # Within the window the count stays at the pulse's (the window's highest recommendation; a replica or two of

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from autoscaler.policy import Decision, Observation, Override, PolicyState, decide, initial_state
+from autoscaler.scalein import scale_in
 from tests.helpers import HandClock
 from warmpool.protocol import Advanced, Fallback, ScaledObjectSpec, ScaleTargetRef, Trigger, TriggerMetadata
 
@@ -213,8 +214,6 @@ def test_unset_windows_hold_for_a_lead_time_then_scale_in_at_once(lead_s: float)
     ],
 )
 def test_the_scale_in_windows_in_force(advanced: dict[str, float], lead_s: float, want: tuple[float, ...]) -> None:
-    from autoscaler.policy import scale_in
-
     windows = scale_in(make_spec(windows={}, advanced=advanced), lead_s)
     assert (windows.hold_s, windows.period_s, windows.percent, windows.calm_s) == want
     assert windows.auto == ("scale_down_stabilization_seconds" not in advanced)
