@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import re
 import signal
 from collections.abc import Awaitable
 from dataclasses import replace
@@ -30,6 +31,33 @@ def _models(text: str) -> frozenset[str]:
     return names
 
 
+_SIZE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([KMG]i?B|[KMG]|B)?", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
+
+
+def _size(text: str) -> int:
+    """``128MiB`` -> 134217728, ``500MB`` -> 500000000, ``1048576`` -> bytes (SI unless the unit says ``i``)."""
+    m = _SIZE.fullmatch(text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 128MiB, 1GiB, 500MB or plain bytes")
+    unit = (m.group(2) or "").lower()
+    factor = _SIZE_UNITS[unit if unit.endswith("ib") or unit == "b" else unit.rstrip("b")]
+    n = int(float(m.group(1)) * factor)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give at least 1 byte")
+    return n
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number >= 1")
+    return int(text)
+
+
+def _mib(n: int) -> str:
+    return f"{n // 1024**2}MiB" if n % 1024**2 == 0 else str(n)
+
+
 def run_gateway(argv: list[str], prog: str) -> int:
     from gateway import proxy
 
@@ -38,11 +66,18 @@ def run_gateway(argv: list[str], prog: str) -> int:
         prog=prog,
         description="Run the reference gateway: an OpenAI-style reverse proxy in front of each model's ready slots "
         "(from pulse_slots) with a bounded FIFO queue per model, least-loaded routing, 429 when the queue is full, "
-        "504 after --timeout-s; publishes pulse.queue.<model> samples every 100 ms and on change. "
-        "/healthz and /metrics on the same port.",
+        "504 after --timeout-s; publishes pulse.queue.<model> samples every 100 ms and on change. Serves the models "
+        "of --models, else those of the ScaledObjects in pulse_scalers and any with a ready slot (404 unknown_model "
+        "for others). /healthz and /metrics on the same port unless --metrics-listen.",
     )
     connect.add_nats_arguments(p)
     p.add_argument("--listen", type=_listen, default=(d.host, d.port), metavar="HOST:PORT", help=f"[{d.host}:{d.port}]")
+    p.add_argument(
+        "--metrics-listen",
+        type=_listen,
+        metavar="HOST:PORT",
+        help="serve /healthz and /metrics here, and not on --listen [on --listen]",
+    )
     p.add_argument(
         "--queue-limit",
         type=int,
@@ -78,7 +113,48 @@ def run_gateway(argv: list[str], prog: str) -> int:
         metavar="N",
         help=f"upstreams tried when they break before answering [{d.max_attempts}]",
     )
-    p.add_argument("--models", type=_models, metavar="M1,M2", help="serve only these models [any, up to 64]")
+    p.add_argument(
+        "--models",
+        type=_models,
+        metavar="M1,M2",
+        help="serve only these models [those of the ScaledObjects in pulse_scalers, and any with a ready slot]",
+    )
+    p.add_argument(
+        "--body-budget",
+        type=_size,
+        default=d.body_budget_bytes,
+        metavar="SIZE",
+        help="request bodies held by requests being read or waiting, all models together, in bytes (128MiB, 1GiB, "
+        f"500MB or plain bytes); past it a request is refused 503 body_budget_full [{_mib(d.body_budget_bytes)}]",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=_positive,
+        default=d.max_connections,
+        metavar="N",
+        help=f"open client connections per listener; past it a new one gets 503 and is closed [{d.max_connections}]",
+    )
+    p.add_argument(
+        "--header-timeout-s",
+        type=durations.duration_arg(),
+        default=d.header_timeout_s,
+        metavar="DURATION",
+        help=f"a new connection's request head must arrive within this, or 408 and closed [{d.header_timeout_s:g}s]",
+    )
+    p.add_argument(
+        "--body-timeout-s",
+        type=durations.duration_arg(),
+        default=d.body_timeout_s,
+        metavar="DURATION",
+        help=f"a request body must arrive within this of its head, or 408 [{d.body_timeout_s:g}s]",
+    )
+    p.add_argument(
+        "--keepalive-timeout-s",
+        type=durations.duration_arg(),
+        default=d.keepalive_timeout_s,
+        metavar="DURATION",
+        help=f"an idle kept-alive connection is closed this long after its last answer [{d.keepalive_timeout_s:g}s]",
+    )
     p.add_argument("--gateway-id", help="name in the queue samples [gw-<host>-<pid>-<random>]")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
@@ -88,6 +164,16 @@ def run_gateway(argv: list[str], prog: str) -> int:
         nats=connect.options_from_args(args, name="pulsescale-gateway"),
         host=args.listen[0],
         port=args.listen[1],
+        **(
+            {"metrics_host": args.metrics_listen[0], "metrics_port": args.metrics_listen[1]}
+            if args.metrics_listen
+            else {}
+        ),
+        body_budget_bytes=args.body_budget,
+        max_connections=args.max_connections,
+        header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s,
+        keepalive_timeout_s=args.keepalive_timeout_s,
         queue_limit=args.queue_limit,
         timeout_s=args.timeout_s,
         upstream_timeout_s=args.upstream_timeout_s,

@@ -1,7 +1,13 @@
-"""The gateway's Prometheus metrics, bound to an injected registry (tests build a fresh one); served on the
-gateway's own listener at ``/metrics``."""
+"""The gateway's Prometheus metrics, bound to an injected registry (tests build a fresh one); served at ``/metrics``
+on the clients' listener, or on its own (`GatewaySettings.metrics_host`).
+
+Series labelled by model exist only for models the gateway serves (`gateway.catalog`): a name a client makes up is
+refused before anything is labelled with it. Refusals are counted by reason (`gateway.errors.REASONS`), every reason
+present from the start."""
 
 from __future__ import annotations
+
+import contextlib
 
 from prometheus_client import (
     GC_COLLECTOR,
@@ -14,6 +20,7 @@ from prometheus_client import (
     ProcessCollector,
 )
 
+from gateway.errors import REASONS
 from warmpool.build import build_version
 
 __all__ = ["GatewayMetrics"]
@@ -73,9 +80,41 @@ class GatewayMetrics:
         self.samples = Counter(
             "pulsescale_gateway_samples_published_total", "Queue samples published", ["model"], registry=r
         )
-        self.rejected_records = Counter(
-            "pulsescale_gateway_rejected_records_total",
-            "pulse_slots records that broke the contract, by reason",
+        self.refused = Counter(
+            "pulsescale_gateway_refused_total",
+            "Requests and connections refused before any upstream saw them, by reason (gateway.errors)",
             ["reason"],
             registry=r,
         )
+        for reason in REASONS:
+            self.refused.labels(reason)
+        self.connections = Gauge(
+            "pulsescale_gateway_connections", "Open client connections, by listener", ["listener"], registry=r
+        )
+        self.body_budget_used = Gauge(
+            "pulsescale_gateway_body_budget_used_bytes",
+            "Bytes of request bodies held by requests being read or waiting for a slot",
+            registry=r,
+        )
+        self.body_budget = Gauge(
+            "pulsescale_gateway_body_budget_bytes", "The limit of pulsescale_gateway_body_budget_used_bytes", registry=r
+        )
+        self.queues = Gauge("pulsescale_gateway_queues", "Model queues the gateway keeps", registry=r)
+        self.queues_reclaimed = Counter(
+            "pulsescale_gateway_queues_reclaimed_total",
+            "Idle queues dropped (their model no longer known, or idle for queue_idle_s)",
+            registry=r,
+        )
+        self.rejected_records = Counter(
+            "pulsescale_gateway_rejected_records_total",
+            "pulse_slots and pulse_scalers records that broke the contract, by reason",
+            ["reason"],
+            registry=r,
+        )
+
+    def forget(self, model: str) -> None:
+        """Drop `model`'s gauges (its queue was reclaimed: no queue, no depth). Its counters stay, as counters do;
+        only models a trusted source named ever get any."""
+        for gauge in (self.queue_depth, self.inflight, self.endpoints):
+            with contextlib.suppress(KeyError):  # never set
+                gauge.remove(model)

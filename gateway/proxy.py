@@ -2,26 +2,36 @@
 
 What happens to a request, in order:
 
-1. ``POST /v1/completions`` or ``/v1/chat/completions`` names its model in the JSON body's ``model``, or in a path
+1. The connection is admitted (at most `max_connections` open; its request head within `header_timeout_s`:
+   `gateway.listener`), and the body is read: its size is taken from the gateway's body budget first
+   (`gateway.budget`: 503 ``body_budget_full`` when it does not fit, 413 ``body_too_large`` past
+   `max_body_bytes`), and it must arrive within `body_timeout_s` (408 ``body_timeout``).
+2. ``POST /v1/completions`` or ``/v1/chat/completions`` names its model in the JSON body's ``model``, or in a path
    prefix (``POST /<model>/v1/completions``; both given and different: 400). A model the gateway does not serve is
-   404 (with ``--models``: any other; without: beyond `max_models` distinct names).
-2. It joins the model's FIFO queue (`gateway.queue`). With `queue_limit` requests already waiting it is refused at
+   404 ``unknown_model`` at once (`gateway.catalog`: with ``--models``, any other; without, one that no ScaledObject
+   in `pulse_scalers` and no ready slot names; 503 ``models_not_listed`` while `pulse_scalers` is not read).
+3. It joins the model's FIFO queue (`gateway.queue`). With `queue_limit` requests already waiting it is refused at
    once: 429 ``queue_full``, ``Retry-After: 1``.
-3. It waits until a ready endpoint has room (each takes `endpoint_concurrency` requests at once; the least loaded
-   is picked). Waiting longer than `timeout_s` since it arrived: 504 ``timeout``.
-4. It is forwarded as is. An upstream that breaks (connection refused or reset, a 503, its slot leaving ``ready``)
+4. It waits until a ready endpoint has room (each takes `endpoint_concurrency` requests at once; the least loaded
+   is picked). Waiting longer than `timeout_s` since it arrived: 504 ``timeout``. Once an upstream has it, its body
+   leaves the budget.
+5. It is forwarded as is. An upstream that breaks (connection refused or reset, a 503, its slot leaving ``ready``)
    before the gateway sent the client anything puts the request back at the head of the queue for another slot,
    within the same deadline, at most `max_attempts` times in all (then 502 ``upstream_failed``). A streamed answer
    (``"stream": true``) that breaks after its first bytes went to the client cannot be retried: the client's
    connection is cut (`pulsescale_gateway_broken_streams_total`). An upstream silent for `upstream_timeout_s`: 504.
 
+Every refusal is named (`gateway.errors`) and counted in `pulsescale_gateway_refused_total{reason}`.
+
 Endpoints come from `pulse_slots` (`gateway.routes`): a slot is routed to while its record says ``ready``, and
 dropped the moment it says anything else. Every `sample_every_s` and on change the gateway publishes each model's
 `QueueSample` on ``pulse.queue.<model>`` (`gateway.publisher`), which is what the autoscaler scales on: the queue
-builds, the autoscaler activates warm slots, they appear ready here and drain the queue.
+builds, the autoscaler activates warm slots, they appear ready here and drain the queue. An idle queue of a model
+not in ``--models`` is reclaimed (`gateway.catalog`), and its samples stop.
 
-The NATS user needs only the gateway role (publish ``pulse.queue.>``, read ``pulse_slots``). ``/healthz`` and
-``/metrics`` (Prometheus) are on the same listener, which binds 127.0.0.1 unless told otherwise.
+The NATS user needs the gateway role (publish ``pulse.queue.>``, read ``pulse_slots``) and, without ``--models``,
+KV reads of ``pulse_scalers``. ``/healthz`` and ``/metrics`` (Prometheus) are on the same listener unless given
+their own (`metrics_host`); every listener binds 127.0.0.1 unless told otherwise.
 """
 
 from __future__ import annotations
@@ -30,11 +40,9 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
-import secrets
-import socket
+import resource
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,10 +51,17 @@ from aiohttp import web
 from nats.aio.client import Client
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gateway.budget import BodyBudget, Hold
+from gateway.catalog import Catalog
+from gateway.errors import Refused, error_body
+from gateway.listener import GuardedSite
 from gateway.metrics import GatewayMetrics
 from gateway.publisher import Publisher
-from gateway.queue import Endpoint, ModelQueue, Waiter
+from gateway.queue import Endpoint, Waiter
 from gateway.routes import Routes
+from gateway.scalers import Scalers
+from gateway.settings import GatewaySettings, default_gateway_id
+from gateway.table import Queue, QueueTable
 from warmpool import connect, protocol
 from warmpool.errors import PulsescaleError
 from warmpool.rejects import Rejections
@@ -57,55 +72,6 @@ log = logging.getLogger("pulsescale.gateway")
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 _FORWARDED_HEADERS = ("Content-Type", "Accept", "X-Request-Id")
-
-
-def default_gateway_id() -> str:
-    """``gw-<host>-<pid>-<random>``: unique per run, so the autoscaler tells runs (and restarts) apart."""
-    host = "".join(c if c.isalnum() or c in "-_" else "-" for c in socket.gethostname())[:60]
-    return f"gw-{host}-{os.getpid()}-{secrets.token_hex(3)}"
-
-
-@dataclass(frozen=True)
-class GatewaySettings:
-    nats: connect.NatsOptions = field(default_factory=connect.NatsOptions)
-    host: str = "127.0.0.1"
-    """Listen address: loopback unless told otherwise (README, Security); in Kubernetes the pod IP."""
-    port: int = 8080
-    """Listen port; 0 picks a free one (`Gateway.port` says which)."""
-    queue_limit: int = 1000
-    """Requests that may wait per model; the next is refused 429. A queue deeper than what the fleet clears within
-    `timeout_s` only turns 429s into 504s later; 1000 covers a 300 % pulse on a few dozen slots for seconds."""
-    timeout_s: float = 30.0
-    """The longest a request waits for a slot, from its arrival: then 504. Clients and load balancers commonly give
-    up around 30-60 s; a warm activation takes seconds, an HPA cold start minutes (SEED.md)."""
-    upstream_timeout_s: float = 300.0
-    """The longest an upstream may take to answer in full (a long generation): then 504."""
-    endpoint_concurrency: int = 4
-    """Requests one ready slot gets at once; the rest wait in the gateway's queue, where the autoscaler sees them.
-    Set it to what one engine serves without queueing inside (vLLM: its batch; the local engine: 1-4)."""
-    max_attempts: int = 3
-    """Upstreams tried per request when they break before answering (a slot leaving mid-request)."""
-    models: frozenset[str] | None = None
-    """Serve only these models (and publish their samples from the start); None: any valid name, up to
-    `max_models`."""
-    max_models: int = 64
-    """Distinct models served without `models`: bounds the state a client can make the gateway keep."""
-    max_body_bytes: int = 1024 * 1024
-    """Largest request body (413 beyond): prompts are text; a megabyte is a long one."""
-    gateway_id: str = field(default_factory=default_gateway_id)
-    sample_every_s: float = 0.1
-    """The contract's sample period (`warmpool.protocol.QueueSample`: every <= 100 ms)."""
-    sample_min_gap_s: float = 0.01
-    """Shortest gap between two samples of one model when changes come faster (`gateway.publisher`)."""
-
-    def check(self) -> None:
-        if self.queue_limit < 0 or self.endpoint_concurrency < 1 or self.max_attempts < 1 or self.max_models < 1:
-            raise ValueError("queue_limit must be >= 0; endpoint_concurrency, max_attempts, max_models >= 1")
-        if not (self.timeout_s > 0 and self.upstream_timeout_s > 0 and 0 < self.sample_every_s <= 0.1):
-            raise ValueError("timeouts must be > 0 and the sample period in (0, 0.1] s (the contract's bound)")
-        bad = [m for m in self.models or () if not protocol.is_name(m)]
-        if bad:
-            raise ValueError(f"model names {bad} do not match {protocol.NAME_PATTERN}")
 
 
 class _Retry(Exception):
@@ -120,9 +86,6 @@ class _Attempt:
     task: asyncio.Task[web.StreamResponse] = field(init=False)
     started: bool = False
     slot_left: bool = False
-
-
-Queue = ModelQueue[asyncio.Future[None]]
 
 
 class Gateway:
@@ -141,12 +104,15 @@ class Gateway:
         self.nc = nc
         self.metrics = metrics or GatewayMetrics()
         self._clock = clock
-        self.queues: dict[str, Queue] = {}
+        self.catalog = Catalog(settings.models)
+        self.table = QueueTable(settings, self.catalog, self.metrics, clock=clock)
+        self.budget = BodyBudget(settings.body_budget_bytes)
+        self.metrics.body_budget.set(settings.body_budget_bytes)
         self.rejected = Rejections(log, on_reject=lambda reason: self.metrics.rejected_records.labels(reason).inc())
         self.publisher = Publisher(
             nc,
             settings.gateway_id,
-            self.queues,
+            self.table.queues,
             every_s=settings.sample_every_s,
             min_gap_s=settings.sample_min_gap_s,
             on_published=lambda model: self.metrics.samples.labels(model).inc(),
@@ -154,68 +120,124 @@ class Gateway:
         self.routes = Routes(
             nc, settings.models, on_ready=self._on_ready, on_gone=self._on_gone, rejected=self.rejected
         )
+        self.table.publisher = self.publisher
+        self.scalers = Scalers(nc, self.catalog, self.rejected) if settings.models is None else None
         for model in sorted(settings.models or ()):
-            self._queue(model)
+            self.table.queue(model)
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._attempts: dict[Endpoint, dict[_Attempt, None]] = {}
         """In-flight attempts per endpoint (insertion-ordered sets)."""
-        self._runner: web.AppRunner | None = None
+        self._runners: list[web.AppRunner] = []
+        self._sites: list[GuardedSite] = []
         self._session: aiohttp.ClientSession | None = None
         self.port = settings.port
+        self.metrics_port: int | None = None
+        """The port of the listener serving ``/healthz`` and ``/metrics``: `port`, or their own."""
 
     # --- life ----------------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        s = self.settings
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
-            timeout=aiohttp.ClientTimeout(total=self.settings.upstream_timeout_s),
+            timeout=aiohttp.ClientTimeout(total=s.upstream_timeout_s),
             auto_decompress=False,  # bytes pass through as the upstream sent them, with its Content-Encoding
         )
-        app = web.Application(client_max_size=self.settings.max_body_bytes)
-        app.add_routes(
-            [web.post(path, self.handle) for path in ROUTES]
-            + [web.post("/{model}" + path, self.handle) for path in ROUTES]
-            + [
-                web.get("/healthz", self.healthz),
-                web.get("/metrics", self.metrics_page),
-                web.get("/v1/models", self.list_models),
-            ]
-        )
-        # A client that leaves while its request waits cancels the handler, so it leaves the queue at once.
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
-        await self._runner.setup()
+        pages = [web.get("/healthz", self.healthz), web.get("/metrics", self.metrics_page)]
+        api = [web.post(path, self.handle) for path in ROUTES]
+        api += [web.post("/{model}" + path, self.handle) for path in ROUTES]
+        api += [web.get("/v1/models", self.list_models)]
+        separate = s.metrics_host is not None
         try:
-            await web.TCPSite(self._runner, self.settings.host, self.settings.port).start()
+            self.port = await self._listen("api", api if separate else api + pages, s.host, s.port)
+            if s.metrics_host is not None:
+                self.metrics_port = await self._listen("metrics", pages, s.metrics_host, s.metrics_port)
+            else:
+                self.metrics_port = self.port
         except OSError as err:
             await self.close()
             raise PulsescaleError(
-                f"cannot listen on {self.settings.host}:{self.settings.port}: {err.strerror or err}; "
-                "pick another --listen"
+                f"cannot listen on {err.filename}: {err.strerror or err}; pick another "
+                f"{'--metrics-listen' if err.filename != f'{s.host}:{s.port}' else '--listen'}"
             ) from None
-        addresses = self._runner.addresses
-        self.port = int(addresses[0][1]) if addresses else self.settings.port
+        _check_file_limit(s.max_connections * (2 if separate else 1))
         self._tasks = [
             asyncio.create_task(self.routes.run(self._stop), name="gateway-routes"),
             asyncio.create_task(self.publisher.run(self._stop), name="gateway-publisher"),
+            asyncio.create_task(self._sweep(), name="gateway-sweep"),
         ]
+        if self.scalers is not None:
+            self._tasks.append(asyncio.create_task(self.scalers.run(self._stop), name="gateway-scalers"))
         log.info(
-            "gateway %s on http://%s:%d (queue limit %d, timeout %g s, %d per endpoint)",
-            self.settings.gateway_id,
-            self.settings.host,
+            "gateway %s on http://%s:%d%s (queue limit %d, timeout %g s, %d per endpoint, %s; at most %d "
+            "connections, body budget %d MiB)",
+            s.gateway_id,
+            s.host,
             self.port,
-            self.settings.queue_limit,
-            self.settings.timeout_s,
-            self.settings.endpoint_concurrency,
+            f", /metrics on http://{s.metrics_host}:{self.metrics_port}" if separate else "",
+            s.queue_limit,
+            s.timeout_s,
+            s.endpoint_concurrency,
+            f"models {', '.join(sorted(s.models))}" if s.models is not None else "models from pulse_scalers",
+            s.max_connections,
+            s.body_budget_bytes // (1024 * 1024),
         )
+
+    async def _listen(self, name: str, routes: list[web.RouteDef], host: str, port: int) -> int:
+        """Serve `routes` on `host`:`port` behind the connection cap and header timeout; the bound port. An
+        OSError names the address in its `filename`."""
+        s = self.settings
+        app = web.Application(client_max_size=s.max_body_bytes, middlewares=[self._no_route])
+        app.add_routes(routes)
+        # A client that leaves while its request waits cancels the handler, so it leaves the queue at once.
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=True, keepalive_timeout=s.keepalive_timeout_s)
+        await runner.setup()
+        self._runners.append(runner)
+        connections = self.metrics.connections.labels(name)
+        site = GuardedSite(
+            runner,
+            host,
+            port,
+            max_connections=s.max_connections,
+            header_timeout_s=s.header_timeout_s,
+            on_refused=lambda reason: self.metrics.refused.labels(reason).inc(),
+            on_count=connections.set,
+        )
+        try:
+            await site.start()
+        except OSError as err:
+            err.filename = f"{host}:{port}"
+            raise
+        self._sites.append(site)
+        assert site.bound_port is not None
+        return site.bound_port
+
+    @web.middleware
+    async def _no_route(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """A path or method this listener does not serve: a named, counted 404/405."""
+        try:
+            return await handler(request)
+        except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as err:
+            if request.match_info.route.resource is not None:
+                raise  # raised by a handler of ours, not the router
+            self.metrics.refused.labels("no_route").inc()
+            return _error(
+                err.status,
+                "no_route",
+                f"this listener does not serve {request.method} {request.path}",
+                headers={"Allow": err.headers["Allow"]} if "Allow" in err.headers else None,
+            )
 
     async def close(self) -> None:
         self._stop.set()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._runner is not None:
-            await self._runner.cleanup()
+        for runner in self._runners:
+            await runner.cleanup()
         if self._session is not None:
             await self._session.close()
 
@@ -235,31 +257,18 @@ class Gateway:
 
     # --- queues and endpoints ------------------------------------------------------------------------------------
 
-    def _queue(self, model: str) -> Queue | None:
-        q = self.queues.get(model)
-        if q is None:
-            models = self.settings.models
-            # A given list is the bound; without one, `max_models` bounds what clients can make us keep.
-            if (model not in models) if models is not None else len(self.queues) >= self.settings.max_models:
-                return None
-            q = self.queues[model] = ModelQueue(
-                model, limit=self.settings.queue_limit, concurrency=self.settings.endpoint_concurrency
-            )
-            self.publisher.changed(model)
-        return q
+    @property
+    def queues(self) -> dict[str, Queue]:
+        """The model queues (`gateway.table`)."""
+        return self.table.queues
 
     def _on_ready(self, model: str, key: str, url: str) -> None:
-        q = self._queue(model)
-        if q is not None and q.set_endpoint(key, url):
-            log.info("%s: routing to %s (%s)", model, key, url)
-            self._changed(q)
+        self.table.set_endpoint(model, key, url)
 
     def _on_gone(self, model: str, key: str) -> None:
-        q = self.queues.get(model)
-        ep = q.endpoints.get(key) if q is not None else None
-        if q is None or ep is None:
+        ep = self.table.remove_endpoint(model, key)
+        if ep is None:
             return
-        q.remove_endpoint(key)
         moved = 0
         for attempt in self._attempts.get(ep, {}):
             if not attempt.started and not attempt.task.done():
@@ -267,37 +276,96 @@ class Gateway:
                 attempt.task.cancel()
                 moved += 1
         log.info("%s: %s left ready; not routed any more (%d request(s) moved)", model, key, moved)
-        self._changed(q)
+        self._changed(self.table.queues[model])
 
     def _changed(self, q: Queue) -> None:
-        """After any change of `q`: hand waiting requests to free endpoints, refresh the gauges, wake the
-        publisher."""
-        for w in q.dispatch():
-            if not w.item.done():
-                w.item.set_result(None)
-        m = self.metrics
-        m.queue_depth.labels(q.model).set(q.depth)
-        m.inflight.labels(q.model).set(q.inflight)
-        m.endpoints.labels(q.model).set(len(q.endpoints))
-        self.publisher.changed(q.model)
+        self.table.changed(q)
+        self.metrics.body_budget_used.set(self.budget.held_bytes)
+
+    async def _sweep(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), self.settings.sweep_every_s)
+            self.table.reclaim_idle()
 
     # --- requests ------------------------------------------------------------------------------------------------
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         arrived = self._clock()
-        body = await request.read()
+        hold = Hold(self.budget)
         try:
-            model, stream = _parse(body, request.match_info.get("model"))
-        except ValueError as err:
-            return _error(400, "bad_request", str(err))
-        q = self._queue(model)
-        if q is None:
-            return _error(404, "unknown_model", f"this gateway does not serve model {model!r}")
+            try:
+                body = await self._read_body(request, hold)
+                try:
+                    model, stream = _parse(body, request.match_info.get("model"))
+                except ValueError as err:
+                    raise Refused(400, "bad_request", str(err)) from None
+                q = self.table.admit(model)
+            except Refused as refusal:
+                self.metrics.refused.labels(refusal.reason).inc()
+                return _error(refusal.status, refusal.reason, refusal.message, refusal.headers)
+            return await self._wait_and_serve(request, q, hold, body, stream, arrived)
+        finally:
+            hold.release()
+            self.metrics.body_budget_used.set(self.budget.held_bytes)
+
+    async def _read_body(self, request: web.Request, hold: Hold) -> bytearray:
+        """The body, its size taken from the budget first (module doc, step 1)."""
+        s = self.settings
+        length = request.content_length
+
+        def over_budget() -> Refused:
+            return Refused(
+                503,
+                "body_budget_full",
+                f"this gateway already holds {self.budget.held_bytes} bytes of request bodies that wait, its "
+                f"limit is {s.body_budget_bytes}; retry shortly",
+                retry_after_s=1,
+            )
+
+        def too_large() -> Refused:
+            return Refused(413, "body_too_large", f"the body is over {s.max_body_bytes} bytes")
+
+        try:
+            async with asyncio.timeout(s.body_timeout_s):
+                if length is not None:
+                    if length > s.max_body_bytes:
+                        raise too_large()
+                    if not hold.take(length):
+                        raise over_budget()
+                    # Into one buffer of the announced size: no growing copy, no second copy to bytes.
+                    body = bytearray(length)
+                    view, got = memoryview(body), 0
+                    while got < length and (chunk := await request.content.readany()):
+                        view[got : got + len(chunk)] = chunk
+                        got += len(chunk)
+                    view.release()
+                    if got != length:
+                        raise Refused(400, "bad_request", f"the body ended after {got} of its {length} bytes")
+                    return body
+                buf = bytearray()
+                while chunk := await request.content.readany():
+                    if len(buf) + len(chunk) > s.max_body_bytes:
+                        raise too_large()
+                    if not hold.take(len(chunk)):
+                        raise over_budget()
+                    buf += chunk
+                return buf
+        except TimeoutError:
+            raise Refused(408, "body_timeout", f"the body did not arrive within {s.body_timeout_s:g} s") from None
+        except web.HTTPRequestEntityTooLarge:
+            raise too_large() from None
+
+    async def _wait_and_serve(
+        self, request: web.Request, q: Queue, hold: Hold, body: bytearray, stream: bool, arrived: float
+    ) -> web.StreamResponse:
+        model = q.model
         path = "/v1/" + request.path.split("/v1/", 1)[1]
         headers = {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
         w = q.arrive(asyncio.get_running_loop().create_future(), arrived, self.settings.timeout_s)
         if w is None:
             self.metrics.responses.labels(model, "429").inc()
+            self.metrics.refused.labels("queue_full").inc()
             self._changed(q)
             return _error(
                 429,
@@ -307,7 +375,7 @@ class Gateway:
             )
         self._changed(q)
         try:
-            response = await self._serve(request, q, w, body, path, headers, stream)
+            response = await self._serve(request, q, w, hold, body, path, headers, stream)
             self.metrics.responses.labels(model, str(response.status)).inc()
             if w.state == "gone" and response.status < 500:
                 self.metrics.request_seconds.labels(model).observe(self._clock() - arrived)
@@ -318,6 +386,7 @@ class Gateway:
                 q.give_up(w, "failed")
             elif w.state == "dispatched":
                 q.finish(w, "failed")
+            hold.release()
             self._changed(q)
 
     async def _serve(
@@ -325,7 +394,8 @@ class Gateway:
         request: web.Request,
         q: Queue,
         w: Waiter[asyncio.Future[None]],
-        body: bytes,
+        hold: Hold,
+        body: bytearray,
         path: str,
         headers: dict[str, str],
         stream: bool,
@@ -341,6 +411,7 @@ class Gateway:
                     f"no {q.model} replica could take the request within {self.settings.timeout_s:g} s; "
                     f"{len(q.endpoints)} ready, {q.depth} waiting",
                 )
+            hold.release()  # an upstream has it now
             if w.attempts == 1:
                 self.metrics.queue_wait.labels(q.model).observe(self._clock() - w.arrived_at)
             ep = w.endpoint
@@ -382,6 +453,7 @@ class Gateway:
                 )
             self.metrics.retries.labels(q.model).inc()
             q.retry(w)
+            hold.force(len(body))  # waiting again: admitted already, so over the limit if need be
             w.item = asyncio.get_running_loop().create_future()
             self._changed(q)
 
@@ -389,7 +461,7 @@ class Gateway:
         self,
         request: web.Request,
         url: str,
-        body: bytes,
+        body: bytearray,
         headers: dict[str, str],
         stream: bool,
         model: str,
@@ -444,6 +516,9 @@ class Gateway:
             "gateway": self.settings.gateway_id,
             "nats_connected": self.nc.is_connected,
             "slots_listed": self.routes.listed.is_set(),
+            "scalers": self.catalog.scalers,
+            "connections": sum(site.connections for site in self._sites),
+            "body_budget": {"held_bytes": self.budget.held_bytes, "limit_bytes": self.budget.limit_bytes},
             "models": {
                 m: {"ready": len(q.endpoints), "queue_depth": q.depth, "inflight": q.inflight}
                 for m, q in sorted(self.queues.items())
@@ -459,18 +534,34 @@ class Gateway:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def list_models(self, _: web.Request) -> web.Response:
+        """The models a client may ask for: ``--models``, else those of the ScaledObjects and of ready slots."""
+        ready = self.table.ready()
         data = [
-            {"id": m, "object": "model", "owned_by": "pulsescale", "ready": len(q.endpoints)}
-            for m, q in sorted(self.queues.items())
+            {"id": m, "object": "model", "owned_by": "pulsescale", "ready": ready.get(m, 0)}
+            for m in self.catalog.listed(ready)
         ]
         return web.json_response({"object": "list", "data": data})
+
+
+def _check_file_limit(connections: int) -> None:
+    """Warn when the process may not open the descriptors `connections` need (a client's and an upstream's each):
+    past the limit, accepting fails before the connection cap answers."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = 2 * connections + 64
+    if soft != resource.RLIM_INFINITY and soft < need:
+        log.warning(
+            "the open-file limit is %d, the connection caps need about %d: raise it (ulimit -n) or lower "
+            "--max-connections",
+            soft,
+            need,
+        )
 
 
 def _why(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
 
 
-def _parse(body: bytes, path_model: str | None) -> tuple[str, bool]:
+def _parse(body: bytearray, path_model: str | None) -> tuple[str, bool]:
     """The model and whether the answer is streamed; ValueError says what is wrong with the request."""
     try:
         req = json.loads(body)
@@ -492,11 +583,8 @@ def _parse(body: bytes, path_model: str | None) -> tuple[str, bool]:
 
 
 def _error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
-    """An OpenAI-style error body: ``{"error": {"message", "type", "code"}}``."""
-    kind = "invalid_request_error" if status < 500 and status != 429 else "server_error"
-    return web.json_response(
-        {"error": {"message": message, "type": kind, "code": code}}, status=status, headers=headers
-    )
+    """An OpenAI-style error answer (`gateway.errors.error_body`)."""
+    return web.json_response(error_body(status, code, message), status=status, headers=headers)
 
 
 async def run(

@@ -1,9 +1,10 @@
 """`pulse.queue.<model>` samples: every `every_s` (100 ms) and on change, for each model the gateway serves.
 
 The contract (`warmpool.protocol.QueueSample`): per gateway run and model, `seq` increases by one per sample and
-the counters never decrease. "On change" is coalesced: a change publishes at once unless a sample of that model
-went out less than `min_gap_s` ago, then at that gap's end; so a gateway under 10,000 requests/s sends at most
-1 / `min_gap_s` samples per model per second, and a change is never later than `min_gap_s` on the wire.
+the counters never decrease (a queue reclaimed and made again starts both again: `forget`). "On change" is
+coalesced: a change publishes at once unless a sample of that model went out less than `min_gap_s` ago, then at
+that gap's end; so a gateway under 10,000 requests/s sends at most 1 / `min_gap_s` samples per model per second,
+and a change is never later than `min_gap_s` on the wire.
 
 `Schedule` is the pure part (time passed in); `Publisher` is the loop that publishes on NATS.
 """
@@ -86,6 +87,12 @@ class Publisher:
         self._schedule(model).changed()
         self._wake.set()
 
+    def forget(self, model: str) -> None:
+        """`model`'s queue was reclaimed: no more samples of it. A new queue of it starts `seq` again with its
+        counters, which the autoscaler reads as this gateway restarting for that model (the contract's rule)."""
+        self._schedules.pop(model, None)
+        self._seq.pop(model, None)
+
     def _schedule(self, model: str) -> Schedule:
         s = self._schedules.get(model)
         if s is None:
@@ -113,6 +120,8 @@ class Publisher:
             self._wake.clear()  # before the pass: a change during it wakes the next one at once
             now = self._clock()
             for model in list(self._queues):
+                if model not in self._queues:
+                    continue  # reclaimed while an earlier sample of this pass was being sent
                 sched = self._schedule(model)
                 if sched.due_at() <= now:
                     await self._publish(model)

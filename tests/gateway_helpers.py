@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import msgspec
 from nats.aio.client import Client
 
 from gateway.proxy import Gateway, GatewaySettings
 from warmpool import connect, protocol
-from warmpool.protocol import SlotRecord
-from warmpool.registry import KvSlotStore
+from warmpool.protocol import ScaledObjectSpec, ScalerRecord, SlotRecord
+from warmpool.registry import KvSlotStore, ensure_buckets
 
 MODEL = "tiny"
 
@@ -110,6 +111,24 @@ async def set_slot(store: KvSlotStore, node: str, state: str, endpoint: str | No
     return rec.key
 
 
+async def put_scaler(nc: Client, model: str) -> str:
+    """Publish a ScaledObject for `model` in `pulse_scalers` as the operator would; its key."""
+    raw = {
+        "scaleTargetRef": {"name": model},
+        "triggers": [{"type": "gateway-queue", "metadata": {"model": model}}],
+    }
+    spec = protocol.decode(msgspec.json.encode(raw), ScaledObjectSpec)
+    rec = ScalerRecord(namespace="test", name=model, spec=spec)
+    kv = (await ensure_buckets(nc.jetstream(), names=[protocol.SCALERS_BUCKET]))[protocol.SCALERS_BUCKET]
+    await kv.put(rec.key, protocol.encode(rec))
+    return rec.key
+
+
+async def delete_scaler(nc: Client, key: str) -> None:
+    kv = await nc.jetstream().key_value(protocol.SCALERS_BUCKET)
+    await kv.delete(key)
+
+
 @dataclass
 class Samples:
     """The gateway's samples of one model, checked against the contract as they arrive: seq + 1 each time,
@@ -155,6 +174,9 @@ async def samples_of(nc: Client, model: str = MODEL) -> AsyncIterator[Samples]:
 
 @asynccontextmanager
 async def running_gateway(nc: Client, url: str, **overrides: Any) -> AsyncIterator[Gateway]:
+    """A gateway in process on a free port, serving `MODEL` (``--models tiny``) unless `overrides` say otherwise
+    (``models=None``: the models of `pulse_scalers` and of ready slots)."""
+    overrides.setdefault("models", frozenset({MODEL}))
     settings = GatewaySettings(nats=connect.NatsOptions(servers=(url,)), port=0, gateway_id="gw-test", **overrides)
     gw = Gateway(settings, nc)
     await gw.start()

@@ -147,13 +147,12 @@ async def test_queue_bound_gives_429_and_the_queue_drains(
 
 
 async def test_every_listed_model_is_served_however_many_are_listed(nc: Client) -> None:
-    """`max_models` bounds the names clients invent; a list given with --models is served whole."""
+    """A list given with --models is served whole, from the start, and nothing else is."""
     listed = frozenset(f"m{i}" for i in range(70))
-    gw = Gateway(GatewaySettings(nats=NatsOptions(), port=0, models=listed, max_models=64), nc)
+    gw = Gateway(GatewaySettings(nats=NatsOptions(), port=0, models=listed), nc)
     assert set(gw.queues) == listed
-    assert gw._queue("m69") is not None and gw._queue("unlisted") is None
-    open_gw = Gateway(GatewaySettings(nats=NatsOptions(), port=0, max_models=2), nc)
-    assert open_gw._queue("a") is not None and open_gw._queue("b") is not None and open_gw._queue("c") is None
+    assert gw.catalog.verdict("m69", ready=False) == "known"
+    assert gw.catalog.verdict("unlisted", ready=True) == "unknown"
 
 
 async def test_waiting_past_the_timeout_is_504(nats_server: NatsServer, nc: Client, store: KvSlotStore) -> None:

@@ -289,7 +289,7 @@ async def test_a_role_is_refused_what_it_must_not_do(
     ("user", "argv", "subject"),
     [
         ("gateway", ["scale", MODEL, "--replicas", "1"], "pulse.cmd.scale"),
-        ("gateway", ["apply", "-f", "-"], f"$JS.API.STREAM.INFO.KV_{protocol.SCALERS_BUCKET}"),
+        ("agent-n1", ["apply", "-f", "-"], f"$JS.API.STREAM.INFO.KV_{protocol.SCALERS_BUCKET}"),
         ("oncall", ["sample", MODEL, "--queue-depth", "9"], f"pulse.queue.{MODEL}"),
         ("operator", ["pause", MODEL], "pulse.cmd.pause"),
         ("gateway", ["schedule", MODEL, "--list"], "pulse.cmd.schedule"),

@@ -128,7 +128,8 @@ def permissions(role: Role, node: str | None = None) -> Permissions:
     events = f"{protocol.EVENTS_PREFIX}>"
     if role == "gateway":
         return Permissions(
-            publish=(f"{protocol.QUEUE_PREFIX}>", *_kv_read(protocol.SLOTS_BUCKET)),
+            # The ScaledObjects name the models a gateway queues for (an unknown one is 404 at once).
+            publish=(f"{protocol.QUEUE_PREFIX}>", *_kv_read(protocol.SLOTS_BUCKET), *_kv_read(protocol.SCALERS_BUCKET)),
             subscribe=(events, replies),
         )
     if role == "agent":
