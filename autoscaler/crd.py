@@ -164,9 +164,9 @@ class ScaledObjectStatus(_Camel, kw_only=True):
     conditions: list[Condition] | None = None
     observed_generation: Count | None = None
     """The ``metadata.generation`` of the spec this status describes."""
-    scale_target_kind: str | None = None
+    scale_target_kind: Annotated[str, msgspec.Meta(max_length=381)] | None = None
     """``<apiVersion>.<kind>`` of the target as KEDA writes it (``apps/v1.Deployment``)."""
-    scale_target_name: str | None = None
+    scale_target_name: Annotated[str, msgspec.Meta(max_length=253)] | None = None
     current_replicas: Count | None = None
     """Replicas serving or starting (ready + activating), as the autoscaler counts them."""
     desired_replicas: Count | None = None
@@ -180,8 +180,9 @@ class ScaledObjectStatus(_Camel, kw_only=True):
     last_scale_time: Rfc3339 | None = None
     """Last time the desired count changed."""
     last_decisions: Annotated[list[LastDecision], msgspec.Meta(max_length=MAX_LAST_DECISIONS)] | None = None
-    notes: list[str] | None = None
-    """One line per accepted field that has no effect here, and why (the ScalerRecord's notes)."""
+    notes: Annotated[list[Annotated[str, msgspec.Meta(max_length=1024)]], msgspec.Meta(max_length=64)] | None = None
+    """One line per accepted field that has no effect here, and why (the ScalerRecord's notes: a fixed set, at most
+    two per trigger and three more)."""
     original_replica_count: Count | None = None
     """The target's replica count before the first scale, for ``advanced.restoreToOriginalReplicaCount``."""
     cold_path: ColdPathStatus | None = None
@@ -546,6 +547,10 @@ def structural(schema: dict[str, Any]) -> dict[str, Any]:
             out["exclusiveMaximum"] = True
         if node.get("default") is not None:
             out["default"] = node["default"]
+        if out.get("pattern") == NAME_PATTERN and "maxLength" not in out:
+            # The pattern allows 63 characters; the API server's cost estimator reads only maxLength (without it, a
+            # model name counts as a 3 MiB string: ~80 M for the rule that compares the triggers' models).
+            out["maxLength"] = MAX_NAME_LENGTH
         out.update(_CRD_BOUNDS.get((owner or "", field or ""), {}))
         if kind == "object":
             struct = owner if owner in defs else None
@@ -640,8 +645,8 @@ def crd() -> dict[str, Any]:
         "scaled from the warm pool.",
         "required": ["spec"],
         "properties": {
-            "apiVersion": {"type": "string"},
-            "kind": {"type": "string"},
+            "apiVersion": {"type": "string", "maxLength": 317},
+            "kind": {"type": "string", "maxLength": 63},
             "metadata": {"type": "object"},
             "spec": spec_schema(),
             "status": status_schema(),

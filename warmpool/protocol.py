@@ -670,9 +670,10 @@ Seconds = Annotated[float, msgspec.Meta(gt=0, le=86_400)]
 
 class ScaleTargetRef(_Spec, kw_only=True):
     name: Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
-    kind: str = "Deployment"
-    api_version: str = "apps/v1"
-    env_source_container_name: str | None = None
+    kind: Annotated[str, msgspec.Meta(min_length=1, max_length=63)] = "Deployment"
+    api_version: Annotated[str, msgspec.Meta(min_length=1, max_length=317)] = "apps/v1"
+    """A group (a DNS subdomain, 253) and a version (63)."""
+    env_source_container_name: Annotated[str, msgspec.Meta(max_length=63)] | None = None
     """Revision 5: KEDA's ``envSourceContainerName``, accepted; no effect (a pushed trigger reads no environment)."""
 
 
@@ -718,6 +719,11 @@ class Fallback(_Spec, kw_only=True):
     ``currentReplicasIfHigher``/``IfLower`` use the current count when it is higher/lower than `replicas`."""
 
 
+MAX_HPA_POLICIES: Final = 10
+"""Most policies in one HPA ``behavior`` rule: the pulsescale mapping uses one Percent and one Pods policy, and the
+CRD needs a bound on every list (the API server's cost estimator)."""
+
+
 class HPAScalingPolicy(_Spec, kw_only=True):
     """One policy of an HPA ``behavior`` rule (autoscaling/v2 ``HPAScalingPolicy``)."""
 
@@ -731,7 +737,7 @@ class HPAScalingRules(_Spec, kw_only=True):
 
     stabilization_window_seconds: Annotated[int, msgspec.Meta(ge=0, le=3600)] | None = None
     select_policy: Literal["Max", "Min", "Disabled"] | None = None
-    policies: list[HPAScalingPolicy] | None = None
+    policies: Annotated[list[HPAScalingPolicy], msgspec.Meta(max_length=MAX_HPA_POLICIES)] | None = None
     tolerance: str | float | None = None
 
 
@@ -744,7 +750,7 @@ class HorizontalPodAutoscalerConfig(_Spec, kw_only=True):
     """KEDA's ``advanced.horizontalPodAutoscalerConfig`` (revision 5): `behavior` is mapped onto this policy's
     scale-down fields by the ScaledObject reader; what cannot map is refused there with the reason."""
 
-    name: str | None = None
+    name: Annotated[str, msgspec.Meta(max_length=253)] | None = None
     behavior: HPABehavior | None = None
 
 
@@ -784,8 +790,8 @@ class Advanced(_Spec, kw_only=True):
 
 class WarmPool(_Spec, kw_only=True):
     size: Count = 0
-    image: str | None = None
-    weights: str | None = None
+    image: Text | None = None
+    weights: Text | None = None
     engine: Literal["local", "command", "vllm"] = "local"
     loader: Literal["auto", "host", "cuda-pinned", "kvikio"] = "auto"
 
