@@ -5,6 +5,13 @@ of the claim (the fencing token and the claim id), a fresh request id, and an ex
 replies, `ActivateReply` and `DeactivateReply`. A reply that came back is returned as it is, failed or not: the
 caller branches on its ``error.code`` (one of `protocol.ErrorCode`), never on message text. No reply at all (no
 agent subscribed, no answer in time, an answer that breaks the contract) raises `AgentUnavailable`.
+
+The agent judges a request's `expires_at` and `deadline` on its own clock, so they are stated in the agent's clock
+(contract revision 10): our time plus the agent's clock skew as its heartbeats show it (`skew(node)`, the
+registry's `KvSlotStore.clock_skew`; 0 until one was heard). An agent seconds or minutes off then refuses what is
+late and accepts what is not, whatever its revision, and a request buffered through a reconnect still expires. An
+activation also carries its deadline as seconds (`deadline_s`), which an agent of revision 10 times from arrival
+on its monotonic clock.
 """
 
 from __future__ import annotations
@@ -35,21 +42,35 @@ class AgentUnavailable(PulsescaleError):
 
 
 class AgentClient:
-    def __init__(self, nc: Client, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        nc: Client,
+        *,
+        clock: Callable[[], float] = time.time,
+        skew: Callable[[str], float | None] = lambda node: None,
+    ) -> None:
+        """`skew(node)`: how far that node's clock is ahead of `clock` (seconds; None: not measured)."""
         self.nc = nc
         self.clock = clock
+        self.skew = skew
+
+    def _agent_time(self, node: str) -> float:
+        """Now on `node`'s clock, as far as its heartbeats tell."""
+        return self.clock() + (self.skew(node) or 0.0)
 
     async def activate(self, claim: Claim, *, deadline_s: float) -> ActivateReply:
         """Ask the slot's agent to take it into service within `deadline_s` (the request carries the deadline, so
         the agent gives up at the same moment we stop waiting)."""
         deadline = self.clock() + deadline_s
+        agent_deadline = self._agent_time(claim.node) + deadline_s
         req = ActivateRequest(
             id=uuid.uuid4().hex,
-            expires_at=deadline,
+            expires_at=agent_deadline,
             slot=claim.slot,
             token=claim.token,
             claim_id=claim.claim_id,
-            deadline=deadline,
+            deadline=agent_deadline,
+            deadline_s=deadline_s,
         )
         data = await self._request(claim.node, "activate", protocol.encode(req), max(0.01, deadline - self.clock()))
         if data is None:
@@ -60,7 +81,7 @@ class AgentClient:
         """Ask the slot's agent to take it out of service (stop its engine, give the slot back)."""
         req = DeactivateRequest(
             id=uuid.uuid4().hex,
-            expires_at=self.clock() + timeout_s,
+            expires_at=self._agent_time(claim.node) + timeout_s,
             slot=claim.slot,
             token=claim.token,
             claim_id=claim.claim_id,

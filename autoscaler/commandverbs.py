@@ -226,8 +226,9 @@ class Verbs:
             self._spec(model)  # a model with neither slots nor a ScaledObject is a typo
         slots = []
         counts: dict[str, Counter[str]] = {}
+        fresh = {node: self.store.lease_fresh(node, now) for node in {r.node for r in records}}
         for r in records:
-            lease = self.store.lease(r.node)
+            skew_s = self.store.clock_skew(r.node)
             slots.append(
                 PoolSlot(
                     key=r.key,
@@ -236,7 +237,7 @@ class Verbs:
                     rack=r.rack,
                     state=r.state,
                     drain=r.drain,
-                    agent="fresh" if lease is not None and lease.fresh(now) else "stale",
+                    agent="fresh" if fresh[r.node] else "stale",
                     resident=r.weights_resident,
                     endpoint=r.endpoint,
                     reason=r.reason,
@@ -244,6 +245,7 @@ class Verbs:
                     engine_mode=r.engine_mode,
                     rootfs_mounted=r.rootfs_mounted,
                     image_digest=r.image_digest,
+                    skew_s=None if skew_s is None else round(skew_s, 3),
                 )
             )
             counts.setdefault(r.model, Counter())[r.state] += 1

@@ -87,7 +87,7 @@ class ModelController:
         self.scaler = ModelScaler(
             self.decider,
             store=deps.store,
-            agents=AgentClient(deps.nc, clock=deps.clock),
+            agents=AgentClient(deps.nc, clock=deps.clock, skew=deps.store.clock_skew),
             events=self.events,
             metrics=deps.metrics,
             cold_path=deps.cold_path,
@@ -156,6 +156,7 @@ class ModelController:
         series.desired.set(d.desired)
         series.panic.set(1 if d.panic else 0)
         series.demand.set(ev.demand or 0)
+        series.arrival_rate.set(ev.arrival_rate or 0)
         if ev.changed:
             log.info("%s: desired %d (%s)", model, d.desired, d.reason)
             self.events.publish(

@@ -472,9 +472,22 @@ class Autoscaler:
                 await self.intake.stand_aside(aside)
                 until = time.perf_counter() + self.settings.slice_s
                 now = self.clock()
+        if turn == 0:  # once per turn round: a scan of the leases and of the models
+            with self._contained("the agent lease and model ownership gauges"):
+                self._round_gauges(now)
         if self.ownership.held and self.scalers_followed and turn == 0:  # a scan of every slot: once per turn round
             with self._contained("the sweep for slots of deleted ScaledObjects"):
                 self.retirement.sweep_unowned(now)
+
+    def _round_gauges(self, now: float) -> None:
+        """``pulsescale_agent_leases`` and, of them, ``pulsescale_agent_leases_lapsed`` (`KvSlotStore.lease_lapsed`:
+        only on a current view, so a replica cut off from the broker does not call every agent stale); and
+        ``pulsescale_model_owned`` of every model (which replica's decision gauges are current)."""
+        nodes = list(self.store.leases())
+        self.metrics.agent_leases.set(len(nodes))
+        self.metrics.agent_leases_lapsed.set(sum(1 for node in nodes if self.store.lease_lapsed(node, now)))
+        for c in self.by_model.values():
+            c.scaler.series.owned.set(1 if c.deps.is_leader() else 0)
 
     # --- leadership (`autoscaler.ownership`) --------------------------------------------------------------------
 
@@ -527,9 +540,11 @@ async def run(
         # through leaves no socket for the garbage collector.
         nc = await connect.connect(settings.nats)
         opened.push_async_callback(_quietly, nc.drain)
+        metrics.nats_connected.set_function(lambda: 1.0 if nc.is_connected else 0.0)
         # The autoscaler creates the buckets, and turns rollups off on those an older version made.
         buckets = await ensure_buckets(nc.jetstream(timeout=2.0), harden=True)
         store = KvSlotStore(nc, buckets, on_reject=lambda reason: metrics.registry_rejected.labels(reason).inc())
+        metrics.agent_clock_skew.source = store.clock_skews
         opened.push_async_callback(store.close)
         await store.start()
         scaler = Autoscaler(settings, nc, store, buckets, metrics=metrics, cold_path=cold_path)

@@ -70,6 +70,8 @@ class Evaluation:
     sample_at: float | None
     """Receive time of the first sample since the previous decision, when samples caused this one (the start of
     `pulsescale_decision_seconds`); None for a decision only time caused (housekeeping, an override, an edit)."""
+    arrival_rate: float | None = None
+    """Requests per second arriving over the fresh gateways (``pulsescale_arrival_rate``); None: no rate yet."""
 
 
 class ModelDecider:
@@ -307,7 +309,7 @@ class ModelDecider:
         changed = previous is None or previous.desired != decision.desired or previous.mode != decision.mode
         if changed:
             self.history.append(DecisionRow(ts=now, desired=decision.desired, reason=decision.reason))
-        return Evaluation(decision, changed, seen.demand, sample_at)
+        return Evaluation(decision, changed, seen.demand, sample_at, arrival_rate=obs.arrival_rate)
 
     # --- status --------------------------------------------------------------------------------------------------
 

@@ -602,14 +602,31 @@ def status(argv: list[str], prog: str) -> int:
     return _run(prog, args, "status", build, StatusReply, show, machine_view)
 
 
+SKEW_SHOWN_S: Final = 0.5
+"""`format_pool` adds a CLOCK column once an agent's clock is this far from the autoscaler's (milliseconds are the
+heartbeat's travel; half a second is a clock that is off)."""
+
+
+def format_skew(skew_s: float | None) -> str:
+    """An agent's clock skew as a table cell: ``+3.0s`` (ahead of the autoscaler), ``-30.0s``, ``?`` (not heard)."""
+    return "?" if skew_s is None else f"{skew_s:+.1f}s"
+
+
 def format_pool(reply: PoolReply) -> str:
     """Slots grouped by model, each group headed by its counts by state. An ENGINE column (adapter/mode of the
-    last activation, revision 4) appears once any slot's agent reports one."""
+    last activation, revision 4) appears once any slot's agent reports one; a CLOCK column (how far the agent's
+    clock is from the autoscaler's, revision 10) once any is `SKEW_SHOWN_S` off, and then a line per such node."""
     lines: list[str] = []
     engines = any(s.engine for s in reply.slots)
+    skewed: dict[str, float] = {}
+    for s in reply.slots:
+        if s.skew_s is not None and abs(s.skew_s) >= SKEW_SHOWN_S:
+            skewed[s.node] = s.skew_s
     header: tuple[str, ...] = ("SLOT", "STATE", "NODE", "RACK", "AGENT", "RESIDENT", "ENDPOINT", "REASON")
     if engines:
         header = (*header[:6], "ENGINE", *header[6:])
+    if skewed:
+        header = (*header[:5], "CLOCK", *header[5:])
     for model, by_state in reply.counts.items():
         total = sum(by_state.values())
         summary = ", ".join(f"{state} {n}" for state, n in by_state.items())
@@ -620,12 +637,25 @@ def format_pool(reply: PoolReply) -> str:
                 continue
             state = s.state + (" (drain)" if s.drain and s.state != "draining" else "")
             resident = "yes" if s.resident else "no"
-            row: tuple[str, ...] = (s.key, state, s.node, s.rack or "-", s.agent, resident)
+            row: tuple[str, ...] = (s.key, state, s.node, s.rack or "-", s.agent)
+            if skewed:
+                row += (format_skew(s.skew_s),)
+            row += (resident,)
             if engines:
                 row += ("/".join(x for x in (s.engine, s.engine_mode) if x) or "-",)
             table.append((*row, s.endpoint or "-", s.reason or ""))
         widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
         lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1] for r in table]
+        lines.append("")
+    for node, skew_s in sorted(skewed.items()):
+        trust = (
+            "its slots are not offered until it is set right"
+            if abs(skew_s) > protocol.MAX_TRUSTED_SKEW_S
+            else f"served as usual (up to {protocol.MAX_TRUSTED_SKEW_S:g} s is); check its chrony/NTP"
+        )
+        side = "ahead of" if skew_s > 0 else "behind"
+        lines.append(f"clock of {node} is {abs(skew_s):.1f} s {side} the autoscaler's: {trust}")
+    if skewed:
         lines.append("")
     if reply.truncated:
         lines.append(f"({reply.truncated} more slot(s) not shown: the reply is capped at 64 KiB; name a model)")

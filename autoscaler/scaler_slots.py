@@ -142,15 +142,15 @@ class SlotActions:
     def _serving(self, held: Held, reply: ActivateReply, record: SlotRecord, *, measured: bool) -> None:
         claim = held.claim
         held.phase = "ready"
-        m = self.metrics
+        stages = self.series.activation  # pulsescale_autoscaler_activation_seconds{model,stage}
         self.series.activations_ready.inc()
         if measured:
             took = self.clock() - held.since
             self.add_lead_time(took)
-            m.activation_seconds.labels("claim_to_ready").observe(max(0.0, took))
+            stages["claim_to_ready"].observe(max(0.0, took))
         if reply.timings is not None:
             for stage in _STAGES:
-                m.activation_seconds.labels(stage).observe(getattr(reply.timings, f"{stage}_ms") / 1e3)
+                stages[stage].observe(getattr(reply.timings, f"{stage}_ms") / 1e3)
         self.events.publish(
             "slot.ready", node=claim.node, slot=claim.slot, endpoint=record.endpoint, timings=reply.timings
         )

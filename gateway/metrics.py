@@ -37,8 +37,8 @@ class GatewayMetrics:
         PlatformCollector(registry=r)
         if GC_COLLECTOR is not None:
             GCCollector(registry=r)
-        Gauge("pulsescale_build_info", "The running build (value 1)", ["version"], registry=r).labels(
-            build_version()
+        Gauge("pulsescale_build_info", "The running build (value 1)", ["version", "component"], registry=r).labels(
+            build_version(), "gateway"
         ).set(1)
         self.responses = Counter(
             "pulsescale_gateway_responses_total",

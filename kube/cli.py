@@ -15,7 +15,8 @@ Then one replica of possibly several: a candidate for the Lease (kube/leader.py)
 ``--health-port`` serves ``/healthz`` (200 while the process runs its loop with NATS connected and no background
 loop of the operator has died: `OperatorContext.died`) and ``/readyz``
 (200 while NATS is connected and the last Lease round reached the API server: a standby replica is ready to take
-over); both on 127.0.0.1 unless ``--health-host`` says otherwise (in a pod: its IP from the downward API).
+over), and ``/metrics`` (Prometheus text, `kube.metrics`); all on 127.0.0.1 unless ``--health-host`` says otherwise
+(in a pod: its IP from the downward API).
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ from aiohttp import web
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from nats.aio.client import Client
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from autoscaler.crd import GROUP, PLURAL, VERSION
 from kube import apicall, leader
 from kube.context import DEFAULT_STATUS_EVERY_S, OperatorContext, open_buckets
+from kube.metrics import OperatorMetrics
 from warmpool import connect
 from warmpool.errors import PulsescaleError
 
@@ -153,8 +156,16 @@ async def _health(
         ok = nc.is_connected and elector.reached and not ctx.died
         return web.json_response(state(), status=200 if ok else 503)
 
+    metrics = OperatorMetrics()
+    metrics.bind(nats_connected=lambda: nc.is_connected, leading=elector.leading, failures=lambda: ctx.failures,
+                 died=lambda: ctx.died)  # fmt: skip
+
+    async def prometheus(_: web.Request) -> web.Response:
+        # On the loop: a few dozen series, read from the state the loop keeps (no other thread touches it).
+        return web.Response(body=generate_latest(metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
     app = web.Application()
-    app.add_routes([web.get("/healthz", healthz), web.get("/readyz", readyz)])
+    app.add_routes([web.get("/healthz", healthz), web.get("/readyz", readyz), web.get("/metrics", prometheus)])
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:
@@ -248,7 +259,8 @@ def run_operator(argv: list[str], prog: str) -> int:
     p.add_argument("--status-every", type=_positive, default=DEFAULT_STATUS_EVERY_S, metavar="SECONDS",
                    help="refresh ScaledObject status from the autoscaler this often "
                    f"[{DEFAULT_STATUS_EVERY_S:g}]")  # fmt: skip
-    p.add_argument("--health-port", type=int, metavar="PORT", help="serve /healthz and /readyz on this port [off]")
+    p.add_argument("--health-port", type=int, metavar="PORT",
+                   help="serve /healthz, /readyz and /metrics on this port [off]")  # fmt: skip
     p.add_argument("--health-host", default=OperatorSettings.health_host, metavar="ADDRESS",
                    help="bind the health port to this address; in Kubernetes the pod IP from the downward API "
                    f"[{OperatorSettings.health_host}]")  # fmt: skip

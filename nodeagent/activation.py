@@ -11,6 +11,12 @@ imported everything and the weights are staged, verified and locked (`prewarm`).
 A failed or late activation is answered at once; its clean-up (stop the engine, re-check the staged weights,
 re-arm, give the claim back or quarantine a slot that keeps failing) runs after the reply, still under the lock.
 
+Deadline (contract revision 10): the request's `deadline` is in this node's clock (the autoscaler states it so, from
+the skew it measures in our heartbeats). It is read once, at arrival, and turned into a deadline on
+`time.perf_counter` (`_until`), no later than `deadline_s` after arrival when the request carries it: every wait of
+the activation is timed on that one monotonic clock, so a step of the wall clock meanwhile (chrony syncing at boot)
+neither cuts nor stretches it.
+
 Fencing: the agent keeps the highest verified token per slot and refuses anything lower unread; a request must
 carry both halves of the claim (token and claim id) that holds the slot. `deactivate` stops the engine before the
 slot goes back, so no engine serves a slot it does not hold; `fence` does the same when the registry shows the
@@ -51,13 +57,22 @@ class Activator:
 
     # --- activate --------------------------------------------------------------------------------------------
 
+    def _until(self, req: protocol.ActivateRequest, t_recv: float) -> float:
+        """The activation's deadline on `time.perf_counter` (the clock `t_recv` is on): `deadline` read on our wall
+        clock now, and no later than `deadline_s` after arrival (revision 10) when the request carries it."""
+        until = time.perf_counter() + (req.deadline - self.keeper.store.clock())
+        if req.deadline_s is not None:
+            until = min(until, t_recv + req.deadline_s)
+        return until
+
     async def on_activate(self, req: protocol.ActivateRequest, t_recv: float) -> ActivateReply:
+        until = self._until(req, t_recv)
         try:
             slot = self.keeper.slot(req.slot)
-            await slot.lock_by(req.deadline, t_recv)
+            await slot.lock_by(until, t_recv)
             handed_off = False
             try:
-                reply, cleanup = await self._activate(slot, req, t_recv)
+                reply, cleanup = await self._activate(slot, req, t_recv, until)
                 if cleanup is not None:
                     # Reply first; the clean-up (stop, re-check, re-arm, give back) keeps the lock and frees it.
                     self.keeper.spawn(slot.unlock_after(cleanup), name=f"after-activation-{slot.name}")
@@ -118,9 +133,10 @@ class Activator:
             raise ActivationRefused("unknown_slot", f"slot {slot.key} is not in the registry") from None
 
     async def _activate(
-        self, slot: Slot, req: protocol.ActivateRequest, t_recv: float
+        self, slot: Slot, req: protocol.ActivateRequest, t_recv: float, until: float
     ) -> tuple[ActivateReply, Coroutine[Any, Any, None] | None]:
-        """With the slot's lock held: (the reply, clean-up to run after replying, still under the lock)."""
+        """With the slot's lock held: (the reply, clean-up to run after replying, still under the lock). `until`
+        is the deadline on `time.perf_counter` (`_until`)."""
         k = self.keeper
         if req.token < slot.highest_token:
             raise ActivationRefused(
@@ -136,7 +152,7 @@ class Activator:
         if rec.state != "claimed" and rec.token != req.token:
             raise ActivationRefused("stale_token", f"slot {slot.key} is {rec.state} under token {rec.token}")
         claim = Claim(key=slot.key, token=req.token, claim_id=req.claim_id, revision=rev, record=rec)
-        remaining = req.deadline - time.time()
+        remaining = until - time.perf_counter()
         if remaining <= 0:
             await k.give_back(slot, claim, f"activation arrived {-remaining * 1e3:.0f} ms past its deadline")
             k.metrics.activations.labels("deadline").inc()
@@ -160,19 +176,19 @@ class Activator:
         t_token = time.perf_counter()
         slot.phase = "active"
         stage = "engine"
-        budget_ms = (req.deadline - time.time()) * 1e3
+        budget_ms = (until - time.perf_counter()) * 1e3
         try:
             try:
                 # One deadline over both stages; each stage also bounds itself, so it can say what it waited for.
-                async with asyncio.timeout(max(0.0, req.deadline - time.time()) + 0.05):
-                    started = await engine.start(timeout_s=max(0.001, req.deadline - time.time()))
+                async with asyncio.timeout(max(0.0, until - time.perf_counter()) + 0.05):
+                    started = await engine.start(timeout_s=max(0.001, until - time.perf_counter()))
                     t_engine = time.perf_counter()
                     stage = "readiness"
                     await readiness.check(
                         self.session,
                         started.endpoint,
                         k.settings.model_name,
-                        timeout_s=req.deadline - time.time(),
+                        timeout_s=until - time.perf_counter(),
                         health_path=started.health_path,
                     )
                     t_ready = time.perf_counter()

@@ -65,7 +65,9 @@ class Agent:
         metrics: AgentMetrics,
         session: aiohttp.ClientSession,
     ) -> None:
+        """The agent's wall clock is its store's (`store.clock`): heartbeats, records and requests' expiry."""
         self.settings = settings
+        self.clock = store.clock
         self.nc = nc
         self.store = store
         self.metrics = metrics
@@ -88,6 +90,7 @@ class Agent:
             max_in_flight=settings.max_requests_in_flight,
             max_status_in_flight=settings.max_status_in_flight,
             on_busy=lambda verb: metrics.busy.labels(verb).inc(),
+            clock=self.clock,
         )
         self._correcting: set[str] = set()
         """Slots whose rewritten record is being written back (one task per slot)."""
@@ -98,7 +101,7 @@ class Agent:
         self._foreign_logged = False
         self.metrics_port: int | None = None
         """Where ``/metrics`` and ``/status`` are served, once they are (None: not served)."""
-        self.started_at = time.time()
+        self.started_at = time.monotonic()
 
     @property
     def slots(self) -> dict[str, Slot]:
@@ -122,7 +125,7 @@ class Agent:
             lease = AgentLease(
                 node=s.node,
                 slots=list(self.slots),
-                heartbeat_at=time.time(),
+                heartbeat_at=self.clock(),
                 lease_s=s.lease_s,
                 rack=s.rack,
                 gpus=gpus,
@@ -372,7 +375,7 @@ class Agent:
             weights=weights,
             unlocked=bool(locked and locked.error),
             slots=[x.status(k.store.record(x.key)) for x in chosen],
-            uptime_s=round(time.time() - self.started_at, 1),
+            uptime_s=round(time.monotonic() - self.started_at, 1),
             rootfs=self.prewarmer.rootfs.status(),
         )
 
@@ -437,11 +440,14 @@ async def run(
     ready: asyncio.Event | None = None,
     registry: CollectorRegistry | None = None,
     on_started: Callable[[Agent, int | None], None] | None = None,
+    clock: Callable[[], float] = time.time,
 ) -> None:
     """Run the agent until `stop` is set. `ready` is set once requests are served (staging may still run);
-    `on_started(agent, metrics_port)` lets a caller (tests, the CLI) see the live agent."""
+    `on_started(agent, metrics_port)` lets a caller (tests, the CLI) see the live agent. `clock` is the node's wall
+    clock (tests set one off from the autoscaler's: contract revision 10)."""
     metrics = AgentMetrics(registry if registry is not None else CollectorRegistry())
     nc = await nats_connect.connect(settings.nats)
+    metrics.nats_connected.set_function(lambda: 1.0 if nc.is_connected else 0.0)
     runner: web.AppRunner | None = None
     agent: Agent | None = None
     store: KvSlotStore | None = None
@@ -450,7 +456,9 @@ async def run(
         connector=aiohttp.TCPConnector(force_close=True), timeout=aiohttp.ClientTimeout(total=None)
     )
     try:
-        store = await KvSlotStore.open(nc, on_reject=lambda reason: metrics.registry_rejected.labels(reason).inc())
+        store = await KvSlotStore.open(
+            nc, clock=clock, on_reject=lambda reason: metrics.registry_rejected.labels(reason).inc()
+        )
         await store.start()
         agent = Agent(settings, nc, store, metrics, session)
         await agent.prewarmer.register_all()

@@ -1,10 +1,27 @@
-"""The node agent's Prometheus metrics, bound to an injected registry (tests build a fresh one each)."""
+"""The node agent's Prometheus metrics, bound to an injected registry (tests build a fresh one each).
+
+As the other daemons' registries, it carries the process, platform and GC collectors and
+``pulsescale_build_info{version,component}``; deploy/monitoring's alerts and dashboard read these names."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Mapping
 from typing import Final
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    GC_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
+
+from warmpool.build import build_version
+from warmpool.protocol import SlotState
 
 __all__ = ["ACTIVATION_BUCKETS_S", "AgentMetrics"]
 
@@ -35,6 +52,15 @@ ACTIVATION_BUCKETS_S: Final = (
 class AgentMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
+        if GC_COLLECTOR is not None:  # None on interpreters without gc statistics
+            GCCollector(registry=registry)
+        Gauge("pulsescale_build_info", "The running build (value 1)", ["version", "component"],
+              registry=registry).labels(build_version(), "agent").set(1)  # fmt: skip
+        self.nats_connected = Gauge(
+            "pulsescale_nats_connected", "1 while the connection to NATS is up (the agent binds it)", registry=registry
+        )
         self.activation_seconds = Histogram(
             "pulsescale_agent_activation_seconds",
             "Time an activation spent per stage (token, load, engine, readiness, total), successful activations",
@@ -79,6 +105,15 @@ class AgentMetrics:
         self.slots = Gauge(
             "pulsescale_agent_slots", "This agent's slots by registry state", ["state"], registry=registry
         )
+        self.warm_slot_seconds = Counter(
+            "pulsescale_agent_warm_slot_seconds",
+            "Seconds this agent's slots spent warm (standby: prewarmed, claimable, serving nobody), summed over its "
+            "slots, by model: the warm pool's idle cost (one GPU per slot: idle standby GPU-seconds). Integrated "
+            "at every slot state the agent writes or sees and at each heartbeat",
+            ["model"],
+            registry=registry,
+        )
+        self._warm: tuple[float, int] | None = None  # (when, warm slots) at the last `set_slots`
         self.staged_bytes = Gauge(
             "pulsescale_agent_weights_staged_bytes", "Bytes of verified weights staged in shm", registry=registry
         )
@@ -138,3 +173,16 @@ class AgentMetrics:
             "this node's permissions made them: the autoscaler would try them in vain)",
             registry=registry,
         )
+
+    def set_slots(self, model: str, counts: Mapping[SlotState, int], now: float | None = None) -> None:
+        """``pulsescale_agent_slots{state}`` from `counts` (slots by registry state), and the time since the last call
+        at the warm count that held then into ``pulsescale_agent_warm_slot_seconds_total{model}``: a time-weighted
+        sum, exact to within the interval between calls (`now`: monotonic seconds, default now)."""
+        now = time.monotonic() if now is None else now
+        warm_seconds = self.warm_slot_seconds.labels(model)  # there from the first call, at 0
+        if self._warm is not None:
+            since, warm = self._warm
+            warm_seconds.inc(warm * max(0.0, now - since))
+        self._warm = (now, counts.get("warm", 0))
+        for state, n in counts.items():
+            self.slots.labels(state).set(n)

@@ -61,7 +61,7 @@ class Prewarmer:
     async def register_all(self) -> None:
         """Write every slot `prewarming` (start-up): visible at once, claimable only once `warm`."""
         k, s = self.keeper, self.keeper.settings
-        now = time.time()
+        now = k.store.clock()
         for slot in k.slots.values():
             rec = SlotRecord(
                 model=s.model_name,

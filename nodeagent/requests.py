@@ -73,8 +73,12 @@ class Requests:
         max_in_flight: int = 64,
         max_status_in_flight: int = 8,
         on_busy: Callable[[str], None] = lambda verb: None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        """`clock`: this node's wall clock, which a request's `expires_at` is stated in (contract revision 10: the
+        autoscaler states it in our clock, as it measures it from our heartbeats)."""
         self.nc = nc
+        self.clock = clock
         self.node = node
         self.handlers = dict(handlers)
         self.spawn = spawn
@@ -137,7 +141,7 @@ class Requests:
     async def _handle(self, msg: Msg, verb: str, handler: Handler, t_recv: float) -> None:
         try:
             req = protocol.decode(msg.data, protocol.AGENT_REQUEST_TYPES[verb])
-            protocol.admit(req, time.time(), self.ledger)
+            protocol.admit(req, self.clock(), self.ledger)
         except DuplicateRequest as dup:
             self.rejected(dup, source=msg.subject)
             await self._respond(msg, dup.reply)
@@ -161,7 +165,7 @@ class Requests:
             self._pending.pop(req.id, None)
         if not fut.done():
             fut.set_result(reply)
-        self.ledger.record(req, reply, time.time())
+        self.ledger.record(req, reply, self.clock())
         await self._respond(msg, reply)
 
     async def _respond(self, msg: Msg, reply: bytes) -> None:

@@ -140,10 +140,10 @@ class Slot:
             finally:
                 self.busy = None
 
-    async def lock_by(self, deadline: float, t_recv: float) -> None:
-        """Take the lock, waiting no longer than `deadline` (Unix s); say what held it if it was not free in time.
-        The caller releases it, or hands that to `unlock_after`."""
-        left_s = deadline - time.time()
+    async def lock_by(self, until: float, t_recv: float) -> None:
+        """Take the lock, waiting no longer than `until` (`time.perf_counter`, the clock `t_recv` is on); say what
+        held it if it was not free in time. The caller releases it, or hands that to `unlock_after`."""
+        left_s = until - time.perf_counter()
         try:
             async with asyncio.timeout(max(0.0, left_s)):
                 await self.lock.acquire()  # a free lock is taken without waiting, even past the deadline
@@ -245,8 +245,7 @@ class SlotKeeper:
             hit = self.record(slot)
             if hit is not None:
                 counts[hit[0].state] += 1
-        for state, n in counts.items():
-            self.metrics.slots.labels(state).set(n)
+        self.metrics.set_slots(self.settings.model_name, counts)  # and the warm slot-seconds up to now
 
     # --- background work --------------------------------------------------------------------------------------
 
@@ -301,7 +300,7 @@ class SlotKeeper:
     def fresh_record(self, slot: Slot, state: SlotState, **fields: Any) -> SlotRecord:
         s = self.settings
         rec = SlotRecord(model=s.model_name, node=s.node, slot=slot.name, state="prewarming", rack=s.rack)
-        return msgspec.structs.replace(rec, state=state, updated_at=time.time(), **fields)
+        return msgspec.structs.replace(rec, state=state, updated_at=self.store.clock(), **fields)
 
     async def fail(self, slot: Slot, reason: str) -> None:
         slot.phase, slot.reason = "failed", reason

@@ -108,10 +108,15 @@ class HandClock:
 
 
 class ShiftedClock:
-    """Wall time plus a shift the test controls: for code whose requests must carry real `expires_at`."""
+    """Wall time plus a shift the test controls: for code whose requests must carry real `expires_at`. Called, it is
+    a clock that is off (another machine's, or ours before chrony synced); `monotonic` moves by the same shift, for
+    a process that is to see that much time *pass* (a lease aged, an outage lasting)."""
 
-    def __init__(self) -> None:
-        self.shift = 0.0
+    def __init__(self, shift: float = 0.0) -> None:
+        self.shift = shift
 
     def __call__(self) -> float:
         return time.time() + self.shift
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.shift

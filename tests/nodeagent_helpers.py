@@ -15,7 +15,7 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -94,13 +94,17 @@ def settings(model_dir: Path, shm_dir: Path, url: str, **kw: Any) -> AgentSettin
 
 
 @contextlib.asynccontextmanager
-async def running_agent(cfg: AgentSettings) -> AsyncIterator[tuple[agent_mod.Agent, CollectorRegistry]]:
-    """`agent.run` as a task; stopped (engines and zygotes killed) at exit, failures re-raised."""
+async def running_agent(
+    cfg: AgentSettings, *, clock: Callable[[], float] = time.time
+) -> AsyncIterator[tuple[agent_mod.Agent, CollectorRegistry]]:
+    """`agent.run` as a task; stopped (engines and zygotes killed) at exit, failures re-raised. `clock` is the
+    node's wall clock (`ShiftedClock`: a node whose clock is off)."""
     stop = asyncio.Event()
     registry = CollectorRegistry()
     box: list[agent_mod.Agent] = []
     task = asyncio.create_task(
-        agent_mod.run(cfg, stop=stop, registry=registry, on_started=lambda a, _: box.append(a)), name="agent-under-test"
+        agent_mod.run(cfg, stop=stop, registry=registry, on_started=lambda a, _: box.append(a), clock=clock),
+        name="agent-under-test",
     )
     try:
         await wait_for(lambda: bool(box) or task.done(), 30, "the agent to start")

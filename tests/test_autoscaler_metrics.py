@@ -54,9 +54,10 @@ async def test_activation_stages_have_the_autoscalers_own_name(
             value = scaler.metrics.registry.get_sample_value
             await Gateway(nc, "m").send(8)
             name = "pulsescale_autoscaler_activation_seconds"
-            await wait_for(lambda: value(f"{name}_count", {"stage": "total"}) == 2, 3, "two activations")
-            assert value(f"{name}_count", {"stage": "claim_to_ready"}) == 2
-            assert value(f"{name}_sum", {"stage": "claim_to_ready"}) >= 2 * 0.05, "measured from the claim"
+            total, claim_to_ready = {"model": "m", "stage": "total"}, {"model": "m", "stage": "claim_to_ready"}
+            await wait_for(lambda: value(f"{name}_count", total) == 2, 3, "two activations")
+            assert value(f"{name}_count", claim_to_ready) == 2
+            assert value(f"{name}_sum", claim_to_ready) >= 2 * 0.05, "measured from the claim"
             assert value("pulsescale_activation_seconds_count", {"stage": "total"}) is None, "the agent's name"
     finally:
         await agent.stop()
@@ -83,8 +84,9 @@ async def test_the_port_serves_metrics_health_and_readiness_and_nothing_else(
         assert port
         status, text = await get(port, "/metrics")
         assert status == 200
-        for series in ("pulsescale_build_info{version=", "process_cpu_seconds_total", "python_info{",
-                       "pulsescale_leader 1.0", "pulsescale_registry_rejected_records_total"):  # fmt: skip
+        for series in ('pulsescale_build_info{component="autoscaler",version=', "process_cpu_seconds_total",
+                       "python_info{", "pulsescale_leader 1.0", "pulsescale_registry_rejected_records_total",
+                       "pulsescale_nats_connected 1.0"):  # fmt: skip
             assert series in text, f"{series} missing from /metrics"
         status, text = await get(port, "/healthz")
         assert status == 200 and json.loads(text)["leader"] is True

@@ -286,6 +286,9 @@ async def test_pool_lists_slots_with_agent_freshness(nc: Client, service: Comman
     reply = await send(nc, "pool", request("pool"))
     assert reply["counts"] == {"llama": {"warm": 1}, "qwen": {"warm": 4}}
     by_key = {s["key"]: s for s in reply["slots"]}
+    # Revision 10: the agent's clock against ours, from its heartbeat (here our own write: milliseconds).
+    skew_s = by_key["qwen.node-0.s0"].pop("skew_s")
+    assert isinstance(skew_s, float) and abs(skew_s) < 1.0, skew_s
     assert by_key["qwen.node-0.s0"] == {
         "key": "qwen.node-0.s0",
         "model": "qwen",

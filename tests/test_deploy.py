@@ -582,14 +582,24 @@ def test_the_example_scaledobject_targets_the_example_deployment_and_the_service
 
 def test_the_service_monitors_point_at_services_and_ports_that_exist() -> None:
     """Structural check only (monitoring.coreos.com/v1 is the Prometheus Operator's CRD): each selects a Service of
-    the build, in the namespace it names, by a port name that Service has."""
+    the build, in the namespace it names, by a port name that Service has; the gateway's selects the Services users
+    make for their gateways (in any namespace: deploy/ ships no gateway), by the label and port name it documents."""
     docs = build("overlays/production")
     monitors = [d for d in docs if d["kind"] == "ServiceMonitor"]
-    assert {m["metadata"]["name"] for m in monitors} == {"pulsescale-autoscaler", "pulsescale-agent"}
+    assert {m["metadata"]["name"] for m in monitors} == {
+        "pulsescale-autoscaler",
+        "pulsescale-agent",
+        "pulsescale-operator",
+        "pulsescale-gateway",
+    }
     for m in monitors:
         assert m["apiVersion"] == "monitoring.coreos.com/v1"
         spec = m["spec"]
         assert set(spec) <= {"selector", "namespaceSelector", "endpoints", "jobLabel"}
+        if m["metadata"]["name"] == "pulsescale-gateway":
+            assert spec["namespaceSelector"] == {"any": True}
+            assert [(ep["port"], ep["path"]) for ep in spec["endpoints"]] == [("metrics", "/metrics")]
+            continue
         services = [
             s
             for s in docs
@@ -598,6 +608,13 @@ def test_the_service_monitors_point_at_services_and_ports_that_exist() -> None:
             and spec["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()
         ]
         assert services, m["metadata"]["name"]
+        for service in services:  # ...whose ports lead to a port of the pods it selects
+            ns, selector = service["metadata"]["namespace"], service["spec"]["selector"].items()
+            pods = [d for d in docs if d["kind"] in POD_KINDS and d["metadata"]["namespace"] == ns
+                    and selector <= d["spec"]["template"]["metadata"]["labels"].items()]  # fmt: skip
+            assert pods, service["metadata"]["name"]
+            named = {p.get("name") for d in pods for c in pod_spec(d)["containers"] for p in c.get("ports", [])}
+            assert {p["targetPort"] for p in service["spec"]["ports"]} <= named, service["metadata"]["name"]
         for ep in spec["endpoints"]:
             assert set(ep) <= {"port", "path", "interval", "scrapeTimeout", "relabelings", "metricRelabelings"}
             assert all(ep["port"] in {p["name"] for p in s["spec"]["ports"]} for s in services)

@@ -423,14 +423,17 @@ async def test_an_idle_slot_released_while_the_agent_seemed_dead_comes_back_warm
     nats_server: NatsServer, nc: Client, store: KvSlotStore, model_dir: Path, shm_dir: Path
 ) -> None:
     """A claimer whose view says the agent's lease lapsed gives the slot back as `failed` (not claimable); the
-    agent, alive after all, sees its idle, armed slot failed with no claim and writes it `warm` again."""
-    cfg = settings(model_dir, shm_dir, nats_server.url)
+    agent, alive after all, sees its idle, armed slot failed with no claim and writes it `warm` again.
+
+    A lease lapses by the time since it was heard (contract revision 10): the agent renews every 20 s, so the
+    claimer hears nothing while it sees three leases pass (both its clocks moved on)."""
+    cfg = settings(model_dir, shm_dir, nats_server.url, heartbeat_interval_s=20.0, lease_s=60.0)
     async with running_agent(cfg) as (agent, _):
         await wait_state(store, key("s0"), "warm")
         claim = await store.claim_slot(key("s0"))
         clock = ShiftedClock()
-        async with await KvSlotStore.open(nc, clock=clock) as late:
-            clock.shift = cfg.lease_s * 3  # this claimer's clock: the agent has not renewed for three leases
+        async with await KvSlotStore.open(nc, clock=clock, monotonic=clock.monotonic) as late:
+            clock.shift = cfg.lease_s * 3  # for this claimer three leases passed without a renewal
             assert late.lease_lapsed(NODE, clock())
             await late.release(claim, reason="scaled down")
             released = late.record(key("s0"))

@@ -88,6 +88,11 @@ async def test_agent_process_serves_then_stops_cleanly_on_sigterm(
         )
         assert 'pulsescale_agent_activation_seconds_count{stage="total"} 1.0' in metrics
         assert "pulsescale_agent_weights_locked_bytes" in metrics
+        # what deploy/monitoring reads: the build, the NATS connection, the idle standby slot-seconds
+        assert re.search(r'pulsescale_build_info\{component="agent",version="[^"]+"\} 1\.0', metrics)
+        assert "pulsescale_nats_connected 1.0" in metrics and "process_resident_memory_bytes" in metrics
+        warm = re.search(r'pulsescale_agent_warm_slot_seconds_total\{model="[^"]+"\} (\S+)', metrics)
+        assert warm and float(warm.group(1)) > 0, "two slots were warm until the activation"
         family = children_of(proc.pid)
         assert len(family) >= 3  # two zygotes and one engine
 

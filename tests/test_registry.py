@@ -352,10 +352,10 @@ async def test_an_undecodable_update_withdraws_the_slot(nc: Client, store: KvSlo
 async def test_lease_is_judged_only_on_a_current_view(nats_server: NatsServer) -> None:
     """After an outage longer than a lease every heartbeat in the view is old: a lease is called lapsed only once
     the view was re-listed and its agent had one heartbeat interval since to renew (issue 7: healthy serving
-    slots were replaced after an 8 s outage)."""
+    slots were replaced after an 8 s outage). The shift is time passing here: both clocks move."""
     clock = ShiftedClock()
     c = await connect.connect(connect.NatsOptions(servers=(nats_server.url,), name="judge"))
-    s = await KvSlotStore.open(c, clock=clock)
+    s = await KvSlotStore.open(c, clock=clock, monotonic=clock.monotonic)
     await s.start()
     try:
         await s.heartbeat(AgentLease(node="n1", heartbeat_at=clock(), lease_s=1.0, heartbeat_every_s=0.5))

@@ -135,10 +135,15 @@ class BucketView(Generic[V]):
         """Set once the first snapshot is in."""
         self.relists = 0
         self.listed_at: float | None = None
-        """Reader's time of the latest complete snapshot; None until one is in, and again while re-listing."""
+        """Reader's time of the latest complete snapshot, by `clock`; None until one is in, and again while
+        re-listing. (The registry gives its views its monotonic clock: it measures time since the listing.)"""
         self._listed_reconnects = -1  # the connection's reconnect count when that snapshot was taken
         self._subscribers: set[asyncio.Queue[ViewEvent[V]]] = set()
         self._on_change: Callable[[str, V | None, V | None], None] | None = None
+        self._on_arrival: Callable[[str, V], None] | None = None
+        """Told each record that *arrives* (a watch delta after the listing, or our own write), before the view
+        changes; not one that a listing brings, whose write time is unknown (`warmpool.agentclocks` times leases
+        by it)."""
         # Checked by the loops too: on Python 3.11 `wait_for` can swallow a cancellation that races a result.
         self.closed = False
 
@@ -196,6 +201,8 @@ class BucketView(Generic[V]):
         echoes it; the echo is then skipped, so each revision is published once."""
         cur = self._items.get(key)
         if cur is None or cur[1] < revision:
+            if self._on_arrival is not None:
+                self._on_arrival(key, value)
             self._set(key, value, revision)
             if self.ready.is_set():
                 self._publish(Changed(key, value, revision))
@@ -376,6 +383,8 @@ class BucketView(Generic[V]):
                 cur = self._items.get(entry.key)
                 if value is None and cur is None:
                     continue  # nothing to remove
+                if value is not None and self._on_arrival is not None:
+                    self._on_arrival(entry.key, value)
                 self._set(entry.key, value, rev)
                 self._publish(Changed(entry.key, value, rev) if value is not None else Removed(entry.key, rev))
             elif entry is None and snapshot is not None and not marked:

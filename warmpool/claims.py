@@ -121,7 +121,8 @@ class Claimer:
         if hit is None:
             raise SlotNotFound(f"no slot {key}")
         rec = hit[0]
-        if not slots.claimable(rec, self.index.lease(rec.node), self.clock()):
+        now = self.clock()
+        if not slots.claimable(rec, self.index.lease(rec.node), now, fresh=self.index.lease_fresh(rec.node, now)):
             raise NoSlotAvailable(f"slot {key} is {rec.state}{' (drained)' if rec.drain else ''} or its agent is stale")
         return await self._claim_one(hit, self.clock())
 

@@ -60,6 +60,18 @@ Revisions of v1 (each only adds fields or tightens a request only our own autosc
   unset period is the hold too and an unset percent 100, or 60 s and 50 % where the stabilisation is set. A value
   that is set means what it meant, so a ScaledObject that spells out revision 8's defaults scales as before.
   Records are unchanged: an unset field is absent.
+- revision 10 (clock skew between machines): a reader judges an agent's lease by when *it heard* the heartbeat, on
+  its own monotonic clock (fresh for `lease_s` after it arrived), never by comparing `heartbeat_at` with its own
+  wall clock; it measures each agent's clock against its own (the heartbeat's `heartbeat_at` minus its own time at
+  arrival) and does not offer the slots of an agent whose heartbeat is stamped more than `MAX_TRUSTED_SKEW_S` from
+  its clock, either way (counted ``clock_skew``, a new entry of `REASONS`). A lease it only listed (its arrival
+  unknown: at start, after a re-list) is judged by `heartbeat_at` as before, corrected by the measured skew, and is
+  not offered while its stamp is ahead of that (`warmpool.agentclocks.LISTED_AHEAD_S`) until a heartbeat is heard.
+  The autoscaler states an agent request's `expires_at` and `deadline` in *that agent's* clock (its own time plus
+  the measured skew), so an agent of any revision judges them on its own clock; `ActivateRequest` adds `deadline_s`
+  (the same deadline as seconds from arrival, timed by the agent's monotonic clock: the agent stops at the earlier
+  of the two; absent from older autoscalers: `deadline` alone, as before), and `PoolSlot` adds `skew_s` (the
+  measured skew of the slot's agent, None until one of its heartbeats was heard).
 
 Pure: no I/O, no NATS import; `now` is passed in where time matters.
 """
@@ -104,6 +116,7 @@ __all__ = [
     "shard_key",
     "shard_of",
     "MAX_CLOCK_SKEW_S",
+    "MAX_TRUSTED_SKEW_S",
     "MAX_LEASE_S",
     "MAX_MESSAGE_BYTES",
     "MAX_REQUEST_TTL_S",
@@ -201,7 +214,7 @@ __all__ = [
 ]
 
 VERSION: Final = 1
-CONTRACT_REVISION: Final = 9
+CONTRACT_REVISION: Final = 10
 """Revision of wire contract v1 this code speaks (see the module doc for what each revision changed)."""
 MAX_MESSAGE_BYTES: Final = 64 * 1024
 MAX_LEASE_S: Final = 300.0
@@ -216,6 +229,12 @@ sends one, and a truncated list would offer an arbitrary subset."""
 MAX_CLOCK_SKEW_S: Final = 5.0
 """A heartbeat dated more than this ahead of the reader's clock is not fresh: a future-dated lease is a clock fault
 or a forgery, never a reason to trust a node for longer."""
+MAX_TRUSTED_SKEW_S: Final = 120.0
+"""Revision 10: the furthest an agent's clock may be from a reader's (its heartbeat's `heartbeat_at` minus the
+reader's time when the heartbeat arrived), either way, for the reader to offer its slots. Freshness no longer rests
+on the stamp (a lease is fresh for `lease_s` after it was *heard*), so a clock that chrony has not yet stepped at
+boot, or a VM's after a suspend, serves as usual: the fault review saw 3 to 30 s. Minutes off is a broken clock (or
+a forged stamp, like one dated an hour ahead): that node is shown with its skew and counted, not offered."""
 MAX_REQUEST_TTL_S: Final = 3_600.0
 """The latest `expires_at` a consumer accepts, from its own clock: a request cannot stay replayable (or stay in the
 idempotency ledger) for longer. An hour covers the longest on-call wait anyone types."""
@@ -299,6 +318,7 @@ REASONS: Final = (
     "subject_mismatch",  # the payload names another model/node than its subject
     "expired",  # a request past its expires_at
     "duplicate_id",  # a request id already applied
+    "clock_skew",  # revision 10: an agent's heartbeat stamped more than MAX_TRUSTED_SKEW_S from the reader's clock
 )
 
 # Error codes of failed replies (``{"ok": false, "error": {"code", "message"}}``); clients branch on these, so
@@ -533,16 +553,24 @@ class PrewarmRequest(Request, kw_only=True):
 
 
 class ActivateRequest(Request, kw_only=True):
-    """Take a claimed slot into service. `token` is the claim write's KV revision; `deadline` is Unix s."""
+    """Take a claimed slot into service. `token` is the claim write's KV revision; `deadline` is Unix s (since
+    revision 10 in the agent's clock, as the autoscaler measures it: see the module doc)."""
 
     slot: Name
     token: Token
     claim_id: Id
     deadline: float
+    deadline_s: float | None = None
+    """Revision 10: the same deadline as seconds from when the agent receives the request, timed by its monotonic
+    clock; the agent stops at the earlier of this and `deadline`. None (older autoscalers): `deadline` alone."""
 
     def _validate(self) -> None:
         super()._validate()
-        _finite(self, "deadline")
+        _finite(self, "deadline", "deadline_s")
+        if self.deadline_s is not None and not 0 < self.deadline_s <= MAX_REQUEST_TTL_S:
+            raise ValueError(
+                f"[bad_value] `deadline_s` is {self.deadline_s:g}; it must be in (0, {MAX_REQUEST_TTL_S:g}] seconds"
+            )
 
 
 class DeactivateRequest(Request, kw_only=True):
@@ -621,7 +649,8 @@ class SlotRecord(Message, kw_only=True):
 
 
 class AgentLease(Message, kw_only=True):
-    """The value under ``<node>`` in `pulse_agents`: a heartbeat judged fresh by the reader's clock."""
+    """The value under ``<node>`` in `pulse_agents`: a heartbeat judged fresh by the reader's clock (since revision
+    10 by when the reader heard it, `warmpool.agentclocks`; `fresh` is the rule for a lease only listed)."""
 
     node: Name
     slots: list[Name] = []
@@ -1235,6 +1264,9 @@ class PoolSlot(msgspec.Struct, kw_only=True):
     engine_mode: EngineMode | None = None
     rootfs_mounted: bool = False
     image_digest: str | None = None
+    skew_s: float | None = None
+    """Revision 10: how far the clock of the slot's agent is from the autoscaler's (agent minus autoscaler,
+    seconds, from its recent heartbeats); None: none of its heartbeats heard yet."""
 
 
 class PoolReply(CommandReply, kw_only=True):

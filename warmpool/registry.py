@@ -16,9 +16,12 @@ unless it delivers to the view and holds nothing the view missed.
 The buckets are made and opened by `warmpool.buckets` (re-exported here): `replicas_for` replicas, raised by the
 autoscaler on an existing bucket that has fewer; other roles report it.
 
-Leases are judged by the reader's clock, and only on a current view: after a reconnect the agents' view is
-re-listed, and a lease is called lapsed only once its agent had two heartbeat intervals since to renew it
-(`lease_lapsed`). Without that, an outage longer than a lease would make every healthy agent look dead.
+Leases are judged by when the reader heard them, on its own monotonic clock, never by comparing an agent's stamp
+with the reader's wall clock (`warmpool.agentclocks`, contract revision 10: an agent whose clock is off serves
+like any other, and its measured skew is `clock_skew`). A lease is called lapsed only on a current view: after a
+reconnect the agents' view is re-listed, and a lease is called lapsed only once its agent had two heartbeat
+intervals since to renew it (`lease_lapsed`). Without that, an outage longer than a lease would make every
+healthy agent look dead.
 
 `KvSlotStore` is the face the rest of the code uses; it composes the parts that do the work, each in its own
 module: `SlotIndex` (`warmpool.slotindex`: the views of both buckets, the indexes a claim picks from, every
@@ -40,6 +43,7 @@ from nats.aio.client import Client
 from nats.js.kv import KeyValue
 
 from warmpool import protocol
+from warmpool.agentclocks import Verdict
 from warmpool.buckets import (
     ALL_BUCKETS,
     KV_REPLICAS_ENV,
@@ -112,19 +116,23 @@ class KvSlotStore:
         buckets: dict[str, KeyValue],
         *,
         clock: Clock = time.time,
+        monotonic: Clock = time.monotonic,
         rng: random.Random | None = None,
         resolve_timeout_s: float = 10.0,
         on_reject: Callable[[str], None] | None = None,
     ) -> None:
+        """`clock` (wall) stamps records and measures the agents' clocks; `monotonic` times how long ago each
+        lease was heard (their freshness) and how long ago the views were listed."""
         self.nc = nc
         self.clock = clock
+        self.monotonic = monotonic
         self.rng = rng or random.Random()
         self.rejected = Rejections(log, on_reject=on_reject)
         """Records in the buckets that break the contract: skipped, counted by reason, logged at a bounded rate;
         `on_reject(reason)` binds the owner's metric (``pulsescale_registry_rejected_records_total``)."""
         slots_kv = buckets[protocol.SLOTS_BUCKET]
         agents_kv = buckets[protocol.AGENTS_BUCKET]
-        self._index = SlotIndex(nc, slots_kv, agents_kv, self.rejected, clock=clock)
+        self._index = SlotIndex(nc, slots_kv, agents_kv, self.rejected, clock=clock, monotonic=monotonic)
         self.slots: BucketView[SlotRecord] = self._index.slots
         self.agents: BucketView[AgentLease] = self._index.agents
         self._writes = SlotWrites(slots_kv, agents_kv, self.slots, self.agents, clock=clock)
@@ -237,6 +245,22 @@ class KvSlotStore:
     def lease_lapsed(self, node: str, now: float) -> bool:
         """`SlotIndex.lease_lapsed`."""
         return self._index.lease_lapsed(node, now)
+
+    def lease_fresh(self, node: str, now: float | None = None) -> bool:
+        """`SlotIndex.lease_fresh`: the node's slots may be offered."""
+        return self._index.lease_fresh(node, now)
+
+    def lease_verdict(self, node: str, now: float | None = None) -> Verdict | None:
+        """`SlotIndex.lease_verdict`: ``fresh``, ``lapsed``, ``skewed``, or None (no lease)."""
+        return self._index.lease_verdict(node, now)
+
+    def clock_skew(self, node: str) -> float | None:
+        """`SlotIndex.clock_skew`: the node's agent's clock minus ours, seconds (None: no heartbeat heard)."""
+        return self._index.clock_skew(node)
+
+    def clock_skews(self) -> dict[str, float]:
+        """`clock_skew` of every node heard (for ``pulsescale_agent_clock_skew_seconds``)."""
+        return self._index.clocks.skews()
 
     async def get(self, key: str) -> tuple[SlotRecord, int]:
         """`SlotWrites.get`: one slot from the broker (not the view)."""

@@ -3,8 +3,10 @@ them, and every lookup a claim or a reader makes (no I/O).
 
 A claim looks only at its model's warm slots, filed by tier and node in a `placement.Pool`, and takes one only
 while its agent's lease is fresh and lists it. Slots whose claim by this process is in flight are reserved here:
-out of their pool and counted as load on their node until the broker answers. Leases are judged by the reader's
-clock, and only on a current view (`lease_lapsed`). `warmpool.registry.KvSlotStore` reads through this.
+out of their pool and counted as load on their node until the broker answers. Leases are judged by when this
+process heard them, on its own monotonic clock (`warmpool.agentclocks.AgentClocks`, which also measures each
+agent's clock skew), and called lapsed only on a current view (`lease_lapsed`). `warmpool.registry.KvSlotStore`
+reads through this.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from nats.aio.client import Client
 from nats.js.kv import KeyValue
 
 from warmpool import placement, slots
+from warmpool.agentclocks import AgentClocks, Verdict
 from warmpool.bucketview import BucketView, Clock
 from warmpool.protocol import AgentLease, SlotRecord
 from warmpool.rejects import Rejections
@@ -25,7 +28,8 @@ __all__ = ["SlotIndex"]
 
 class SlotIndex:
     """The views of both buckets (`slots`, `agents`) and the indexes a claim picks from; reading, no I/O:
-    `record`, `entry`, `records`, `lease`, `leases`, `nodes`, `claimable`, `lease_lapsed`."""
+    `record`, `entry`, `records`, `lease`, `leases`, `nodes`, `claimable`, `lease_lapsed`, `lease_verdict`,
+    `clock_skew`."""
 
     def __init__(
         self,
@@ -35,10 +39,14 @@ class SlotIndex:
         rejected: Rejections,
         *,
         clock: Clock = time.time,
+        monotonic: Clock = time.monotonic,
     ) -> None:
         self.clock = clock
-        self.slots: BucketView[SlotRecord] = BucketView(nc, slots_kv, SlotRecord, rejected, clock=clock)
-        self.agents: BucketView[AgentLease] = BucketView(nc, agents_kv, AgentLease, rejected, clock=clock)
+        self.monotonic = monotonic
+        self.slots: BucketView[SlotRecord] = BucketView(nc, slots_kv, SlotRecord, rejected, clock=monotonic)
+        self.agents: BucketView[AgentLease] = BucketView(nc, agents_kv, AgentLease, rejected, clock=monotonic)
+        self.clocks = AgentClocks(rejected, clock=clock, monotonic=monotonic)
+        """When each agent's lease was heard, and each agent's clock skew (contract revision 10)."""
         # Indexes kept in step with the view, so a claim looks only at the model's warm and held slots.
         self._by_model: dict[str, set[str]] = {}
         self._warm: dict[str, dict[int, dict[str, set[str]]]] = {}  # model -> tier -> node -> keys
@@ -51,6 +59,7 @@ class SlotIndex:
         tries the same slot (a certain lost race: two round trips) nor piles onto the same node."""
         self.slots._on_change = self._index
         self.agents._on_change = self._index_lease
+        self.agents._on_arrival = self.clocks.heard
 
     def _index(self, key: str, old: SlotRecord | None, new: SlotRecord | None) -> None:
         for rec, delta in ((old, -1), (new, 1)):
@@ -103,6 +112,7 @@ class SlotIndex:
             pool.add_warm(key, placement.tier(cur), cur.node, cur.rack)
 
     def _index_lease(self, node: str, _old: AgentLease | None, new: AgentLease | None) -> None:
+        self.clocks.listed(node, new)
         if new is None:
             self._offered.pop(node, None)
         else:
@@ -116,7 +126,7 @@ class SlotIndex:
         node's lease is fresh, and only the slots that lease lists (a record alone offers nothing: any key under
         the node can be written by its agent user). Costs at most `protocol.MAX_SLOTS_PER_NODE` lookups."""
         lease = self.lease(node)
-        if lease is None or not lease.fresh(now):
+        if lease is None or self.clocks.judge(node, lease, now) != "fresh":
             return []
         names = self._offered.get(node, frozenset())
         if len(keys) <= len(names):
@@ -151,6 +161,22 @@ class SlotIndex:
         """Every node that has a lease or a slot in the views."""
         return {r.node for r in self.slots.values()} | set(self.agents.keys())
 
+    def lease_verdict(self, node: str, now: float | None = None) -> Verdict | None:
+        """`AgentClocks.judge` of the node's lease at `now` (our wall clock, default the store's; it matters only
+        for a lease listed but not heard); None: no lease."""
+        lease = self.lease(node)
+        if lease is None:
+            return None
+        return self.clocks.judge(node, lease, self.clock() if now is None else now)
+
+    def lease_fresh(self, node: str, now: float | None = None) -> bool:
+        """The node's agent holds a fresh lease: its slots may be offered (`lease_verdict` is ``fresh``)."""
+        return self.lease_verdict(node, now) == "fresh"
+
+    def clock_skew(self, node: str) -> float | None:
+        """`AgentClocks.skew_s`: the node's clock minus ours, seconds, as its heartbeats show (None: none heard)."""
+        return self.clocks.skew_s(node)
+
     def claimable(self, model: str, now: float | None = None) -> list[SlotRecord]:
         """The model's slots that a claim could take at `now` (default: the store's clock)."""
         now = self.clock() if now is None else now
@@ -165,15 +191,20 @@ class SlotIndex:
         that is current, and the agent had two heartbeat intervals since that view was listed to renew it.
 
         A stale view (disconnected, or not re-listed since a reconnect) proves nothing: after a broker outage
-        longer than a lease, every agent's last heartbeat is old until the agents reconnect and renew."""
+        longer than a lease, every agent's last heartbeat is old until the agents reconnect and renew.
+
+        An agent that renews with a clock we do not trust (``skewed``), or whose lease we listed but did not yet
+        hear renewed (``unheard``), has not stopped: its slots are not offered, but it is not lapsed. Time since
+        the listing is on our monotonic clock; `now` (wall) only judges a lease listed but not heard
+        (`AgentClocks.judge`)."""
         view = self.agents
         if not view.current() or view.listed_at is None:
             return False
         lease = self.lease(node)
         if lease is None:
             return True  # withdrawn (a clean shutdown), or gone from a current listing
-        if lease.fresh(now):
+        if self.clocks.judge(node, lease, now) != "lapsed":
             return False
         # Two intervals, not one: the agent reconnects on its own schedule (possibly after us), and its first
         # write after the outage may be a stale buffered heartbeat replayed by its client.
-        return now - view.listed_at >= 2 * lease.renew_every_s
+        return self.monotonic() - view.listed_at >= 2 * lease.renew_every_s

@@ -41,14 +41,16 @@ def release_target(record: SlotRecord) -> SlotState:
     return "draining" if record.drain else "warm"
 
 
-def claimable(record: SlotRecord, lease: AgentLease | None, now: float) -> bool:
+def claimable(record: SlotRecord, lease: AgentLease | None, now: float, *, fresh: bool | None = None) -> bool:
     """A slot may be claimed only while warm, not drained, and its agent's lease is fresh at `now` and lists it:
-    the node's agent user can write any key under its node, so a record alone is no proof that a slot exists."""
+    the node's agent user can write any key under its node, so a record alone is no proof that a slot exists.
+    `fresh` is the reader's verdict on the lease (contract revision 10: by when it heard it,
+    `warmpool.agentclocks`); None: the lease is judged by its stamp at `now` (`AgentLease.fresh`)."""
     return (
         record.state == "warm"
         and not record.drain
         and lease is not None
-        and lease.fresh(now)
+        and (lease.fresh(now) if fresh is None else fresh)
         and record.slot in lease.slots
     )
 

@@ -1,0 +1,89 @@
+"""The operator's Prometheus metrics, served on ``/metrics`` of its health port (kube/cli.py ``--health-port``).
+
+As the other daemons' registries: the process, platform and GC collectors and ``pulsescale_build_info{version,
+component}``. The operator's own series are read at scrape time from what the replica already keeps (`bind`): whether
+it holds the Lease, its NATS connection, the unexpected errors it survived (`OperatorContext.failures`) and the
+background loops that died (`OperatorContext.died`). deploy/monitoring's alerts and dashboard read these names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+from prometheus_client import (
+    GC_COLLECTOR,
+    CollectorRegistry,
+    Gauge,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+)
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+from warmpool.build import build_version
+
+__all__ = ["OperatorMetrics"]
+
+
+class _Failures(Collector):
+    """``pulsescale_operator_failures_total{where}``, from the context's per-place counts (kept by the operator)."""
+
+    NAME = "pulsescale_operator_failures"
+
+    def __init__(self) -> None:
+        self.source: Callable[[], Mapping[str, int]] = dict
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            self.NAME,
+            "Unexpected errors the operator survived, by where (a bug met on one object: logged with its traceback, "
+            "the loop goes on with the others)",
+            labels=["where"],
+        )
+        for where, n in sorted(dict(self.source()).items()):
+            family.add_metric([where], n)
+        yield family
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self.NAME, "", labels=["where"])
+
+
+class OperatorMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        if GC_COLLECTOR is not None:  # None on interpreters without gc statistics
+            GCCollector(registry=r)
+        Gauge("pulsescale_build_info", "The running build (value 1)", ["version", "component"], registry=r).labels(
+            build_version(), "operator"
+        ).set(1)
+        self.nats_connected = Gauge("pulsescale_nats_connected", "1 while the connection to NATS is up", registry=r)
+        self.leading = Gauge(
+            "pulsescale_operator_leading",
+            "1 while this replica holds the operator's Lease and acts (ScaledObjects, standby pods, the cold path)",
+            registry=r,
+        )
+        self.background_died = Gauge(
+            "pulsescale_operator_background_died",
+            "Background loops of the operator that ended with an error (/healthz answers 503 while not 0)",
+            registry=r,
+        )
+        self.failures = _Failures()
+        r.register(self.failures)
+
+    def bind(
+        self,
+        *,
+        nats_connected: Callable[[], bool],
+        leading: Callable[[], bool],
+        failures: Callable[[], Mapping[str, int]],
+        died: Callable[[], Sequence[str]],
+    ) -> None:
+        """Read the series from the live replica at each scrape."""
+        self.nats_connected.set_function(lambda: 1.0 if nats_connected() else 0.0)
+        self.leading.set_function(lambda: 1.0 if leading() else 0.0)
+        self.background_died.set_function(lambda: float(len(died())))
+        self.failures.source = failures
