@@ -64,6 +64,14 @@ def _agent_parser(prog: str) -> argparse.ArgumentParser:
         default=d.fetch_retries,
         help=f"download retries per file, each resuming where the last stopped [{d.fetch_retries}]",
     )
+    p.add_argument(
+        "--fetch-redirect-host",
+        action="append",
+        default=[],
+        metavar="HOST[:PORT]",
+        help="a host the model URL may redirect to besides its own origin (an object store's presigned URLs); "
+        "repeat for more [none: same origin only]",
+    )
     p.add_argument("--model-name", help="the model's name in the registry [the directory's name]")
     p.add_argument("--engine", default=d.engine, choices=ENGINES, help=f"engine adapter [{d.engine}]")
     p.add_argument(
@@ -279,6 +287,7 @@ def _settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> AgentSett
         shm_budget_bytes=budget,
         fetch_timeout_s=args.fetch_timeout_s,
         fetch_retries=args.fetch_retries,
+        fetch_redirect_hosts=frozenset(args.fetch_redirect_host),
     )
 
 

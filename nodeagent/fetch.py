@@ -12,8 +12,11 @@ is fetched once more from scratch (the partial bytes were of another version).
 
 Blocking (urllib, one connection per file): the stager runs in threads. Proxies come from the usual
 ``http_proxy``/``https_proxy``/``no_proxy`` variables (what Dragonfly's dfdaemon proxy expects). Only
-``http``/``https`` are spoken, redirects included: no ``file:``, ``ftp:`` or ``data:``. URLs are shown without
-credentials or query strings (a presigned URL's signature is a secret).
+``http``/``https`` are spoken, redirects included: no ``file:``, ``ftp:`` or ``data:``. A redirect is followed only
+to the URL's own origin (scheme, host and port; http -> https of the same host too) or to a host of
+`FetchOptions.redirect_hosts` (an object store's presigned URLs, a CDN): a 302 to anywhere else (a loopback metadata
+address, a node's own services) is refused and nothing is requested there. URLs are shown without credentials or
+query strings (a presigned URL's signature is a secret).
 """
 
 from __future__ import annotations
@@ -57,6 +60,9 @@ class FetchOptions:
     peer going away mid-file, while a URL that is really wrong fails within a minute."""
     backoff_s: float = 0.5
     """First wait between attempts, doubled each time up to 8 s."""
+    redirect_hosts: frozenset[str] = frozenset()
+    """Hosts (``host`` or ``host:port``) a redirect may lead to besides the URL's own origin: the agent runs as
+    root on GPU nodes, and a model URL's server must not be able to send it to any address it can reach."""
 
 
 def is_url(source: str | os.PathLike[str]) -> bool:
@@ -73,7 +79,27 @@ def shown(url: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
+def _origin(url: str) -> tuple[str, str, int]:
+    parts = urllib.parse.urlsplit(url)
+    return parts.scheme, (parts.hostname or "").lower(), parts.port or (443 if parts.scheme == "https" else 80)
+
+
 class _NoUnsafeRedirects(urllib.request.HTTPRedirectHandler):
+    """http(s) only, and only to the model URL's origin or an allowed host (see the module doc)."""
+
+    def __init__(self, base: str, allowed: frozenset[str]) -> None:
+        super().__init__()
+        self.origin = _origin(base)
+        self.allowed = frozenset(h.lower() for h in allowed)
+
+    def allows(self, url: str) -> bool:
+        scheme, host, port = _origin(url)
+        if (scheme, host, port) == self.origin:
+            return True
+        if self.origin[0] == "http" and scheme == "https" and host == self.origin[1]:
+            return True  # the same host, upgraded to TLS
+        return host in self.allowed or f"{host}:{port}" in self.allowed
+
     def redirect_request(
         self,
         req: urllib.request.Request,
@@ -85,17 +111,22 @@ class _NoUnsafeRedirects(urllib.request.HTTPRedirectHandler):
     ) -> urllib.request.Request | None:
         if not is_url(newurl):
             raise urllib.error.URLError(f"redirect to a non-HTTP URL refused: {shown(newurl)}")
+        if not self.allows(newurl):
+            host = urllib.parse.urlsplit(newurl).netloc.rsplit("@", 1)[-1]
+            raise urllib.error.URLError(
+                f"redirect to another host refused: {shown(newurl)} (allow it with --fetch-redirect-host {host})"
+            )
         return super().redirect_request(req, fp, code, msg, headers, newurl)  # type: ignore[arg-type]
 
 
-def _opener() -> urllib.request.OpenerDirector:
+def _opener(base: str, redirect_hosts: frozenset[str]) -> urllib.request.OpenerDirector:
     """HTTP(S) only: `build_opener` would add ``file:``, ``ftp:`` and ``data:`` handlers."""
     op = urllib.request.OpenerDirector()
     for handler in (
         urllib.request.ProxyHandler(),
         urllib.request.HTTPHandler(),
         urllib.request.HTTPSHandler(),
-        _NoUnsafeRedirects(),
+        _NoUnsafeRedirects(base, redirect_hosts),
         urllib.request.HTTPDefaultErrorHandler(),
         urllib.request.HTTPErrorProcessor(),
     ):
@@ -118,7 +149,7 @@ class UrlSource:
         self.base = url if url.endswith("/") else url + "/"
         self.options = options or FetchOptions()
         self.shown = shown(url)
-        self._opener = _opener()
+        self._opener = _opener(self.base, self.options.redirect_hosts)
         self._sleep = sleep
         self._sizes: dict[str, int] = {}
 

@@ -217,7 +217,10 @@ def check_model(node: _Node) -> Check:
     """The manifest answers and lists files that exist (sizes from the directory, or HEAD requests); headers of
     a local directory's safetensors files parse. Nothing is hashed: `pulsescale model verify` does that."""
     a = node.args
-    options = fetch.FetchOptions(timeout_s=min(a.fetch_timeout_s, SOURCE_TIMEOUT_S), retries=0)
+    redirects = frozenset(getattr(a, "fetch_redirect_host", None) or ())
+    options = fetch.FetchOptions(
+        timeout_s=min(a.fetch_timeout_s, SOURCE_TIMEOUT_S), retries=0, redirect_hosts=redirects
+    )
     shown = fetch.shown(node.source) if fetch.is_url(node.source) else node.source
     try:
         src = staging._source(node.source, options)

@@ -123,7 +123,9 @@ class Prewarmer:
                 threads=s.stage_threads,
                 budget_bytes=s.shm_budget_bytes,
                 progress=self._progress(),
-                fetch_options=fetch.FetchOptions(timeout_s=s.fetch_timeout_s, retries=s.fetch_retries),
+                fetch_options=fetch.FetchOptions(
+                    timeout_s=s.fetch_timeout_s, retries=s.fetch_retries, redirect_hosts=s.fetch_redirect_hosts
+                ),
                 check=_check_model if s.engine == "local" else None,  # a server reads its own format
                 previous=previous,
             )

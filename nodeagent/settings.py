@@ -123,6 +123,8 @@ class AgentSettings:
     """Connect and per-read timeout of a download: a stalled proxy counts as a dropped connection (resumed)."""
     fetch_retries: int = 5
     """Attempts after the first per file, each resuming where the last stopped (backoff from 0.5 s to 8 s)."""
+    fetch_redirect_hosts: frozenset[str] = frozenset()
+    """Hosts a model URL may redirect to besides its own origin (`fetch.FetchOptions.redirect_hosts`)."""
     progress_interval_s: float = 5.0
     """A staging progress line (bytes, MB/s, ETA) at most this often, or every 10 % of the bytes, in the log."""
     faults: Mapping[str, str] = field(default_factory=dict)

@@ -47,6 +47,7 @@ import hashlib
 import os
 import resource
 import stat
+import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -464,19 +465,52 @@ def _open_partial(dest_fd: int, partial: str, *, resume: bool) -> tuple[int, int
     return fd, 0, h
 
 
+class _Allowance:
+    """The bytes a stage may still write under ``--shm-budget``, shared by its copying threads: a server that
+    announces no length (or less than it sends) is stopped at the budget, not when /dev/shm is full (80 MiB were
+    written with a 16 MiB budget)."""
+
+    def __init__(self, room: int, model: str, budget_bytes: int, where: Path) -> None:
+        self.room, self.model, self.budget_bytes, self.where = room, model, budget_bytes, where
+        self._lock = threading.Lock()
+
+    def wrap(self, on_bytes: Callable[[int], None]) -> Callable[[int], None]:
+        def counted(k: int) -> None:
+            with self._lock:
+                self.room -= k  # a restarted file gives its bytes back (k < 0)
+                over = self.room < 0
+            if over:
+                raise ShmBudgetExceeded(
+                    f"staging {self.model} went beyond --shm-budget {_gib(self.budget_bytes)} while downloading (the "
+                    f"server announced less than it sent, or no length); stopped and its partial files removed. "
+                    f"Fix: raise --shm-budget, or serve the files with their Content-Length"
+                )
+            on_bytes(k)
+
+        return counted
+
+
 def _fill_file(
-    source: _Source, dest_fd: int, dest: Path, name: str, want: str, progress: Progress | None
+    source: _Source,
+    dest_fd: int,
+    dest: Path,
+    name: str,
+    want: str,
+    progress: Progress | None,
+    allowance: _Allowance | None = None,
 ) -> StagedFile:
     """Write `name` to its ``.partial`` file (from the start, or on from a cut-off download), hash it on the way
     and validate its header; the staged name is untouched. Returns the partial file verified, open read-only. On
     failure the partial file is removed, except after a failed download (`fetch.FetchFailed`): resumed next time."""
     partial = _partial(name)
     wfd, have, h = _open_partial(dest_fd, partial, resume=source.resumable)
-    on_bytes = progress.add if progress is not None else _ignore
+    on_bytes: Callable[[int], None] = progress.add if progress is not None else _ignore
     rfd = -1
     ok = keep = False
     try:
-        on_bytes(have)
+        on_bytes(have)  # on disk already: counted in the shm use the allowance was taken from
+        if allowance is not None:
+            on_bytes = allowance.wrap(on_bytes)
         hashed = have
         try:
             h, size, written = source.fetch(name, wfd, have, h, on_bytes)
@@ -756,7 +790,11 @@ def _stage_in(
         if progress is not None:
             progress.total_bytes = sum(sizes.values())
             progress.started_at = progress.clock()
-        copied, errors = _run_all(pool, _fill_file, [(src, dest_fd, dest, n, sums[n], progress) for n in todo])
+        allowance = None
+        if budget_bytes is not None:
+            allowance = _Allowance(budget_bytes - sum(shm_use(shm_fd).values()), model, budget_bytes, dest.parent)
+        fills = [(src, dest_fd, dest, n, sums[n], progress, allowance) for n in todo]
+        copied, errors = _run_all(pool, _fill_file, fills)
     done: list[StagedFile] = [f for f in copied if f is not None]
     opened.extend(done)
     if errors:

@@ -8,6 +8,7 @@ as in-process tasks or as real processes where a restart is the point.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import http.server
 import os
@@ -17,6 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -341,6 +343,65 @@ def test_a_redirect_to_a_file_url_is_refused(tmp_path: Path, shm_dir: Path) -> N
         server.server_close()
 
 
+@contextlib.contextmanager
+def redirecting(to: str) -> Iterator[str]:
+    """A server that answers every GET with a 302 to `to` + its path's last part; yields its own URL."""
+
+    class Redirect(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            self.send_response(302)
+            self.send_header("Location", f"{to}/{self.path.rsplit('/', 1)[-1]}")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_HEAD = do_GET
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/m"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_redirect_to_another_origin_is_refused_unless_its_host_is_allowed(
+    http_model: Served, model_dir: Path, shm_dir: Path
+) -> None:
+    """The agent is root on a GPU node: a model URL's server must not send it to any address it reaches (a 302 to
+    a loopback metadata-style service was followed with a GET). Another port is another origin."""
+    other = urllib.parse.urlsplit(http_model.url).netloc
+    with redirecting(http_model.url) as url:
+        with pytest.raises(
+            fetch.FetchFailed, match=f"redirect to another host refused: .*--fetch-redirect-host {other}"
+        ):
+            staging.stage(url, shm_dir, MODEL, fetch_options=NO_WAIT)
+        assert http_model.requests == []  # nothing was asked of the other host
+        allowed = dataclasses.replace(NO_WAIT, redirect_hosts=frozenset({other}))
+        _same_files(staging.stage(url, shm_dir, MODEL, fetch_options=allowed), model_dir)
+
+
+@pytest.mark.parametrize(
+    ("base", "allowed", "target", "followed"),
+    [
+        ("http://store:8080/m", (), "http://store:8080/elsewhere/f", True),  # the same origin
+        ("http://store:8080/m", (), "http://store:8081/f", False),  # another port is another origin
+        ("http://store/m", (), "https://store/f", True),  # the same host, upgraded to TLS
+        ("https://store/m", (), "http://store/f", False),  # never downgraded
+        ("http://store/m", (), "http://169.254.169.254/latest", False),
+        ("http://a/m", ("b",), "https://b:8443/x", True),  # an allowed host, any port
+        ("http://a/m", ("b:80",), "http://b:81/x", False),  # an allowed host:port, that port only
+        ("http://a/m", ("B",), "http://b/x", True),  # host names in any case
+    ],
+)
+def test_which_redirects_are_followed(base: str, allowed: tuple[str, ...], target: str, followed: bool) -> None:
+    assert fetch._NoUnsafeRedirects(base, frozenset(allowed)).allows(target) is followed
+
+
 # --- the shm budget ----------------------------------------------------------------------------------------------
 
 
@@ -362,6 +423,52 @@ def test_a_stage_beyond_the_budget_is_refused_with_what_is_staged_needed_and_the
     assert list((shm_dir / MODEL).iterdir()) == []  # refused before writing anything
     staged = staging.stage(model_dir, shm_dir, MODEL, budget_bytes=2 * need)
     staged.close()
+
+
+def test_a_download_without_a_length_stops_at_the_budget_and_leaves_nothing(tmp_path: Path, shm_dir: Path) -> None:
+    """No Content-Length (nor a HEAD that says one): the need reads 0 and the budget check before the stage passes;
+    the bytes are counted as they come (80 MiB were written with a 16 MiB budget before)."""
+    budget, sent = 2 * 2**20, 16 * 2**20
+    streamed: list[int] = []
+
+    class Endless(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.0"  # close-delimited: no length anywhere
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_HEAD(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            if self.path.endswith("sha256sums.txt"):
+                self.wfile.write(f"{'0' * 64}  model.safetensors\n".encode())
+                return
+            block = b"\0" * 2**18
+            try:
+                for _ in range(sent // len(block)):
+                    self.wfile.write(block)
+                    streamed.append(len(block))
+            except OSError:
+                pass  # the agent stopped reading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Endless)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(staging.ShmBudgetExceeded, match=r"went beyond --shm-budget 2\.0 MiB while downloading"):
+            staging.stage(f"http://127.0.0.1:{server.server_address[1]}/m", shm_dir, MODEL, budget_bytes=budget,
+                          fetch_options=NO_WAIT)  # fmt: skip
+    finally:
+        server.shutdown()
+        server.server_close()
+    left = [p for p in (shm_dir / MODEL).iterdir()] if (shm_dir / MODEL).exists() else []
+    assert left == []  # its partial file removed
+    assert sum(streamed) < sent  # the agent stopped reading long before the end
 
 
 def test_a_new_version_over_budget_never_evicts_the_staged_one(model_dir: Path, shm_dir: Path) -> None:
