@@ -29,7 +29,7 @@ from warmpool.errors import BadMessage, PulsescaleError
 from warmpool.protocol import ActivateReply, ActivateRequest, DeactivateReply, DeactivateRequest
 from warmpool.registry import Claim
 
-__all__ = ["AgentClient", "AgentUnavailable"]
+__all__ = ["AgentClient", "AgentUnavailable", "AgentUnsubscribed"]
 
 Reply = TypeVar("Reply", ActivateReply, DeactivateReply)
 
@@ -39,6 +39,11 @@ class AgentUnavailable(PulsescaleError):
     The slot's state is unknown; the caller releases its claim (fenced) rather than wait longer."""
 
     code = "agent_unavailable"
+
+
+class AgentUnsubscribed(AgentUnavailable):
+    """Nobody is subscribed to the agent's verb (NATS no responders): the agent is dead or not connected, whatever
+    its lease still says. The caller stops offering the node's slots until it heartbeats again."""
 
 
 class AgentClient:
@@ -96,7 +101,7 @@ class AgentClient:
         try:
             msg = await self.nc.request(protocol.agent_subject(node, verb), payload, timeout=timeout_s)
         except nats.errors.NoRespondersError:
-            raise AgentUnavailable(f"agent {node} is not answering (nobody subscribed to {verb})") from None
+            raise AgentUnsubscribed(f"agent {node} is not answering (nobody subscribed to {verb})") from None
         except (nats.errors.TimeoutError, TimeoutError):
             return None
         except nats.errors.Error as err:  # disconnected, connection closed, ...

@@ -18,9 +18,10 @@ them into the controllers (`autoscaler.intake`).
 Housekeeping, the drain and the callback each yield to the loop every `AutoscalerSettings.slice_s`. The
 ``pulsescale_slots`` gauges are kept from the slot view's events (`slotview.SlotCounts`), not a scan per tick.
 
-Its HTTP port (`autoscaler.endpoints`) serves ``/metrics`` (rendered in a thread), ``/healthz`` (200 while this
-replica holds a shard, or has a live connection and current views) and ``/readyz`` (200 once the views are listed
-and the ScaledObjects followed).
+Its HTTP port (`autoscaler.endpoints`) serves ``/metrics`` (rendered in a thread), ``/healthz`` (liveness: 200
+while this replica holds a shard, has a live connection and current views, or has no connection at all: a NATS
+outage is not cured by restarting every replica) and ``/readyz`` (200 while connected, once the views are listed
+and the ScaledObjects followed; else 503 with the ``reason``).
 """
 
 from __future__ import annotations
@@ -262,20 +263,36 @@ class Autoscaler:
     # --- health ---------------------------------------------------------------------------------------------
 
     def ready(self) -> bool:
-        """The views are listed and the ScaledObjects followed: this replica can decide (``/readyz``)."""
-        return self.store.slots.ready.is_set() and self.store.agents.ready.is_set() and self.scalers_followed
+        """Connected to NATS, the views listed and the ScaledObjects followed: this replica can decide
+        (``/readyz``; `not_ready_reason` says why not)."""
+        return self.not_ready_reason() is None
+
+    def not_ready_reason(self) -> str | None:
+        """Why ``/readyz`` answers 503, or None when it answers 200."""
+        if not self.nc.is_connected:
+            return "NATS is not connected (reconnecting)"
+        if not (self.store.slots.ready.is_set() and self.store.agents.ready.is_set()):
+            return "the slot and agent views are not listed yet"
+        if not self.scalers_followed:
+            return "the ScaledObjects are not followed yet"
+        return None
 
     def healthy(self) -> bool:
-        """Leading, or able to take over: connected, with views current since the last reconnect (``/healthz``)."""
-        if self.is_leader():
+        """The liveness probe (``/healthz``): false only for a replica a restart could help, one connected to NATS
+        whose views stay stale (wedged). Leading, or connected with views current since the last reconnect, is
+        alive; so is a replica whose NATS is down: the client reconnects by itself, and a restart would only take
+        every replica down at once during a broker outage (``/readyz`` reports it)."""
+        if self.is_leader() or not self.nc.is_connected:
             return True
         views = (self.store.slots, self.store.agents, self.scalers)
-        return self.nc.is_connected and all(v.current() for v in views)
+        return all(v.current() for v in views)
 
     def health(self) -> dict[str, Any]:
+        reason = self.not_ready_reason()
         return {
             "ok": self.healthy(),
-            "ready": self.ready(),
+            "ready": reason is None,
+            **({"reason": reason} if reason is not None else {}),
             "leader": self.is_leader(),
             "identity": self.settings.identity,
             "shards": sorted(self.shards.held()) if self.shards is not None else [],

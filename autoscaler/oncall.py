@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import getpass
 import os
 import re
@@ -24,7 +25,7 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final, Literal, TextIO, TypeVar
 
 import msgspec
@@ -182,7 +183,7 @@ def parser(
 ) -> argparse.ArgumentParser:
     """The options every command sent to the autoscaler shares: --timeout, --by, -o/--json, the NATS flags.
     `by` False hides --by (a read-only command has no audit trail to write; still accepted, and still sent)."""
-    p = argparse.ArgumentParser(prog=prog, description=description, epilog=out.TIMES_RULE)
+    p = durations.dashed_values(argparse.ArgumentParser(prog=prog, description=description, epilog=out.TIMES_RULE))
     p.add_argument(
         "--timeout",
         type=_timeout_arg,
@@ -801,16 +802,42 @@ class Applied(msgspec.Struct, kw_only=True):
     notes: list[str] = []
 
 
+APPLY_RETRY_S: Final = 10.0
+"""How long `apply` asks again while a read or write of `pulse_scalers` finds no responder or times out: the first
+write to a stream a fresh cluster just made can find no leader's interest yet (`nats: timeout`, seen on a new
+3-server cluster; the cluster tests retry the same first write). A write that found no responder did not land;
+one that timed out may have, and writing the same record again is harmless."""
+
+_APPLY_RETRY_EVERY_S: Final = 0.25
+
+_NOT_ANSWERED: Final = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError)
+
+T = TypeVar("T")
+
+
+async def _answered(call: Callable[[], Awaitable[T]], *, deadline: float) -> T:
+    """`call()`, asked again every `_APPLY_RETRY_EVERY_S` while it finds no responder or times out, until the
+    monotonic `deadline` (then the last error is raised)."""
+    while True:
+        try:
+            return await call()
+        except _NOT_ANSWERED:
+            if time.monotonic() + _APPLY_RETRY_EVERY_S >= deadline:
+                raise
+            await asyncio.sleep(_APPLY_RETRY_EVERY_S)
+
+
 async def _write(nc: Client, manifests: list[scaledobject.Manifest]) -> list[Applied]:
     kv = (await ensure_buckets(nc.jetstream(timeout=5.0), names=[protocol.SCALERS_BUCKET]))[protocol.SCALERS_BUCKET]
+    deadline = time.monotonic() + APPLY_RETRY_S
     # Checked before any write: a model another ScaledObject already scales is refused, all or nothing.
-    scaledobject.check_models(manifests, await _written(nc))
+    scaledobject.check_models(manifests, await _answered(lambda: _written(nc), deadline=deadline))
     out: list[Applied] = []
     for m in manifests:
         rec = m.record
         previous = None
         try:
-            entry = await kv.get(rec.key)
+            entry = await _answered(functools.partial(kv.get, rec.key), deadline=deadline)
             if entry.value is not None:
                 previous = protocol.decode(entry.value, protocol.ScalerRecord)
         except nats.js.errors.KeyNotFoundError:
@@ -824,7 +851,8 @@ async def _write(nc: Client, manifests: list[scaledobject.Manifest]) -> list[App
         gen = (previous.generation if previous is not None else 0) + 1
         # created_at: the first write's time, kept on every later one (initialCooldownPeriod counts from it).
         created = (previous.created_at if previous is not None else None) or rec.created_at or rec.updated_at
-        await kv.put(rec.key, protocol.encode(msgspec.structs.replace(rec, generation=gen, created_at=created)))
+        value = protocol.encode(msgspec.structs.replace(rec, generation=gen, created_at=created))
+        await _answered(functools.partial(kv.put, rec.key, value), deadline=deadline)
         action: Literal["created", "configured"] = "configured" if previous else "created"
         out.append(Applied(key=rec.key, action=action, generation=gen, model=rec.spec.model, notes=rec.notes))
     return out

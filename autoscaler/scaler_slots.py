@@ -24,7 +24,7 @@ from typing import Any, Final
 
 import nats.errors
 
-from autoscaler.agentclient import AgentClient, AgentUnavailable
+from autoscaler.agentclient import AgentClient, AgentUnavailable, AgentUnsubscribed
 from autoscaler.metrics import AutoscalerMetrics, ModelSeries
 from autoscaler.scaler_book import Held, SlotBook, Unbooked
 from autoscaler.scaler_events import Events
@@ -113,6 +113,8 @@ class SlotActions:
                 reply = await self.agents.activate(claim, deadline_s=self.activation_deadline_s)
             except AgentUnavailable as err:
                 reply = err
+                if isinstance(err, AgentUnsubscribed):
+                    self._unreachable(claim.node, err)
             if isinstance(reply, ActivateReply) and reply.ok:
                 # Serving only on the holder's fenced `ready` write: a reply alone is a claim anyone on the
                 # subject can make (DESIGN, "Trust boundaries"), and its endpoint is never used. Still ours to
@@ -167,10 +169,20 @@ class SlotActions:
             return rec
         return None
 
+    def _unreachable(self, node: str, err: AgentUnsubscribed) -> None:
+        """Nobody is subscribed to `node`'s agent: a dead agent's lease stays fresh for up to its `lease_s`, and
+        each claim of its slots meanwhile would fail the same way. None is offered until it heartbeats again, and
+        a slot of it released meanwhile goes `failed` (its agent, back, writes it `warm`)."""
+        if node not in self.store.unreachable_nodes:
+            log.warning("%s: %s; offering none of its slots until it heartbeats again", self.model, err)
+        self.store.mark_unreachable(node)
+
     async def _deactivate(self, held: Held) -> None:
         try:
             reply = await self.agents.deactivate(held.claim, timeout_s=self.deactivate_timeout_s)
         except AgentUnavailable as err:
+            if isinstance(err, AgentUnsubscribed):
+                self._unreachable(held.claim.node, err)
             log.info("%s: %s; releasing %s without it", self.model, err, held.claim.key)
             return
         if not reply.ok and reply.error is not None:

@@ -210,6 +210,8 @@ class ShardLeases:
         except NATS_ERRORS as err:
             log.debug("%s: shard round failed: %s", self.identity, err)
             return False
+        finally:
+            self._terms.report()
 
     async def _renewals(self) -> bool:
         """Step 1, and the leader lease of (b): all at once, so the next renewal is sent one round trip after this
@@ -342,6 +344,7 @@ class ShardLeases:
         terms = dict(self._terms.held)
         for s in sorted(terms):
             self._terms.lose(s, "resigned")
+        self._terms.report()
         # Leases the view says are ours but we no longer count as held (a lapsed term) are ours to free too.
         ours = self._assignment.our_leases()
         await asyncio.gather(

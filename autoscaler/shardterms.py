@@ -83,6 +83,20 @@ class Callbacks(Protocol):
     on_renewal: Callable[[float], None] | None
 
 
+def shard_ranges(shards: list[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``0-2,5,7-8``: a whole reassignment fits in a log line."""
+    parts: list[str] = []
+    ordered = sorted(set(shards))
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
 class ShardTerms:
     """The shards this replica holds, each a term of its lease: `owns` fences them; `take`, `keep` (or `renew`),
     `give_up` and `delete` write the leases."""
@@ -118,6 +132,8 @@ class ShardTerms:
         self.keeping = False  # True under `ShardLeases.campaign`: each held shard's renewals are its keeper task's
         self.epoch = 0.0  # monotonic start of `ShardLeases.campaign`: the keepers' ticks count from it (`_next_tick`)
         self.keepers: dict[int, tuple[_Term, asyncio.Task[None]]] = {}  # shard -> the term it keeps, and the task
+        self._took: list[int] = []  # shards taken and lost since the last `report`: one line per round, not per
+        self._lost: dict[str, list[int]] = {}  # shard (a reconnect retakes all 32 at once)
 
     # --- the fence ---------------------------------------------------------------------------------------------
 
@@ -132,9 +148,29 @@ class ShardTerms:
 
     def lose(self, shard: int, why: str) -> None:
         if self.held.pop(shard, None) is not None:
-            log.info("%s: no longer owns shard %d (%s)", self.identity, shard, why)
+            log.debug("%s: no longer owns shard %d (%s)", self.identity, shard, why)
+            self._lost.setdefault(why, []).append(shard)
             self.last_loss = why
             self._call(self._callbacks.on_lost, shard)
+
+    def report(self) -> None:
+        """Log the shards lost and taken since the last call, one line for each (per reason, for losses): called
+        after each round, so a reconnect that retakes every shard says so once, not once per shard."""
+        lost, took = self._lost, self._took
+        self._lost, self._took = {}, []
+        for why, shards in lost.items():
+            log.info(
+                "%s: no longer owns %d shard(s) %s (%s); owns %d now",
+                self.identity, len(shards), shard_ranges(shards), why, len(self.held),
+            )  # fmt: skip
+        if took:
+            log.info(
+                "%s: owns %d more shard(s) %s; owns %d now",
+                self.identity,
+                len(took),
+                shard_ranges(took),
+                len(self.held),
+            )
 
     def _call(self, callback: Callable[[int], None] | None, shard: int) -> None:
         """A callback's bug is logged, never raised into a round: that would stop the renewals of every shard."""
@@ -220,7 +256,8 @@ class ShardTerms:
             return
         self.held[shard] = _Term(rev, sent + self.settings.lease_s * self.settings.stop_fraction)
         self._view.apply_local(key, stamped[-1], rev)
-        log.info("%s: owns shard %d (lease revision %d)", self.identity, shard, rev)
+        log.debug("%s: owns shard %d (lease revision %d)", self.identity, shard, rev)
+        self._took.append(shard)
         self._call(self._callbacks.on_acquired, shard)
         self.keep(shard)  # its first renewal at once, not at the next round
 

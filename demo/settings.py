@@ -33,7 +33,10 @@ def parse_pulse(text: str) -> float:
     except ValueError:
         raise ValueError(f"--pulse {text!r}: give a multiple of the provisioned capacity, as 300% or 3x") from None
     if not math.isfinite(value) or not 0 < value <= 100:
-        raise ValueError(f"--pulse {text!r}: must be above 0 and at most 100x the provisioned capacity")
+        hint = ""
+        if math.isfinite(value) and value > 100 and not raw.endswith(("%", "x")):
+            hint = f"; a bare number is a multiple: did you mean {raw}% ({value / 100:g}x)?"
+        raise ValueError(f"--pulse {text!r}: must be above 0 and at most 100x the provisioned capacity{hint}")
     return value
 
 

@@ -36,7 +36,7 @@ from typing import Literal, TextIO
 
 import aiohttp
 
-from warmpool import traces
+from warmpool import durations, traces
 
 __all__ = [
     "LoadResult",
@@ -362,13 +362,19 @@ async def send_schedule(
     return started_at
 
 
+_duration = durations.duration_arg(allow_zero=True)
+"""The time flags read durations (``90s``, ``2m``, plain seconds), as every command does (`warmpool.durations`)."""
+
+
 def main(argv: list[str], prog: str, out: TextIO = sys.stdout) -> int:
-    p = argparse.ArgumentParser(
-        prog=prog,
-        description="Open-loop load against an OpenAI-style endpoint (the gateway): a base rate, a pulse reached "
-        "within --ramp-s, held for --hold-s, then the base again. Prints per-second sent/200/429/504/errors and "
-        "latency percentiles; --json/--csv write the timeline. With --trace, the arrivals of a request trace "
-        "instead (Azure LLM inference CSV, or t_s[,model][,tokens]).",
+    p = durations.dashed_values(
+        argparse.ArgumentParser(
+            prog=prog,
+            description="Open-loop load against an OpenAI-style endpoint (the gateway): a base rate, a pulse reached "
+            "within --ramp-s, held for --hold-s, then the base again. Prints per-second sent/200/429/504/errors and "
+            "latency percentiles; --json/--csv write the timeline. With --trace, the arrivals of a request trace "
+            "instead (Azure LLM inference CSV, or t_s[,model][,tokens]).",
+        )
     )
     p.add_argument("url", help="the gateway, e.g. http://127.0.0.1:8080")
     p.add_argument("--model", help="the model to ask for (with --trace: for the requests whose row names none)")
@@ -377,10 +383,14 @@ def main(argv: list[str], prog: str, out: TextIO = sys.stdout) -> int:
     p.add_argument("--pulse-pct", type=float, default=300.0, help="with --capacity-rps: the pulse [300]")
     p.add_argument("--base-rps", type=float, help="the base rate (instead of --capacity-rps)")
     p.add_argument("--pulse-rps", type=float, help="the pulse rate (instead of --capacity-rps)")
-    p.add_argument("--base-s", type=float, default=10.0, help="seconds at the base before the pulse [10]")
-    p.add_argument("--ramp-s", type=float, default=1.0, help="seconds to reach the pulse [1]")
-    p.add_argument("--hold-s", type=float, default=10.0, help="seconds the pulse is held [10]")
-    p.add_argument("--after-s", type=float, default=10.0, help="seconds at the base after the pulse [10]")
+    p.add_argument(
+        "--base-s", type=_duration, metavar="DURATION", default=10.0, help="seconds at the base before the pulse [10]"
+    )
+    p.add_argument("--ramp-s", type=_duration, metavar="DURATION", default=1.0, help="seconds to reach the pulse [1]")
+    p.add_argument("--hold-s", type=_duration, metavar="DURATION", default=10.0, help="seconds the pulse is held [10]")
+    p.add_argument(
+        "--after-s", type=_duration, metavar="DURATION", default=10.0, help="seconds at the base after the pulse [10]"
+    )
     p.add_argument("--arrivals", choices=("poisson", "uniform"), default="poisson", help="[poisson]")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompt", default="hello")
@@ -389,14 +399,22 @@ def main(argv: list[str], prog: str, out: TextIO = sys.stdout) -> int:
         type=int,
         help=f"[8; with --trace, for the requests that give no generated tokens: {traces.DEFAULT_GENERATED_TOKENS}]",
     )
-    p.add_argument("--request-timeout-s", type=float, default=120.0, help="client-side bound per request [120]")
+    p.add_argument(
+        "--request-timeout-s",
+        type=_duration,
+        metavar="DURATION",
+        default=120.0,
+        help="client-side bound per request [120]",
+    )
     p.add_argument("--json", metavar="FILE", help="write the timeline and totals as JSON")
     p.add_argument("--csv", metavar="FILE", help="write the per-second timeline as CSV")
     t = p.add_argument_group("trace replay")
     t.add_argument("--trace", metavar="FILE", help="send the requests of this trace, each at its time")
     t.add_argument("--speed", type=float, default=1.0, help="replay this many times faster (10: offsets / 10) [1]")
     t.add_argument("--max-requests", type=int, metavar="N", help="send at most the first N requests [all]")
-    t.add_argument("--duration-s", type=float, metavar="SECONDS", help="send only the first SECONDS (after --speed)")
+    t.add_argument(
+        "--duration-s", type=_duration, metavar="DURATION", help="send only the first DURATION (after --speed)"
+    )
     args = p.parse_args(argv)
     if args.trace is not None:
         return _replay(p, args, out)
@@ -404,9 +422,9 @@ def main(argv: list[str], prog: str, out: TextIO = sys.stdout) -> int:
         p.error("the following arguments are required: --model (or give --trace)")
     try:
         if args.capacity_rps is not None:
-            durations = {k: getattr(args, k) for k in ("base_s", "ramp_s", "hold_s", "after_s")}
+            phases = {k: getattr(args, k) for k in ("base_s", "ramp_s", "hold_s", "after_s")}
             shape = PulseShape.from_capacity(
-                args.capacity_rps, base_pct=args.base_pct, pulse_pct=args.pulse_pct, **durations
+                args.capacity_rps, base_pct=args.base_pct, pulse_pct=args.pulse_pct, **phases
             )
         elif args.base_rps is not None and args.pulse_rps is not None:
             shape = PulseShape(args.base_rps, args.pulse_rps, args.base_s, args.ramp_s, args.hold_s, args.after_s)

@@ -96,6 +96,8 @@ class Agent:
         """Slots whose rewritten record is being written back (one task per slot)."""
         self._tamper_logged: dict[str, str] = {}
         """Slot -> the claim under which a rewrite was last logged (logged once per claim)."""
+        self._reviving: set[str] = set()
+        """Slots being written `warm` again after a release while our lease had lapsed (one task per slot)."""
         self._foreign: set[str] = set()
         """Keys under this node (for its model) that are not its slots, being deleted."""
         self._foreign_logged = False
@@ -137,6 +139,7 @@ class Agent:
                 if failing:
                     log.info("heartbeat written again")
                 failing = False
+                self.revive_released()  # back from away (frozen, partitioned): our slots are offered again
             except REGISTRY_ERRORS as err:
                 if not failing:
                     log.warning("cannot write the lease (%s); retrying every %.1f s", err, s.heartbeat_interval_s)
@@ -295,14 +298,46 @@ class Agent:
     def _reconcile(self, slot: Slot, rec: SlotRecord) -> None:
         k = self.keeper
         if slot.active is not None and rec.claim_id != slot.active.claim_id:
-            k.spawn(self.activator.fence(slot), name=f"fence-{slot.name}")
+            k.spawn(self._fence(slot), name=f"fence-{slot.name}")
         elif _tampered(slot, rec) is not None:
             if slot.name not in self._correcting:
                 self._correcting.add(slot.name)
                 k.spawn(self._correct(slot), name=f"correct-{slot.name}")
         elif rec.state == "failed" and rec.claim_id is None and slot.idle and not k.stopping:
             # Released while our lease had lapsed (the registry fails such a slot): we are back, it is warm.
-            k.spawn(self.prewarmer.revive(slot), name=f"revive-{slot.name}")
+            self._revive(slot)
+
+    async def _fence(self, slot: Slot) -> None:
+        """Stop the engine of a claim released or superseded in the registry; a claim released while our lease
+        had lapsed left the slot `failed` (the registry cannot tell a dead agent from a slow one), and with its
+        engine stopped and re-armed it is idle again: written `warm` now, not left failed until a restart."""
+        await self.activator.fence(slot)
+        hit = self.keeper.record(slot)
+        if hit is not None and hit[0].state == "failed" and hit[0].claim_id is None and slot.idle:
+            self._revive(slot)
+
+    def _revive(self, slot: Slot) -> None:
+        """`Prewarmer.revive` the slot, one task per slot at a time."""
+        if slot.name in self._reviving or self.keeper.stopping:
+            return
+        self._reviving.add(slot.name)
+
+        async def revive() -> None:
+            try:
+                await self.prewarmer.revive(slot)
+            finally:
+                self._reviving.discard(slot.name)
+
+        self.keeper.spawn(revive(), name=f"revive-{slot.name}")
+
+    def revive_released(self) -> None:
+        """After each heartbeat written: every idle slot of ours that the registry shows `failed` with no claim
+        (released while our lease had lapsed) is written `warm`, whatever order the watch events came in while we
+        were away (one that arrived while the slot was busy finds it idle now)."""
+        for slot in self.slots.values():
+            hit = self.keeper.record(slot)
+            if hit is not None and hit[0].state == "failed" and hit[0].claim_id is None and slot.idle:
+                self._revive(slot)
 
     async def _correct(self, slot: Slot) -> None:
         """Someone else rewrote our ready record's serving fields under our claim (a KV writer steering traffic):

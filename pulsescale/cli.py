@@ -6,7 +6,12 @@ Each package owns its subcommands; a package is imported only when one of its su
 
 Errors that end a command the same way everywhere end here: a named error (`PulsescaleError`: NATS unreachable,
 credentials refused, a permission denied, a port taken) is one line ``<prog>: <what was wrong and what to do>``
-and exit 1, for every command, daemons included; a closed stdout pipe is a quiet exit.
+for every command, daemons included, and Ctrl-C is one line too; a closed stdout pipe is a quiet exit.
+
+Exit codes, the same for every command (`EXIT_*`; a command may add its own above 3, as ``4``, a timeout):
+0 done; 1 refused (credentials or a permission refused, the autoscaler said no, a check failed); 2 bad input
+(argparse's usage errors, a URL of another scheme); 3 unreachable (nothing listens at the NATS URL, no answer in
+time, no autoscaler answering); 130 interrupted (Ctrl-C, as a shell reports SIGINT); 141 stdout closed.
 """
 
 from __future__ import annotations
@@ -15,9 +20,15 @@ import difflib
 import importlib
 import os
 import sys
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 from pulsescale import __version__
+
+EXIT_REFUSED: Final = 1
+EXIT_BAD_INPUT: Final = 2
+EXIT_UNREACHABLE: Final = 3
+EXIT_INTERRUPTED: Final = 130
+EXIT_PIPE_CLOSED: Final = 141
 
 
 class Command(NamedTuple):
@@ -98,7 +109,7 @@ def _run(cmd: Command, argv: list[str], prog: str) -> int:
         return int(fn(argv, prog) or 0)
     except PulsescaleError as err:
         print(f"{prog}: {err}", file=sys.stderr)
-        return 1
+        return err.exit_code
 
 
 def bench(argv: list[str], prog: str) -> int:
@@ -130,9 +141,15 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"pulsescale: unknown command {argv[0]!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    prog = f"pulsescale {argv[0]}"
     try:
-        return _run(cmd, argv[1:], f"pulsescale {argv[0]}")
+        return _run(cmd, argv[1:], prog)
     except BrokenPipeError:
         # `pulsescale status | head`: the reader left; exit quietly as Unix tools do.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
+        return EXIT_PIPE_CLOSED
+    except KeyboardInterrupt:
+        # Ctrl-C wherever it lands (connecting, mid-run, asyncio's own cancel-then-raise): one line, not the chained
+        # CancelledError/KeyboardInterrupt traceback. Daemons that stop cleanly on SIGINT never get here.
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED

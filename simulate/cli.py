@@ -19,6 +19,7 @@ from pathlib import Path
 
 from simulate import replay, report, scenarios
 from simulate.engine import STEP_S, Arrivals, Delay, Empirical, Fixed, Service
+from warmpool import durations
 from warmpool.errors import PulsescaleError
 from warmpool.traces import BadTrace, read_trace
 
@@ -30,6 +31,11 @@ _NUMBER = re.compile(r"^\s*([\d.]+(?:e[-+]?\d+)?)\s*(ms|s)?\s*$", re.IGNORECASE)
 
 class BadActivations(PulsescaleError):
     """The --activations file holds no usable durations."""
+
+
+_duration = durations.duration_arg(allow_zero=True)
+"""Every time flag (``--activation-s 2.55s``, ``--pulse-s 10m``, plain seconds as before), as every other command
+reads one (`warmpool.durations`)."""
 
 
 def load_activations(path: Path) -> Empirical:
@@ -83,15 +89,27 @@ def load_activations(path: Path) -> Empirical:
 
 
 def main(argv: list[str], prog: str) -> int:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = durations.dashed_values(
+        argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    )
     p.add_argument("--scenario", choices=sorted(scenarios.SCENARIOS), default="seed", help="[seed]")
     p.add_argument("--instances", type=int, help="replicas the pulse needs beyond the provisioned fleet [seed: 100]")
     p.add_argument("--pool-size", type=int, help="our warm slots [the burst + 20 %%]")
     p.add_argument("--activations", type=Path, help="measured claim -> ready times (see `load_activations`)")
-    p.add_argument("--activation-s", type=float, help=f"a fixed claim -> ready instead [{scenarios.DEFAULT_WARM_S}]")
-    p.add_argument("--cold-s", type=float, help="cold start per new pod [the article's 1.5+120+18+45.5 = 185 s]")
-    p.add_argument("--timeout-s", type=float, help="queued this long -> 504 [60]")
-    p.add_argument("--pulse-s", type=float, help="how long the pulse is held [600]")
+    p.add_argument(
+        "--activation-s",
+        type=_duration,
+        metavar="DURATION",
+        help=f"a fixed claim -> ready instead [{scenarios.DEFAULT_WARM_S}]",
+    )
+    p.add_argument(
+        "--cold-s",
+        type=_duration,
+        metavar="DURATION",
+        help="cold start per new pod [the article's 1.5+120+18+45.5 = 185 s]",
+    )
+    p.add_argument("--timeout-s", type=_duration, metavar="DURATION", help="queued this long -> 504 [60]")
+    p.add_argument("--pulse-s", type=_duration, metavar="DURATION", help="how long the pulse is held [600]")
     p.add_argument("--seed", type=int, help="arrival randomness [1]")
     p.add_argument("--trace", type=Path, help="replay a request trace instead (Azure LLM CSV or t_s[,model][,tokens])")
     p.add_argument("--speed", type=float, default=1.0, help="with --trace: compress time this many times [1]")
@@ -100,7 +118,8 @@ def main(argv: list[str], prog: str) -> int:
     p.add_argument("--concurrency", type=int, default=8, help="requests one replica serves at once [8]")
     p.add_argument(
         "--stabilization-s",
-        type=float,
+        type=_duration,
+        metavar="DURATION",
         help="our scaleDownStabilizationSeconds (set: revision 8's windows, 60 s period, 50 %%) [unset: the hold "
         "from the lead time]",
     )

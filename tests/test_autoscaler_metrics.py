@@ -96,13 +96,21 @@ async def test_the_port_serves_metrics_health_and_readiness_and_nothing_else(
         status, _ = await get(port, "/nope")
         assert status == 404, "every path answered with metrics"
 
-        async def health_is(code: int) -> bool:
-            return (await get(port, "/healthz"))[0] == code
+        async def ready_is(code: int) -> bool:
+            return (await get(port, "/readyz"))[0] == code
 
-        nats_server.kill()  # no broker: the lease lapses and the views go stale, so neither leader nor healthy
-        await wait_for(lambda: health_is(503), 5, "unhealthy without a broker")
+        # No broker: the lease lapses and the views go stale. Not ready, saying why; but alive: a restart cannot
+        # bring NATS back, and a liveness probe failing here would restart every replica at once.
+        nats_server.kill()
+        await wait_for(lambda: ready_is(503), 5, "not ready without a broker")
+        status, text = await get(port, "/readyz")
+        assert status == 503 and json.loads(text)["reason"] == "NATS is not connected (reconnecting)", text
+        await wait_for(lambda: not scaler.is_leader(), 5, "the lease lapsed: no longer leading either")
+        status, text = await get(port, "/healthz")
+        assert status == 200 and json.loads(text)["leader"] is False, text
         nats_server.restart()
-        await wait_for(lambda: health_is(200), 10, "healthy again")
+        await wait_for(lambda: ready_is(200), 10, "ready again")
+        assert "reason" not in json.loads((await get(port, "/readyz"))[1])
 
 
 async def test_a_second_replica_is_healthy_with_current_views_and_takes_its_share(

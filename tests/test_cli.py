@@ -74,7 +74,7 @@ def test_unreachable_nats_is_one_clear_line() -> None:
     from warmpool.embedded import free_port
 
     r = pulsescale("slots", "--nats", f"nats://127.0.0.1:{free_port()}", "--nats-connect-timeout", "0.5")
-    assert r.returncode == 1
+    assert r.returncode == 3  # unreachable (pulsescale.cli.EXIT_UNREACHABLE); a refusal is 1
     assert r.stderr.startswith("pulsescale slots: cannot connect to NATS") and r.stderr.count("\n") == 1
 
 

@@ -273,7 +273,10 @@ async def test_claims_and_watches_survive_a_server_kill(cluster: NatsCluster, cl
 
     await wait_for(heartbeat, timeout_s=FAILOVER_BOUND_S, what="a heartbeat to be taken")
     for i, store in enumerate(clients.stores):
-        await wait_for(lambda s=store: s.lease("late") is not None, what=f"store {i}'s agents watch to see a lease")
+        # As for the slots above: a view whose watch lost its deliveries re-lists, and a re-list asked for while the
+        # streams settle can wait out the KV timeout (CI and a local run saw 15 s pass after the probe re-listed).
+        await wait_for(lambda s=store: s.lease("late") is not None, SETUP_TIMEOUT_S + FAILOVER_BOUND_S,
+                       f"store {i}'s agents watch to see a lease")  # fmt: skip
     # Settled: every acknowledged claim is in the broker with its holder, nothing else is held.
     won[0] = Won(moved, won[0].at)
     await assert_claims_held(writer.nc, won)

@@ -406,7 +406,7 @@ async def test_unreachable_nats_is_one_line(capsys: pytest.CaptureFixture[str]) 
     argv = ["status", "--nats", f"nats://127.0.0.1:{free_port()}", "--nats-connect-timeout", "0.5"]
     code = await asyncio.to_thread(dispatcher.main, argv)
     err = capsys.readouterr().err
-    assert code == 1 and err.startswith("pulsescale status: cannot connect to NATS") and err.count("\n") == 1
+    assert code == 3 and err.startswith("pulsescale status: cannot connect to NATS") and err.count("\n") == 1
 
 
 # --- formatting (no NATS) -------------------------------------------------------------------------------------

@@ -584,5 +584,5 @@ async def test_pulsescale_operator_with_nats_unreachable_says_so(k8s_api: K8sApi
     kubeconfig = k8s_api.kubeconfig(tmp_path / "kubeconfig", namespace=NS)
     rc, out = await run_cli("--kubeconfig", str(kubeconfig), "--nats", f"nats://127.0.0.1:{free_port()}",
                             "--nats-connect-timeout", "1", env=operator_env(tmp_path))  # fmt: skip
-    assert rc == 1
+    assert rc == 3  # unreachable
     assert "cannot connect to NATS" in out and "nothing listens there" in out, out

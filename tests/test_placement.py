@@ -178,6 +178,25 @@ def _pick(
             {"rack_of": {"b": "r2"}, "rack_load": {"": 3, "r2": 1}},
             {"b.1"},
         ),
+        (
+            # A stale node is passed over for the next node of its rack, not for the next rack.
+            "a stale node, then another of its rack",
+            {0: {"a": {"a.1"}, "b": {"b.1"}, "c": {"c.1"}}},
+            {"stale": {"a"}, "rack_of": {"a": "r1", "b": "r1", "c": "r2"}, "rack_load": {"r2": 1}},
+            {"b.1"},
+        ),
+        (
+            # A stale node's rack is passed over for the next rack of the same node load, not for a busier node.
+            "a stale node's rack, then the next rack of the same node load",
+            {0: {"a": {"a.1"}, "b": {"b.1"}, "c": {"c.1"}}},
+            {
+                "stale": {"a"},
+                "rack_of": {"a": "r1", "b": "r2", "c": "r3"},
+                "node_load": {"c": 1},
+                "rack_load": {"r2": 1},
+            },
+            {"b.1"},
+        ),
         ("nothing eligible", {0: {"a": {"a.1"}}, 1: {"b": {"b.1"}}}, {"stale": {"a", "b"}}, {None}),
         ("everything tried", {0: {"a": {"a.1"}}}, {"skip": {"a.1"}}, {None}),
         ("an empty pool", {}, {}, {None}),
@@ -238,6 +257,172 @@ def test_a_stale_node_is_parked_until_its_lease_changes() -> None:
     stale.clear()
     pool.unpark("a")  # ... until its lease changes
     assert pool.pick(usable=usable, skip=(), rng=random.Random(0)) == "a.1"
+
+
+# --- Pool: fixed cases for what the random comparison below may not draw ----------------------------------------------
+
+
+def _picks(pool: placement.Pool, stale: Collection[str] = (), seeds: range = range(20)) -> set[str | None]:
+    """What `pool` picks over `seeds` (whatever the tie-break draws)."""
+
+    def usable(node: str, keys: Collection[str]) -> Collection[str]:
+        return () if node in stale else keys
+
+    return {pool.pick(usable=usable, skip=(), rng=random.Random(seed)) for seed in seeds}
+
+
+def test_pool_adds_up_the_holds_of_a_node() -> None:
+    """A node's load is the number of its slots held: two claims on `a` weigh more than one on `b`, and each
+    release takes one off. (Both nodes in one rack: only the node load tells them apart.)"""
+    pool = placement.Pool()
+    pool.add_warm("a.1", 0, "a", "r")
+    pool.add_warm("b.1", 0, "b", "r")
+    for _ in range(2):
+        pool.held("a", "r", 1)
+    pool.held("b", "r", 1)
+    assert _picks(pool) == {"b.1"}  # a: 2, b: 1
+    pool.held("a", "r", -1)
+    assert _picks(pool) == {"a.1", "b.1"}  # a: 1, b: 1
+    pool.held("a", "r", -1)
+    assert _picks(pool) == {"a.1"}  # a: 0, b: 1
+
+
+def test_pool_adds_up_the_holds_of_a_rack_over_its_nodes() -> None:
+    """A rack's load is the number of the model's slots held on any of its nodes, warm or not: r1 holds two
+    (on x and y), r2 one (on z), so the free node of r2 comes first."""
+    pool = placement.Pool()
+    pool.add_warm("a.1", 0, "a", "r1")
+    pool.add_warm("b.1", 0, "b", "r2")
+    pool.held("x", "r1", 1)
+    pool.held("y", "r1", 1)
+    pool.held("z", "r2", 1)
+    assert _picks(pool) == {"b.1"}
+    pool.held("w", "r2", 1)  # 2 and 2
+    assert _picks(pool) == {"a.1", "b.1"}
+    pool.held("x", "r1", -1)  # 1 and 2
+    assert _picks(pool) == {"a.1"}
+
+
+def _racks_pool() -> placement.Pool:
+    """a in r1 (load 1), b in r2 (load 2); r3 holds 3."""
+    pool = placement.Pool()
+    pool.add_warm("a.1", 0, "a", "r1")
+    pool.add_warm("b.1", 0, "b", "r2")
+    for rack, n in (("r1", 1), ("r2", 2), ("r3", 3)):
+        for i in range(n):
+            pool.held(f"{rack}-other-{i}", rack, 1)
+    assert _picks(pool) == {"a.1"}
+    return pool
+
+
+def test_a_node_that_moved_to_another_rack_counts_with_its_new_rack() -> None:
+    """A node's rack is what its latest record says: a warm slot or a held one naming another rack files the
+    node there (r3, the busiest), so the node of the less busy rack comes first."""
+    pool = _racks_pool()
+    pool.add_warm("a.2", 0, "a", "r3")
+    assert _picks(pool) == {"b.1"}
+    pool = _racks_pool()
+    pool.held("a", "r3", 1)  # claimed and let go under its new rack: the node's load is back to 0
+    pool.held("a", "r3", -1)
+    assert _picks(pool) == {"b.1"}
+
+
+def test_a_removed_warm_slot_is_never_picked() -> None:
+    pool = placement.Pool()
+    for key in ("a.1", "a.2"):
+        pool.add_warm(key, 0, "a", "r")
+    pool.add_warm("b.1", 0, "b", "r")
+    pool.held("b", "r", 1)
+    assert _picks(pool) == {"a.1", "a.2"}
+    pool.remove_warm("a.1", 0, "a")
+    assert _picks(pool) == {"a.2"}
+    pool.remove_warm("a.2", 0, "a")
+    assert _picks(pool) == {"b.1"}
+    pool.remove_warm("b.1", 0, "b")
+    pool.remove_warm("b.1", 0, "b")  # twice, or a key it never had: nothing to do
+    pool.remove_warm("c.1", 2, "c")
+    assert _picks(pool) == {None}
+
+
+def test_a_node_left_with_slots_in_one_tier_is_still_refiled_when_its_load_changes() -> None:
+    """`a` loses its only tier-1 slot and keeps its tier-0 one: its load then still counts in tier 0."""
+    pool = placement.Pool()
+    pool.add_warm("a.0", 0, "a", "r")
+    pool.add_warm("a.1", 1, "a", "r")
+    pool.add_warm("b.0", 0, "b", "r")
+    pool.remove_warm("a.1", 1, "a")
+    pool.held("a", "r", 1)
+    pool.held("a", "r", 1)
+    pool.held("b", "r", 1)
+    assert _picks(pool) == {"b.0"}
+    pool.remove_warm("a.0", 0, "a")
+    pool.held("b", "r", 1)
+    assert _picks(pool) == {"b.0"}
+
+
+def test_a_parked_node_losing_its_last_slot_is_forgotten() -> None:
+    pool = placement.Pool()
+    pool.add_warm("a.1", 0, "a", "r")
+    pool.add_warm("b.1", 0, "b", "r")
+    pool.held("b", "r", 1)
+    assert _picks(pool, stale={"a"}, seeds=range(1)) == {"b.1"}  # a parked
+    pool.remove_warm("a.1", 0, "a")
+    pool.unpark("a")
+    assert _picks(pool) == {"b.1"}
+    pool.add_warm("a.1", 0, "a", "r")  # back, with a fresh lease
+    assert _picks(pool) == {"a.1"}
+
+
+def test_a_node_parked_in_two_tiers_keeps_the_other_parked_tier_when_one_changes() -> None:
+    """Parked in tiers 0 and 1 (its lease lapsed): a change to its tier-1 slots (one removed, one added) leaves
+    tier 0 parked, and filed again when its lease changes."""
+    for change in ("remove", "add"):
+        pool = placement.Pool()
+        pool.add_warm("a.0", 0, "a", "r")
+        pool.add_warm("a.1", 1, "a", "r")
+        assert _picks(pool, stale={"a"}, seeds=range(1)) == {None}  # both tiers parked
+        if change == "remove":
+            pool.remove_warm("a.1", 1, "a")
+        else:
+            pool.add_warm("a.2", 1, "a", "r")
+        pool.unpark("a")  # its lease is fresh again
+        assert _picks(pool) == {"a.0"}, change
+
+
+def test_a_parked_node_given_a_new_slot_is_filed_once_at_its_current_load() -> None:
+    """A new warm slot files a parked node again at once (the lease may offer it); a later lease change must not
+    file it a second time, under a load it no longer has."""
+    pool = placement.Pool()
+    pool.add_warm("a.1", 0, "a", "r")
+    pool.add_warm("b.1", 0, "b", "r")
+    pool.held("b", "r", 1)
+    assert _picks(pool, stale={"a"}, seeds=range(1)) == {"b.1"}  # a (load 0) looked at first, and parked
+    pool.add_warm("a.2", 0, "a", "r")
+    pool.held("a", "r", 1)
+    pool.held("a", "r", 1)
+    pool.unpark("a")
+    assert _picks(pool) == {"b.1"}  # a: 2, b: 1
+
+
+def test_a_pool_is_empty_without_warm_or_held_slots_and_forgets_what_left() -> None:
+    """The registry keeps one Pool per model for the life of the process: a node whose slots all left (parked or
+    not, in any tier) leaves nothing behind in it."""
+    pool = placement.Pool()
+    assert not pool
+    pool.held("x", "r", 1)
+    assert pool  # held only
+    pool.held("x", "r", -1)
+    assert not pool
+    pool.add_warm("a.0", 0, "a", "r")
+    assert pool  # warm only
+    pool.add_warm("a.1", 1, "a", "r")
+    pool.add_warm("b.0", 0, "b", "r")
+    assert _picks(pool, stale={"a", "b"}, seeds=range(1)) == {None}  # every tier of both parked
+    pool.unpark("b")
+    for key, t, node in (("a.1", 1, "a"), ("a.0", 0, "a"), ("b.0", 0, "b")):
+        pool.remove_warm(key, t, node)
+    assert not pool
+    assert (pool._keys, pool._tiers, pool._parked, pool._where, pool._filed) == ({}, {}, {}, {}, {})
 
 
 # One step on a model's pool: a warm slot added or removed, a slot held or let go, a node's lease lapsing or renewed.

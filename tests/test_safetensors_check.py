@@ -4,8 +4,10 @@ header length and the data buffer."""
 
 from __future__ import annotations
 
+import errno
 import io
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -178,3 +180,141 @@ def test_read_header_reads_the_file_it_is_given(tmp_path: Path) -> None:
     hdr = read_header(path)
     assert hdr.file == "shard.safetensors" and hdr.file_bytes == path.stat().st_size
     assert hdr.tensor(NAME).end == hdr.file_bytes
+
+
+# --- read_header_fd: positional reads of a shared descriptor ----------------------------------------------------------
+
+
+@pytest.fixture
+def shard(tmp_path: Path) -> Path:
+    """A valid shard whose header (about 70 bytes) is longer than the short reads below."""
+    path = tmp_path / "shard.safetensors"
+    path.write_bytes(st_file({NAME: entry("F32", [2], 0, 8)}, bytes(8)))
+    return path
+
+
+def _short_preads(monkeypatch: pytest.MonkeyPatch, most: int, *, eof: int | None = None) -> list[tuple[int, int]]:
+    """Make every ``os.pread`` return at most `most` bytes (a pread may return fewer than asked: a network or FUSE
+    file system does), and nothing from offset `eof` on (a file cut while it is read). Returns (asked, offset)
+    of each call."""
+    calls: list[tuple[int, int]] = []
+    real = os.pread
+
+    def pread(fd: int, n: int, offset: int) -> bytes:
+        calls.append((n, offset))
+        if eof is not None:
+            n = min(n, max(eof - offset, 0))
+        return real(fd, min(n, most), offset)
+
+    monkeypatch.setattr(os, "pread", pread)
+    return calls
+
+
+def test_read_header_fd_reads_the_header_in_two_preads_and_leaves_the_offset(shard: Path) -> None:
+    """One pread for the length and one for the header when the file gives what is asked; the descriptor's
+    offset, shared with every process that inherited it, stays where it was."""
+    calls: list[tuple[int, int]] = []
+    real = os.pread
+
+    def pread(fd: int, n: int, offset: int) -> bytes:
+        calls.append((n, offset))
+        return real(fd, n, offset)
+
+    with open(shard, "rb") as f, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "pread", pread)
+        f.seek(3)
+        hdr = safetensors_check.read_header_fd(f.fileno(), "shard.safetensors")
+        assert f.tell() == 3
+    assert hdr == read_header(shard)
+    header_len = hdr.data_offset - 8
+    assert calls == [(8, 0), (header_len, 8)]
+
+
+@pytest.mark.parametrize("most", [1, 3, 7, 64])
+def test_a_read_spanning_several_preads_is_joined_in_order(
+    shard: Path, monkeypatch: pytest.MonkeyPatch, most: int
+) -> None:
+    """Short preads (7 leaves 1 byte of the length for a second call): each continues where the last ended, and
+    the pieces join to the bytes of the file."""
+    calls = _short_preads(monkeypatch, most)
+    fd = os.open(shard, os.O_RDONLY)
+    try:
+        hdr = safetensors_check.read_header_fd(fd, "shard.safetensors")
+    finally:
+        os.close(fd)
+    assert hdr == read_header(shard)
+    # Each call asks for what is still missing, at the offset right after the bytes already read.
+    total = hdr.data_offset
+    offsets = [offset for _, offset in calls]
+    assert offsets == sorted(offsets) and offsets[0] == 0
+    assert sum(min(n, most) for n, _ in calls) == total
+    assert len(calls) == -(-8 // most) + -(-(total - 8) // most)
+
+
+def test_a_file_cut_while_its_header_is_read_is_truncated(shard: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pread returns nothing at the (new) end: the read stops with what it has, a named refusal follows."""
+    size = shard.stat().st_size
+    header_len = size - 8 - 8
+    _short_preads(monkeypatch, 16, eof=8 + 20)
+    fd = os.open(shard, os.O_RDONLY)
+    try:
+        with pytest.raises(BadWeights) as err:
+            safetensors_check.read_header_fd(fd, "shard.safetensors")
+    finally:
+        os.close(fd)
+    assert err.value.file == "shard.safetensors"
+    assert err.value.reason == f"truncated: read 20 of {header_len} header bytes"
+
+
+def test_read_header_fd_names_the_file_in_every_refusal(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(st_file({NAME: entry("F32", [2], 0, 8)}, bytes(4)))
+    fd = os.open(bad, os.O_RDONLY)
+    try:
+        with pytest.raises(BadWeights) as err:
+            safetensors_check.read_header_fd(fd, "bad.safetensors")
+    finally:
+        os.close(fd)
+    assert err.value.file == "bad.safetensors" and "out of range" in err.value.reason
+    # A descriptor that is not open: the OSError's own words, named, never an OSError in the caller.
+    closed = os.open(bad, os.O_RDONLY)
+    os.close(closed)
+    with pytest.raises(BadWeights) as err:
+        safetensors_check.read_header_fd(closed, "bad.safetensors")
+    assert err.value.file == "bad.safetensors"
+    assert err.value.reason == f"cannot read: {os.strerror(errno.EBADF)}"
+
+
+def test_read_header_says_why_a_file_cannot_be_read(tmp_path: Path) -> None:
+    with pytest.raises(BadWeights) as err:
+        read_header(tmp_path / "missing.safetensors")
+    assert err.value.reason == f"cannot read: {os.strerror(errno.ENOENT)}"
+
+
+# --- what a refusal says --------------------------------------------------------------------------------------------
+
+
+def test_a_header_that_is_not_an_object_names_its_json_type() -> None:
+    assert refusal(st_file(b"[]")) == "header is JSON list, not an object"
+    assert refusal(st_file(b'"x"')) == "header is JSON str, not an object"
+
+
+def test_any_failure_of_the_json_parser_is_a_named_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the parser raises (here a LookupError, outside the ones handled by name) is a BadWeights naming the
+    file and the failure, never an exception in the caller."""
+
+    def broken(*args: object, **kw: object) -> object:
+        raise LookupError("codec trouble")
+
+    monkeypatch.setattr(json, "loads", broken)
+    assert refusal(st_file({})) == "header cannot be parsed: LookupError: codec trouble"
+
+
+def test_the_figures_in_a_refusal_are_the_header_s() -> None:
+    """The byte counts an operator reads are relative to the data buffer, as the header's offsets are."""
+    span = refusal(st_file({NAME: entry("F16", [3], 4, 12), "z": entry("U8", [4], 0, 4)}, bytes(12)))
+    assert span == f"tensor {NAME!r}: F16[3] needs 6 bytes but data_offsets span 8"
+    overlap = refusal(st_file({"a": entry("U8", [6], 0, 6), "b": entry("U8", [4], 4, 8)}, bytes(8)))
+    assert overlap == "tensor 'b' overlaps tensor 'a' (bytes 4..)"
+    trailing = refusal(st_file({"a": entry("U8", [2], 0, 2)}, bytes(5)))
+    assert trailing == "3 bytes after the last tensor; the header does not cover the file"

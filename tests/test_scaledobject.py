@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import datetime
 import io
 import json
 import random
 import re
 import textwrap
+import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import yaml
 from nats.aio.client import Client
@@ -693,7 +696,7 @@ def test_apply_missing_file_and_unreachable_nats(tmp_path: Path, capsys: pytest.
     assert apply("-f", str(tmp_path / "nope.yaml")) == 1
     assert capsys.readouterr().err.startswith(f"pulsescale apply: {tmp_path / 'nope.yaml'}: cannot read it:")
     unreachable = ["--nats", f"nats://127.0.0.1:{free_port()}", "--nats-connect-timeout", "0.5"]
-    assert dispatcher.main(["apply", "-f", str(EXAMPLE), *unreachable]) == 1
+    assert dispatcher.main(["apply", "-f", str(EXAMPLE), *unreachable]) == 3
     err = capsys.readouterr().err
     assert err.startswith("pulsescale apply: cannot connect to NATS") and err.count("\n") == 1
 
@@ -890,3 +893,603 @@ def test_any_corpus_document_with_odd_values_raises_only_scaledobjecterror() -> 
             scaledobject.from_manifest(doc)
         except ScaledObjectError:
             pass
+
+
+# --- horizontalPodAutoscalerConfig, branch by branch (`_map_hpa`) ----------------------------------------------------
+
+BEHAVIOR = "spec.advanced.horizontalPodAutoscalerConfig.behavior"
+
+
+def _hpa_doc(config: dict[str, object], **advanced: object) -> dict[str, object]:
+    return {
+        "apiVersion": scaledobject.API_VERSION,
+        "kind": scaledobject.KIND,
+        "metadata": {"name": "qwen"},
+        "spec": {
+            "scaleTargetRef": {"name": "qwen"},
+            "maxReplicaCount": 4,
+            "advanced": {**advanced, "horizontalPodAutoscalerConfig": config},
+            "triggers": [{"type": "gateway-queue", "metadata": {"model": "qwen"}}],
+        },
+    }
+
+
+def _hpa(
+    up: dict[str, object] | None = None, down: dict[str, object] | None = None, **advanced: object
+) -> ScalerRecord:
+    behavior = {k: v for k, v in (("scaleUp", up), ("scaleDown", down)) if v is not None}
+    return scaledobject.from_manifest(_hpa_doc({"behavior": behavior}, **advanced))
+
+
+def _hpa_refusal(up: dict[str, object] | None = None, down: dict[str, object] | None = None, **advanced: object) -> str:
+    with pytest.raises(ScaledObjectError) as exc:
+        _hpa(up, down, **advanced)
+    return str(exc.value)
+
+
+def _scale_down(a: protocol.Advanced) -> tuple[object, ...]:
+    return (a.scale_down_stabilization_seconds, a.scale_down_percent, a.scale_down_pods, a.scale_down_period_seconds,
+            a.scale_down_select_policy)  # fmt: skip
+
+
+DEFAULT_DOWN = _scale_down(protocol.Advanced())
+P = {"type": "Percent", "periodSeconds": 15}
+PODS = {"type": "Pods", "periodSeconds": 15}
+
+
+@pytest.mark.parametrize(
+    "up", [{}, {"selectPolicy": "Max"}, {"selectPolicy": "Min"}, {"stabilizationWindowSeconds": 0}], ids=str
+)
+@pytest.mark.parametrize("down", [None, {"selectPolicy": "Min"}], ids=["no scaleDown", "scaleDown"])
+def test_a_scale_up_rule_that_does_not_say_disabled_leaves_scale_out_on(
+    up: dict[str, object], down: dict[str, object] | None
+) -> None:
+    """Only ``selectPolicy: Disabled`` pauses scale-out (KEDA's paused-scale-out does that to its HPA); a scaleUp
+    block without it changes nothing of the policy."""
+    rec = _hpa(up, down)
+    assert (rec.paused, rec.paused_scale_in, rec.paused_scale_out) == (False, False, False)
+    want = DEFAULT_DOWN if down is None else (*DEFAULT_DOWN[:4], "Min")
+    assert _scale_down(rec.spec.advanced) == want
+
+
+def test_scale_up_disabled_pauses_scale_out_and_the_scale_down_rules_still_map() -> None:
+    rec = _hpa({"selectPolicy": "Disabled"}, {"stabilizationWindowSeconds": 120, "selectPolicy": "Min"})
+    assert (rec.paused, rec.paused_scale_in, rec.paused_scale_out) == (False, False, True)
+    assert _scale_down(rec.spec.advanced) == (120.0, *DEFAULT_DOWN[1:4], "Min")
+    assert _hpa(down={"selectPolicy": "Disabled"}).paused_scale_out is False  # scale-down's Disabled is its own
+
+
+DEFAULT_UP = [{"type": "Percent", "value": 100, "periodSeconds": 15}, {"type": "Pods", "value": 4, "periodSeconds": 15}]
+
+
+@pytest.mark.parametrize(
+    ("up", "default"),
+    [
+        ({"policies": DEFAULT_UP}, True),
+        ({"policies": DEFAULT_UP[::-1], "selectPolicy": "Max"}, True),  # in any order
+        ({"policies": DEFAULT_UP, "selectPolicy": "Min"}, False),  # not the default any more: a real limit
+        ({"policies": DEFAULT_UP, "selectPolicy": "Disabled"}, False),
+        ({"policies": [{"type": "Pods", "value": 4, "periodSeconds": 60}]}, False),
+        ({"policies": DEFAULT_UP[:1]}, False),
+    ],
+)
+def test_scale_up_policies_are_refused_and_the_hpa_default_is_named(up: dict[str, object], default: bool) -> None:
+    error = _hpa_refusal(up)
+    assert error.startswith(f"{BEHAVIOR}.scaleUp.policies: ")
+    assert ("this is the HPA's default scale-up" in error) is default
+    assert ("scale-up rate limits are not applied" in error) is not default
+
+
+@pytest.mark.parametrize("rules", ["scaleUp", "scaleDown"])
+def test_a_tolerance_is_refused_on_either_rules(rules: str) -> None:
+    tolerance: dict[str, object] = {"tolerance": "0.1" if rules == "scaleUp" else 0.1}
+    up, down = (tolerance, None) if rules == "scaleUp" else (None, tolerance)
+    error = _hpa_refusal(up, down)
+    assert error.startswith(f"{BEHAVIOR}.{rules}.tolerance: HPA's tolerance (a dead band around the target) has no")
+
+
+def test_scale_up_stabilization_is_refused_naming_the_field() -> None:
+    assert _hpa_refusal({"stabilizationWindowSeconds": 1}).startswith(
+        f"{BEHAVIOR}.scaleUp.stabilizationWindowSeconds: scale-up stabilization is not applied"
+    )
+
+
+@pytest.mark.parametrize(
+    ("down", "want"),
+    [
+        # (stabilization, percent, pods, period, selectPolicy); percent and period unset: the scale-in hold's.
+        ({"stabilizationWindowSeconds": 0}, (0.0, *DEFAULT_DOWN[1:])),
+        ({"stabilizationWindowSeconds": 300}, (300.0, *DEFAULT_DOWN[1:])),
+        ({"selectPolicy": "Disabled"}, (*DEFAULT_DOWN[:4], "Disabled")),
+        ({"selectPolicy": "Min"}, (*DEFAULT_DOWN[:4], "Min")),
+        ({"policies": [{**P, "value": 20, "periodSeconds": 30}]}, (DEFAULT_DOWN[0], 20.0, None, 30.0, "Max")),
+        ({"policies": [{**P, "value": 100}]}, (DEFAULT_DOWN[0], 100.0, None, 15.0, "Max")),
+        # Pods alone: at most that many, min(100 % of the replicas, Pods), whatever selectPolicy says...
+        ({"policies": [{**PODS, "value": 3}]}, (DEFAULT_DOWN[0], 100.0, 3, 15.0, "Min")),
+        ({"policies": [{**PODS, "value": 3}], "selectPolicy": "Max"}, (DEFAULT_DOWN[0], 100.0, 3, 15.0, "Min")),
+        # ... unless scale-down is disabled altogether.
+        (
+            {"policies": [{**PODS, "value": 3}], "selectPolicy": "Disabled"},
+            (DEFAULT_DOWN[0], 100.0, 3, 15.0, "Disabled"),
+        ),
+        (
+            {"policies": [{**PODS, "value": 2}, {**P, "value": 10}], "selectPolicy": "Max"},
+            (DEFAULT_DOWN[0], 10.0, 2, 15.0, "Max"),
+        ),
+        (
+            {"stabilizationWindowSeconds": 60, "policies": [{**P, "value": 50}, {**PODS, "value": 1}]},
+            (60.0, 50.0, 1, 15.0, "Max"),
+        ),
+    ],
+)
+def test_scale_down_rules_map_field_by_field(down: dict[str, object], want: tuple[object, ...]) -> None:
+    rec = _hpa(down=down)
+    got = _scale_down(rec.spec.advanced)
+    assert got == want
+    assert [type(v) for v in got] == [type(v) for v in want]  # seconds and percentages as floats, pods a count
+    assert not rec.paused_scale_out
+
+
+@pytest.mark.parametrize(
+    ("down", "advanced", "error"),
+    [
+        (
+            {"policies": [{**P, "value": 10}, {**PODS, "value": 1, "periodSeconds": 60}]},
+            {},
+            f"{BEHAVIOR}.scaleDown.policies: periodSeconds differ (15, 60): pulsescale has one scale-down period",
+        ),
+        (
+            {"policies": [{**P, "value": 10}, {**PODS, "value": 1}, {**P, "value": 20}]},
+            {},
+            f"{BEHAVIOR}.scaleDown.policies[2]: a second Percent policy (the first is policies[0])",
+        ),
+        (
+            {"policies": [{**PODS, "value": 1}, {**P, "value": 101}]},
+            {},
+            f"{BEHAVIOR}.scaleDown.policies[1].value: 101 %: scale-down removes at most 100 % of the replicas",
+        ),
+        (
+            {"stabilizationWindowSeconds": 0},
+            {"scaleDownStabilizationSeconds": 30},
+            f"spec.advanced.scaleDownStabilizationSeconds: set twice: here and by {BEHAVIOR}.scaleDown."
+            "stabilizationWindowSeconds (which maps onto it)",
+        ),
+        *(
+            (
+                {"policies": [{**PODS, "value": 1}]},
+                {field: value},
+                f"spec.advanced.{field}: set twice: here and by {BEHAVIOR}.scaleDown.policies",
+            )
+            for field, value in (("scaleDownPercent", 50), ("scaleDownPods", 2), ("scaleDownPeriodSeconds", 30))
+        ),
+        (
+            {"selectPolicy": "Disabled"},
+            {"scaleDownSelectPolicy": "Disabled"},
+            f"spec.advanced.scaleDownSelectPolicy: set twice: here and by {BEHAVIOR}.scaleDown.selectPolicy",
+        ),
+    ],
+)
+def test_scale_down_rules_that_cannot_map_are_refused_naming_the_field(
+    down: dict[str, object], advanced: dict[str, object], error: str
+) -> None:
+    assert _hpa_refusal(None, down, **advanced).startswith(error)
+
+
+def test_advanced_fields_that_no_hpa_rule_sets_are_kept() -> None:
+    """Setting a field both ways is refused; a field the HPA rules given leave alone is not set twice."""
+    a = _hpa(down={"stabilizationWindowSeconds": 30}, scaleDownPercent=20, scaleDownSelectPolicy="Min").spec.advanced
+    assert _scale_down(a) == (30.0, 20.0, None, DEFAULT_DOWN[3], "Min")
+    a = _hpa(down={"policies": [{**P, "value": 10}]}, scaleDownStabilizationSeconds=45).spec.advanced
+    assert _scale_down(a) == (45.0, 10.0, None, 15.0, "Max")
+    a = _hpa(down={"selectPolicy": "Min"}, scaleDownPods=2).spec.advanced
+    assert (a.scale_down_pods, a.scale_down_select_policy) == (2, "Min")
+
+
+def test_an_hpa_config_without_behavior_maps_nothing_and_its_name_is_a_note() -> None:
+    named = scaledobject.from_manifest(_hpa_doc({"name": "keda-hpa-qwen"}))
+    assert named.notes == [scaledobject._NOTE_HPA_NAME]
+    assert _scale_down(named.spec.advanced) == DEFAULT_DOWN and not named.paused_scale_out
+    bare = scaledobject.from_manifest(_hpa_doc({}))
+    assert bare.notes == [] and _scale_down(bare.spec.advanced) == DEFAULT_DOWN
+    empty = _hpa()  # behavior: {}
+    assert empty.notes == [] and _scale_down(empty.spec.advanced) == DEFAULT_DOWN and not empty.paused_scale_out
+    both = scaledobject.from_manifest(
+        _hpa_doc({"name": "keda-hpa-qwen", "behavior": {"scaleDown": {"selectPolicy": "Min"}}})
+    )
+    assert both.notes == [scaledobject._NOTE_HPA_NAME] and both.spec.advanced.scale_down_select_policy == "Min"
+
+
+# --- capped: what the autoscaler acts on, whoever wrote the record ----------------------------------------------------
+
+
+def _record(min_: int = 1, max_: int = 40, *, idle: int | None = None, paused: int | None = None) -> ScalerRecord:
+    doc = yaml.safe_load(GOOD)
+    doc["spec"].update(minReplicaCount=min_, maxReplicaCount=max_)
+    if idle is not None:
+        doc["spec"]["idleReplicaCount"] = idle
+    rec = scaledobject.from_manifest(doc)
+    return rec if paused is None else msgspec.structs.replace(rec, paused=True, paused_replicas=paused)
+
+
+@pytest.mark.parametrize(
+    ("rec", "limit"),
+    [(_record(1, 16), 16), (_record(1, 16, paused=16), 16), (_record(0, 4, paused=None), 4)],
+    ids=["max at the limit", "paused at the limit", "no pause"],
+)
+def test_capped_leaves_a_record_within_the_limit_alone(rec: ScalerRecord, limit: int) -> None:
+    assert scaledobject.capped(rec, limit) == (rec, None)
+
+
+@pytest.mark.parametrize(
+    ("rec", "limit", "want"),
+    [
+        # (min, max, idle, paused replicas) acted on
+        (_record(1, 40), 16, (1, 16, None, None)),
+        (_record(30, 40), 16, (16, 16, None, None)),
+        (_record(30, 40, idle=25), 16, (16, 16, 15, None)),  # idle stays below min
+        (_record(30, 40, idle=16), 16, (16, 16, 15, None)),  # ... also when it equals the new min
+        (_record(30, 40, idle=10), 16, (16, 16, 10, None)),
+        (_record(5, 10, idle=3), 1, (1, 1, 0, None)),
+        (_record(1, 8, paused=20), 16, (1, 8, None, 16)),  # only the pause over the limit
+        (_record(1, 40, paused=3), 16, (1, 16, None, 3)),
+    ],
+)
+def test_capped_cuts_every_count_to_the_limit(rec: ScalerRecord, limit: int, want: tuple[object, ...]) -> None:
+    cut, what = scaledobject.capped(rec, limit)
+    spec = cut.spec
+    assert (spec.min_replica_count, spec.max_replica_count, spec.idle_replica_count, cut.paused_replicas) == want
+    assert (cut.key, cut.paused, spec.model) == (rec.key, rec.paused, rec.spec.model)
+    assert what == (
+        f"replicas {rec.spec.min_replica_count}..{rec.spec.max_replica_count} over the limit of {limit} per model; "
+        f"acting on {want[0]}..{want[1]} (raise the limit with --max-replicas or $PULSESCALE_MAX_REPLICAS)"
+    )
+
+
+def test_capped_cuts_schedule_floors_above_the_new_max_only() -> None:
+    [m] = scaledobject.load_documents(
+        GOOD.replace("maxReplicaCount: 4", "maxReplicaCount: 40").replace(
+            "  triggers:\n",
+            "  schedules:\n"
+            "    - {name: low, start: '2026-06-01T10:00', durationSeconds: 60, replicas: 3}\n"
+            "    - {name: top, start: '2026-06-02T10:00', durationSeconds: 60, replicas: 16}\n"
+            "    - {name: high, start: '2026-06-03T10:00', durationSeconds: 60, replicas: 30}\n"
+            "  triggers:\n",
+        ),
+        "s.yaml",
+    )
+    cut, _ = scaledobject.capped(m.record, 16)
+    assert [(s.name, s.replicas) for s in cut.spec.schedules] == [("low", 3), ("top", 16), ("high", 16)]
+
+
+# --- check_models: one ScaledObject per model across what is already written ------------------------------------------
+
+
+def _manifests(*docs: tuple[str, str]) -> list[scaledobject.Manifest]:
+    """(name, model) of each document, in one file."""
+    text = "---\n".join(GOOD.replace("name: qwen\nspec", f"name: {n}\nspec").replace("model: qwen", f"model: {m}")
+                        for n, m in docs)  # fmt: skip
+    return scaledobject.load_documents(text, "apply.yaml")
+
+
+def test_check_models_refuses_a_model_another_written_scaledobject_scales() -> None:
+    written = [m.record for m in _manifests(("llama", "llama"), ("old-qwen", "qwen"))]
+    written = [msgspec.structs.replace(r, namespace="prod") for r in written]
+    manifests = _manifests(("mistral", "mistral"), ("qwen", "qwen"))
+    with pytest.raises(ScaledObjectError) as exc:
+        scaledobject.check_models(manifests, written)
+    assert exc.value.field == "spec.triggers[0].metadata.model"
+    assert exc.value.where == "apply.yaml doc 2"
+    assert str(exc.value) == (
+        "apply.yaml doc 2: spec.triggers[0].metadata.model: qwen is already scaled by prod.old-qwen in pulse_scalers; "
+        "one ScaledObject per model: delete prod.old-qwen first (pulsescale delete so old-qwen -n prod), or change "
+        "this one's model"
+    )
+
+
+def test_check_models_lets_one_apply_move_a_model_between_scaledobjects() -> None:
+    written = [m.record for m in _manifests(("a", "qwen"), ("b", "llama"))]
+    scaledobject.check_models(_manifests(("a", "mistral"), ("b", "qwen")), written)  # b takes qwen from a
+    scaledobject.check_models(_manifests(("a", "qwen")), written)  # a rewritten with its own model
+    scaledobject.check_models([], written)
+
+
+# --- other_kind: what is skipped as another API's ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("doc", "want"),
+    [
+        ({"kind": "Service", "apiVersion": "v1", "metadata": {"name": "qwen", "namespace": "inference"}},
+         "Service inference/qwen"),
+        ({"kind": "Service", "apiVersion": "v1", "metadata": {"name": "qwen"}}, "Service qwen"),
+        ({"kind": "Service", "apiVersion": "v1", "metadata": {"name": 5, "namespace": ""}}, "Service"),
+        ({"kind": "Service", "apiVersion": "v1", "metadata": ["qwen"]}, "Service"),
+        ({"kind": "Service", "apiVersion": "v1"}, "Service"),
+        # Checked as a ScaledObject (broken, or ours): never skipped.
+        ({"kind": 5, "apiVersion": "v1"}, None),
+        ({"kind": "", "apiVersion": "v1"}, None),
+        ({"kind": "List", "apiVersion": "v1"}, None),
+        ({"kind": "ScaledObject", "apiVersion": "keda.sh/v1alpha1"}, None),
+        ({"kind": "Service", "apiVersion": 1}, None),
+        ({"kind": "Anything", "apiVersion": "pulsescale.io/v1"}, None),
+        ({"kind": "Anything", "apiVersion": "pulsescale.io"}, None),
+        (["not", "a", "mapping"], None),
+    ],
+)  # fmt: skip
+def test_other_kind_names_another_apis_document(doc: object, want: str | None) -> None:
+    assert scaledobject.other_kind(doc) == want
+
+
+def test_a_skipped_item_of_a_list_is_said_with_its_place() -> None:
+    items = [{"apiVersion": "v1", "kind": "Service", "metadata": {"name": "qwen"}}, yaml.safe_load(GOOD)]
+    skipped: list[str] = []
+    [m] = scaledobject.load_documents(json.dumps({"kind": "List", "items": items}), "l.yaml", skipped=skipped)
+    assert (m.item, m.record.updated_at) == (1, 0.0)
+    assert skipped == ["skipped Service qwen (l.yaml doc 1 items[0]): not a ScaledObject (kubectl applies it)"]
+
+
+# --- the loader's refusals, located -----------------------------------------------------------------------------------
+
+
+def _refusal(text: str, source: str = "x.yaml") -> ScaledObjectError:
+    with pytest.raises(ScaledObjectError) as exc:
+        scaledobject.load_documents(text, source)
+    return exc.value
+
+
+def test_a_yaml_error_is_located_by_line_and_column() -> None:
+    err = _refusal("a: 1\nb: [1, 2\n")
+    assert (err.field, err.where) == ("", "x.yaml")
+    assert str(err).startswith("x.yaml: line 3, column 1: expected ',' or ']'")
+    dup = _refusal("a: 1\n  \nb:\n  c: 1\n  c: 2\n")
+    assert str(dup) == (
+        "x.yaml: line 5, column 3: duplicate key 'c' (first at line 4); YAML would keep only the last one: remove one"
+    )
+
+
+def test_a_yaml_error_without_a_place_says_yaml() -> None:
+    err = _refusal("a: \x07\n")  # a character YAML does not allow: the reader's error has no mark
+    assert (err.field, err.where) == ("", "x.yaml")
+    assert str(err).startswith("x.yaml: YAML: unacceptable character #x0007: special characters are not allowed")
+
+
+def test_a_duplicate_key_after_a_merge_key_is_refused() -> None:
+    err = _refusal("base: &b {x: 1}\nm:\n  <<: *b\n  y: 1\n  y: 2\n")
+    assert "duplicate key 'y' (first at line 4)" in str(err)
+    assert scaledobject._documents("base: &b {x: 1}\nm:\n  <<: *b\n  x: 2\n") == [{"base": {"x": 1}, "m": {"x": 2}}]
+
+
+def _nested(depth: int, inner: str = "1") -> str:
+    return "[" * depth + inner + "]" * depth
+
+
+@pytest.mark.parametrize(
+    ("text", "refused"),
+    [
+        (_nested(scaledobject.MAX_DEPTH), False),
+        (_nested(scaledobject.MAX_DEPTH + 1), True),
+        ("[" + ", ".join(["[1]"] * 100) + ", " + _nested(scaledobject.MAX_DEPTH - 1) + "]", False),
+        ("[" + ", ".join(["[1]"] * 100) + ", " + _nested(scaledobject.MAX_DEPTH) + "]", True),
+        # A branch closed deep down: its sibling goes on from the same depth (60 + 5 = 65 levels).
+        (_nested(60, "[1], " + _nested(5)), True),
+        (_nested(60, "[1], " + _nested(4)), False),
+    ],
+    ids=["64 levels", "65 levels", "siblings then 64", "siblings then 65", "a branch to 65", "a branch to 64"],
+)
+def test_nesting_is_counted_level_by_level(text: str, refused: bool) -> None:
+    if refused:
+        err = _refusal(text, "deep.yaml")
+        assert (err.field, err.where) == ("", "deep.yaml")
+        assert re.fullmatch(r"deep.yaml: line 1, column \d+: nested too deeply \(more than 64 levels of mappings "
+                            r"and lists\)", str(err))  # fmt: skip
+    else:
+        assert scaledobject._documents(text)
+
+
+def test_the_column_of_a_too_deep_nesting_is_one_based() -> None:
+    err = _refusal("a:\n  b: " + _nested(scaledobject.MAX_DEPTH), "deep.yaml")
+    # The root mapping is level 1, b's is 2: the 63rd "[" (column 6 + 62) is level 65.
+    assert str(err).startswith("deep.yaml: line 2, column 68: nested too deeply")
+
+
+def test_a_huge_text_is_refused_with_its_size() -> None:
+    text = GOOD + "#" + "x" * scaledobject.MAX_TEXT_BYTES
+    err = _refusal(text, "big.yaml")
+    assert (err.field, err.where) == ("", "big.yaml")
+    size = len(text.encode())
+    assert str(err) == f"big.yaml: {size} bytes: more than a ScaledObject file holds (at most 3145728); wrong file?"
+
+
+@pytest.mark.parametrize(
+    ("error", "says"),
+    [(RecursionError(), "YAML: nested too deeply to read"), (OverflowError("too big"), "YAML: cannot be read "
+                                                                                        "(OverflowError: too big)")],
+)  # fmt: skip
+def test_a_loader_failure_is_a_located_refusal(monkeypatch: pytest.MonkeyPatch, error: Exception, says: str) -> None:
+    def boom(text: str) -> list[object]:
+        raise error
+
+    monkeypatch.setattr(scaledobject, "_documents", boom)
+    err = _refusal(GOOD)
+    assert (err.field, err.where, str(err)) == ("", "x.yaml", f"x.yaml: {says}")
+
+
+def test_a_number_that_is_not_finite_is_refused_naming_the_field() -> None:
+    text = GOOD.replace("metadata: {model: qwen}", 'metadata: {model: qwen, targetQueueDepth: "1e999"}')
+    err = _refusal(text)
+    assert err.field == "spec.triggers[0].metadata.targetQueueDepth"
+    assert str(err) == 'x.yaml doc 1: spec.triggers[0].metadata.targetQueueDepth: "1e999" is not a finite number'
+
+
+def test_a_name_outside_the_pattern_is_refused_saying_what_a_name_is() -> None:
+    err = _refusal(GOOD.replace("model: qwen", "model: Qwen.Chat"))
+    assert err.field == "spec.triggers[0].metadata.model"
+    assert str(err).endswith(" (a name: lowercase letters, digits, '-' and '_'; no dots)")
+
+
+def test_max_replicas_from_env_reads_a_whole_number_of_at_least_one() -> None:
+    env = scaledobject.MAX_REPLICAS_ENV
+    assert scaledobject.max_replicas_from_env({}) == scaledobject.DEFAULT_MAX_REPLICAS
+    assert scaledobject.max_replicas_from_env({env: " 1 "}) == 1
+    assert scaledobject.max_replicas_from_env({env: "250"}) == 250
+    with pytest.raises(ScaledObjectError) as exc:
+        scaledobject.max_replicas_from_env({env: "0"})
+    assert (exc.value.field, str(exc.value)) == ("", "$PULSESCALE_MAX_REPLICAS is '0'; it must be a whole number of "
+                                                     "replicas >= 1")  # fmt: skip
+
+
+# --- load_path: what it passes on, and its refusals ----------------------------------------------------------------
+
+
+def test_load_path_passes_the_time_and_the_limit_on(tmp_path: Path) -> None:
+    (tmp_path / "q.yaml").write_text(GOOD)
+    [m] = scaledobject.load_path(tmp_path / "q.yaml", updated_at=5.0)
+    assert m.record.updated_at == 5.0
+    assert scaledobject.load_path(tmp_path)[0].record.updated_at == 0.0
+    with pytest.raises(ScaledObjectError, match=r"spec.maxReplicaCount: 4 is over the limit of 2 replicas"):
+        scaledobject.load_path(tmp_path, max_replicas=2)
+
+
+def test_load_path_refuses_a_huge_file_before_reading_it(tmp_path: Path) -> None:
+    big = tmp_path / "big.yaml"
+    with open(big, "wb") as f:
+        f.truncate(scaledobject.MAX_TEXT_BYTES + 1)  # sparse: nothing is written, nothing is read
+    with pytest.raises(ScaledObjectError) as exc:
+        scaledobject.load_path(big)
+    assert (exc.value.field, exc.value.where) == ("", str(big))
+    assert str(exc.value) == f"{big}: 3145729 bytes: more than a ScaledObject file holds (at most 3145728); wrong file?"
+
+
+def test_load_path_says_exactly_why_nothing_was_found(tmp_path: Path) -> None:
+    (tmp_path / "svc.yaml").write_text("apiVersion: v1\nkind: Service\nmetadata: {name: qwen}\n")
+    (tmp_path / "sub").mkdir()
+    with pytest.raises(ScaledObjectError) as exc:
+        scaledobject.load_path(tmp_path)
+    assert (exc.value.field, exc.value.where) == ("", str(tmp_path))
+    assert str(exc.value) == (
+        f"{tmp_path}: no ScaledObject in its .yaml, .yml, .json files (add -R for its subdirectories) (1 document(s) "
+        "of other kinds skipped)"
+    )
+    (tmp_path / "svc.yaml").unlink()
+    with pytest.raises(ScaledObjectError) as exc:
+        scaledobject.load_path(tmp_path, recursive=True)
+    assert str(exc.value) == f"{tmp_path}: no ScaledObject in its .yaml, .yml, .json files"
+    with pytest.raises(ScaledObjectError) as exc:
+        scaledobject.load_path(tmp_path / "nope.yaml")
+    assert exc.value.field == "" and str(exc.value).startswith(f"{tmp_path / 'nope.yaml'}: cannot read it: ")
+
+
+# --- from_manifest: each refusal names its field ----------------------------------------------------------------------
+
+
+def _doc(**over: object) -> dict[str, object]:
+    """GOOD as a mapping, with top-level keys replaced (None removes one)."""
+    doc: dict[str, object] = yaml.safe_load(GOOD)
+    for key, value in over.items():
+        if value is None:
+            doc.pop(key)
+        else:
+            doc[key] = value
+    return doc
+
+
+def _meta(**over: object) -> dict[str, object]:
+    return _doc(metadata={"name": "qwen", **over})
+
+
+@pytest.mark.parametrize(
+    ("doc", "field", "text"),
+    [
+        (["a", "list"], "", "a manifest is a mapping with apiVersion, kind, metadata and spec; got list"),
+        (_doc(apiVersion="v1"), "apiVersion", "apiVersion: expected pulsescale.io/v1alpha1, got 'v1'"),
+        (_doc(metadata=None), "metadata", "metadata: missing"),
+        (_doc(metadata=["qwen"]), "metadata", "metadata: must be a mapping, got list"),
+        (_doc(spec=None), "spec", "spec: missing"),
+        (_meta(namespace="Prod.EU"), "metadata.namespace", "metadata.namespace: 'Prod.EU' is not a pulsescale name"),
+        (_meta(annotations=["paused"]), "metadata.annotations", "metadata.annotations: must be a mapping, got list"),
+        (_meta(creationTimestamp=5), "metadata.creationTimestamp",
+         "metadata.creationTimestamp: must be an RFC 3339 time string, got int"),
+        (_doc(spec={**yaml.safe_load(GOOD)["spec"], "triggers": [5, yaml.safe_load(GOOD)["spec"]["triggers"][0]]}),
+         "spec.triggers[0]", "spec.triggers[0]: Expected `object`, got `int`"),
+    ],
+)  # fmt: skip
+def test_each_refusal_of_a_manifest_names_its_field(doc: object, field: str, text: str) -> None:
+    with pytest.raises(ScaledObjectError) as exc:
+        scaledobject.from_manifest(doc)
+    assert exc.value.field == field
+    assert str(exc.value).startswith(text), str(exc.value)
+
+
+def test_an_api_version_of_another_group_gets_no_hint() -> None:
+    with pytest.raises(ScaledObjectError) as exc:
+        scaledobject.from_manifest(_doc(apiVersion="apps/v1"))
+    assert str(exc.value) == "apiVersion: expected pulsescale.io/v1alpha1, got 'apps/v1'"
+
+
+def test_unknown_fields_are_counted_and_found_inside_optional_ones() -> None:
+    spec = yaml.safe_load(GOOD)["spec"]
+    with pytest.raises(ScaledObjectError) as exc:
+        scaledobject.from_manifest(_doc(spec={**spec, "fallback": {"failureThreshold": 1, "replica": 2}}))
+    assert str(exc.value) == "spec.fallback.replica: unknown field (did you mean replicas?)"
+    with pytest.raises(ScaledObjectError) as exc:
+        scaledobject.from_manifest(_doc(spec={**spec, "maxReplica": 4, "minReplica": 1, "zzz": 0}))
+    assert exc.value.field == "spec.maxReplica"
+    assert str(exc.value) == "spec.maxReplica: unknown field (did you mean maxReplicaCount?); 2 more unknown field(s)"
+
+
+def test_the_generation_is_metadatas_when_it_is_a_count() -> None:
+    assert scaledobject.from_manifest(_doc()).generation == 0
+    for gen, want in ((0, 0), (3, 3), (-1, 0), (True, 0), ("3", 0)):
+        assert scaledobject.from_manifest(_meta(generation=gen)).generation == want, gen
+    assert scaledobject.from_manifest(_meta(generation=3), generation=7).generation == 7
+    rec = scaledobject.from_manifest(_doc())
+    assert (rec.updated_at, rec.created_at) == (0.0, None)
+
+
+def test_replica_counts_at_the_limit_are_admitted() -> None:
+    spec = {**yaml.safe_load(GOOD)["spec"], "minReplicaCount": 3, "maxReplicaCount": 3}
+    both = {"pulsescale.io/paused-replicas": "3", "autoscaling.keda.sh/paused-replicas": "3"}
+    rec = scaledobject.from_manifest(_doc(spec=spec, metadata={"name": "qwen", "annotations": both}), max_replicas=3)
+    assert (rec.spec.max_replica_count, rec.paused_replicas, rec.paused) == (3, 3, True)  # one value in both families
+
+
+def test_a_creation_time_without_an_offset_is_utc() -> None:
+    for stamp in ("2026-12-03T07:51:44", "2026-12-03T07:51:44Z", " 2026-12-03T08:51:44+01:00 "):
+        assert scaledobject.from_manifest(_meta(creationTimestamp=stamp)).created_at == 1796284304.0, stamp
+    naive = datetime.datetime(2026, 12, 3, 7, 51, 44)  # what YAML makes of an unquoted time without an offset
+    assert scaledobject.from_manifest(_meta(creationTimestamp=naive)).created_at == 1796284304.0
+
+
+def test_a_creation_time_without_an_offset_is_utc_whatever_the_local_zone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TZ", "Asia/Tokyo")
+    time.tzset()
+    try:
+        for stamp in ("2026-12-03T07:51:44", datetime.datetime(2026, 12, 3, 7, 51, 44)):
+            assert scaledobject.from_manifest(_meta(creationTimestamp=stamp)).created_at == 1796284304.0, stamp
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+
+
+def test_an_empty_text_is_refused_saying_so() -> None:
+    err = _refusal("# nothing here\n", "empty.yaml")
+    assert (err.field, err.where, str(err)) == (
+        "",
+        "empty.yaml",
+        "empty.yaml: no ScaledObject in it (the file is empty)",
+    )
+
+
+def test_a_text_of_exactly_the_limit_is_read() -> None:
+    """3 MiB is at most what is read, not over it: a text of exactly that size gets as far as the YAML reader
+    (which refuses the NUL bytes at once)."""
+    err = _refusal("\0" * scaledobject.MAX_TEXT_BYTES, "big.yaml")
+    assert str(err).startswith("big.yaml: YAML: unacceptable character #x0000")
+
+
+def test_load_path_reads_a_file_of_exactly_the_limit(tmp_path: Path) -> None:
+    big = tmp_path / "big.yaml"
+    with open(big, "wb") as f:
+        f.truncate(scaledobject.MAX_TEXT_BYTES)
+    with pytest.raises(ScaledObjectError, match=r"YAML: unacceptable character #x0000"):
+        scaledobject.load_path(big)

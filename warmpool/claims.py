@@ -189,8 +189,9 @@ class Claimer:
 
     async def release(self, claim: Claim, *, reason: str | None = None) -> None:
         """Give a held slot back: `warm`, or `draining` if its node was drained meanwhile. A slot whose agent's
-        lease has lapsed goes to `failed` instead: `warm` would advertise a slot nobody can serve from (its agent
-        writes it `warm` again when it comes back)."""
+        lease has lapsed, or whose agent was found not subscribed (`SlotIndex.mark_unreachable`), goes to `failed`
+        instead: `warm` would advertise a slot nobody can serve from (its agent writes it `warm` again when it
+        comes back)."""
 
         def build(rec: SlotRecord) -> SlotRecord:
             now = self.clock()
@@ -202,6 +203,12 @@ class Claimer:
             if target == "warm" and self.index.lease_lapsed(rec.node, now):
                 target = "failed"
                 why = f"released while the agent of {rec.node} was away (lease lapsed)" + (
+                    f": {reason}" if reason else ""
+                )
+            elif target == "warm" and rec.node in self.index.unreachable:
+                # Its agent is not subscribed (dead, or not connected): its lease may stay fresh for seconds yet.
+                target = "failed"
+                why = f"released while the agent of {rec.node} was not answering (nobody subscribed)" + (
                     f": {reason}" if reason else ""
                 )
             slots.check_transition(rec.state, target)

@@ -2,8 +2,9 @@
 permissions and TLS), `pulsescale slots` (the registry, raw) and
 `pulsescale sample` (gateway samples by hand).
 
-A NATS failure (unreachable, credentials or a permission refused) leaves these as `NatsUnavailable`; the
-dispatcher prints it as one line and exits 1."""
+A NATS failure (unreachable, credentials or a permission refused) leaves these as `NatsUnavailable`, and a port
+`pulsescale nats` cannot bind as a `PulsescaleError`; the dispatcher prints it as one line and exits with its
+`exit_code` (1 refused or failed, 3 unreachable)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,15 @@ import threading
 import time
 
 import msgspec
+import nats.errors
+import nats.js.errors
 from nats.aio.client import Client
 
+from warmpool import buckets, durations, natsauth, protocol
 from warmpool import connect as nats_connect
-from warmpool import durations, natsauth, protocol
 from warmpool import output as out
-from warmpool.embedded import NatsServer
+from warmpool.embedded import NatsServer, PortTaken
+from warmpool.errors import BadMessage, PulsescaleError
 from warmpool.registry import KvSlotStore, ensure_buckets
 
 
@@ -81,7 +85,19 @@ def run_nats(argv: list[str], prog: str) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    server.start()
+    try:
+        server.start()
+    except PortTaken as err:
+        which = "--monitor-port" if err.port == server.monitor_port else "--port"
+        raise PulsescaleError(
+            f"port {err.port} is already in use (another nats-server, or `pulsescale nats` already running?): "
+            f"stop it or pick another {which}"
+        ) from None
+    except (RuntimeError, TimeoutError) as err:  # it exited, or never served: its log says why
+        last = [line for line in str(err).splitlines() if line.strip()]
+        raise PulsescaleError(
+            f"nats-server did not start: {last[-1] if last else err} (log {server.log_path})"
+        ) from None
     print(f"nats-server with JetStream on {server.url} (store {server.store_dir}, log {server.log_path})", flush=True)
     if server.monitor_port is not None:
         print(f"monitoring (no authentication) on http://127.0.0.1:{server.monitor_port}", flush=True)
@@ -162,6 +178,31 @@ def slots(argv: list[str], prog: str) -> int:
     return 0
 
 
+async def scaled_models(nc: Client) -> set[str] | None:
+    """The models the ScaledObjects in `pulse_scalers` name (empty: no bucket yet); None when it cannot be read
+    (no answer in time): the check it serves is advice, not a gate."""
+    js = nc.jetstream(timeout=2.0)
+    try:
+        kv = await js.key_value(protocol.SCALERS_BUCKET)
+        keys = await buckets.list_keys(js, protocol.SCALERS_BUCKET)
+    except nats.js.errors.BucketNotFoundError:
+        return set()
+    except (TimeoutError, nats.errors.Error):
+        return None
+
+    async def model_of(key: str) -> str | None:
+        try:
+            entry = await kv.get(key)
+            return protocol.decode(entry.value, protocol.ScalerRecord).spec.model if entry.value else None
+        except (nats.js.errors.KeyNotFoundError, BadMessage):
+            return None
+
+    try:
+        return {m for m in await asyncio.gather(*(model_of(k) for k in keys)) if m is not None}
+    except (TimeoutError, nats.errors.Error):
+        return None
+
+
 async def _sample(nc: Client, args: argparse.Namespace) -> int:
     """Publish the samples; how many. The flush waits for the server's answer, so a refused publish is known
     (and `run_client` raises it) before this returns."""
@@ -190,11 +231,24 @@ async def _sample(nc: Client, args: argparse.Namespace) -> int:
     return seq
 
 
+def _is_scaled(opts: nats_connect.NatsOptions, model: str) -> bool:
+    """Whether a ScaledObject names `model`; True when that cannot be read (a user that may not read
+    `pulse_scalers`, no answer): the check is advice, asked after the samples went out, on a connection of its own
+    so that a refusal of it never fails the command."""
+    try:
+        models = asyncio.run(nats_connect.run_client(opts, scaled_models))
+    except PulsescaleError:
+        return True
+    return models is None or model in models
+
+
 def sample(argv: list[str], prog: str) -> int:
-    p = argparse.ArgumentParser(
-        prog=prog,
-        description="Publish gateway queue samples by hand (drills and demos), as a gateway would: "
-        "every --every seconds for --for seconds on pulse.queue.MODEL.",
+    p = durations.dashed_values(
+        argparse.ArgumentParser(
+            prog=prog,
+            description="Publish gateway queue samples by hand (drills and demos), as a gateway would: "
+            "every --every seconds for --for seconds on pulse.queue.MODEL.",
+        )
     )
     p.add_argument("model")
     p.add_argument("--queue-depth", type=int, required=True, help="requests waiting")
@@ -220,6 +274,14 @@ def sample(argv: list[str], prog: str) -> int:
         p.error("counts must be >= 0")
     opts = nats_connect.options_from_args(args, name="pulsescale-sample")
     sent = asyncio.run(nats_connect.run_client(opts, lambda nc: _sample(nc, args)))
+    if not _is_scaled(opts, args.model):
+        # A warning, not a failure: the samples went out, and a drill may apply its ScaledObject next.
+        print(
+            f"{prog}: warning: no ScaledObject names model {args.model!r} (KV {protocol.SCALERS_BUCKET}): the "
+            "autoscaler ignores its samples until one does (`pulsescale apply -f FILE`; `pulsescale get "
+            "scaledobjects` lists them)",
+            file=sys.stderr,
+        )
     fmt = out.machine(args)
     if fmt is not None:
         published = {"model": args.model, "samples": sent, "queue_depth": args.queue_depth, "inflight": args.inflight}

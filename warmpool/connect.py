@@ -5,7 +5,9 @@ Options come from flags, which win over ``PULSESCALE_NATS*`` environment variabl
 
 `connect` makes the first connection or raises `NatsUnavailable` with one message that says what went wrong and
 what to check: at once when the server refuses our credentials (nats-py would otherwise retry them until the
-deadline), else within `NatsOptions.connect_deadline_s`. What goes wrong before that is collected for that
+deadline), and as soon as every server refused the connection outright or named no host that resolves (nothing
+listens: `NatsUnreachable`, no wait), else within `NatsOptions.connect_deadline_s`; a URL of another scheme than
+NATS's (``http://``) is `BadInput`, before any attempt. What goes wrong before that is collected for that
 message, not logged, so a command fails with one line. Once connected, clients reconnect forever (a daemon must
 outlive a broker restart) and log what the server reports. Messages nats-py drops for a subscriber that does not
 keep up are counted and logged at most once per `NatsOptions.slow_consumer_log_interval_s` (and once more, with
@@ -21,9 +23,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
 import re
+import socket
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -35,7 +39,7 @@ import nats
 from nats.aio.client import Client
 
 from warmpool import durations, natsauth
-from warmpool.errors import NatsUnavailable, PermissionDenied
+from warmpool.errors import BadInput, NatsUnavailable, NatsUnreachable, PermissionDenied
 
 __all__ = [
     "NatsOptions",
@@ -211,12 +215,38 @@ def _refuses_credentials(err: BaseException) -> bool:
     return isinstance(err, nats.errors.AuthorizationError) or "authorization violation" in low or "authentic" in low
 
 
+_SCHEMES: Final = ("nats", "tls", "ws", "wss")
+"""The URL schemes nats-py connects with; a URL without one is ``nats://``."""
+
+
+def check_urls(servers: tuple[str, ...]) -> None:
+    """`BadInput` naming the URL and its scheme when one is not a NATS URL (``http://host:4222`` otherwise fails
+    as "Name or service not known", after the whole connect deadline)."""
+    for url in servers:
+        scheme, sep, _ = url.partition("://")
+        if sep and scheme.lower() not in _SCHEMES:
+            raise BadInput(
+                f"--nats {url}: {scheme}:// is not a NATS URL scheme; use nats://HOST:PORT (default port 4222), "
+                "or tls://, ws://, wss://"
+            )
+
+
+def _nothing_there(err: BaseException) -> bool:
+    """The server could not be reached at all and trying again at once will not change that: nothing listens
+    (connection refused) or the host name does not resolve."""
+    if isinstance(err, ConnectionRefusedError) or getattr(err, "errno", None) == errno.ECONNREFUSED:
+        return True
+    return isinstance(err, socket.gaierror) and err.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", -5))
+
+
 def _explain(servers: tuple[str, ...], err: BaseException | None) -> str:
     where = ", ".join(servers)
     text = str(err) if err else "no answer"
     low = text.lower()
     if err is not None and _refuses_credentials(err):
         hint = "the server refused our credentials: check --nats-user/--nats-password, --nats-token or --nats-creds"
+    elif isinstance(err, socket.gaierror):
+        hint = "the host name does not resolve: check the URL's host"
     elif "refused" in low or isinstance(err, ConnectionRefusedError):
         hint = "nothing listens there: is nats-server running, and is the URL/port right?"
     elif "certificate" in low or "ssl" in low or "tls" in low:
@@ -285,24 +315,29 @@ async def connect(
     on_reconnect: Callable[[], Awaitable[None]] | None = None,
     on_disconnect: Callable[[], Awaitable[None]] | None = None,
 ) -> Client:
-    """Connect, or raise `NatsUnavailable` saying why: at the first refusal of our credentials, else within
-    `opts.connect_deadline_s`."""
+    """Connect, or raise `NatsUnavailable` saying why: at the first refusal of our credentials, as soon as every
+    server refused the connection (`NatsUnreachable`), else within `opts.connect_deadline_s`."""
+    check_urls(opts.servers)
     loop = asyncio.get_running_loop()
     connected = False
     early_errors: list[BaseException] = []
     refused: asyncio.Future[BaseException] = loop.create_future()
+    nothing_there = 0  # consecutive attempts that found nothing listening: nats-py tries the servers in turn
     last_logged = ""
     slow = SlowConsumerLog(opts.slow_consumer_log_interval_s)
 
     async def error_cb(err: Exception) -> None:
-        nonlocal last_logged
+        nonlocal last_logged, nothing_there
         if isinstance(err, nats.errors.SlowConsumerError):
             slow.dropped(err.subject)
             return
         if not connected:
             early_errors.append(err)
             del early_errors[:-8]
-            if _refuses_credentials(err) and not refused.done():
+            nothing_there = nothing_there + 1 if _nothing_there(err) else 0
+            # Every server refused (each was tried once, in turn): waiting out the deadline cannot help, and a
+            # typo'd port would otherwise cost the whole deadline every time.
+            if (_refuses_credentials(err) or nothing_there >= len(opts.servers)) and not refused.done():
                 refused.set_result(err)
             return
         denied = permission_denied(err)
@@ -383,7 +418,9 @@ async def connect(
     else:
         failed = None if attempt.cancelled() else attempt.exception()
         cause = None if isinstance(failed, TimeoutError) else failed
-    raise NatsUnavailable(_explain(opts.servers, cause))
+    if cause is not None and _refuses_credentials(cause):
+        raise NatsUnavailable(_explain(opts.servers, cause))  # refused: exit 1
+    raise NatsUnreachable(_explain(opts.servers, cause))  # exit 3
 
 
 async def _close_quietly(nc: Client) -> None:

@@ -26,6 +26,7 @@ from typing import Final
 __all__ = [
     "DurationError",
     "age",
+    "dashed_values",
     "duration_arg",
     "format_duration",
     "parse_duration",
@@ -99,6 +100,17 @@ def duration_arg(*, allow_zero: bool = False, most_s: float | None = None) -> Ca
         return seconds
 
     return duration
+
+
+_DASHED_VALUE: Final = re.compile(r"^-[0-9.]")
+
+
+def dashed_values(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Let `parser` read ``--for -5s`` as the flag's value (and refuse it as a negative duration) rather than fail
+    with "expected one argument": argparse takes any word that starts with a dash and is not a plain negative
+    number for an option. Only for parsers with no option spelled like a number (none has one)."""
+    parser._negative_number_matcher = _DASHED_VALUE  # argparse has no public switch for this
+    return parser
 
 
 def format_duration(seconds: float) -> str:

@@ -9,12 +9,14 @@ from __future__ import annotations
 from typing import Literal
 
 __all__ = [
+    "BadInput",
     "BadMessage",
     "ClaimConflict",
     "DuplicateRequest",
     "InvalidTransition",
     "LeaseExpired",
     "NatsUnavailable",
+    "NatsUnreachable",
     "NoSlotAvailable",
     "PermissionDenied",
     "PulsescaleError",
@@ -27,6 +29,9 @@ class PulsescaleError(Exception):
     """Base of every error pulsescale raises on purpose."""
 
     code = "error"
+    exit_code = 1
+    """The exit status of a command this error ends (`pulsescale.cli`): 1, refused (credentials, a permission, the
+    autoscaler said no); 2, bad input (argparse's own); 3, unreachable (nothing answers); 130, interrupted."""
 
 
 class BadMessage(PulsescaleError):
@@ -88,6 +93,21 @@ class NatsUnavailable(PulsescaleError):
     """The NATS server could not be reached or refused us; the message says which and what to check."""
 
     code = "nats_unavailable"
+
+
+class NatsUnreachable(NatsUnavailable):
+    """Nothing answered at the NATS URL(s): nothing listens, no route, no answer in time, a name that does not
+    resolve. Exit 3: another try may work, unlike a refusal (exit 1)."""
+
+    code = "nats_unreachable"
+    exit_code = 3
+
+
+class BadInput(PulsescaleError):
+    """What the user gave cannot be used as given (a URL of another scheme, say): exit 2, as argparse's errors."""
+
+    code = "bad_input"
+    exit_code = 2
 
 
 class PermissionDenied(NatsUnavailable):

@@ -36,7 +36,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Collection, Iterable
 from typing import Any
 
 from nats.aio.client import Client
@@ -253,6 +253,16 @@ class KvSlotStore:
     def lease_verdict(self, node: str, now: float | None = None) -> Verdict | None:
         """`SlotIndex.lease_verdict`: ``fresh``, ``lapsed``, ``skewed``, or None (no lease)."""
         return self._index.lease_verdict(node, now)
+
+    @property
+    def unreachable_nodes(self) -> Collection[str]:
+        """Nodes marked by `mark_unreachable` and not heard from since."""
+        return self._index.unreachable.keys()
+
+    def mark_unreachable(self, node: str) -> None:
+        """`SlotIndex.mark_unreachable`: nobody is subscribed to the node's agent verbs; none of its slots is
+        offered until its agent heartbeats again."""
+        self._index.mark_unreachable(node)
 
     def clock_skew(self, node: str) -> float | None:
         """`SlotIndex.clock_skew`: the node's agent's clock minus ours, seconds (None: no heartbeat heard)."""

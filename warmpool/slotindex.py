@@ -57,6 +57,10 @@ class SlotIndex:
         """Slots whose claim by this store is in flight (key -> the record the claim was built on): out of their
         pool and counted as load on their node until the broker answers, so a concurrent local claimer neither
         tries the same slot (a certain lost race: two round trips) nor piles onto the same node."""
+        self.unreachable: dict[str, AgentLease | None] = {}
+        """Node -> the lease in the view when its agent was found not subscribed to its verbs (NATS no responders:
+        dead, or not connected). Its slots are not offered until a newer heartbeat is heard (`_index_lease`):
+        a dead agent's lease stays fresh for up to `lease_s`, and every claim of its slots meanwhile fails."""
         self.slots._on_change = self._index
         self.agents._on_change = self._index_lease
         self.agents._on_arrival = self.clocks.heard
@@ -113,6 +117,8 @@ class SlotIndex:
 
     def _index_lease(self, node: str, _old: AgentLease | None, new: AgentLease | None) -> None:
         self.clocks.listed(node, new)
+        if node in self.unreachable and new is not None and new != self.unreachable[node]:
+            del self.unreachable[node]  # renewed since: its agent is back (a re-list of the same lease is not)
         if new is None:
             self._offered.pop(node, None)
         else:
@@ -126,7 +132,7 @@ class SlotIndex:
         node's lease is fresh, and only the slots that lease lists (a record alone offers nothing: any key under
         the node can be written by its agent user). Costs at most `protocol.MAX_SLOTS_PER_NODE` lookups."""
         lease = self.lease(node)
-        if lease is None or self.clocks.judge(node, lease, now) != "fresh":
+        if lease is None or node in self.unreachable or self.clocks.judge(node, lease, now) != "fresh":
             return []
         names = self._offered.get(node, frozenset())
         if len(keys) <= len(names):
@@ -170,8 +176,14 @@ class SlotIndex:
         return self.clocks.judge(node, lease, self.clock() if now is None else now)
 
     def lease_fresh(self, node: str, now: float | None = None) -> bool:
-        """The node's agent holds a fresh lease: its slots may be offered (`lease_verdict` is ``fresh``)."""
-        return self.lease_verdict(node, now) == "fresh"
+        """The node's agent holds a fresh lease: its slots may be offered (`lease_verdict` is ``fresh``, and its
+        agent was not found `unreachable` since)."""
+        return node not in self.unreachable and self.lease_verdict(node, now) == "fresh"
+
+    def mark_unreachable(self, node: str) -> None:
+        """Nobody is subscribed to `node`'s agent verbs (NATS answered no responders): offer none of its slots
+        until its agent heartbeats again, and release its slots `failed`, not `warm` (`Claimer.release`)."""
+        self.unreachable[node] = self.lease(node)
 
     def clock_skew(self, node: str) -> float | None:
         """`AgentClocks.skew_s`: the node's clock minus ours, seconds, as its heartbeats show (None: none heard)."""
