@@ -19,22 +19,18 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import (
-    GC_COLLECTOR,
     CollectorRegistry,
     Counter,
     Gauge,
-    GCCollector,
     Histogram,
-    PlatformCollector,
-    ProcessCollector,
 )
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from warmpool import protocol
-from warmpool.build import build_version
+from warmpool.build import register_process
 
-__all__ = ["ACTIVATION_STAGES", "AgentClockSkew", "AutoscalerMetrics", "ModelSeries", "build_version"]
+__all__ = ["ACTIVATION_STAGES", "AgentClockSkew", "AutoscalerMetrics", "ModelSeries"]
 
 # Decisions live in milliseconds-to-seconds territory; activation stages in tens of ms to seconds.
 _DECISION_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
@@ -96,14 +92,7 @@ class AutoscalerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        ProcessCollector(registry=r)
-        PlatformCollector(registry=r)
-        if GC_COLLECTOR is not None:  # None on interpreters without gc statistics
-            GCCollector(registry=r)
-        self.build_info = Gauge(
-            "pulsescale_build_info", "The running build (value 1)", ["version", "component"], registry=r
-        )
-        self.build_info.labels(build_version(), "autoscaler").set(1)
+        register_process(r, "autoscaler")
         self.nats_connected = Gauge(
             "pulsescale_nats_connected", "1 while the connection to NATS is up (the daemon binds it)", registry=r
         )

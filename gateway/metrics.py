@@ -10,18 +10,14 @@ from __future__ import annotations
 import contextlib
 
 from prometheus_client import (
-    GC_COLLECTOR,
     CollectorRegistry,
     Counter,
     Gauge,
-    GCCollector,
     Histogram,
-    PlatformCollector,
-    ProcessCollector,
 )
 
 from gateway.errors import REASONS
-from warmpool.build import build_version
+from warmpool.build import register_process
 
 __all__ = ["GatewayMetrics"]
 
@@ -33,13 +29,7 @@ class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        ProcessCollector(registry=r)
-        PlatformCollector(registry=r)
-        if GC_COLLECTOR is not None:
-            GCCollector(registry=r)
-        Gauge("pulsescale_build_info", "The running build (value 1)", ["version", "component"], registry=r).labels(
-            build_version(), "gateway"
-        ).set(1)
+        register_process(r, "gateway")
         self.responses = Counter(
             "pulsescale_gateway_responses_total",
             "Responses by model and HTTP status (429: queue full, 504: timed out, 502: every upstream broke)",

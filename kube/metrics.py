@@ -11,17 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from prometheus_client import (
-    GC_COLLECTOR,
     CollectorRegistry,
     Gauge,
-    GCCollector,
-    PlatformCollector,
-    ProcessCollector,
 )
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from warmpool.build import build_version
+from warmpool.build import register_process
 
 __all__ = ["OperatorMetrics"]
 
@@ -53,13 +49,7 @@ class OperatorMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        ProcessCollector(registry=r)
-        PlatformCollector(registry=r)
-        if GC_COLLECTOR is not None:  # None on interpreters without gc statistics
-            GCCollector(registry=r)
-        Gauge("pulsescale_build_info", "The running build (value 1)", ["version", "component"], registry=r).labels(
-            build_version(), "operator"
-        ).set(1)
+        register_process(r, "operator")
         self.nats_connected = Gauge("pulsescale_nats_connected", "1 while the connection to NATS is up", registry=r)
         self.leading = Gauge(
             "pulsescale_operator_leading",

@@ -10,17 +10,13 @@ from collections.abc import Mapping
 from typing import Final
 
 from prometheus_client import (
-    GC_COLLECTOR,
     CollectorRegistry,
     Counter,
     Gauge,
-    GCCollector,
     Histogram,
-    PlatformCollector,
-    ProcessCollector,
 )
 
-from warmpool.build import build_version
+from warmpool.build import register_process
 from warmpool.protocol import SlotState
 
 __all__ = ["ACTIVATION_BUCKETS_S", "AgentMetrics"]
@@ -52,12 +48,7 @@ ACTIVATION_BUCKETS_S: Final = (
 class AgentMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        ProcessCollector(registry=registry)
-        PlatformCollector(registry=registry)
-        if GC_COLLECTOR is not None:  # None on interpreters without gc statistics
-            GCCollector(registry=registry)
-        Gauge("pulsescale_build_info", "The running build (value 1)", ["version", "component"],
-              registry=registry).labels(build_version(), "agent").set(1)  # fmt: skip
+        register_process(registry, "agent")
         self.nats_connected = Gauge(
             "pulsescale_nats_connected", "1 while the connection to NATS is up (the agent binds it)", registry=registry
         )
