@@ -8,12 +8,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import re
 import signal
 from collections.abc import Awaitable
 from dataclasses import replace
 
 from warmpool import connect, durations, protocol
+from warmpool.sizes import parse_size
 
 
 def _listen(text: str) -> tuple[str, int]:
@@ -31,18 +31,12 @@ def _models(text: str) -> frozenset[str]:
     return names
 
 
-_SIZE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([KMG]i?B|[KMG]|B)?", re.IGNORECASE)
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
-
-
 def _size(text: str) -> int:
-    """``128MiB`` -> 134217728, ``500MB`` -> 500000000, ``1048576`` -> bytes (SI unless the unit says ``i``)."""
-    m = _SIZE.fullmatch(text.strip())
-    if not m:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 128MiB, 1GiB, 500MB or plain bytes")
-    unit = (m.group(2) or "").lower()
-    factor = _SIZE_UNITS[unit if unit.endswith("ib") or unit == "b" else unit.rstrip("b")]
-    n = int(float(m.group(1)) * factor)
+    """``128MiB`` -> 134217728, ``500MB`` -> 500000000, ``1048576`` -> bytes (`warmpool.sizes.parse_size`)."""
+    try:
+        n = parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 128MiB, 1GiB, 500MB or plain bytes") from None
     if n < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: give at least 1 byte")
     return n

@@ -39,6 +39,7 @@ from warmpool import connect as nats_connect
 from warmpool import protocol
 from warmpool.embedded import NatsServer
 from warmpool.registry import KvSlotStore
+from warmpool.sizes import parse_size
 
 MODEL = "bench"
 NODE = "bench-node"
@@ -392,7 +393,7 @@ def activate(argv: list[str], prog: str) -> int:
     p.add_argument("--disk-dir", default="/var/tmp", help="--loader kvikio: where the weights file is written")
     args = p.parse_args(argv)
     try:
-        sizes = [tinymodel.parse_size(s) for s in args.size.split(",")]
+        sizes = [parse_size(s) for s in args.size.split(",")]
     except ValueError as err:
         p.error(str(err))
     if args.loader:

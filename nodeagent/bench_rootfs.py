@@ -18,9 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from nodeagent import pagecache, rootfs, tinymodel
+from nodeagent import pagecache, rootfs
 from nodeagent.rootfsstage import RootfsStage
 from warmpool import durations
+from warmpool.sizes import parse_size
 
 __all__ = ["bench"]
 
@@ -33,7 +34,7 @@ def bench(argv: list[str], prog: str) -> int:
     p.add_argument("--dir", default="/var/tmp", help="parent of the bench's directory (on disk, not tmpfs) [/var/tmp]")
     args = p.parse_args(argv)
     try:
-        size = tinymodel.parse_size(args.size)
+        size = parse_size(args.size)
     except ValueError as err:
         p.error(f"--size: {err}")
     why = rootfs.probe()

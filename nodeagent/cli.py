@@ -23,6 +23,7 @@ from nodeagent.settings import AgentSettings
 from warmpool import connect as nats_connect
 from warmpool import durations, protocol
 from warmpool import output as out
+from warmpool.sizes import parse_size
 
 __all__ = ["model", "run_agent"]
 
@@ -185,7 +186,7 @@ def _settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> AgentSett
     budget = None
     if args.shm_budget:
         try:
-            budget = tinymodel.parse_size(args.shm_budget)
+            budget = parse_size(args.shm_budget)
         except ValueError as err:
             p.error(f"--shm-budget: {err}")
     if args.fetch_timeout_s <= 0 or args.fetch_retries < 0:
@@ -395,8 +396,8 @@ def _make_tiny(args: argparse.Namespace) -> int:
     if args.format == "hf":
         return _make_tiny_hf(args)
     try:
-        size = tinymodel.parse_size(args.size)
-        shard = tinymodel.parse_size(args.shard_size)
+        size = parse_size(args.size)
+        shard = parse_size(args.shard_size)
     except ValueError as err:
         print(f"make-tiny: {err}", file=sys.stderr)
         return 2
@@ -502,7 +503,7 @@ def _stage(args: argparse.Namespace) -> int:
 
     budget = None
     try:
-        budget = tinymodel.parse_size(args.shm_budget) if args.shm_budget else None
+        budget = parse_size(args.shm_budget) if args.shm_budget else None
     except ValueError as err:
         print(f"stage: --shm-budget: {err}", file=sys.stderr)
         return 2

@@ -43,13 +43,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final, Literal, NoReturn
 
-from nodeagent import fetch, forked, pagecache, rootfs, served, staging, tinymodel
+from nodeagent import fetch, forked, pagecache, rootfs, served, staging
 from nodeagent.engine import cudaplan, loaders
 from nodeagent.engine.zygote import drop_privileges
 from nodeagent.errors import BadModel, BadWeights, EngineFailed, LoaderUnavailable, StagingFailed, UnsafeStagingDir
 from warmpool import connect as nats_connect
 from warmpool import protocol
 from warmpool.errors import PulsescaleError
+from warmpool.sizes import parse_size
 
 __all__ = ["Check", "FlagsRefused", "RefusingParser", "check_nats", "main", "iter_checks", "summary"]
 
@@ -137,7 +138,7 @@ class _Node:
             name = args.model_name or Path(src).resolve().name
             model_dir = Path(src)
         try:
-            budget = tinymodel.parse_size(args.shm_budget) if args.shm_budget else None
+            budget = parse_size(args.shm_budget) if args.shm_budget else None
         except ValueError:
             budget = None  # the flags check says why
         return cls(args=args, shm_dir=shm, source=src, model_name=name, model_dir=model_dir, budget_bytes=budget)

@@ -20,6 +20,7 @@ from nodeagent import modelformat, staging, tinymodel
 from nodeagent.engine import loaders, local, safetensors_check
 from nodeagent.errors import BadModel, BadWeights
 from tests.nodeagent_helpers import model_dir_fixture, shm_dir_fixture, tiny_source_fixture  # noqa: F401
+from warmpool.sizes import parse_size
 
 
 def st_bytes(header: dict[str, object] | bytes, data: bytes = b"", *, length: int | None = None) -> bytes:
@@ -110,12 +111,12 @@ def test_make_tiny_writes_standard_safetensors_and_a_sha256sum_manifest(tmp_path
     ("text", "value"), [("64MB", 64_000_000), ("1GiB", 2**30), ("512k", 512_000), ("1.5GB", 1_500_000_000), ("10", 10)]
 )
 def test_parse_size(text: str, value: int) -> None:
-    assert tinymodel.parse_size(text) == value
+    assert parse_size(text) == value
 
 
 def test_parse_size_refuses_nonsense() -> None:
     with pytest.raises(ValueError, match="not a number"):
-        tinymodel.parse_size("lots")
+        parse_size("lots")
 
 
 def test_manifest_refuses_paths_outside_the_model(tmp_path: Path) -> None:
