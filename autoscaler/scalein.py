@@ -13,14 +13,10 @@ from typing import Final
 import msgspec
 
 from autoscaler import detector
+from autoscaler.policystate import number_text as _n
 from warmpool.protocol import ScaledObjectSpec
 
 __all__ = ["AUTO_HOLD_MAX_S", "ScaleIn", "rate_floor", "rate_text", "scale_in", "span_s", "step_gap_s"]
-
-
-def _n(x: float) -> str:
-    """A number for a reason string: at most one decimal, no trailing zeros (as `autoscaler.policy`'s)."""
-    return f"{x:.1f}".removesuffix(".0")
 
 
 AUTO_HOLD_MAX_S: Final = 60.0
