@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
-import signal
 from collections.abc import Awaitable
 from dataclasses import replace
 
-from autoscaler import daemon, scaledobject
+from autoscaler import daemon
 from autoscaler.controller import ControllerSettings
-from autoscaler.leader import LeaseSettings
-from warmpool import connect, durations, protocol, registry
+from autoscaler.shards.leader import LeaseSettings
+from manifests import scaledobject
+from warmpool import connect, daemonstart, durations, protocol, registry
 
 GC_FREEZE_EVERY_S = 1.0
 """The daemon's `AutoscalerSettings.gc_freeze_every_s` (see there)."""
@@ -82,7 +81,7 @@ def run_autoscaler(argv: list[str], prog: str) -> int:
         f"collection does not stop decisions for ~100 ms at 1,000 models; 0 leaves Python's collector as is "
         f"[{GC_FREEZE_EVERY_S:g}]",
     )
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    daemonstart.add_log_level_argument(p)
     args = p.parse_args(argv)
     try:
         max_replicas = args.max_replicas or scaledobject.max_replicas_from_env(os.environ)
@@ -101,7 +100,7 @@ def run_autoscaler(argv: list[str], prog: str) -> int:
         # The daemon creates its buckets with `registry.ensure_buckets`, which reads the variable: the flag
         # reaches it this way until `AutoscalerSettings` carries the bucket settings.
         os.environ[registry.KV_REPLICAS_ENV] = kv_replicas
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    daemonstart.configure_logging(args)
     settings = daemon.AutoscalerSettings(
         nats=connect.options_from_args(args, name="pulsescale-autoscaler"),
         metrics_host=args.metrics_host,
@@ -115,16 +114,8 @@ def run_autoscaler(argv: list[str], prog: str) -> int:
         **({"identity": args.identity} if args.identity else {}),
     )
 
-    async def main() -> None:
-        stop, ready = asyncio.Event(), asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+    def run(nats: connect.NatsOptions, stop: asyncio.Event, ready: asyncio.Event) -> Awaitable[daemon.Autoscaler]:
+        return daemon.run(replace(settings, nats=nats), stop=stop, ready=ready)
 
-        def run(nats: connect.NatsOptions) -> Awaitable[daemon.Autoscaler]:
-            return daemon.run(replace(settings, nats=nats), stop=stop, ready=ready)
-
-        await connect.run_daemon(settings.nats, run, ready)
-
-    asyncio.run(main())
+    daemonstart.run_until_signalled(settings.nats, run)
     return 0

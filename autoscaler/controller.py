@@ -23,12 +23,12 @@ from typing import Final
 
 from nats.aio.client import Client
 
-from autoscaler import policy
-from autoscaler.agentclient import AgentClient
-from autoscaler.decider import DeciderSettings, ModelDecider
-from autoscaler.ingest import Accepted
+from autoscaler.act.agentclient import AgentClient
+from autoscaler.act.scaler import ClaimsInFlight, ColdPath, Events, LocalColdPath, ModelScaler, ScalerSettings
+from autoscaler.decide import policy
+from autoscaler.decide.decider import DeciderSettings, ModelDecider
+from autoscaler.decide.ingest import Accepted
 from autoscaler.metrics import AutoscalerMetrics
-from autoscaler.scaler import ClaimsInFlight, ColdPath, Events, LocalColdPath, ModelScaler, ScalerSettings
 from warmpool import protocol
 from warmpool.protocol import OnCallSchedule, Override, QueueSample, ScalerRecord, SlotRecord, StatusRow
 from warmpool.registry import KvSlotStore
@@ -116,16 +116,17 @@ class ModelController:
     def override(self) -> Override | None:
         return self.decider.override
 
-    @override.setter
-    def override(self, value: Override | None) -> None:
-        self.decider.override = value
-
     def update_record(self, record: ScalerRecord) -> None:
         now = self.deps.clock()
         self.decider.update_record(record, now)
         self._run_due(now)
 
     # --- decisions ------------------------------------------------------------------------------------------------
+
+    def urgent(self, sample: QueueSample) -> bool:
+        """`on_sample` would decide on `sample` at once (`ModelDecider.urgent`): the intake folds it in as it is
+        taken, not behind the buffer."""
+        return self.decider.urgent(sample)
 
     def on_sample(self, sample: QueueSample, now: float) -> Accepted:
         outcome = self.decider.on_sample(sample, now)
@@ -215,16 +216,36 @@ class ModelController:
 
     # --- acting (leader only) -----------------------------------------------------------------------------------
 
-    def start(self) -> None:
+    def take_over(
+        self,
+        records: list[SlotRecord],
+        *,
+        override: Override | None = None,
+        schedules: tuple[OnCallSchedule, ...] | None = None,
+    ) -> None:
+        """This replica took the model's shard: book the held slots of `records` (a predecessor's claims, see
+        `ModelScaler.adopt`), put back its stored on-call `override` and `schedules` (None: left as they are),
+        and start acting. No decision yet: `Ownership.take_over` decides once every model taken has started."""
+        self.scaler.adopt(records)
+        if override is not None:
+            self.decider.override = override
+        if schedules is not None:
+            self.decider.set_schedules(schedules, self.deps.clock())
         self.scaler.start()
 
     async def stop(self, *, release_in_flight: bool = True) -> None:
-        """Stop deciding on a timer and stop acting (see `ModelScaler.stop`)."""
+        """Stop deciding on a timer and stop acting (see `ModelScaler.stop`). Without `release_in_flight` (the
+        shard was lost) the claims in flight are left for the next owner, and forgotten here once stopped (see
+        `ModelScaler.forget_claims`), however the stop ends."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         self._cancel_boundary()
-        await self.scaler.stop(release_in_flight=release_in_flight)
+        try:
+            await self.scaler.stop(release_in_flight=release_in_flight)
+        finally:
+            if not release_in_flight:
+                self.scaler.forget_claims()
 
     async def retire(self, reason: str) -> int:
         """The ScaledObject was deleted: stop, and (leader only) release every slot the model holds."""
@@ -237,12 +258,6 @@ class ModelController:
             return 0
         return await self.scaler.release_all(reason)
 
-    def forget_claims(self) -> None:
-        self.scaler.forget_claims()
-
-    def adopt(self, records: list[SlotRecord]) -> int:
-        return self.scaler.adopt(records)
-
     def on_slot_change(self, key: str, rec: SlotRecord | None) -> None:
         self.scaler.on_slot_change(key, rec)
 
@@ -251,18 +266,14 @@ class ModelController:
         for key in list(self.scaler.held):
             self.scaler.on_slot_change(key, records.get(key))
 
-    def forget_gateways(self, now: float, older_than_s: float) -> int:
-        """Drop gateways silent for `older_than_s` (long gone), so the table does not grow forever."""
-        gone = self.decider.demand.forget_stale(now, older_than_s)
-        if gone:
-            self.decider.touch(now)
-        return gone
-
-    async def housekeeping(self, now: float, *, decide: bool = True) -> bool:
-        """Time-driven work no sample triggers: when `decide` (the model's turn), a decision (override expiry, stale
-        gateways, the windows moving on) unless `ModelDecider.settled` says it would repeat the last one; then the
-        scaler's (every tick while it holds slots, else on its turn). Returns whether it decided."""
+    async def housekeeping(self, now: float, *, decide: bool = True, forget_after_s: float | None = None) -> bool:
+        """Time-driven work no sample triggers: when `decide` (the model's turn), gateways silent for
+        `forget_after_s` (long gone) dropped so the table does not grow forever, and a decision (override expiry,
+        stale gateways, the windows moving on) unless `ModelDecider.settled` says it would repeat the last one; then
+        the scaler's (every tick while it holds slots, else on its turn). Returns whether it decided."""
         turn = decide
+        if decide and forget_after_s is not None and self.decider.demand.forget_stale(now, forget_after_s):
+            self.decider.touch(now)
         if decide:
             decide = not self.decider.settled(now, ready=self.scaler.ready)
             if decide:

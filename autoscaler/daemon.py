@@ -2,12 +2,12 @@
 
 Every replica follows the ScaledObjects in `pulse_scalers` (a `registry.BucketView`) and the slots in
 `pulse_slots`, and keeps one `ModelController` per model. The models are sharded over the replicas
-(`autoscaler.shards`: 32 shard leases in `pulse_leases`, assigned over the live replicas): a replica acts for a
+(`autoscaler.shards.leases`: 32 shard leases in `pulse_leases`, assigned over the live replicas): a replica acts for a
 model only while it holds the model's shard, fenced — it subscribes to that model's samples, decides, claims,
-activates, releases, and answers on-call commands for it (`autoscaler.commands`, through the `ControlPlane` that
+activates, releases, and answers on-call commands for it (`autoscaler.commands.service`, through the `ControlPlane` that
 `Autoscaler` implements; another replica's models are handed to their owner). A replica that takes a shard adopts
 the slots held for its models and restores their on-call overrides stored under ``protocol.override_key(model)``
-(`autoscaler.ownership`, `autoscaler.overrides`); their windows start afresh. A deleted ScaledObject's slots are
+(`autoscaler.ownership`, `autoscaler.stored.overrides`); their windows start afresh. A deleted ScaledObject's slots are
 given back (the operator's finalizer waits for that): by the model's owner when the delete arrives, else by a later
 owner's sweep for held slots no ScaledObject owns (`autoscaler.retire`).
 
@@ -45,21 +45,23 @@ import msgspec
 from nats.aio.client import Client
 from nats.js.kv import KeyValue
 
-from autoscaler import commands, scaledobject
+from autoscaler.commands import service as commands
 from autoscaler.controller import ColdPath, ControllerSettings, Deps, LocalColdPath, ModelController
 from autoscaler.endpoints import serve_http
 from autoscaler.intake import SampleIntake, StandAside
-from autoscaler.leader import LeaseSettings
 from autoscaler.metrics import AutoscalerMetrics
-from autoscaler.overrides import OVERRIDE_READS_AT_ONCE as OVERRIDE_READS_AT_ONCE  # importable from here too
-from autoscaler.overrides import StoredOverrides
+from autoscaler.models import Models
 from autoscaler.ownership import Ownership
 from autoscaler.retire import Retirement
-from autoscaler.shards import ShardLeases, ShardSettings
+from autoscaler.shards.leader import LeaseSettings
+from autoscaler.shards.leases import ShardLeases, ShardSettings
 from autoscaler.slotview import SlotCounts as SlotCounts  # importable from here too
 from autoscaler.slotview import SlotEvents
-from autoscaler.storedschedules import StoredSchedules
+from autoscaler.stored.overrides import OVERRIDE_READS_AT_ONCE as OVERRIDE_READS_AT_ONCE  # importable from here too
+from autoscaler.stored.overrides import StoredOverrides
+from autoscaler.stored.schedules import StoredSchedules
 from autoscaler.subscriptions import SampleSubscriptions
+from manifests import scaledobject
 from warmpool import connect, looplag, protocol
 from warmpool.errors import BadMessage
 from warmpool.protocol import OnCallSchedule, Override, ScaledObjectSpec, ScalerRecord, StatusRow
@@ -132,10 +134,10 @@ class AutoscalerSettings:
 
 
 class Autoscaler:
-    """The daemon's state; also the `ControlPlane` the on-call command service talks to. It follows the
-    ScaledObjects into the controllers and keeps house; the rest it composes: the samples' way in (`intake`,
-    `subscriptions`), the slot view's events (`slot_events`), the shards held (`ownership`), the stored overrides
-    (`overrides`) and the slots of deleted ScaledObjects (`retirement`)."""
+    """The daemon; also the `ControlPlane` the on-call command service talks to. It follows the ScaledObjects into
+    the controllers and keeps house; the rest it composes: the controllers and the shards held (`fleet`), the
+    samples' way in (`intake`, `subscriptions`), the slot view's events (`slot_events`), the reactions to the
+    shards (`ownership`), the stored overrides (`overrides`) and the slots of deleted ScaledObjects (`retirement`)."""
 
     def __init__(
         self,
@@ -155,43 +157,32 @@ class Autoscaler:
         self.clock = clock
         self.rejections = Rejections(log, on_reject=lambda r: self.metrics.rejected.labels(r).inc())
         """Messages (samples) that break the contract; records in the buckets go to `store.rejected`."""
-        self.shards: ShardLeases | None = None
-        """The shard leases (`autoscaler.shards`): this replica acts for the models of the shards it holds."""
+        self.fleet = Models()
+        """The controllers by model, ScaledObject and shard, the shards held, the shard leases and the command
+        service (`autoscaler.models`), which every part below asks. (Not `models`: that is `ControlPlane.models`.)"""
         self.deps = Deps(
             nc=nc,
             store=store,
             metrics=self.metrics,
             cold_path=cold_path or LocalColdPath(),
-            is_leader=self.is_leader,
+            is_leader=self.fleet.is_leader,
             settings=settings.controller,
             clock=clock,
         )
-        self.by_scaler: dict[str, ModelController] = {}
-        self.by_model: dict[str, ModelController] = {}
-        self.by_shard: dict[int, set[str]] = {}
-        """Models with a ScaledObject, by shard (`protocol.shard_of`)."""
-        self.subjects_changed = asyncio.Event()
-        """The models this replica owns changed: `SampleSubscriptions.follow_subjects` re-subscribes the samples it
-        needs."""
         # The parts below copy the settings they use: `settings` is fixed for the daemon's life (a frozen dataclass;
         # only what the daemon reads itself, such as the GC's, may be swapped on a live one, as a test does).
         self.overrides = StoredOverrides(
             nc, buckets[protocol.LEASES_BUCKET], store, clock=clock, max_replicas=settings.max_replicas
         )
-        """The on-call overrides stored in `pulse_leases` (`autoscaler.overrides`): a new owner restores them."""
+        """The on-call overrides stored in `pulse_leases` (`autoscaler.stored.overrides`): a new owner restores them."""
         self.stored_schedules = StoredSchedules(
             nc, buckets[protocol.LEASES_BUCKET], store, clock=clock, max_replicas=settings.max_replicas
         )
-        """The on-call schedules stored in `pulse_leases` (`autoscaler.storedschedules`): a new owner restores them."""
+        """The on-call schedules stored in `pulse_leases` (`autoscaler.stored.schedules`): a new owner restores them."""
         self.ownership = Ownership(
             store,
             self.overrides,
-            by_model=self.by_model,
-            by_shard=self.by_shard,
-            shards=lambda: self.shards,
-            commands=lambda: self.commands,
-            owns_shard=self.owns_shard,
-            subjects_changed=self.subjects_changed,
+            self.fleet,
             metrics=self.metrics,
             contained=self._contained,
             clock=clock,
@@ -208,8 +199,7 @@ class Autoscaler:
         self.metrics_port: int | None = None
         """The port ``/metrics``, ``/healthz`` and ``/readyz`` are served on (bound by `run`); None: not served."""
         self.intake = SampleIntake(
-            by_model=self.by_model,
-            owns=self.owns,
+            self.fleet,
             claims=self.deps.claims,
             metrics=self.metrics,
             rejections=self.rejections,
@@ -220,17 +210,12 @@ class Autoscaler:
             stand_aside_s=settings.stand_aside_s,
         )
         """The samples' way in (`autoscaler.intake`): the subscription's callback and the buffer's drain."""
-        self.subscriptions = SampleSubscriptions(
-            self.intake, held=self.ownership.held, by_shard=self.by_shard, changed=self.subjects_changed
-        )
+        self.subscriptions = SampleSubscriptions(self.intake, self.fleet)
         """The samples' subscriptions for the models owned (`autoscaler.subscriptions`)."""
-        self.slot_events = SlotEvents(store, by_model=self.by_model, contained=self._contained)
+        self.slot_events = SlotEvents(store, self.fleet, contained=self._contained)
         """`pulse_slots`' events into the ``pulsescale_slots`` gauges and the controllers (`autoscaler.slotview`)."""
-        self.commands: commands.CommandService | None = None
         self._cut: dict[str, float] = {}  # ScaledObjects cut to max_replicas, by key: the version logged
-        self.retirement = Retirement(
-            nc, store, by_model=self.by_model, owns=self.owns, settings=settings.controller, clock=clock
-        )
+        self.retirement = Retirement(nc, store, self.fleet, settings=settings.controller, clock=clock)
         """The slots of deleted ScaledObjects given back (`autoscaler.retire`)."""
         self._gc_frozen_at = self._gc_full_at = time.monotonic()  # `_tend_gc`
         self._gc_frozen_once = False
@@ -248,17 +233,6 @@ class Autoscaler:
         """Log the exception being handled, count it, carry on (`_contained`)."""
         log.exception("internal error in %s; carrying on", what)
         self.metrics.internal_errors.inc()
-
-    def is_leader(self) -> bool:
-        """Acts for at least one shard (answers on-call commands, counts as leading in ``/healthz``)."""
-        return self.shards is not None and bool(self.shards.held())
-
-    def owns_shard(self, shard: int) -> bool:
-        return self.shards is not None and self.shards.owns(shard)
-
-    def owns(self, model: str) -> bool:
-        """This replica acts for `model` now (it holds the lease of its shard, fenced)."""
-        return self.shards is not None and self.shards.owns_model(model)
 
     # --- health ---------------------------------------------------------------------------------------------
 
@@ -282,7 +256,7 @@ class Autoscaler:
         whose views stay stale (wedged). Leading, or connected with views current since the last reconnect, is
         alive; so is a replica whose NATS is down: the client reconnects by itself, and a restart would only take
         every replica down at once during a broker outage (``/readyz`` reports it)."""
-        if self.is_leader() or not self.nc.is_connected:
+        if self.fleet.is_leader() or not self.nc.is_connected:
             return True
         views = (self.store.slots, self.store.agents, self.scalers)
         return all(v.current() for v in views)
@@ -293,40 +267,40 @@ class Autoscaler:
             "ok": self.healthy(),
             "ready": reason is None,
             **({"reason": reason} if reason is not None else {}),
-            "leader": self.is_leader(),
+            "leader": self.fleet.is_leader(),
             "identity": self.settings.identity,
-            "shards": sorted(self.shards.held()) if self.shards is not None else [],
+            "shards": sorted(self.fleet.shards.held()) if self.fleet.shards is not None else [],
             "nats_connected": self.nc.is_connected,
             "views_current": {
                 "slots": self.store.slots.current(),
                 "agents": self.store.agents.current(),
                 "scalers": self.scalers.current(),
             },
-            "models": len(self.by_model),
+            "models": len(self.fleet.by_model),
         }
 
     # --- ControlPlane ---------------------------------------------------------------------------------------
 
     def spec_for(self, model: str) -> ScaledObjectSpec | None:
-        c = self.by_model.get(model)
+        c = self.fleet.by_model.get(model)
         return c.spec if c else None
 
     def models(self) -> list[str]:
-        return sorted(self.by_model)
+        return sorted(self.fleet.by_model)
 
     async def set_override(self, model: str, override: Override | None) -> None:
         """Store the override (a new leader restores it) and apply it at once."""
-        c = self.by_model[model]
+        c = self.fleet.by_model[model]
         await self.overrides.save(model, override)
         c.set_override(override)
 
     def schedules_for(self, model: str) -> tuple[OnCallSchedule, ...]:
-        c = self.by_model.get(model)
+        c = self.fleet.by_model.get(model)
         return c.decider.oncall_schedules if c else ()
 
     async def set_schedules(self, model: str, schedules: tuple[OnCallSchedule, ...]) -> None:
         """Store the model's on-call schedules (a new owner restores them) and decide on them at once."""
-        c = self.by_model[model]
+        c = self.fleet.by_model[model]
         await self.stored_schedules.save(model, schedules)
         c.set_schedules(schedules)
 
@@ -335,9 +309,9 @@ class Autoscaler:
         replica owning it (the command service keeps the ones it owns)."""
         now = self.clock()
         rows = []
-        for m, c in sorted(self.by_model.items()):
+        for m, c in sorted(self.fleet.by_model.items()):
             if model is None or m == model:
-                owner = self.shards.owner_of_model(m) if self.shards is not None else None
+                owner = self.fleet.owner_of(m)
                 rows.append(msgspec.structs.replace(c.status_row(now), owner=owner, shard=protocol.shard_of(m)))
         return rows
 
@@ -346,11 +320,8 @@ class Autoscaler:
     def apply_scaler(self, key: str, record: ScalerRecord | None) -> None:
         """A ScaledObject appeared, changed, or (None) was deleted."""
         if record is None:
-            c = self.by_scaler.pop(key, None)
+            c = self.fleet.remove(key)
             if c is not None:
-                self.by_model.pop(c.model, None)
-                self.by_shard.get(protocol.shard_of(c.model), set()).discard(c.model)
-                self.subjects_changed.set()
                 # Its series go from the scrape now; the retiring controller's last writes land on detached children.
                 self.metrics.forget(c.model)
                 log.info("ScaledObject %s removed: %s is no longer autoscaled; releasing its slots", key, c.model)
@@ -361,14 +332,14 @@ class Autoscaler:
             self._cut[key] = record.updated_at  # said once per version of the record
             log.warning("ScaledObject %s: %s", key, cut)
         model = record.spec.model
-        owner = self.by_model.get(model)
+        owner = self.fleet.by_model.get(model)
         if owner is not None and owner.record.key != key:
             self.store.rejected(
                 BadMessage("bad_value", f"{key} targets model {model}, already scaled by {owner.record.key}"),
                 source=f"{protocol.SCALERS_BUCKET}/{key}",
             )
             return
-        c = self.by_scaler.get(key)
+        c = self.fleet.by_scaler.get(key)
         if c is not None and c.model != model:
             # Re-pointed at another model: a different controller (demand, slots, windows), not an update.
             self.apply_scaler(key, None)
@@ -377,15 +348,12 @@ class Autoscaler:
             held = [r for r in self.store.records(model) if r.state in ("ready", "activating", "claimed")]
             shard = protocol.shard_of(model)
             # The controller acts while this replica holds the model's shard (fenced, checked at every act).
-            deps = dataclasses.replace(self.deps, is_leader=functools.partial(self.owns_shard, shard))
+            deps = dataclasses.replace(self.deps, is_leader=functools.partial(self.fleet.owns_shard, shard))
             c = ModelController(record, deps, current_replicas=len(held))
-            self.by_scaler[key] = c
-            self.by_model[model] = c
-            self.by_shard.setdefault(shard, set()).add(model)
-            self.subjects_changed.set()
+            self.fleet.add(key, c)
             self.slot_events.slot_gauges(c)
             log.info("ScaledObject %s: autoscaling %s (%d slots held)", key, model, len(held))
-            if self.owns_shard(shard):
+            if self.fleet.owns_shard(shard):
                 # Its shard was taken before the ScaledObject was seen (a start can list them in either order):
                 # `Ownership.take_over` adopts and starts it after restoring its stored override, as for a shard
                 # just taken.
@@ -409,7 +377,7 @@ class Autoscaler:
     async def apply_scalers_snapshot(self, event: Snapshot[ScalerRecord]) -> None:
         """`apply_scalers_event` for a whole listing, yielding every `slice_s`: 3,000 ScaledObjects take about a
         second to apply, longer than the shard leases may go unrenewed."""
-        for key in set(self.by_scaler) - set(event.records):
+        for key in set(self.fleet.by_scaler) - set(event.records):
             self.apply_scaler(key, None)
         until = time.perf_counter() + self.settings.slice_s
         for key, record in event.records.items():
@@ -423,7 +391,7 @@ class Autoscaler:
     def apply_scalers_event(self, event: Snapshot[ScalerRecord] | Changed[ScalerRecord] | Removed) -> None:
         """One event of the `pulse_scalers` view: a `Snapshot` is the whole bucket (replace, don't merge)."""
         if isinstance(event, Snapshot):
-            for key in set(self.by_scaler) - set(event.records):
+            for key in set(self.fleet.by_scaler) - set(event.records):
                 self.apply_scaler(key, None)
             for key, record in event.records.items():
                 with self._contained(f"applying ScaledObject {key}"):
@@ -473,16 +441,14 @@ class Autoscaler:
         turn = self._tick % turns
         until = time.perf_counter() + self.settings.slice_s
         aside = StandAside()
-        for c in list(self.by_model.values()):
+        for c in list(self.fleet.by_model.values()):
             its_turn = protocol.shard_of(c.model, turns) == turn
             if not c.housekeeping_due(its_turn):
                 continue  # nothing of it to look at between its turns (a fleet's steady models: most of them)
-            if self.by_model.get(c.model) is not c or not c.deps.is_leader():
+            if self.fleet.by_model.get(c.model) is not c or not c.deps.is_leader():
                 continue  # its ScaledObject went (or was re-pointed) while we yielded, or another replica owns it
             with self._contained(f"housekeeping of {c.model}"):
-                if its_turn:
-                    c.forget_gateways(now, self.settings.forget_gateway_after_s)
-                await c.housekeeping(now, decide=its_turn)
+                await c.housekeeping(now, decide=its_turn, forget_after_s=self.settings.forget_gateway_after_s)
             if time.perf_counter() >= until:
                 # A tick over 1,000 models is tens of ms: let the lease renewal, claims and samples in between.
                 await asyncio.sleep(0)
@@ -492,7 +458,7 @@ class Autoscaler:
         if turn == 0:  # once per turn round: a scan of the leases and of the models
             with self._contained("the agent lease and model ownership gauges"):
                 self._round_gauges(now)
-        if self.ownership.held and self.scalers_followed and turn == 0:  # a scan of every slot: once per turn round
+        if self.fleet.held and self.scalers_followed and turn == 0:  # a scan of every slot: once per turn round
             with self._contained("the sweep for slots of deleted ScaledObjects"):
                 self.retirement.sweep_unowned(now)
 
@@ -503,36 +469,25 @@ class Autoscaler:
         nodes = list(self.store.leases())
         self.metrics.agent_leases.set(len(nodes))
         self.metrics.agent_leases_lapsed.set(sum(1 for node in nodes if self.store.lease_lapsed(node, now)))
-        for c in self.by_model.values():
+        for c in self.fleet.by_model.values():
             c.scaler.series.owned.set(1 if c.deps.is_leader() else 0)
 
     # --- leadership (`autoscaler.ownership`) --------------------------------------------------------------------
 
-    def on_shard_lost(self, shard: int) -> None:
-        """`Ownership.on_shard_lost`, as `ShardLeases.on_lost` calls it: stop acting for the shard's models."""
-        self.ownership.on_shard_lost(shard)
-
     async def shutdown(self, campaign: asyncio.Task[None] | None = None) -> None:
         if self.retirement.retiring:
             await asyncio.wait(self.retirement.retiring, timeout=self.settings.controller.deactivate_timeout_s + 1.0)
-        for c in list(self.by_model.values()):
+        for c in list(self.fleet.by_model.values()):
             await c.stop(release_in_flight=True)
-        if self.shards is not None:
-            self.shards.halt()
+        if self.fleet.shards is not None:
+            self.fleet.shards.halt()
         if campaign is not None:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(campaign, 5)
-        if self.shards is not None:
+        if self.fleet.shards is not None:
             self.ownership.resigning = True
-            await self.shards.resign()  # the others take our shards at once, not after a lease (and stops the watch)
-
-    # --- sample subscriptions (`autoscaler.subscriptions`) ------------------------------------------------------
-
-    @property
-    def sample_subjects(self) -> frozenset[str]:
-        """The sample subjects subscribed to now (`SampleSubscriptions.follow_subjects`): the wildcard while this
-        replica holds every shard."""
-        return self.subscriptions.sample_subjects
+            # The others take our shards at once, not after a lease (and it stops the watch).
+            await self.fleet.shards.resign()
 
 
 async def _quietly(close: Callable[[], Awaitable[None]]) -> None:
@@ -569,13 +524,13 @@ async def run(
         # Lease rounds on their own, shorter timeout: a broker that vanished must not hold a round for the default
         # 5 s (the fence ends our terms on time anyway, but re-taking them would wait).
         leases_kv = await nc.jetstream(timeout=lease.renew_every_s * 2).key_value(protocol.LEASES_BUCKET)
-        scaler.shards = ShardLeases(
+        shards = scaler.fleet.shards = ShardLeases(
             leases_kv,
             settings.identity,
             ShardSettings(lease_s=lease.lease_s, renew_every_s=lease.renew_every_s, stop_fraction=lease.stop_fraction),
             on_acquired=scaler.ownership.on_shard_acquired,
             on_lost=scaler.ownership.on_shard_lost,
-            count_models=scaler.ownership.models_owned,
+            count_models=scaler.fleet.models_owned,
             rejections=store.rejected,
             nc=nc,
             on_renewal=metrics.lease_renewal_seconds.observe,
@@ -588,16 +543,16 @@ async def run(
         # a flood of them, in the server's outbound buffer or in our socket's.
         samples_nc = await connect.connect(dataclasses.replace(settings.nats, name=f"{settings.nats.name}-samples"))
         opened.push_async_callback(_quietly, samples_nc.close)
-        service = scaler.commands = commands.CommandService(
+        service = scaler.fleet.commands = commands.CommandService(
             nc,
             scaler,
             store,
-            is_leader=scaler.is_leader,
-            router=scaler.shards,
+            is_leader=scaler.fleet.is_leader,
+            router=shards,
             rejections=scaler.rejections,  # counted in pulsescale_rejected_messages_total{reason}
             settings=commands.CommandSettings(max_replicas=settings.max_replicas),
         )
-        campaign = asyncio.create_task(scaler.shards.campaign(stop), name="shards")
+        campaign = asyncio.create_task(shards.campaign(stop), name="shards")
         tasks = [
             asyncio.create_task(scaler.scalers.run(), name="scalers-view"),
             asyncio.create_task(scaler.follow_scalers(stop), name="scalers"),

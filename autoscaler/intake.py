@@ -18,10 +18,10 @@ from typing import Final
 
 from nats.aio.msg import Msg
 
-from autoscaler.controller import ModelController
+from autoscaler.act.scaler import ClaimsInFlight
 from autoscaler.metrics import AutoscalerMetrics
+from autoscaler.models import Models
 from autoscaler.samples import SampleBuffer
-from autoscaler.scaler import ClaimsInFlight
 from warmpool import protocol
 from warmpool.errors import BadMessage
 from warmpool.protocol import QueueSample
@@ -42,13 +42,12 @@ class StandAside:
 
 
 class SampleIntake:
-    """Samples from the wire into the models' controllers (`by_model`, the daemon's, shared)."""
+    """Samples from the wire into the models' controllers (`models`, the daemon's `Models`)."""
 
     def __init__(
         self,
+        models: Models,
         *,
-        by_model: dict[str, ModelController],
-        owns: Callable[[str], bool],
         claims: ClaimsInFlight,
         metrics: AutoscalerMetrics,
         rejections: Rejections,
@@ -58,9 +57,11 @@ class SampleIntake:
         slice_s: float,
         stand_aside_s: float,
     ) -> None:
-        self.by_model = by_model
-        self.owns = owns
+        self.models = models
+        """The controllers by model, and whether this replica owns a model now (`Models.owns`)."""
         self.claims = claims
+        """The process's claims in flight, over every model (`Deps.claims`): stood aside for, and counted around a
+        sample's fold to tell whether it started a claim (`fold_sample`)."""
         self.metrics = metrics
         self.rejections = rejections
         self.clock = clock
@@ -101,7 +102,7 @@ class SampleIntake:
         """The cheap part of a sample: decode and check it (rejections counted), then buffer it; a rising one
         skips the buffer (`_rises`). A sample of a model another replica owns (a subscription's last messages
         after its shard moved) is dropped undecoded. Returns whether the sample started a claim."""
-        if not self.owns(subject[len(protocol.QUEUE_PREFIX) :]):
+        if not self.models.owns(subject[len(protocol.QUEUE_PREFIX) :]):
             self.metrics.sample("not_owned").inc()
             return False
         try:
@@ -123,12 +124,12 @@ class SampleIntake:
         return False
 
     def _rises(self, sample: QueueSample) -> bool:
-        """A sample its model would decide on at once (`ModelDecider.urgent`: demand above any the last decision
+        """A sample its model would decide on at once (`ModelController.urgent`: demand above any the last decision
         saw, a pulse's first sample) is folded in as it is taken, not behind the buffer: in a burst of steady
         samples it waited for every key ahead of it. The rest, and one whose key already waits in the buffer (it
         must not overtake the older sample), are buffered and coalesced as before."""
-        c = self.by_model.get(sample.model)
-        return c is not None and c.decider.urgent(sample) and (sample.gateway, sample.model) not in self.samples
+        c = self.models.by_model.get(sample.model)
+        return c is not None and c.urgent(sample) and (sample.gateway, sample.model) not in self.samples
 
     async def drain(self) -> None:
         """Fold buffered samples into the controllers, oldest key first, yielding every `slice_s` of work.
@@ -180,14 +181,15 @@ class SampleIntake:
     def fold_sample(self, sample: QueueSample, now: float) -> bool:
         """One decoded sample into its model's controller (counted by outcome). Returns whether it started a
         claim (the caller yields at once, so the claim goes out before the next sample)."""
-        c = self.by_model.get(sample.model)
+        c = self.models.by_model.get(sample.model)
         if c is None:
             self.metrics.sample("no_scaler").inc()
             return False
-        book = c.scaler.book  # per sample: the count itself, not through the scaler's property
-        before = book.claiming
+        # A claim the sample starts is counted in the process's claims before `on_sample` returns (its decision
+        # wakes the scaler at once); none ends inside it (they end in their own tasks).
+        before = self.claims.count
         try:  # the daemon's `_contained`, inline: this runs for every sample
             self.metrics.sample(c.on_sample(sample, now)).inc()
         except Exception:  # noqa: BLE001 - logged with its traceback and counted there
             self.internal_error(f"a sample of {sample.model}")
-        return book.claiming > before
+        return self.claims.count > before

@@ -1,8 +1,8 @@
 """The shards this replica holds, and what it does as they come and go: the reactions to `ShardLeases`.
 
 A shard taken (`Ownership.on_shard_acquired`) is taken over in one task (`Ownership.take_over`): its models adopt
-the slots held for them, get their stored on-call overrides and schedules back (`autoscaler.overrides`,
-`autoscaler.storedschedules`), start, and decide; a
+the slots held for them, get their stored on-call overrides and schedules back (`autoscaler.stored.overrides`,
+`autoscaler.stored.schedules`), start, and decide; a
 model whose ScaledObject arrives in a shard already held is taken over the same way. A shard lost
 (`Ownership.on_shard_lost`) stops its models at once; claims in flight are left for the next owner. Either way the
 leadership gauges, the sample subscriptions (`autoscaler.subscriptions`) and the command service follow. The
@@ -18,12 +18,12 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
-from autoscaler.commands import CommandService
 from autoscaler.controller import ModelController
 from autoscaler.metrics import AutoscalerMetrics
-from autoscaler.overrides import StoredOverrides
-from autoscaler.shards import INVOLUNTARY, ShardLeases
-from autoscaler.storedschedules import StoredSchedules
+from autoscaler.models import Models
+from autoscaler.shards.leases import INVOLUNTARY
+from autoscaler.stored.overrides import StoredOverrides
+from autoscaler.stored.schedules import StoredSchedules
 from warmpool import protocol
 from warmpool.protocol import OnCallSchedule, Override
 from warmpool.registry import KvSlotStore
@@ -34,19 +34,14 @@ log = logging.getLogger("pulsescale.autoscaler")
 
 
 class Ownership:
-    """The held shards' models taken over and stopped (`by_model` and `by_shard`, the daemon's, shared)."""
+    """The held shards' models taken over and stopped (their tables: `models`, the daemon's `Models`)."""
 
     def __init__(
         self,
         store: KvSlotStore,
         overrides: StoredOverrides,
+        models: Models,
         *,
-        by_model: dict[str, ModelController],
-        by_shard: dict[int, set[str]],
-        shards: Callable[[], ShardLeases | None],
-        commands: Callable[[], CommandService | None],
-        owns_shard: Callable[[int], bool],
-        subjects_changed: asyncio.Event,
         metrics: AutoscalerMetrics,
         contained: Callable[[str], AbstractContextManager[None]],
         clock: Callable[[], float],
@@ -57,21 +52,14 @@ class Ownership:
         self.overrides = overrides
         self.schedules = schedules
         """The on-call schedules stored in `pulse_leases` (None: not kept, as in tests of the overrides alone)."""
-        self.by_model = by_model
-        self.by_shard = by_shard
-        self.shards = shards
-        """The daemon's `Autoscaler.shards` (bound once its leases are made)."""
-        self.commands = commands
-        """The daemon's `Autoscaler.commands` (bound once its service is made)."""
-        self.owns_shard = owns_shard
-        self.subjects_changed = subjects_changed
-        """The daemon's `Autoscaler.subjects_changed`: set when the models this replica owns change."""
+        self.models = models
+        """The controllers by model and shard, the shards held (`Models.held`: this class keeps it), the leases and
+        the command service."""
         self.metrics = metrics
         self.contained = contained
         """The daemon's `Autoscaler._contained`: a bug in one model's handling is logged, counted and survived."""
         self.clock = clock
         self.slice_s = slice_s
-        self.held: set[int] = set()  # shards held, as the callbacks said (the gauges; `owns` fences)
         self.arrived: set[str] = set()  # models whose ScaledObject came in a shard already held, for `take_over`
         self.resigning = False  # a clean resign is not a lost lease
         self._acquired: set[int] = set()  # shards taken, waiting for `take_over`
@@ -80,7 +68,7 @@ class Ownership:
 
     def on_shard_acquired(self, shard: int) -> None:
         """`ShardLeases.on_acquired`: act for the shard's models once `take_over` has adopted their slots."""
-        self.held.add(shard)
+        self.models.held.add(shard)
         self._acquired.add(shard)
         self._leading_changed()
         self.take_over_soon()
@@ -92,32 +80,28 @@ class Ownership:
     def on_shard_lost(self, shard: int) -> None:
         """`ShardLeases.on_lost`: stop acting for the shard's models at once; claims in flight are left for the
         next owner to adopt or expire. Called synchronously, also from inside a fenced `owns` check."""
-        shards = self.shards()
+        shards = self.models.shards
         why = shards.last_loss if shards is not None else ""
         if why in INVOLUNTARY and not self.resigning:
             self.metrics.lease_lost.inc()
-        self.held.discard(shard)
+        self.models.held.discard(shard)
         self._acquired.discard(shard)
-        for model in list(self.by_shard.get(shard, ())):
-            c = self.by_model.get(model)
+        for model in list(self.models.by_shard.get(shard, ())):
+            c = self.models.by_model.get(model)
             if c is not None:
-                task = asyncio.ensure_future(c.stop(release_in_flight=False))
-                task.add_done_callback(functools.partial(_forget_after_stop, c))
+                task = asyncio.ensure_future(c.stop(release_in_flight=False))  # its claims are forgotten once stopped
+                task.add_done_callback(functools.partial(_log_failed_stop, c))
                 self._stopping[model] = task
         self._leading_changed()
 
     def _leading_changed(self) -> None:
-        leading = bool(self.held)
+        leading = bool(self.models.held)
         self.metrics.leader.set(1 if leading else 0)
-        self.metrics.shards_held.set(len(self.held))
-        self.subjects_changed.set()
-        service = self.commands()
+        self.metrics.shards_held.set(len(self.models.held))
+        self.models.subjects_changed.set()
+        service = self.models.commands
         if service is not None:
             service.on_leadership(leading)
-
-    def models_owned(self) -> int:
-        """ScaledObjects in the shards this replica holds (its `ReplicaRecord.models`)."""
-        return sum(len(self.by_shard.get(s, ())) for s in self.held)
 
     async def take_over(self) -> None:
         """Rebuild the shards just taken from the buckets: adopt their models' held slots, restore their
@@ -139,7 +123,7 @@ class Ownership:
                 if self.schedules is not None:
                     schedule_writes = dict(self.schedules.writes)
                     stored_schedules = await self.schedules.load()
-            todo = [(shard, model) for shard in sorted(batch) for model in sorted(self.by_shard.get(shard, ()))]
+            todo = [(shard, model) for shard in sorted(batch) for model in sorted(self.models.by_shard.get(shard, ()))]
             todo += [(protocol.shard_of(m), m) for m in sorted(arrived) if protocol.shard_of(m) not in batch]
             # First adopt and start every model, so a sample arriving now acts; then the first decisions.
             started: list[ModelController] = []
@@ -154,32 +138,31 @@ class Ownership:
                     # Lost and taken back in one round: the old term's stop must end (and forget its books)
                     # before this one adopts and starts, or it would undo them.
                     await asyncio.wait([stopping])
-                c = self.by_model.get(model)
-                if c is None or not self.owns_shard(shard):
+                c = self.models.by_model.get(model)
+                if c is None or not self.models.owns_shard(shard):
                     continue  # its ScaledObject went while we yielded, or the shard moved on meanwhile
                 with self.contained(f"taking over {model}"):
-                    c.adopt(self.store.records(model))
-                    # An override set here since the read is newer than what was read (a resume's delete too).
-                    if model in overrides and self.overrides.writes.get(model, 0) == writes.get(model, 0):
-                        c.override = overrides[model]
+                    override = overrides.get(model)
+                    if self.overrides.writes.get(model, 0) != writes.get(model, 0):
+                        override = None  # one set here since the read is newer than it (a resume's delete too)
+                    schedules = None
                     written = self.schedules.writes.get(model, 0) if self.schedules is not None else 0
                     if stored_schedules is not None and written == schedule_writes.get(model, 0):
                         # Also none stored: deleted while another replica owned it.
-                        c.decider.set_schedules(stored_schedules.get(model, ()), self.clock())
-                    c.start()
+                        schedules = stored_schedules.get(model, ())
+                    c.take_over(self.store.records(model), override=override, schedules=schedules)
                     started.append(c)
             for c in started:
                 if time.perf_counter() >= until:
                     await asyncio.sleep(0)
                     until = time.perf_counter() + self.slice_s
-                if self.by_model.get(c.model) is c and c.deps.is_leader():
+                if self.models.by_model.get(c.model) is c and c.deps.is_leader():
                     with self.contained(f"the first decision of {c.model}"):
                         c.evaluate(self.clock())
             where = f"shard(s) {','.join(map(str, sorted(batch)))}" if batch else "shards already held"
             log.info("acting for %d more model(s) in %s", len(started), where)
 
 
-def _forget_after_stop(c: ModelController, stopped: asyncio.Future[None]) -> None:
+def _log_failed_stop(c: ModelController, stopped: asyncio.Future[None]) -> None:
     if not stopped.cancelled() and stopped.exception() is not None:
         log.error("%s: stopping after deposition failed: %s", c.model, stopped.exception())
-    c.forget_claims()

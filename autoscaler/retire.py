@@ -16,8 +16,9 @@ from collections.abc import Callable
 import nats.errors
 from nats.aio.client import Client
 
-from autoscaler.agentclient import AgentClient, AgentUnavailable
+from autoscaler.act.agentclient import AgentClient, AgentUnavailable
 from autoscaler.controller import ControllerSettings, ModelController
+from autoscaler.models import Models
 from warmpool.errors import PulsescaleError, StaleToken
 from warmpool.registry import Claim, KvSlotStore
 
@@ -27,30 +28,28 @@ log = logging.getLogger("pulsescale.autoscaler")
 
 
 class Retirement:
-    """Releases the slots of models no ScaledObject scales any more (`by_model`, the daemon's, shared)."""
+    """Releases the slots of models no ScaledObject scales any more (`models`, the daemon's `Models`)."""
 
     def __init__(
         self,
         nc: Client,
         store: KvSlotStore,
+        models: Models,
         *,
-        by_model: dict[str, ModelController],
-        owns: Callable[[str], bool],
         settings: ControllerSettings,
         clock: Callable[[], float],
     ) -> None:
         self.nc = nc
         self.store = store
-        self.by_model = by_model
-        self.owns = owns
-        """This replica acts for a model now (the daemon's `Autoscaler.owns`)."""
+        self.models = models
+        """The models with a ScaledObject, and whether this replica acts for a model now (`Models.owns`)."""
         self.settings = settings
         self.clock = clock
         self.retiring: set[asyncio.Future[int]] = set()  # deleted ScaledObjects releasing their slots
         self._sweeping: set[str] = set()
 
     def retire(self, key: str, c: ModelController) -> None:
-        """ScaledObject `key` was deleted: its controller `c` (no longer in `by_model`) releases its slots."""
+        """ScaledObject `key` was deleted: its controller `c` (no longer in `Models.by_model`) releases its slots."""
         task = asyncio.ensure_future(c.retire(f"ScaledObject {key} deleted"))
         self.retiring.add(task)
         task.add_done_callback(self._retired)
@@ -70,8 +69,8 @@ class Retirement:
         agents = AgentClient(self.nc, clock=self.clock, skew=self.store.clock_skew)
         for rec in self.store.records():
             if (
-                rec.model in self.by_model
-                or not self.owns(rec.model)  # the owner of its shard sweeps it
+                rec.model in self.models.by_model
+                or not self.models.owns(rec.model)  # the owner of its shard sweeps it
                 or rec.key in self._sweeping
                 or rec.state not in ("claimed", "activating", "ready")
                 or now - rec.updated_at < grace_s

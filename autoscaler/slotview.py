@@ -12,6 +12,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 from autoscaler.controller import ModelController
+from autoscaler.models import Models
 from warmpool import protocol
 from warmpool.registry import Changed, KvSlotStore, Removed, Snapshot
 
@@ -19,17 +20,17 @@ __all__ = ["SlotCounts", "SlotEvents"]
 
 
 class SlotEvents:
-    """`pulse_slots` as the view sees it, into the gauges and the controllers (`by_model`, the daemon's, shared)."""
+    """`pulse_slots` as the view sees it, into the gauges and the controllers (`models`, the daemon's `Models`)."""
 
     def __init__(
         self,
         store: KvSlotStore,
+        models: Models,
         *,
-        by_model: dict[str, ModelController],
         contained: Callable[[str], AbstractContextManager[None]],
     ) -> None:
         self.store = store
-        self.by_model = by_model
+        self.models = models
         self.contained = contained
         """The daemon's `Autoscaler._contained`: a bug in one model's handling is logged, counted and survived."""
         self.slot_counts = SlotCounts()
@@ -45,15 +46,15 @@ class SlotEvents:
     def _on_slot_event(self, event: Snapshot[protocol.SlotRecord] | Changed[protocol.SlotRecord] | Removed) -> None:
         with self.contained("slot gauges"):
             for model, state in self.slot_counts.apply(event):
-                c = self.by_model.get(model)
+                c = self.models.by_model.get(model)
                 if c is not None:
                     c.scaler.series.slots[state].set(self.slot_counts.count(model, state))
         if isinstance(event, Snapshot):
-            for c in self.by_model.values():
+            for c in self.models.by_model.values():
                 c.on_slot_snapshot(event.records)
             return
         record = event.record if isinstance(event, Changed) else None
-        owner = self.by_model.get(event.key.split(".", 1)[0])  # keys are <model>.<node>.<slot>
+        owner = self.models.by_model.get(event.key.split(".", 1)[0])  # keys are <model>.<node>.<slot>
         if owner is not None:
             owner.on_slot_change(event.key, record)
 

@@ -18,6 +18,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from autoscaler.intake import SampleIntake
+from autoscaler.models import Models
 from warmpool import protocol
 
 __all__ = ["SampleSubscriptions"]
@@ -26,22 +27,13 @@ log = logging.getLogger("pulsescale.autoscaler")
 
 
 class SampleSubscriptions:
-    """The samples' subscriptions for the models of the shards held (`held` and `by_shard`, the daemon's, shared)."""
+    """The samples' subscriptions for the models of the shards held (`models`, the daemon's `Models`)."""
 
-    def __init__(
-        self,
-        intake: SampleIntake,
-        *,
-        held: set[int],
-        by_shard: dict[int, set[str]],
-        changed: asyncio.Event,
-    ) -> None:
+    def __init__(self, intake: SampleIntake, models: Models) -> None:
         self.intake = intake
-        self.held = held
-        """The shards held (`Ownership.held`)."""
-        self.by_shard = by_shard
-        self.changed = changed
-        """The models this replica owns changed (the daemon's `Autoscaler.subjects_changed`)."""
+        self.models = models
+        """The shards held and their models (`Models.held`, `Models.owned`); `Models.subjects_changed` says when
+        they change."""
         self.sample_subjects: frozenset[str] = frozenset()
         """The sample subjects subscribed to now (`follow_subjects`): the wildcard while this replica holds every
         shard."""
@@ -54,14 +46,15 @@ class SampleSubscriptions:
         move loses no sample (a duplicate is counted as such, and folded once)."""
         subs: dict[str, Subscription] = {}
         self.sample_subjects = frozenset()
+        changed = self.models.subjects_changed
         try:
             while not stop.is_set():
-                await self.changed.wait()
-                self.changed.clear()
-                if len(self.held) == protocol.SHARDS:
+                await changed.wait()
+                changed.clear()
+                if len(self.models.held) == protocol.SHARDS:
                     want = {protocol.QUEUE_WILDCARD}
                 else:
-                    want = {protocol.QUEUE_PREFIX + m for s in self.held for m in self.by_shard.get(s, ())}
+                    want = {protocol.QUEUE_PREFIX + m for m in self.models.owned()}
                 failed = False
                 for subject in sorted(want - set(subs)):
                     try:
@@ -88,7 +81,7 @@ class SampleSubscriptions:
                 self.sample_subjects = frozenset(subs)
                 await self.intake.take_backlog(left)  # folded, or counted `not_owned`
                 if failed:
-                    self.changed.set()
+                    changed.set()
                     await asyncio.sleep(0.25)
         finally:
             for sub in subs.values():

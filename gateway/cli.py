@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
-import signal
 from collections.abc import Awaitable
 from dataclasses import replace
 
-from warmpool import connect, durations, protocol
+from warmpool import connect, daemonstart, durations, protocol
 from warmpool.sizes import parse_size
 
 
@@ -150,7 +148,7 @@ def run_gateway(argv: list[str], prog: str) -> int:
         help=f"an idle kept-alive connection is closed this long after its last answer [{d.keepalive_timeout_s:g}s]",
     )
     p.add_argument("--gateway-id", help="name in the queue samples [gw-<host>-<pid>-<random>]")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    daemonstart.add_log_level_argument(p)
     args = p.parse_args(argv)
     if args.gateway_id is not None and not 0 < len(args.gateway_id) <= 128:
         p.error("--gateway-id: 1 to 128 characters")
@@ -180,20 +178,12 @@ def run_gateway(argv: list[str], prog: str) -> int:
         settings.check()
     except ValueError as err:
         p.error(str(err))
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    daemonstart.configure_logging(args)
 
-    async def main() -> None:
-        stop, ready = asyncio.Event(), asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+    def run(nats: connect.NatsOptions, stop: asyncio.Event, ready: asyncio.Event) -> Awaitable[None]:
+        return proxy.run(replace(settings, nats=nats), stop=stop, ready=ready)
 
-        def run(nats: connect.NatsOptions) -> Awaitable[None]:
-            return proxy.run(replace(settings, nats=nats), stop=stop, ready=ready)
-
-        await connect.run_daemon(settings.nats, run, ready)
-
-    asyncio.run(main())
+    daemonstart.run_until_signalled(settings.nats, run)
     return 0
 
 

@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 from collections.abc import Awaitable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -37,11 +36,11 @@ from kubernetes import config as k8s_config
 from nats.aio.client import Client
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from autoscaler.crd import GROUP, PLURAL, VERSION
 from kube import apicall, leader
 from kube.context import DEFAULT_STATUS_EVERY_S, OperatorContext, open_buckets
 from kube.metrics import OperatorMetrics
-from warmpool import connect
+from manifests.crdtypes import GROUP, PLURAL, VERSION
+from warmpool import connect, daemonstart
 from warmpool.errors import PulsescaleError
 
 __all__ = ["CrdMissing", "KubeConfigMissing", "KubeUnreachable", "OperatorSettings", "run_operator", "serve"]
@@ -264,7 +263,7 @@ def run_operator(argv: list[str], prog: str) -> int:
     p.add_argument("--health-host", default=OperatorSettings.health_host, metavar="ADDRESS",
                    help="bind the health port to this address; in Kubernetes the pod IP from the downward API "
                    f"[{OperatorSettings.health_host}]")  # fmt: skip
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    daemonstart.add_log_level_argument(p)
     args = p.parse_args(argv)
     try:
         lease = leader.LeaseSettings(
@@ -275,7 +274,7 @@ def run_operator(argv: list[str], prog: str) -> int:
         )
     except ValueError as err:
         p.error(str(err))
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    daemonstart.configure_logging(args)
     settings = OperatorSettings(
         nats=connect.options_from_args(args, name="pulsescale-operator"),
         kubeconfig=args.kubeconfig,
@@ -287,16 +286,8 @@ def run_operator(argv: list[str], prog: str) -> int:
         health_port=args.health_port,
     )
 
-    async def main() -> None:
-        stop, ready = asyncio.Event(), asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+    def run(nats: connect.NatsOptions, stop: asyncio.Event, ready: asyncio.Event) -> Awaitable[None]:
+        return serve(replace(settings, nats=nats), stop=stop, ready=ready)
 
-        def run(nats: connect.NatsOptions) -> Awaitable[None]:
-            return serve(replace(settings, nats=nats), stop=stop, ready=ready)
-
-        await connect.run_daemon(settings.nats, run, ready)
-
-    asyncio.run(main())
+    daemonstart.run_until_signalled(settings.nats, run)
     return 0

@@ -40,11 +40,11 @@ from typing import Any, Final
 
 import kopf
 
-from autoscaler.crd import GROUP, PLURAL, VERSION
 from kube import aio, apicall, operator
 from kube.context import OperatorContext
 from kube.events import ObjectRef
 from kube.status import rfc3339
+from manifests.crdtypes import GROUP, PLURAL, VERSION
 from warmpool import protocol
 
 __all__ = ["COLD_PATH_STATUS", "ColdPath", "Episode", "register", "scale_to"]

@@ -9,7 +9,7 @@ aggregated Events instead).
 What it does with a ScaledObject (`ScaledObjects`):
 
 - create, update, resume (operator start) and any change of annotations: the body goes through the shared validator
-  (`autoscaler.scaledobject.from_manifest`, the one `pulsescale apply` uses: both pause-annotation families are
+  (`manifests.scaledobject.from_manifest`, the one `pulsescale apply` uses: both pause-annotation families are
   read there) and the record is written to `pulse_scalers` under ``<namespace>.<name>``; unchanged content writes
   nothing (`same_content`). ``Ready=True ScalerPublished``.
 - an invalid body: ``Ready=False InvalidSpec`` with the validator's message, a Warning Event, nothing published.
@@ -65,14 +65,14 @@ import nats.errors
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
-from autoscaler import scaledobject
-from autoscaler.crd import GROUP, PLURAL, VERSION
 from kube import aio
 from kube import status as status_mod
 from kube.context import FIELD_MANAGER, OperatorContext, kopf_connection
 from kube.events import EventRecorder, ObjectRef
 from kube.records import HELD_SLOT_STATES, Records, record_key
 from kube.statuswriter import StatusWriter
+from manifests import scaledobject
+from manifests.crdtypes import GROUP, PLURAL, VERSION
 from warmpool import protocol
 from warmpool.errors import BadMessage
 

@@ -17,7 +17,7 @@ running) — never a serving one: a serving pod carries traffic and goes back to
 released. Serving pods count toward the size: the pool is the slots, busy or not.
 
 Scheduled warm-ups (protocol revision 8, `pool_size`): while a schedule is in force, or starts within
-`autoscaler.schedules.POOL_LEAD_S`, the pool is at least the schedule's floor, so the floor is reached from warm
+`autoscaler.decide.schedules.POOL_LEAD_S`, the pool is at least the schedule's floor, so the floor is reached from warm
 slots at its start. The ScaledObject's own ``spec.schedules`` are read from its body (the autoscaler need not
 answer); on-call ones (``pulsescale schedule``, kept in NATS) come through the autoscaler's status row
 (`StatusRow.pool_floor`, refreshed every status round).
@@ -50,10 +50,10 @@ from typing import Any, Final
 import kopf
 import msgspec
 
-from autoscaler import schedules
-from autoscaler.crd import GROUP, PLURAL, VERSION
+from autoscaler.decide import schedules
 from kube import aio, apicall, operator
 from kube.context import OperatorContext
+from manifests.crdtypes import GROUP, PLURAL, VERSION
 from warmpool import protocol
 from warmpool.protocol import SlotRecord
 from warmpool.registry import BucketView, Changed, Removed, Snapshot

@@ -1,6 +1,6 @@
 """The ScaledObject's status subresource, composed from what the operator knows and the autoscaler's `StatusRow`.
 
-Pure (no I/O): `compose` builds an `autoscaler.crd.ScaledObjectStatus` from
+Pure (no I/O): `compose` builds an `manifests.crdtypes.ScaledObjectStatus` from
 
 - the operator's own verdict on the object (`Verdict`: published, invalid spec, target conflict, deleting),
   which is the ``Ready`` condition;
@@ -23,7 +23,7 @@ from typing import Any, Final
 
 import msgspec
 
-from autoscaler.crd import (
+from manifests.crdtypes import (
     ACTIVE_WINDOW_S,
     MAX_LAST_DECISIONS,
     Condition,
@@ -32,7 +32,7 @@ from autoscaler.crd import (
     LastDecision,
     scaler_active,
 )
-from autoscaler.crd import ScaledObjectStatus as ScaledObjectStatus
+from manifests.crdtypes import ScaledObjectStatus as ScaledObjectStatus
 from warmpool import protocol
 from warmpool.protocol import StatusRow
 

@@ -17,11 +17,11 @@ from typing import Any, Final, Protocol
 import nats.errors
 from kubernetes.client.exceptions import ApiException
 
-from autoscaler.crd import GROUP, PLURAL, VERSION
 from kube import status as status_mod
 from kube.context import OperatorContext
 from kube.events import EventRecorder, ObjectRef
 from kube.records import record_key
+from manifests.crdtypes import GROUP, PLURAL, VERSION
 from warmpool import protocol
 from warmpool.errors import BadMessage
 

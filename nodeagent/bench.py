@@ -13,6 +13,11 @@ a verified descriptor as the agent does; the first load is checked byte for byte
 not counted; GB/s is printed against the PCIe link's usable rate (nvidia-smi). cuda-pinned runs with the mapping
 registered and from pageable memory side by side (``--pin``). A node where the loader cannot run exits 3 with
 "no GPU: ..." (tests/gpu/run.sh relies on it).
+
+``--json`` (``-o json|yaml``) prints one object instead, and nothing else on stdout (progress goes to stderr): the
+run's parameters and every figure of the text report, named with their units (``p50_ms``, ``p50_gbps``, ...). The
+activation bench's ``activations`` lists each measured activation (``claim_to_ready_s``, the agent's stage
+timings): ``pulsescale simulate --activations`` reads that file as it reads the text report.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import mmap
 import os
 import secrets
@@ -30,12 +36,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TextIO
 
+import msgspec
 import numpy as np
 
 from nodeagent import tinymodel
 from nodeagent.engine import cudaplan, loaders, safetensors_check
 from warmpool import connect as nats_connect
+from warmpool import output as out
 from warmpool import protocol
 from warmpool.embedded import NatsServer
 from warmpool.registry import KvSlotStore
@@ -44,10 +53,97 @@ from warmpool.sizes import parse_size
 MODEL = "bench"
 NODE = "bench-node"
 STAGES = ("token", "load", "engine", "readiness", "total")
+OVERHEAD_TARGET_MS = 150.0
+"""Control-plane overhead (total - load) p99, at most."""
+CLAIM_READY_TARGET_MS = 300.0
+"""Claim -> ready p99 for a model of at most `CLAIM_READY_TARGET_BYTES`, at most."""
+CLAIM_READY_TARGET_BYTES = 100e6
+LOADER_COPY_TARGET = 0.7
+"""Host loader p50 GB/s over numpy.copyto p50 GB/s (private engine memory), at least."""
 
 
 def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.array(values), q)) if values else float("nan")
+
+
+def _finite(x: float) -> float | None:
+    """`x`, or None for NaN/inf: JSON has no NaN."""
+    return x if math.isfinite(x) else None
+
+
+def _progress(fmt: str | None) -> TextIO:
+    """Where progress lines go: stdout with the text report, stderr when stdout carries the -o json|yaml object."""
+    return sys.stdout if fmt is None else sys.stderr
+
+
+class StagePercentiles(msgspec.Struct, kw_only=True):
+    """One row of the stage table."""
+
+    p50_ms: float
+    p99_ms: float
+    max_ms: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> StagePercentiles:
+        return cls(p50_ms=_pct(values, 50), p99_ms=_pct(values, 99), max_ms=max(values))
+
+
+class Activation(msgspec.Struct, kw_only=True):
+    """One measured activation: claim -> ready as the claimer saw it (seconds, the field `pulsescale simulate
+    --activations` reads), the agent's stage timings, and the load's GB/s."""
+
+    claim_to_ready_s: float
+    token_ms: float
+    load_ms: float
+    engine_ms: float
+    readiness_ms: float
+    total_ms: float
+    loaded_bytes: int
+    load_gbps: float
+    """loaded_bytes / load_ms."""
+
+
+class CopyRate(msgspec.Struct, kw_only=True):
+    p50_gbps: float
+    p1_gbps: float
+    count: int
+    """Loads (the host loader) or copies (numpy.copyto) measured."""
+
+
+class Target(msgspec.Struct, kw_only=True):
+    """A figure against its target, as the text report's ``ok``/``MISSED`` lines."""
+
+    name: str
+    value: float | None
+    op: str
+    """``<=`` or ``>=``: value op target is met."""
+    target: float
+    met: bool
+
+
+class ActivateReport(msgspec.Struct, kw_only=True):
+    """`bench activate --json`: the run's parameters, the stage table and the loader against numpy.copyto."""
+
+    bench: str = "activate"
+    model_dir: str | None
+    """`--model`, or None when the bench wrote one of `size_bytes`."""
+    size_bytes: int | None
+    model_bytes: int
+    """Bytes one activation loads."""
+    engine_memory: str
+    sync_always: bool
+    warmup: int
+    deadline_s: float
+    staged_s: float
+    """Agent start -> slot warm (staged, verified, locked and armed)."""
+    stages: dict[str, StagePercentiles]
+    """token, load, engine, readiness, total (the agent's), overhead (total - load), claim_to_ready."""
+    host_loader: CopyRate
+    copyto: CopyRate
+    loader_over_copyto: float | None
+    """host_loader.p50_gbps / copyto.p50_gbps; None with shared engine memory (the loader maps in place)."""
+    targets: list[Target]
+    activations: list[Activation]
 
 
 class CopyBaseline:
@@ -108,10 +204,13 @@ def _start_agent(args: argparse.Namespace, model_dir: Path, shm: Path, server: N
         "--model", str(model_dir), "--model-name", MODEL, "--slots", "1", "--shm-dir", str(shm),
         "--engine-memory", args.engine_memory, "--metrics-port", "-1", "--log-level", "WARNING",
     ]  # fmt: skip
-    return subprocess.Popen(cmd)
+    # With -o json|yaml stdout carries the object only: whatever the agent prints goes to stderr.
+    return subprocess.Popen(cmd, stdout=None if out.machine(args) is None else sys.stderr.fileno())
 
 
-async def _bench(args: argparse.Namespace, shm: Path, server: NatsServer, agent: subprocess.Popen[bytes]) -> int:
+async def _bench(
+    args: argparse.Namespace, size: int | None, shm: Path, server: NatsServer, agent: subprocess.Popen[bytes]
+) -> int:
     try:
         nc = await nats_connect.connect(nats_connect.NatsOptions(servers=(server.url,), name="pulsescale-bench"))
         store = await KvSlotStore.open(nc)
@@ -119,11 +218,13 @@ async def _bench(args: argparse.Namespace, shm: Path, server: NatsServer, agent:
         key = protocol.slot_key(MODEL, NODE, "s0")
         t0 = time.perf_counter()
         await _wait_warm(store, key, 600, agent)
-        print(f"staged, verified, locked and armed in {time.perf_counter() - t0:.1f} s")
+        staged_s = time.perf_counter() - t0
+        print(f"staged, verified, locked and armed in {staged_s:.1f} s", file=_progress(out.machine(args)))
         base = CopyBaseline(sorted((shm / MODEL).glob("*.safetensors")))
         stages: dict[str, list[float]] = {s: [] for s in STAGES}
         claim_ready: list[float] = []
         gbps: list[float] = []
+        each: list[Activation] = []
         loaded = 0
         for i in range(args.warmup + args.activations):
             await _wait_warm(store, key, 30, agent)
@@ -147,6 +248,14 @@ async def _bench(args: argparse.Namespace, shm: Path, server: NatsServer, agent:
                 claim_ready.append((t_ready - t_claim) * 1e3)
                 loaded = int(rep.fields["loaded_bytes"])
                 gbps.append(loaded / (float(timings["load_ms"]) / 1e3) / 1e9)
+                each.append(
+                    Activation(
+                        claim_to_ready_s=claim_ready[-1] / 1e3,
+                        **{f"{s}_ms": stages[s][-1] for s in STAGES},
+                        loaded_bytes=loaded,
+                        load_gbps=gbps[-1],
+                    )
+                )
             deact = protocol.DeactivateRequest(
                 id=secrets.token_hex(8), expires_at=time.time() + 30, slot="s0", token=claim.token,
                 claim_id=claim.claim_id,
@@ -169,35 +278,74 @@ async def _bench(args: argparse.Namespace, shm: Path, server: NatsServer, agent:
             agent.kill()
             agent.wait()
     overhead = [t - ld for t, ld in zip(stages["total"], stages["load"], strict=True)]
-    n = len(claim_ready)
+    rows = [(s, stages[s]) for s in STAGES] + [("overhead", overhead), ("claim_to_ready", claim_ready)]
+    private = args.engine_memory == "private"
+    copy_p50, loader_p50 = _pct(base.gbps, 50), _pct(gbps, 50)
+    ratio = (loader_p50 / copy_p50 if copy_p50 else float("nan")) if private else None
+    targets = [] if ratio is None else [_target("loader_over_copyto", ratio, ">=", LOADER_COPY_TARGET)]
+    targets.append(_target("overhead_p99_ms", _pct(overhead, 99), "<=", OVERHEAD_TARGET_MS))
+    if loaded <= CLAIM_READY_TARGET_BYTES:  # the claim -> ready target is for a small (64 MB) model
+        targets.append(_target("claim_to_ready_p99_ms", _pct(claim_ready, 99), "<=", CLAIM_READY_TARGET_MS))
+    report = ActivateReport(
+        model_dir=args.model, size_bytes=size, model_bytes=loaded,
+        engine_memory=args.engine_memory, sync_always=not args.no_sync_always, warmup=args.warmup,
+        deadline_s=args.deadline_s, staged_s=staged_s,
+        stages={name: StagePercentiles.of(vals) for name, vals in rows},
+        host_loader=CopyRate(p50_gbps=loader_p50, p1_gbps=_pct(gbps, 1), count=len(gbps)),
+        copyto=CopyRate(p50_gbps=copy_p50, p1_gbps=_pct(base.gbps, 1), count=len(base.gbps)),
+        loader_over_copyto=None if ratio is None else _finite(ratio), targets=targets, activations=each,
+    )  # fmt: skip
+    fmt = out.machine(args)
+    if fmt is not None:
+        print(out.dump(report, fmt))
+        return 0
+    _print_activate(report, args.engine_memory)
+    return 0
+
+
+def _target(name: str, value: float, op: str, target: float) -> Target:
+    met = value <= target if op == "<=" else value >= target  # NaN (nothing measured) meets neither
+    return Target(name=name, value=_finite(value), op=op, target=target, met=met)
+
+
+_STAGE_LABELS = {"overhead": "overhead (total-load)", "claim_to_ready": "claim->ready"}
+
+
+def _print_activate(r: ActivateReport, engine_memory: str) -> None:
+    """The text report; `pulsescale simulate --activations` reads its ``claim->ready`` row."""
+    n, mb = len(r.activations), r.model_bytes / 1e6
     print(
-        f"\n{n} activations of a {loaded / 1e6:.1f} MB model, engine memory {args.engine_memory} "
-        f"({'loader copies into engine memory' if args.engine_memory == 'private' else 'shm mapping used in place'})"
+        f"\n{n} activations of a {mb:.1f} MB model, engine memory {engine_memory} "
+        f"({'loader copies into engine memory' if engine_memory == 'private' else 'shm mapping used in place'})"
     )
     print(f"{'stage':<24}{'p50 ms':>10}{'p99 ms':>10}{'max ms':>10}")
-    rows = [(s, stages[s]) for s in STAGES] + [("overhead (total-load)", overhead), ("claim->ready", claim_ready)]
-    for name, vals in rows:
-        print(f"{name:<24}{_pct(vals, 50):>10.2f}{_pct(vals, 99):>10.2f}{max(vals):>10.2f}")
-    copy_p50 = _pct(base.gbps, 50)
-    loader_p50 = _pct(gbps, 50)
+    for name, row in r.stages.items():
+        print(f"{_STAGE_LABELS.get(name, name):<24}{row.p50_ms:>10.2f}{row.p99_ms:>10.2f}{row.max_ms:>10.2f}")
     print(
-        f"\nhost loader   {loader_p50:6.2f} GB/s p50 ({_pct(gbps, 1):.2f} p1) over {n} loads of {loaded / 1e6:.1f} MB"
-        f"\nnumpy.copyto  {copy_p50:6.2f} GB/s p50 ({_pct(base.gbps, 1):.2f} p1) over {len(base.gbps)} copies "
+        f"\nhost loader   {r.host_loader.p50_gbps:6.2f} GB/s p50 ({r.host_loader.p1_gbps:.2f} p1) over "
+        f"{r.host_loader.count} loads of {mb:.1f} MB"
+        f"\nnumpy.copyto  {r.copyto.p50_gbps:6.2f} GB/s p50 ({r.copyto.p1_gbps:.2f} p1) over {r.copyto.count} copies "
         "of the same staged bytes into fresh memory, interleaved with the loads"
     )
-    if args.engine_memory == "private":
-        ratio = loader_p50 / copy_p50 if copy_p50 else float("nan")
-        print(f"loader / copyto = {ratio:.2f} (target >= 0.7): {'ok' if ratio >= 0.7 else 'MISSED'}")
+    targets = {t.name: t for t in r.targets}
+
+    def verdict(t: Target) -> str:
+        return "ok" if t.met else "MISSED"
+
+    if "loader_over_copyto" in targets:
+        t = targets["loader_over_copyto"]
+        value = float("nan") if t.value is None else t.value
+        print(f"loader / copyto = {value:.2f} (target >= {t.target:g}): {verdict(t)}")
     else:
         print("(shared memory: the loader maps in place, so its GB/s is not a copy rate; use --engine-memory private)")
-    p99 = _pct(overhead, 99)
-    print(f"control-plane overhead p99 {p99:.1f} ms (target <= 150 ms): {'ok' if p99 <= 150 else 'MISSED'}")
-    cr = _pct(claim_ready, 99)
-    if loaded <= 100e6:
-        print(f"claim -> ready p99 {cr:.1f} ms (target for a 64 MB model <= 300 ms): {'ok' if cr <= 300 else 'MISSED'}")
+    t = targets["overhead_p99_ms"]
+    print(f"control-plane overhead p99 {r.stages['overhead'].p99_ms:.1f} ms (target <= {t.target:g} ms): {verdict(t)}")
+    cr = r.stages["claim_to_ready"].p99_ms
+    if "claim_to_ready_p99_ms" in targets:
+        t = targets["claim_to_ready_p99_ms"]
+        print(f"claim -> ready p99 {cr:.1f} ms (target for a 64 MB model <= {t.target:g} ms): {verdict(t)}")
     else:
         print(f"claim -> ready p99 {cr:.1f} ms (its 300 ms target is for a 64 MB model: run --size 64MB)")
-    return 0
 
 
 # --- `--loader`: the loader alone, shm (or disk) -> engine memory, at several sizes ---------------------------------
@@ -299,37 +447,100 @@ def _loader_for(name: str, pin: str) -> loaders.Loader:
     return loaders.HostLoader()
 
 
+class LoaderResult(msgspec.Struct, kw_only=True):
+    """One size (and pin policy) of `bench activate --loader`: a row of the summary."""
+
+    size_bytes: int
+    loader: str
+    pin: str | None
+    """cuda-pinned's pin policy; None for the other loaders."""
+    p50_gbps: float
+    best_gbps: float
+    loads: int
+    """Loads measured (--repeats; the first, verified, is not counted)."""
+    link_fraction_p50: float | None
+    """p50_gbps / link_limit_gbps; None without a GPU link."""
+    detail: str
+    note: str | None
+    """What the loader said when it was prepared (e.g. why it could not pin)."""
+
+
+class LoaderSkipped(msgspec.Struct, kw_only=True):
+    size_bytes: int
+    free_bytes: int
+    reason: str
+
+
+class LoaderReport(msgspec.Struct, kw_only=True):
+    """`bench activate --loader ... --json`."""
+
+    bench: str = "activate"
+    loader: str
+    dir: str
+    """Where the weights file was written (--shm-dir, or --disk-dir for kvikio)."""
+    link: str
+    """``PCIe GenN xW`` (the yardstick), or ``host memory``."""
+    link_limit_gbps: float | None
+    repeats: int
+    sizes_bytes: list[int]
+    results: list[LoaderResult]
+    skipped: list[LoaderSkipped]
+
+
+def _loader_row(r: LoaderResult | LoaderSkipped, where: Path) -> str:
+    gb = r.size_bytes / 1e9
+    if isinstance(r, LoaderSkipped):
+        return f"{gb:6.1f} GB  skipped: {where} has {r.free_bytes / 1e9:.1f} GB free, needs {gb:.1f}"
+    vs = f"{r.link_fraction_p50:5.0%} of the link" if r.link_fraction_p50 is not None else ""
+    return (
+        f"{gb:6.1f} GB  {r.loader:<12}{'pin=' + r.pin if r.pin is not None else '':<11}"
+        f"{r.p50_gbps:7.2f} GB/s p50 (best {r.best_gbps:.2f}, n={r.loads})  {vs}  [{r.detail}]"
+    )
+
+
 def _bench_loader(args: argparse.Namespace, sizes: list[int]) -> int:
     if args.loader in loaders.GPU_LOADERS:
         why = loaders.probe_gpu().unavailable(args.loader)
         if why:
             print(f"no GPU: loader {args.loader} cannot run here: {why}", file=sys.stderr)
             return NO_GPU_EXIT
+    fmt = out.machine(args)
+    progress = _progress(fmt)
     limit, link = _pcie_limit() if args.loader in loaders.GPU_LOADERS else (None, "host memory")
     pins = [args.pin] if args.loader == "cuda-pinned" and args.pin != "both" else ["always", "never"]
     if args.loader != "cuda-pinned":
         pins = ["auto"]
     where = Path(args.disk_dir if args.loader == "kvikio" else args.shm_dir)
-    print(f"loader {args.loader}: weights in {where}; yardstick {link}" + (f" = {limit:.1f} GB/s" if limit else ""))
-    rows: list[str] = []
+    print(
+        f"loader {args.loader}: weights in {where}; yardstick {link}" + (f" = {limit:.1f} GB/s" if limit else ""),
+        file=progress,
+    )
+    report = LoaderReport(
+        loader=args.loader, dir=str(where), link=link, link_limit_gbps=limit, repeats=args.repeats,
+        sizes_bytes=sizes, results=[], skipped=[],
+    )  # fmt: skip
+    rows: list[LoaderResult | LoaderSkipped] = []
     for size in sizes:
         free = loaders.shm_free_bytes(str(where))
         if free < size + 2**28:
-            rows.append(f"{size / 1e9:6.1f} GB  skipped: {where} has {free / 1e9:.1f} GB free, needs {size / 1e9:.1f}")
-            print(rows[-1], flush=True)
+            reason = f"{where} has {free / 1e9:.1f} GB free, needs {size / 1e9:.1f} GB"
+            skip = LoaderSkipped(size_bytes=size, free_bytes=free, reason=reason)
+            rows.append(skip)
+            report.skipped.append(skip)
+            print(_loader_row(skip, where), file=progress, flush=True)
             continue
         work = Path(tempfile.mkdtemp(prefix="pulsescale-bench-", dir=where))
         vf = None
         try:
             t0 = time.perf_counter()
             _write_weights(work / "w.safetensors", size)
-            print(f"wrote {size / 1e9:.1f} GB in {time.perf_counter() - t0:.1f} s", flush=True)
+            print(f"wrote {size / 1e9:.1f} GB in {time.perf_counter() - t0:.1f} s", file=progress, flush=True)
             vf = _open_verified(work / "w.safetensors")
             for pin in pins:
                 loader = _loader_for(args.loader, pin)
                 note = loader.prepare([vf])
                 if note:
-                    print(note)
+                    print(note, file=progress)
                 rates: list[float] = []
                 w = None
                 for i in range(args.repeats + 1):  # the first pays the CUDA context and the pool: not counted
@@ -346,19 +557,24 @@ def _bench_loader(args: argparse.Namespace, sizes: list[int]) -> int:
                     if args.loader in loaders.GPU_LOADERS:
                         _free_gpu()
                 p50 = _pct(rates, 50)
-                vs = f"{p50 / limit:5.0%} of the link" if limit else ""
-                rows.append(
-                    f"{size / 1e9:6.1f} GB  {args.loader:<12}{'pin=' + pin if args.loader == 'cuda-pinned' else '':<11}"
-                    f"{p50:7.2f} GB/s p50 (best {max(rates):.2f}, n={len(rates)})  {vs}  [{detail}]"
-                )
-                print(rows[-1], flush=True)
+                result = LoaderResult(
+                    size_bytes=size, loader=args.loader, pin=pin if args.loader == "cuda-pinned" else None,
+                    p50_gbps=p50, best_gbps=max(rates), loads=len(rates),
+                    link_fraction_p50=p50 / limit if limit else None, detail=detail, note=note or None,
+                )  # fmt: skip
+                rows.append(result)
+                report.results.append(result)
+                print(_loader_row(result, where), file=progress, flush=True)
         finally:
             if vf is not None:
                 os.close(vf.fd)
             shutil.rmtree(work, ignore_errors=True)
+    if fmt is not None:
+        print(out.dump(report, fmt))
+        return 0
     print("\nsummary (" + link + (f", usable {limit:.1f} GB/s" if limit else "") + "):")
     for r in rows:
-        print("  " + r)
+        print("  " + _loader_row(r, where))
     return 0
 
 
@@ -391,6 +607,7 @@ def activate(argv: list[str], prog: str) -> int:
         "the memlock limit (auto), or measure always and never side by side (both) [both]",
     )
     p.add_argument("--disk-dir", default="/var/tmp", help="--loader kvikio: where the weights file is written")
+    out.add_output_argument(p)
     args = p.parse_args(argv)
     try:
         sizes = [parse_size(s) for s in args.size.split(",")]
@@ -401,6 +618,7 @@ def activate(argv: list[str], prog: str) -> int:
     if len(sizes) != 1:
         p.error("--size takes one size for the activation bench (several only with --loader)")
     size = sizes[0]
+    progress = _progress(out.machine(args))
     work = Path(tempfile.mkdtemp(prefix="pulsescale-bench-"))
     shm = Path(tempfile.mkdtemp(prefix="pulsescale-bench-", dir=args.shm_dir))
     try:
@@ -410,11 +628,13 @@ def activate(argv: list[str], prog: str) -> int:
             model_dir = work / MODEL
             t0 = time.perf_counter()
             cfg = tinymodel.make_tiny(model_dir, size)
-            print(f"wrote a {cfg.nbytes / 1e6:.1f} MB model in {time.perf_counter() - t0:.1f} s")
+            print(f"wrote a {cfg.nbytes / 1e6:.1f} MB model in {time.perf_counter() - t0:.1f} s", file=progress)
         (work / "nats").mkdir()
         with NatsServer(work / "nats", sync_always=not args.no_sync_always) as server:
-            print(f"embedded nats-server {server.url}" + ("" if args.no_sync_always else " (sync_interval: always)"))
-            return asyncio.run(_bench(args, shm, server, _start_agent(args, model_dir, shm, server)))
+            sync = "" if args.no_sync_always else " (sync_interval: always)"
+            print(f"embedded nats-server {server.url}{sync}", file=progress)
+            agent = _start_agent(args, model_dir, shm, server)
+            return asyncio.run(_bench(args, None if args.model else size, shm, server, agent))
     finally:
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)

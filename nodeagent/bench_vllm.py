@@ -10,6 +10,10 @@ Two figures, side by side, for the same model on the same machine:
 
 The model is the tiny Llama of ``make-tiny --format hf`` unless ``--model`` names one (a Hugging Face directory
 with a ``sha256sums.txt``). Both sides use the same server arguments (``--vllm-args``) and environment.
+
+``--json`` (``-o json|yaml``) prints one object instead, and nothing else on stdout (progress goes to stderr): the
+run's parameters, ``cold_start_s``, ``prewarm_s``, ``activation_p50_s``/``activation_min_s``/``activation_max_s``,
+``ratio_cold_over_p50`` and each activation's ``claim_to_first_token_s``.
 """
 
 from __future__ import annotations
@@ -28,8 +32,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+import msgspec
+
 from nodeagent import hfmodel, vllm
 from warmpool import connect as nats_connect
+from warmpool import output as out
 from warmpool import protocol
 from warmpool.embedded import NatsServer
 from warmpool.registry import KvSlotStore
@@ -40,6 +47,32 @@ MODEL = "tiny-llama"
 NODE = "bench"
 START_TIMEOUT_S = 900.0
 """A cold start on a busy CPU node takes a minute or two; a GPU node with a large model several."""
+
+
+class VllmActivation(msgspec.Struct, kw_only=True):
+    claim_to_first_token_s: float
+
+
+class VllmReport(msgspec.Struct, kw_only=True):
+    """`bench activate --engine vllm --json`: vLLM's cold start next to our activations of a standby."""
+
+    bench: str = "activate"
+    engine: str = "vllm"
+    model_dir: str | None
+    """`--model`, or None for the tiny Llama the bench wrote."""
+    vllm_args: str
+    engine_user: str
+    cold_start_s: float
+    """vLLM's server process start -> first token."""
+    prewarm_s: float
+    """Agent start -> slot warm (off the clock)."""
+    activation_p50_s: float
+    """Claim -> first token, the median over `activations`."""
+    activation_min_s: float
+    activation_max_s: float
+    ratio_cold_over_p50: float
+    """cold_start_s / activation_p50_s: how many times faster a warm standby gets to the first token."""
+    activations: list[VllmActivation]
 
 
 def _first_token(endpoint: str, timeout_s: float = 60.0) -> str:
@@ -107,6 +140,7 @@ def _start(
          "--model-name", MODEL, "--slots", "1", "--shm-dir", str(shm), "--engine", "vllm", "--engine-user",
          args.engine_user, "--vllm-args", args.vllm_args, "--metrics-port", "-1", "--log-level", "WARNING",
          "--log-dir", str(work / "logs")],
+        stdout=None if out.machine(args) is None else sys.stderr.fileno(),  # -o json: stdout has the object only
     )  # fmt: skip
     return server, agent
 
@@ -189,7 +223,10 @@ def activate(argv: list[str], prog: str) -> int:
         "--engine-user", default="nobody", help="the agent's engine user (root: the venv is not readable) [nobody]"
     )
     p.add_argument("--shm-dir", default="/dev/shm", help="parent of the bench's staging dir [/dev/shm]")
+    out.add_output_argument(p)
     args = p.parse_args(argv)
+    fmt = out.machine(args)
+    progress = sys.stdout if fmt is None else sys.stderr
     try:
         vllm.detect_platform()
     except Exception as err:  # noqa: BLE001 - EngineFailed: vLLM missing, said how to install it
@@ -201,16 +238,29 @@ def activate(argv: list[str], prog: str) -> int:
         model_dir = Path(args.model) if args.model else work / MODEL
         if not args.model:
             hfmodel.make_tiny_hf(model_dir)
-        print(f"vLLM cold start (process start -> first token), model {model_dir} ...", flush=True)
+        print(f"vLLM cold start (process start -> first token), model {model_dir} ...", file=progress, flush=True)
         cold = cold_start(model_dir, args.vllm_args, work / "cold.log")
-        print(f"  {cold:.2f} s", flush=True)
-        print(f"our activation of a vLLM standby (claim -> first token), {args.activations} times ...", flush=True)
+        print(f"  {cold:.2f} s", file=progress, flush=True)
+        print(
+            f"our activation of a vLLM standby (claim -> first token), {args.activations} times ...",
+            file=progress,
+            flush=True,
+        )
         server, agent = _start(args, model_dir, shm, work)
         warm, warm_s = asyncio.run(_activations(args, server, agent))
     finally:
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     med = statistics.median(warm)
+    if fmt is not None:
+        report = VllmReport(
+            model_dir=args.model, vllm_args=args.vllm_args, engine_user=args.engine_user, cold_start_s=cold,
+            prewarm_s=warm_s, activation_p50_s=med, activation_min_s=min(warm), activation_max_s=max(warm),
+            ratio_cold_over_p50=cold / med,
+            activations=[VllmActivation(claim_to_first_token_s=s) for s in warm],
+        )  # fmt: skip
+        print(out.dump(report, fmt))
+        return 0
     print(f"  prewarm (agent start -> slot warm, off the clock): {warm_s:.1f} s")
     print(f"\n{'':<42}{'seconds':>10}")
     print(f"{'vLLM cold start: process start -> 1st token':<42}{cold:>10.3f}")

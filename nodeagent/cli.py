@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import logging
 import os
-import signal
 import sys
 import time
 import urllib.parse
@@ -21,7 +19,7 @@ from nodeagent.engine.zygote import FAULTS
 from nodeagent.errors import BadModel, BadWeights, EngineFailed, LoaderUnavailable, StagingFailed
 from nodeagent.settings import AgentSettings
 from warmpool import connect as nats_connect
-from warmpool import durations, protocol
+from warmpool import daemonstart, durations, protocol
 from warmpool import output as out
 from warmpool.sizes import parse_size
 
@@ -174,7 +172,9 @@ def _agent_parser(prog: str) -> argparse.ArgumentParser:
         "check (OK / WARN / FAIL, what was measured, the fix), exit 1 on any FAIL; starts nothing, writes nothing",
     )
     p.add_argument("--fault", action="append", default=[], metavar="SLOT=KIND", help=argparse.SUPPRESS)
-    p.add_argument("--log-level", default=os.environ.get("PULSESCALE_LOG_LEVEL", "INFO"), help="[INFO]")
+    daemonstart.add_log_level_argument(
+        p, default=os.environ.get("PULSESCALE_LOG_LEVEL", "INFO"), choices=None, help="[INFO]"
+    )
     nats_connect.add_nats_arguments(p)
     return p
 
@@ -344,29 +344,19 @@ def run_agent(argv: list[str], prog: str) -> int:
 
         return preflight.main(args, lambda: _settings(args, preflight.RefusingParser(prog=prog)))
     settings = _settings(args, p)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    daemonstart.configure_logging(args)
     from nodeagent import agent  # the daemon's imports (nats, aiohttp) only when it runs
 
-    async def main() -> None:
-        stop, ready = asyncio.Event(), asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+    def started(a: agent.Agent, port: int | None) -> None:
+        where = f", metrics on :{port}" if port is not None else ""
+        print(f"agent {settings.node}: serving pulse.agent.{settings.node}.*{where}", file=sys.stderr, flush=True)
 
-        def started(a: agent.Agent, port: int | None) -> None:
-            where = f", metrics on :{port}" if port is not None else ""
-            print(f"agent {settings.node}: serving pulse.agent.{settings.node}.*{where}", file=sys.stderr, flush=True)
-
-        def run(nats: nats_connect.NatsOptions) -> Awaitable[None]:
-            return agent.run(replace(settings, nats=nats), stop=stop, ready=ready, on_started=started)
-
-        await nats_connect.run_daemon(settings.nats, run, ready)
+    def run(nats: nats_connect.NatsOptions, stop: asyncio.Event, ready: asyncio.Event) -> Awaitable[None]:
+        return agent.run(replace(settings, nats=nats), stop=stop, ready=ready, on_started=started)
 
     # NATS unreachable or refused, a permission denied at start, the metrics port taken: `PulsescaleError`s, which
     # the dispatcher prints as one line.
-    asyncio.run(main())
+    daemonstart.run_until_signalled(settings.nats, run)
     return 0
 
 

@@ -9,6 +9,11 @@ agent's settings (`engine_env`, shared with `served`), and its output (the zygot
 stderr) goes through a pipe to the slot's log file (`OutputLog`, the standby servers' `served.EngineLog`: 0600 in
 a 0700 directory the agent owns), never to the agent's own stderr, where an engine could forge agent log lines. The
 zygote's events travel on its original stdout, which it keeps to itself (`zygote.main`).
+
+The pipe speaks typed messages (`nodeagent.engine.pipe`): commands (`pipe.Start`, `pipe.Stop`, `pipe.Exit`) are
+encoded by `ForkedEngine`, and each event line is decoded into its `pipe.Event`; a line that is not one (not JSON, an
+unknown ``ev``, a field missing or of the wrong type) is a `pipe.BadMessage`, logged and skipped like any other
+line the zygote should not have written.
 """
 
 from __future__ import annotations
@@ -22,10 +27,11 @@ import pwd
 import sys
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Protocol
 
-from nodeagent.engine import Started
+from nodeagent.engine import Started, pipe
 from nodeagent.errors import EngineFailed
 
 __all__ = ["ENV_DROPPED", "ForkedEngine", "OutputLog", "engine_env", "engine_identity"]
@@ -52,6 +58,13 @@ def engine_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_DROPPED)}
     env.update(extra or {})
     return env
+
+
+@dataclass(frozen=True)
+class _ZygoteDied:
+    """Not a message of the pipe: what `ForkedEngine` tells a waiting `start` or `stop` when the zygote is gone."""
+
+    reason: str
 
 
 class OutputLog(Protocol):
@@ -98,7 +111,7 @@ class ForkedEngine:
         self._pump: asyncio.Task[None] | None = None
         self._armed = asyncio.Event()
         self._arm_error: str | None = None
-        self._events: asyncio.Queue[dict[str, Any]] | None = None
+        self._events: asyncio.Queue[pipe.Event | _ZygoteDied] | None = None
         self._serving: Started | None = None
         self._lock = asyncio.Lock()
         self.arms = 0
@@ -181,9 +194,9 @@ class ForkedEngine:
             if not line:
                 break
             try:
-                ev = json.loads(line)
-            except ValueError:
-                log.warning("slot %s: zygote said %r", self.name, line[:200])
+                ev = pipe.decode_event(line)
+            except pipe.BadMessage as err:
+                log.warning("slot %s: zygote said %r (%s)", self.name, line[:200], err.why)
                 continue
             self._on_event(ev)
         rc = await proc.wait()
@@ -198,25 +211,24 @@ class ForkedEngine:
         if self._closing:
             return
         if self._events is not None:
-            self._events.put_nowait({"ev": "zygote_died", "reason": reason})
+            self._events.put_nowait(_ZygoteDied(reason))
         elif self._serving is not None:
             self._serving = None
             self._exit(f"{reason}; the engine went with it")
         elif proc is self._proc:
             self._exit(reason)
 
-    def _on_event(self, ev: dict[str, Any]) -> None:
-        kind = ev.get("ev")
-        if kind == "armed":
-            self.prepare_ms = float(ev.get("prepare_ms", 0.0))
+    def _on_event(self, ev: pipe.Event) -> None:
+        if isinstance(ev, pipe.Armed):
+            self.prepare_ms = ev.prepare_ms
             self._armed.set()
-        elif kind == "error" and ev.get("fatal"):
-            self._arm_error = str(ev.get("reason"))
+        elif isinstance(ev, pipe.Error) and ev.fatal:
+            self._arm_error = ev.reason
         elif self._events is not None:
             self._events.put_nowait(ev)
-        elif kind == "exited" and self._serving is not None and ev.get("pid") == self._serving.pid:
+        elif isinstance(ev, pipe.Exited) and self._serving is not None and ev.pid == self._serving.pid:
             self._serving = None
-            self._exit(f"engine process {ev.get('pid')} {_describe_exit(ev)} while serving")
+            self._exit(f"engine process {ev.pid} {ev.describe()} while serving")
         else:
             log.debug("slot %s: zygote event %s", self.name, ev)
 
@@ -227,10 +239,10 @@ class ForkedEngine:
 
     # --- engine process ----------------------------------------------------------------------------------------
 
-    def _send(self, cmd: dict[str, Any]) -> None:
+    def _send(self, cmd: pipe.Command) -> None:
         if self._proc is None or self._proc.stdin is None or self._proc.returncode is not None:
             raise EngineFailed("arm", "the zygote is not running")
-        self._proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        self._proc.stdin.write(pipe.encode(cmd))
 
     async def start(self, *, timeout_s: float) -> Started:
         async with self._lock:
@@ -242,33 +254,29 @@ class ForkedEngine:
             t0 = time.perf_counter()
             pid: int | None = None
             try:
-                self._send({"cmd": "start", "port": self.port})
+                self._send(pipe.Start(port=self.port))
                 async with asyncio.timeout(timeout_s):
                     while True:
                         ev = await self._events.get()
-                        kind = ev.get("ev")
-                        if kind == "forked":
-                            pid = ev.get("pid")
-                        elif kind == "serving":
+                        if isinstance(ev, pipe.Forked):
+                            pid = ev.pid
+                        elif isinstance(ev, pipe.Serving):
                             ms = (time.perf_counter() - t0) * 1e3
-                            load_ms = float(ev["load_ms"])
                             self._serving = Started(
-                                endpoint=f"http://{self.advertise_host}:{ev['port']}",
-                                pid=int(ev["pid"]),
-                                load_ms=load_ms,
-                                engine_ms=max(0.0, ms - load_ms),
-                                loaded_bytes=int(ev["bytes"]),
-                                mode=str(ev["mode"]),
+                                endpoint=f"http://{self.advertise_host}:{ev.port}",
+                                pid=ev.pid,
+                                load_ms=ev.load_ms,
+                                engine_ms=max(0.0, ms - ev.load_ms),
+                                loaded_bytes=ev.bytes,
+                                mode=ev.mode,
                             )
                             return self._serving
-                        elif kind == "failed":
-                            raise EngineFailed(str(ev.get("stage", "engine")), str(ev.get("reason")))
-                        elif kind == "exited":
-                            raise EngineFailed("engine", f"engine process {ev.get('pid')} {_describe_exit(ev)}")
-                        elif kind == "zygote_died":
-                            raise EngineFailed("engine", str(ev["reason"]))
-                        elif kind == "error":
-                            raise EngineFailed("engine", str(ev.get("reason")))
+                        elif isinstance(ev, pipe.Failed):
+                            raise EngineFailed(ev.stage, ev.reason)
+                        elif isinstance(ev, pipe.Exited):
+                            raise EngineFailed("engine", f"engine process {ev.pid} {ev.describe()}")
+                        elif isinstance(ev, (_ZygoteDied, pipe.Error)):
+                            raise EngineFailed("engine", ev.reason)
             except TimeoutError:
                 raise EngineFailed(
                     "engine", f"engine process {pid} not serving after {timeout_s * 1e3:.0f} ms", code="deadline"
@@ -283,11 +291,11 @@ class ForkedEngine:
                 return
             self._events = asyncio.Queue()
             try:
-                self._send({"cmd": "stop", "grace_s": STOP_GRACE_S})
+                self._send(pipe.Stop(grace_s=STOP_GRACE_S))
                 async with asyncio.timeout(STOP_GRACE_S + 5.0):
                     while True:
                         ev = await self._events.get()
-                        if ev.get("ev") == "zygote_died" or (ev.get("ev") == "exited" and ev.get("requested")):
+                        if isinstance(ev, _ZygoteDied) or (isinstance(ev, pipe.Exited) and ev.requested):
                             return
             except TimeoutError:
                 log.error("slot %s: zygote did not stop its engine; killing the zygote", self.name)
@@ -329,7 +337,7 @@ class ForkedEngine:
             proc = self._proc
             if proc is not None and proc.returncode is None and proc.stdin is not None:
                 with contextlib.suppress(OSError, RuntimeError):
-                    proc.stdin.write(b'{"cmd": "exit"}\n')
+                    proc.stdin.write(pipe.encode(pipe.Exit()))
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(proc.wait(), STOP_GRACE_S + 1.0)
             await self._kill_zygote()
@@ -357,12 +365,6 @@ def engine_identity(user: str) -> tuple[int, int] | None:
         log.warning("engines run as root (--engine-user %s): a compromised engine owns the node", user)
         return None
     return pw.pw_uid, pw.pw_gid
-
-
-def _describe_exit(ev: Mapping[str, Any]) -> str:
-    if ev.get("signal"):
-        return f"was killed by {ev['signal']}"
-    return f"exited with code {ev.get('code')}"
 
 
 def _describe_rc(rc: int | None) -> str:

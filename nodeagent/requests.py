@@ -11,7 +11,7 @@ has an allowance of its own (`max_status_in_flight`) so on-call can still see th
 beyond its allowance is answered ``busy`` at once, undecoded and unrecorded (nothing was applied: a retry is
 handled normally), and counted (`on_busy`).
 
-Idempotency has two halves: an id already applied is answered from the `protocol.RequestLedger` with its first
+Idempotency has two halves: an id already applied is answered from the `warmpool.ledger.RequestLedger` with its first
 reply, and a repeat of a request still being applied waits for that request's reply (`_pending`) rather than
 applying it twice. The handlers (activation, prewarm, status) know nothing of NATS.
 
@@ -38,6 +38,7 @@ from nats.aio.subscription import Subscription
 
 from warmpool import protocol
 from warmpool.errors import BadMessage, DuplicateRequest
+from warmpool.ledger import RequestLedger, admit
 from warmpool.rejects import Rejections
 
 __all__ = ["REPLY_PREFIX", "REPLY_TYPES", "Handler", "Requests"]
@@ -86,7 +87,7 @@ class Requests:
         self._limits = {"status": max_status_in_flight, "": max_in_flight}
         self.in_flight = {"status": 0, "": 0}
         """Requests being handled now, by pool: ``status`` and ``""`` (every other verb)."""
-        self.ledger = protocol.RequestLedger()
+        self.ledger = RequestLedger()
         self.rejected = Rejections(log, on_reject=on_reject)
         self._pending: dict[str, asyncio.Future[bytes]] = {}
         self._subs: list[Subscription] = []
@@ -141,7 +142,7 @@ class Requests:
     async def _handle(self, msg: Msg, verb: str, handler: Handler, t_recv: float) -> None:
         try:
             req = protocol.decode(msg.data, protocol.AGENT_REQUEST_TYPES[verb])
-            protocol.admit(req, self.clock(), self.ledger)
+            admit(req, self.clock(), self.ledger)
         except DuplicateRequest as dup:
             self.rejected(dup, source=msg.subject)
             await self._respond(msg, dup.reply)

@@ -45,23 +45,21 @@ COMMANDS: dict[str, Command] = {
     "nats": Command("warmpool.cli:run_nats", "run a local nats-server with JetStream (from the wheel)", "daemons"),
     "gateway": Command("gateway.cli:run_gateway", "run the reference gateway (queue, route, samples)", "daemons"),
     # on-call
-    "status": Command("autoscaler.oncall:status", "show models, replicas and the last decisions", "on-call"),
-    "pool": Command("autoscaler.oncall:pool", "show the warm pool: slots by state, node and rack", "on-call"),
-    "scale": Command("autoscaler.oncall:scale", "hold a model at N replicas for a while", "on-call"),
-    "pause": Command("autoscaler.oncall:pause", "stop autoscaling a model (optionally at N replicas)", "on-call"),
-    "resume": Command("autoscaler.oncall:resume", "hand a model back to the policy", "on-call"),
-    "schedule": Command(
-        "autoscaler.oncall:schedule", "raise a model's floor from a time, for a while (warm-up)", "on-call"
-    ),
+    "status": Command("oncall.verbs:status", "show models, replicas and the last decisions", "on-call"),
+    "pool": Command("oncall.verbs:pool", "show the warm pool: slots by state, node and rack", "on-call"),
+    "scale": Command("oncall.verbs:scale", "hold a model at N replicas for a while", "on-call"),
+    "pause": Command("oncall.verbs:pause", "stop autoscaling a model (optionally at N replicas)", "on-call"),
+    "resume": Command("oncall.verbs:resume", "hand a model back to the policy", "on-call"),
+    "schedule": Command("oncall.verbs:schedule", "raise a model's floor from a time, for a while (warm-up)", "on-call"),
     "sample": Command("warmpool.cli:sample", "publish gateway queue samples by hand (drills, demos)", "on-call"),
-    "drain": Command("autoscaler.oncall:drain", "stop offering a node's slots; serving ones finish", "on-call"),
-    "undrain": Command("autoscaler.oncall:undrain", "offer a drained node's slots again", "on-call"),
+    "drain": Command("oncall.verbs:drain", "stop offering a node's slots; serving ones finish", "on-call"),
+    "undrain": Command("oncall.verbs:undrain", "offer a drained node's slots again", "on-call"),
     "demo": Command("demo.cli:main", "the article's surge end to end on this machine, live, with a report", "daemons"),
-    "get": Command("autoscaler.resources:get", "list scaledobjects, slots or models, as kubectl get", "on-call"),
-    "describe": Command("autoscaler.resources:describe", "one scaledobject, slot or model in detail", "on-call"),
-    "apply": Command("autoscaler.oncall:apply", "write a ScaledObject YAML to the registry (no Kubernetes)", "config"),
-    "delete": Command("autoscaler.resources:delete", "remove a ScaledObject from the registry", "config"),
-    "crd": Command("autoscaler.crd:main", "print the ScaledObject CRD (or its JSON Schema), generated", "config"),
+    "get": Command("oncall.get:get", "list scaledobjects, slots or models, as kubectl get", "on-call"),
+    "describe": Command("oncall.describe:describe", "one scaledobject, slot or model in detail", "on-call"),
+    "apply": Command("oncall.apply:apply", "write a ScaledObject YAML to the registry (no Kubernetes)", "config"),
+    "delete": Command("oncall.delete:delete", "remove a ScaledObject from the registry", "config"),
+    "crd": Command("manifests.crd:main", "print the ScaledObject CRD (or its JSON Schema), generated", "config"),
     "slots": Command("warmpool.cli:slots", "list slots straight from the registry", "config"),
     "model": Command("nodeagent.cli:model", "model tools: make-tiny (test weights), verify, stage", "config"),
     "bench": Command("pulsescale.cli:bench", "benchmarks: claims, decide, activate", "benchmarks"),
@@ -71,7 +69,7 @@ COMMANDS: dict[str, Command] = {
 
 BENCHES: dict[str, Command] = {
     "claims": Command("warmpool.bench:claims", "claim latency p50/p99 and claims/s on a real nats-server", ""),
-    "decide": Command("autoscaler.bench:decide", "decision latency and ingest throughput", ""),
+    "decide": Command("pulsescale.bench.decide:decide", "decision latency and ingest throughput", ""),
     "activate": Command("nodeagent.bench:activate", "activation stage breakdown and loader GB/s", ""),
     "rootfs": Command(
         "nodeagent.bench_rootfs:bench", "an idle rootfs image's page-cache residency, warm vs locked", ""

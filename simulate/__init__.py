@@ -1,5 +1,5 @@
 """`pulsescale simulate`: a discrete-event simulation of the gateway queue and the replicas, in which our real
-policy (`autoscaler.policy.decide`) and HPA v2, KEDA and Knative KPA (from their documented algorithms) face the
+policy (`autoscaler.decide.policy.decide`) and HPA v2, KEDA and Knative KPA (from their documented algorithms) face the
 same pulse. Pure: no NATS, no HTTP, no clock; `simulate.cli` is the command."""
 
 from simulate.engine import Result, Service, Startup, run

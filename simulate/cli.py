@@ -1,6 +1,6 @@
 """`pulsescale simulate`: HPA v2, KEDA, Knative KPA and our policy on the same pulse, in a discrete-event simulation.
 
-Our policy is the real `autoscaler.policy.decide`; the baselines follow their documented algorithms with their
+Our policy is the real `autoscaler.decide.policy.decide`; the baselines follow their documented algorithms with their
 default settings (`simulate.policies` cites the pages). Every baseline pays the article's cold start per new pod;
 ours activates warm slots (claim -> ready from --activations FILE or --activation-s) while its pool lasts, then
 pays the same cold start. Prints a table per policy and writes simulate.json and simulate.png into --out.

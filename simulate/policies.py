@@ -1,5 +1,5 @@
-"""The policies the simulation compares: ours (the real `autoscaler.policy.decide`) and three baselines written from
-their documented algorithms, each with its documented defaults. All read the same metric, the gateway's demand
+"""The policies the simulation compares: ours (the real `autoscaler.decide.policy.decide`) and three baselines written
+from their documented algorithms, each with its documented defaults. All read the same metric, the gateway's demand
 (queue + in flight), against the same per-replica target, so the table compares the algorithms, not the metrics.
 
 Kubernetes HPA v2 (autoscaling/v2), from
@@ -44,7 +44,7 @@ from typing import Final, Literal
 import numpy as np
 import numpy.typing as npt
 
-from autoscaler import policy as ours
+from autoscaler.decide import policy as ours
 from simulate.engine import STEP_S, Arrivals, Metrics
 from warmpool.protocol import Advanced, ScaledObjectSpec, ScaleTargetRef, Trigger, TriggerMetadata
 
@@ -69,7 +69,7 @@ def our_spec(
 
 
 class Ours:
-    """`autoscaler.policy.decide` on every gateway sample (100 ms), as the real decider calls it."""
+    """`autoscaler.decide.policy.decide` on every gateway sample (100 ms), as the real decider calls it."""
 
     sample_s = 0.1
 

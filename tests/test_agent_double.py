@@ -9,7 +9,7 @@ import time
 
 from nats.aio.client import Client
 
-from autoscaler.agentclient import AgentClient
+from autoscaler.act.agentclient import AgentClient
 from tests.agent_double import AgentDouble
 from warmpool.registry import KvSlotStore
 

@@ -13,7 +13,8 @@ import nats.js.errors
 import pytest
 from nats.js.kv import KeyValue
 
-from autoscaler import oncall
+from oncall import apply as oncall_apply
+from oncall.client import EXIT_REFUSED
 from warmpool import protocol
 from warmpool.embedded import NatsServer
 
@@ -59,7 +60,7 @@ def test_apply_retries_a_first_write_that_is_not_answered(
     errors: list[Exception],
 ) -> None:
     calls = unanswered_first(monkeypatch, *errors)
-    code = oncall.apply(["-f", str(EXAMPLE), "--nats", nats_server.url], "pulsescale apply")
+    code = oncall_apply.apply(["-f", str(EXAMPLE), "--nats", nats_server.url], "pulsescale apply")
     out = capsys.readouterr()
     assert code == 0, out.err
     assert "created" in out.out
@@ -70,9 +71,9 @@ def test_apply_retries_a_first_write_that_is_not_answered(
 def test_apply_gives_up_on_a_write_never_answered(
     nats_server: NatsServer, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(oncall, "APPLY_RETRY_S", 1.0)
+    monkeypatch.setattr(oncall_apply, "APPLY_RETRY_S", 1.0)
     calls = unanswered_first(monkeypatch, *(nats.js.errors.NoStreamResponseError() for _ in range(100)))
-    code = oncall.apply(["-f", str(EXAMPLE), "--nats", nats_server.url], "pulsescale apply")
-    assert code == oncall.EXIT_REFUSED
+    code = oncall_apply.apply(["-f", str(EXAMPLE), "--nats", nats_server.url], "pulsescale apply")
+    assert code == EXIT_REFUSED
     assert "failed" in capsys.readouterr().err
     assert 2 <= len(calls) <= 6, calls

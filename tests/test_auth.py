@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client
 
-from autoscaler.commands import CommandService
+from autoscaler.commands.service import CommandService
 from pulsescale import cli as dispatcher
 from tests.test_commands import ControlPlaneDouble, make_spec
 from warmpool import connect

@@ -22,8 +22,8 @@ from nats.aio.client import Client
 
 from autoscaler import daemon
 from autoscaler.controller import ControllerSettings
-from autoscaler.leader import LeaseSettings
 from autoscaler.metrics import AutoscalerMetrics
+from autoscaler.shards.leader import LeaseSettings
 from tests.agent_double import AgentDouble
 from tests.helpers import wait_for
 from warmpool import connect, protocol
@@ -127,7 +127,9 @@ async def running_autoscaler(url: str, *, wait_to_lead: bool = True, **kw: objec
         await wait_for(scaler.ready, 5, "the autoscaler's views and ScaledObjects")
         if wait_to_lead:
             # Alone, it takes every shard, and then the samples of every model are its.
-            await wait_for(lambda: protocol.QUEUE_WILDCARD in scaler.sample_subjects, 5, "the autoscaler to lead")
+            await wait_for(
+                lambda: protocol.QUEUE_WILDCARD in scaler.subscriptions.sample_subjects, 5, "the autoscaler to lead"
+            )
         yield scaler
     finally:
         stop.set()

@@ -13,7 +13,7 @@ import nats.errors
 import pytest
 from nats.aio.client import Client
 
-from autoscaler.leader import LeaseSettings
+from autoscaler.shards.leader import LeaseSettings
 from tests.agent_double import AgentDouble
 from tests.helpers import broker_subscriptions, wait_for
 from tests.test_autoscaler import (  # noqa: F401 - cancel_gateways is an autouse fixture
@@ -67,8 +67,8 @@ async def test_a_broker_outage_longer_than_the_agent_lease_takes_no_serving_slot
     try:
         async with running_autoscaler(nats_server.url, lease=lease, housekeeping_every_s=0.05) as scaler:
             Gateway(nc, "m").background(8, 30.0)  # two replicas
-            await wait_for(lambda: "m" in scaler.by_model, 5, "m followed")
-            controller = scaler.by_model["m"]
+            await wait_for(lambda: "m" in scaler.fleet.by_model, 5, "m followed")
+            controller = scaler.fleet.by_model["m"]
             # Ready in the registry and in the autoscaler's books (its activations answered, not still in flight).
             await wait_for(lambda: len(ready_claims(store, "m")) == 2 and controller.scaler.ready == 2, 5, "2 ready")
             serving = ready_claims(store, "m")
@@ -163,7 +163,7 @@ async def test_every_oncall_command_is_answered_after_each_broker_restart(
     await put_scaler(nc, "m")
     verbs = {t: v for v, t in protocol.COMMAND_TYPES.items()}
     async with running_autoscaler(nats_server.url, lease=LeaseSettings()) as scaler:
-        shards, service = scaler.shards, scaler.commands
+        shards, service = scaler.fleet.shards, scaler.fleet.commands
         assert shards is not None and service is not None
         own = protocol.replica_subject(shards.identity, "*")  # the hand-over subject, no queue group
         expected = Counter({(protocol.CMD_WILDCARD, service.settings.queue_group): 1, (own, ""): 1})
@@ -176,7 +176,7 @@ async def test_every_oncall_command_is_answered_after_each_broker_restart(
         for run in range(3):
             nats_server.kill()
             await asyncio.sleep(RESTART_OUTAGE_S)
-            assert not scaler.is_leader(), "the shard terms outlived the outage"
+            assert not scaler.fleet.is_leader(), "the shard terms outlived the outage"
             nats_server.restart()
             await wait_for(converged, 10, "views re-listed and every shard held again")
             deadline = time.monotonic() + 1.0
@@ -297,8 +297,10 @@ async def test_overrides_are_stored_as_records_and_a_corrupt_one_is_counted(
     # A record of another model under m's key (a hand edit gone wrong): not applied to either.
     await leases.put(protocol.override_key("k"), protocol.encode(OverrideRecord(model="n", override=paused)))
     async with running_autoscaler(nats_server.url) as scaler:
-        await wait_for(lambda: scaler.by_model.get("n") and scaler.by_model["n"].override == paused, 5, "n restored")
-        assert scaler.by_model["m"].override is None and scaler.by_model["k"].override is None
+        await wait_for(
+            lambda: scaler.fleet.by_model.get("n") and scaler.fleet.by_model["n"].override == paused, 5, "n restored"
+        )
+        assert scaler.fleet.by_model["m"].override is None and scaler.fleet.by_model["k"].override is None
         rejected = scaler.metrics.registry.get_sample_value
         assert rejected("pulsescale_registry_rejected_records_total", {"reason": "bad_json"}) == 1
         assert rejected("pulsescale_registry_rejected_records_total", {"reason": "subject_mismatch"}) == 1
@@ -322,10 +324,10 @@ async def test_an_override_is_restored_for_a_scaled_object_seen_after_its_shard_
     paused = Override(kind="pause", replicas=1, expires_at=None, by="carol")
     await leases.put(protocol.override_key("n"), protocol.encode(OverrideRecord(model="n", override=paused)))
     async with running_autoscaler(nats_server.url) as scaler:  # leads every shard, follows no model yet
-        assert scaler.owns_shard(protocol.shard_of("n")) and "n" not in scaler.by_model
+        assert scaler.fleet.owns_shard(protocol.shard_of("n")) and "n" not in scaler.fleet.by_model
         await put_scaler(nc, "n")
-        await wait_for(lambda: "n" in scaler.by_model, 5, "n followed")
-        await wait_for(lambda: scaler.by_model["n"].override == paused, 5, "n's stored pause restored")
+        await wait_for(lambda: "n" in scaler.fleet.by_model, 5, "n followed")
+        await wait_for(lambda: scaler.fleet.by_model["n"].override == paused, 5, "n's stored pause restored")
 
 
 async def test_a_resume_while_the_stored_overrides_are_read_is_not_undone(
@@ -351,7 +353,7 @@ async def test_a_resume_while_the_stored_overrides_are_read_is_not_undone(
         await scaler.set_override("n", None)  # the resume, deleting the stored pause
         go_on.set()
         await wait_for(lambda: ownership._takeover is not None and ownership._takeover.done(), 5, "n taken over")
-        assert scaler.by_model["n"].override is None, "the stale pause was put back over the resume"
+        assert scaler.fleet.by_model["n"].override is None, "the stale pause was put back over the resume"
 
 
 # --- following the ScaledObjects --------------------------------------------------------------------------------
@@ -363,14 +365,14 @@ async def test_a_bad_edit_of_a_scaled_object_keeps_the_last_good_one(
     scalers = (await ensure_buckets(nc.jetstream()))[protocol.SCALERS_BUCKET]
     await put_scaler(nc, "m", maxReplicaCount=2)
     async with running_autoscaler(nats_server.url) as scaler:
-        await wait_for(lambda: "m" in scaler.by_model, 5, "m followed")
+        await wait_for(lambda: "m" in scaler.fleet.by_model, 5, "m followed")
         await scalers.put("test.m", b'{"v": 1, "namespace": "test"}')
         count = scaler.metrics.registry.get_sample_value
         await wait_for(lambda: count("pulsescale_registry_rejected_records_total", {"reason": "missing_field"}), 3)
         await asyncio.sleep(0.1)
-        assert scaler.by_model["m"].spec.max_replica_count == 2, "the last good ScaledObject stands"
+        assert scaler.fleet.by_model["m"].spec.max_replica_count == 2, "the last good ScaledObject stands"
         await put_scaler(nc, "m", maxReplicaCount=3)
-        await wait_for(lambda: scaler.by_model["m"].spec.max_replica_count == 3, 3, "the next good edit applied")
+        await wait_for(lambda: scaler.fleet.by_model["m"].spec.max_replica_count == 3, 3, "the next good edit applied")
 
 
 async def test_a_relisting_drops_scaled_objects_deleted_meanwhile(
@@ -379,13 +381,13 @@ async def test_a_relisting_drops_scaled_objects_deleted_meanwhile(
     await put_scaler(nc, "m")
     await put_scaler(nc, "n")
     async with running_autoscaler(nats_server.url) as scaler:
-        await wait_for(lambda: set(scaler.by_model) == {"m", "n"}, 5, "both followed")
+        await wait_for(lambda: set(scaler.fleet.by_model) == {"m", "n"}, 5, "both followed")
         assert scaler.ready()
         # What the view hands over after a reconnect when test.n was deleted while we were away.
         kept = ScalerRecord(namespace="test", name="m", spec=spec("m", maxReplicaCount=4))
         scaler.apply_scalers_event(Snapshot({"test.m": kept}))
-        assert set(scaler.by_model) == {"m"}
-        assert scaler.by_model["m"].spec.max_replica_count == 4
+        assert set(scaler.fleet.by_model) == {"m"}
+        assert scaler.fleet.by_model["m"].spec.max_replica_count == 4
 
 
 async def test_a_slot_record_that_breaks_the_contract_is_counted(

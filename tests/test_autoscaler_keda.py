@@ -69,8 +69,8 @@ async def test_status_reports_what_the_operator_needs(
             t0 = time.time()
             await Gateway(nc, "m").send(12)  # 3 replicas wanted, 1 slot in the pool: 2 asked of the cold path
             await Gateway(nc, "f").send(8)  # then silent: the fallback after one missed interval
-            await wait_for(lambda: scaler.by_model["m"].scaler.cold_requested == 2, 5, "the cold path's ask")
-            await wait_for(lambda: scaler.by_model["f"].decider.state.mode == "fallback", 5, "f's fallback")
+            await wait_for(lambda: scaler.fleet.by_model["m"].scaler.cold_requested == 2, 5, "the cold path's ask")
+            await wait_for(lambda: scaler.fleet.by_model["f"].decider.state.mode == "fallback", 5, "f's fallback")
             rows = await status_json(nats_server.url, capsys)
 
             m, p, f = rows["m"], rows["p"], rows["f"]
@@ -95,7 +95,7 @@ async def test_an_on_call_pause_shows_as_paused(
 ) -> None:
     await put_record(nc, "m")
     async with running_autoscaler(nats_server.url) as scaler:
-        await wait_for(lambda: "m" in scaler.by_model, 5)
+        await wait_for(lambda: "m" in scaler.fleet.by_model, 5)
         assert not (await status_json(nats_server.url, capsys))["m"]["paused"]
         code = await asyncio.to_thread(dispatcher.main, ["pause", "m", "--nats", nats_server.url])
         capsys.readouterr()
@@ -149,7 +149,7 @@ async def test_slots_of_a_scaled_object_deleted_while_no_leader_ran_are_released
             # And ready in the autoscaler's own book: one it still counts as activating is released at the stop
             # (a clean-clone CI run found 0 ready after it when this waited on our view alone; this race is the
             # likely cause, not a confirmed one).
-            await wait_for(lambda: scaler.by_model["m"].scaler.ready == 2, 5, "2 slots ready in its book")
+            await wait_for(lambda: scaler.fleet.by_model["m"].scaler.ready == 2, 5, "2 slots ready in its book")
         # The leader stopped (its serving slots stay held for the next one); the ScaledObject goes meanwhile.
         assert sum(r.state == "ready" for r in store.records("m")) == 2
         await kv.delete(rec.key)

@@ -105,7 +105,7 @@ async def test_the_port_serves_metrics_health_and_readiness_and_nothing_else(
         await wait_for(lambda: ready_is(503), 5, "not ready without a broker")
         status, text = await get(port, "/readyz")
         assert status == 503 and json.loads(text)["reason"] == "NATS is not connected (reconnecting)", text
-        await wait_for(lambda: not scaler.is_leader(), 5, "the lease lapsed: no longer leading either")
+        await wait_for(lambda: not scaler.fleet.is_leader(), 5, "the lease lapsed: no longer leading either")
         status, text = await get(port, "/healthz")
         assert status == 200 and json.loads(text)["leader"] is False, text
         nats_server.restart()
@@ -132,7 +132,7 @@ async def test_a_second_replica_is_healthy_with_current_views_and_takes_its_shar
         assert (await get(port, "/readyz"))[0] == 200
 
         def split() -> bool:
-            a, b = first.shards.held(), second.shards.held()  # type: ignore[union-attr]
+            a, b = first.fleet.shards.held(), second.fleet.shards.held()  # type: ignore[union-attr]
             return len(a) == len(b) == protocol.SHARDS // 2 and not a & b
 
         await wait_for(split, 5, "the shards split between the two")

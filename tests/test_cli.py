@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -40,13 +41,14 @@ def test_help_does_not_import_the_daemons() -> None:
 
 
 def test_bench_claims_prints_figures() -> None:
-    r = pulsescale("bench", "claims", "--slots", "40", "--nodes", "4", "--claims", "60", "--concurrency", "1", "4")
+    r = pulsescale(
+        "bench", "claims", "--slots", "40", "--nodes", "4", "--claims", "60", "--concurrency", "1", "4", "--json"
+    )  # fmt: skip
     assert r.returncode == 0, r.stderr
-    lines = r.stdout.splitlines()
-    assert "p99 ms" in lines[1] and "claims/s" in lines[1]
-    rows = [line.split() for line in lines[2:4]]
-    assert [row[0] for row in rows] == ["1", "4"]
-    assert all(int(row[1]) == 60 and float(row[5]) > 0 for row in rows)
+    doc = json.loads(r.stdout)
+    assert (doc["slots"], doc["nodes"], doc["slots_per_node"]) == (40, 4, 10)  # --slots spread over --nodes
+    assert [level["claimers"] for level in doc["levels"]] == [1, 4]
+    assert all(level["claims"] == 60 and level["claims_per_s"] > 0 for level in doc["levels"])
 
 
 def test_slots_lists_the_registry(tmp_path) -> None:  # type: ignore[no-untyped-def]

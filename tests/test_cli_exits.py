@@ -174,7 +174,7 @@ def test_sample_for_a_model_without_a_scaledobject_warns(nats_server: NatsServer
 
 
 def test_shard_changes_are_one_line_per_round(caplog: pytest.LogCaptureFixture) -> None:
-    from autoscaler.shardterms import ShardTerms, shard_ranges
+    from autoscaler.shards.terms import ShardTerms, shard_ranges
 
     assert shard_ranges([5, 0, 1, 2, 7, 8, 31]) == "0-2,5,7-8,31"
 

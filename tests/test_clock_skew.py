@@ -27,8 +27,8 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from autoscaler import oncall
-from autoscaler.agentclient import AgentClient
+from autoscaler.act.agentclient import AgentClient
+from oncall import verbs
 from tests.helpers import HandClock, ShiftedClock, wait_for
 from tests.nodeagent_helpers import (  # noqa: F401 - fixtures
     MODEL,
@@ -310,8 +310,8 @@ async def test_an_agent_whose_clock_is_off_serves_a_pulse_like_any_other(
                 pool = protocol.decode(msg.data, PoolReply)
                 (slot,) = pool.slots
                 assert slot.agent == "fresh" and slot.skew_s == pytest.approx(skew_s, abs=0.5)
-                table = oncall.format_pool(pool).splitlines()
-                assert table[1].split()[5] == "CLOCK" and table[2].split()[5] == oncall.format_skew(slot.skew_s)
+                table = verbs.format_pool(pool).splitlines()
+                assert table[1].split()[5] == "CLOCK" and table[2].split()[5] == verbs.format_skew(slot.skew_s)
                 side = "ahead of" if skew_s > 0 else "behind"
                 assert f"clock of {NODE} is {abs(slot.skew_s or 0):.1f} s {side} the autoscaler's" in "\n".join(table)
                 pulse.cancel()

@@ -28,7 +28,7 @@ import nats.js.errors
 import pytest
 from nats.aio.client import Client
 
-from autoscaler.leader import LeaderElection, LeaseSettings
+from autoscaler.shards.leader import LeaderElection, LeaseSettings
 from tests.cluster_helpers import CLUSTER_SIZE, NatsCluster
 from tests.helpers import wait_for
 from warmpool import connect, protocol

@@ -20,9 +20,9 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 
-from autoscaler import oncall
-from autoscaler.commands import CommandService
+from autoscaler.commands.service import CommandService
 from nodeagent import served
+from oncall import verbs
 from tests.helpers import ShiftedClock
 from tests.nodeagent_helpers import (  # noqa: F401
     MODEL,
@@ -153,7 +153,7 @@ async def test_a_standby_server_is_warm_only_once_healthy_and_serves_resident_ac
             await svc.stop()
         (row,) = pool.slots
         assert (row.engine, row.engine_mode) == ("command", "resident")
-        table = oncall.format_pool(pool).splitlines()
+        table = verbs.format_pool(pool).splitlines()
         assert table[1].split()[6] == "ENGINE" and table[2].split()[6] == "command/resident"
 
         st = agent.status().slots[0]

@@ -16,7 +16,7 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from autoscaler.commands import CommandService, CommandSettings
+from autoscaler.commands.service import CommandService, CommandSettings
 from tests.helpers import ShiftedClock, broker_subscriptions, wait_for
 from warmpool import protocol
 from warmpool.embedded import NatsServer

@@ -1,6 +1,6 @@
 """On-call commands with models sharded over autoscaler replicas (protocol revision 6), against a real nats-server:
 2-3 `CommandService`s, each on its own connection, each with a `FixedRouter` — a fixture serving a fixed owner map
-in place of the shard leases (`autoscaler.shards.ShardLeases`), so the test says who owns what.
+in place of the shard leases (`autoscaler.shards.leases.ShardLeases`), so the test says who owns what.
 
 What must hold: a command reaches the model's owner whichever replica the queue group hands it to, with exactly
 one reply and one audit record; a model nobody owns is refused ``not_leader``; a hand-over that raced a
@@ -20,7 +20,7 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from autoscaler.commands import CommandService, CommandSettings
+from autoscaler.commands.service import CommandService, CommandSettings
 from tests.test_commands import ControlPlaneDouble, audit_records, make_spec, request
 from warmpool import connect, protocol
 from warmpool.embedded import NatsServer
@@ -167,12 +167,20 @@ async def test_a_hand_over_that_raced_a_rebalance_is_refused_not_handed_on(nc: C
 
 async def test_only_this_replicas_hand_over_subject_with_an_inbox_reply_is_accepted(nc: Client, fleet_of: Any) -> None:
     fleet = await fleet_of(["a", "b"])
-    body = json.dumps(request("scale", model="qwen", replicas=2, for_s=60)).encode()
+    subject = protocol.replica_subject("b", "scale")
+
+    def body() -> bytes:
+        return json.dumps(request("scale", model="qwen", replicas=2, for_s=60)).encode()
+
+    # The real hand-over subject works: the owner answers directly (so its subscription is in place before the
+    # relayed message below; published earlier, that one could reach the server before the subscription).
+    msg = await nc.request(subject, body(), timeout=2)
+    assert json.loads(msg.data)["ok"]
     # A relayed message: the owner's own subject, but a reply subject that is no inbox (a KV key).
-    await nc.publish(protocol.replica_subject("b", "scale"), body, reply=f"$KV.{protocol.SLOTS_BUCKET}.x")
-    await nc.flush()
-    # The real hand-over subject works: the owner answers directly.
-    msg = await nc.request(protocol.replica_subject("b", "scale"), body, timeout=2)
+    await nc.publish(subject, body(), reply=f"$KV.{protocol.SLOTS_BUCKET}.x")
+    # One connection's messages reach one subscription in order: once the next request is answered, the relayed
+    # one has been handled (dropped, counted).
+    msg = await nc.request(subject, body(), timeout=2)
     assert json.loads(msg.data)["ok"]
     assert fleet.services["b"].outcomes["dropped_bad_value"] == 1
     assert fleet.controls["b"].calls and fleet.controls["a"].calls == []

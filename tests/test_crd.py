@@ -4,7 +4,7 @@ validator admits/refuses.
 The API server's side is evaluated the way it works, with real implementations rather than a copy of our rules:
 nulls of non-nullable fields pruned, defaults applied, the OpenAPI schema checked with `jsonschema` (unknown
 fields refused, as ``kubectl apply``'s strict field validation does), then every ``x-kubernetes-validations``
-rule run by a real CEL interpreter (`celpy`). The validator's side is `autoscaler.scaledobject`.
+rule run by a real CEL interpreter (`celpy`). The validator's side is `manifests.scaledobject`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from autoscaler import crd
-from autoscaler.scaledobject import ScaledObjectError, from_manifest, load_documents
+from manifests import crd
+from manifests.scaledobject import ScaledObjectError, from_manifest, load_documents
 
 ROOT = Path(__file__).resolve().parent.parent
 CRD_FILE = ROOT / "deploy" / "crd" / "scaledobjects.pulsescale.io.yaml"
@@ -34,7 +34,7 @@ CORPUS = Path(__file__).resolve().parent / "manifests"
 VALIDATOR_ONLY: list[tuple[str, str]] = [
     ("change apiVersion", "another CRD's apiVersion: the API server sends it to KEDA's CRD, never to ours"),
     ("duplicate", "duplicate YAML keys are the YAML reader's (kubectl's own reader refuses them too, before us)"),
-    ("not a number", "trigger metadata numbers are untyped in the CRD (string or number), see autoscaler/crd.py"),
+    ("not a number", "trigger metadata numbers are untyped in the CRD (string or number), see manifests/crdschema.py"),
     ("annotation", "annotations are free-form strings in ObjectMeta; the pause annotations are read by the operator"),
     ("horizontalPodAutoscalerConfig", "mapping HPA behavior onto the policy is the validator's (semantic)"),
     ("scaleUp", "mapping HPA behavior onto the policy is the validator's (semantic)"),

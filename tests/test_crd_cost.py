@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from autoscaler import crd
+from manifests import crd
 from tests import cel_cost
 from tests.cel_cost import STATIC_ESTIMATED_COST_LIMIT, STATIC_ESTIMATED_CRD_COST_LIMIT, Estimator, rule_costs
 
@@ -31,7 +31,7 @@ def test_every_rule_costs_less_than_the_api_servers_limits() -> None:
 
 
 def test_the_shipped_crd_is_the_one_costed() -> None:
-    with open(crd.__file__.replace("autoscaler/crd.py", "deploy/crd/scaledobjects.pulsescale.io.yaml")) as f:
+    with open(crd.__file__.replace("manifests/crd.py", "deploy/crd/scaledobjects.pulsescale.io.yaml")) as f:
         shipped = yaml.safe_load(f)
     assert shipped["spec"]["versions"][0]["schema"]["openAPIV3Schema"] == schema()
 

@@ -3,16 +3,17 @@ row. `ModelDecider` needs nothing but samples and `now`."""
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 
 import msgspec
 import pytest
 
-from autoscaler import policy, settling
-from autoscaler.decider import LEAD_TIME_MIN_SAMPLES, DeciderSettings, Evaluation, ModelDecider
+from autoscaler.decide import policy, settling
+from autoscaler.decide.decider import LEAD_TIME_MIN_SAMPLES, DeciderSettings, Evaluation, ModelDecider
 from tests.helpers import HandClock
 from warmpool import protocol
-from warmpool.protocol import Override, QueueSample, ScaledObjectSpec, ScalerRecord
+from warmpool.protocol import OnCallSchedule, Override, QueueSample, ScaledObjectSpec, ScalerRecord, Schedule
 
 
 def record(**over: object) -> ScalerRecord:
@@ -198,9 +199,16 @@ T0 = 1_000_000.0
 TICK = 0.25  # a binary fraction: hand times land exactly on the edges below
 
 
-def short(*, created_at: float | None = T0, initial_cooldown: float = 0.0, **advanced: float) -> ScalerRecord:
+def short(
+    *,
+    created_at: float | None = T0,
+    initial_cooldown: float = 0.0,
+    schedules: tuple[Schedule, ...] = (),
+    **advanced: float,
+) -> ScalerRecord:
     """Short windows (settling.settle_s 3.7 s, trend_settle_s 0.7 s), target 2, at least one replica."""
     raw = {
+        "schedules": [msgspec.to_builtins(s) for s in schedules],
         "scaleTargetRef": {"name": "m"},
         "minReplicaCount": 1,
         "maxReplicaCount": 20,
@@ -626,3 +634,90 @@ def test_an_evaluation_carries_the_arrival_rate_over_the_fresh_gateways() -> Non
                         arrivals_total=arrivals, completions_total=0, timeouts_total=0)  # fmt: skip
         d.on_sample(s, at)
     assert d.decide(T0 + 2, ready=1).arrival_rate == 10.0  # 20 requests in 2 s
+
+
+def test_a_decision_that_saw_no_fresh_demand_is_never_repeated_by_a_skip() -> None:
+    """Settled long ago, then the only gateway is forgotten and the model decided blind: with no demand there is
+    nothing a skip could repeat (`settling.repeat` records a demand), so housekeeping decides it every turn."""
+    h = Housekeeping(short(staleAfterSeconds=100.0))
+    h.run(5.0)
+    assert h.d.settled(h.now, ready=2)
+    assert h.d.demand.forget_stale(h.now, -1.0) == 1
+    h.d.request(h.now)
+    ev = h.d.decide(h.now, ready=2)
+    assert ev.demand is None and h.d.state.last_fresh_at == h.now  # blind, at the instant of the last fresh one
+    assert not h.d.settled(h.now + TICK, ready=2)
+    assert not h.d.settled(h.now + 10.0, ready=2)
+
+
+# --- schedules: the floor handed to the policy, the boundaries, the status row ----------------------------------------
+
+
+def at_utc(ts: float) -> str:
+    """A Unix time as a schedule's UTC local start, to the second."""
+    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S")
+
+
+def sched(name: str, start: float, seconds: float, replicas: int) -> Schedule:
+    return Schedule(name=name, start=at_utc(start), duration_seconds=seconds, replicas=replicas)
+
+
+WARM = sched("warm", T0 + 5, 5.0, 6)  # in force for T0 + 5 <= t < T0 + 10
+LATE = sched("late", T0 + 100, 10.0, 3)
+
+
+def test_a_schedule_raises_the_floor_from_its_start_to_its_end_and_the_status_row_shows_it() -> None:
+    d = ModelDecider(short(schedules=(LATE, WARM), staleAfterSeconds=100.0), DeciderSettings(debounce_s=0.0), now=T0)
+    assert [w.name for w in d.windows] == ["warm", "late"]
+    d.on_sample(_sample(1, T0 + 1, queue=4), T0 + 1)
+    assert d.decide(T0 + 1, ready=2).decision.desired == 2  # demand 4 at target 2, no schedule in force yet
+    row = d.status_row(ready=2, activating=0, warm=0, stale=0)
+    assert row.scheduled_floor is None
+    assert [(r.name, r.active) for r in row.schedules] == [("warm", False)]  # the next to start
+    assert row.pool_floor == 6  # both start within the warm pool's lead time: the larger
+    first = d.decide(T0 + 5, ready=2).decision  # a start is inclusive
+    assert (first.desired, first.mode) == (6, "scheduled"), first
+    assert first.reason.startswith("scheduled warm-up: floor 6 (policy: 2)"), first.reason
+    row = d.status_row(ready=2, activating=4, warm=0, stale=0)
+    assert (row.scheduled_floor, row.pool_floor) == (6, 6)
+    assert [(r.name, r.active) for r in row.schedules] == [("warm", True), ("late", False)]
+    assert d.status_row(ready=2, activating=4, warm=0, stale=0, now=T0 + 10).scheduled_floor is None
+    assert d.decide(T0 + 9.99, ready=6).decision.mode == "scheduled"
+    assert d.decide(T0 + 10, ready=6).decision.mode != "scheduled"  # an end is exclusive
+
+
+def test_next_boundary_is_the_next_start_or_end_after_now() -> None:
+    d = ModelDecider(short(schedules=(WARM, LATE)), now=T0)
+    assert d.next_boundary(T0) == T0 + 5
+    assert d.next_boundary(T0 + 5) == T0 + 10
+    assert d.next_boundary(T0 + 10) == T0 + 100
+    assert d.next_boundary(T0 + 110) is None
+    assert ModelDecider(short(), now=T0).next_boundary(T0) is None
+
+
+def test_a_schedule_starting_is_a_time_event_for_settled_up_to_its_very_instant() -> None:
+    h = Housekeeping(short(schedules=(WARM,)))
+    h.run(4.5)
+    assert h.d.settled(h.now, ready=2)
+    assert h.d.settled(T0 + 4.99, ready=2), "before the start: nothing changes"
+    assert not h.d.settled(T0 + 5, ready=2), "at the start the floor changes: decided, not skipped"
+    assert h.run(0.5)[-1] is False  # the turn at T0 + 5
+    assert h.d.decision is not None and (h.d.decision.desired, h.d.decision.mode) == (6, "scheduled")
+
+
+def test_on_call_schedules_and_an_edit_reach_the_next_decision() -> None:
+    d = ModelDecider(short(), DeciderSettings(debounce_s=0.05), now=T0)
+    d.on_sample(_sample(1, T0, queue=4), T0)
+    assert d.decide(T0, ready=2).decision.desired == 2
+    assert d.windows == ()
+    oncall = OnCallSchedule(schedule=sched("oc", T0, 60.0, 5), by="bob", set_at=T0)
+    assert d.set_schedules((oncall,), T0 + 0.01) == T0 + 0.05  # due once the debounce has passed
+    assert d.oncall_schedules == (oncall,)
+    ev = d.decide(T0 + 0.05, ready=2)
+    assert (ev.decision.desired, ev.decision.mode) == (5, "scheduled")
+    assert [(w.name, w.source, w.by) for w in d.windows] == [("oc", "oncall", "bob")]
+    edited = short(schedules=(sched("so", T0, 60.0, 7),))
+    assert d.update_record(edited, T0 + 1) == T0 + 1
+    assert d.decide(T0 + 1, ready=5).decision.desired == 7  # the larger of the two in force
+    assert d.set_schedules((), T0 + 2) == T0 + 2
+    assert [w.name for w in d.windows] == ["so"]

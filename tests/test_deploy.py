@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from autoscaler import scaledobject
+from manifests import scaledobject
 from tests.test_manifests import FOREIGN_GROUPS, validate
 from warmpool import natsauth
 

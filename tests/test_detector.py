@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from autoscaler import detector
-from autoscaler.detector import MAX_BUCKETS, DetectorConfig, TimeWindow
+from autoscaler.decide import detector
+from autoscaler.decide.detector import MAX_BUCKETS, DetectorConfig, TimeWindow
 
 T0 = 1_700_000_000.0
 

@@ -6,8 +6,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autoscaler import detector
-from autoscaler.detector import DetectorConfig, TimeWindow
+from autoscaler.decide import detector
+from autoscaler.decide.detector import DetectorConfig, TimeWindow
 
 T0 = 1_700_000_000.0
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autoscaler import detector
+from autoscaler.decide import detector
 from tests import _detector_reference as ref
 
 T0 = 1_700_000_000.0

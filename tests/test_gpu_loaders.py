@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import resource
 import shutil
@@ -306,14 +307,38 @@ def test_the_loader_bench_exits_with_the_no_gpu_code(loader: str) -> None:
     assert r.returncode == bench.NO_GPU_EXIT and r.stderr.startswith("no GPU: ")
 
 
-def test_the_loader_bench_measures_the_host_loader(tmp_path: Path) -> None:
-    r = subprocess.run(
-        [sys.executable, "-m", "pulsescale", "bench", "activate", "--loader", "host", "--size", "8MB,3MB",
-         "--repeats", "1", "--shm-dir", "/dev/shm"],
+def _loader_bench(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pulsescale", "bench", "activate", "--loader", "host", *args, "--shm-dir", "/dev/shm"],
         capture_output=True, text=True, timeout=60, cwd=ROOT,
     )  # fmt: skip
+
+
+def test_the_loader_bench_measures_the_host_loader_and_skips_what_does_not_fit() -> None:
+    too_big = 2**50  # more than /dev/shm holds
+    r = _loader_bench("--size", f"8MB,3MB,{too_big}", "--repeats", "2", "--json")
     assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)  # stdout is the one object; the per-size progress went to stderr
+    assert doc["bench"] == "activate" and doc["loader"] == "host" and doc["dir"] == "/dev/shm"
+    assert (doc["link"], doc["link_limit_gbps"], doc["repeats"]) == ("host memory", None, 2)
+    assert doc["sizes_bytes"] == [8_000_000, 3_000_000, too_big]
+    assert [res["size_bytes"] for res in doc["results"]] == [8_000_000, 3_000_000]
+    for res in doc["results"]:
+        assert res["loader"] == "host" and res["pin"] is None and res["link_fraction_p50"] is None
+        assert res["loads"] == 2  # --repeats; the first, verified, load is not counted
+        assert all(math.isfinite(x) and x > 0 for x in (res["p50_gbps"], res["best_gbps"])), res
+        assert res["p50_gbps"] <= res["best_gbps"]
+    [skip] = doc["skipped"]
+    assert skip["size_bytes"] == too_big and 0 <= skip["free_bytes"] < too_big
+    assert skip["reason"].startswith("/dev/shm has ")
+
+
+def test_the_loader_bench_text_report_summarises_each_size() -> None:
+    r = _loader_bench("--size", "8MB,3MB", "--repeats", "1")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("loader host: weights in /dev/shm; yardstick host memory\n")
     assert r.stdout.count("GB/s p50") == 4  # two sizes, each printed and summarised
+    assert "\nsummary (host memory):\n" in r.stdout
 
 
 # --- on a GPU -------------------------------------------------------------------------------------------------------

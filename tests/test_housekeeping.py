@@ -13,9 +13,9 @@ from hypothesis import find, given, settings
 from hypothesis import strategies as st
 from nats.aio.client import Client
 
-from autoscaler import settling
 from autoscaler.daemon import Autoscaler, SlotCounts
-from autoscaler.decider import DeciderSettings, ModelDecider
+from autoscaler.decide import settling
+from autoscaler.decide.decider import DeciderSettings, ModelDecider
 from tests.helpers import wait_for
 from tests.test_autoscaler import Gateway, put_scaler, running_autoscaler
 from warmpool import protocol
@@ -276,9 +276,9 @@ async def _four_turns(nats_server: NatsServer, nc: Client, models: list[str]) ->
     for m in models:
         await put_scaler(nc, m)
     async with running_autoscaler(nats_server.url, housekeeping_every_s=60.0, redecide_every_s=240.0) as scaler:
-        await wait_for(lambda: len(scaler.by_model) == len(models), 5, "the models followed")
+        await wait_for(lambda: len(scaler.fleet.by_model) == len(models), 5, "the models followed")
         # The takeover's first decisions (sliced over the loop) are done before the ticks are counted.
-        await wait_for(lambda: all(c.decider.decision for c in scaler.by_model.values()), 5, "first decisions")
+        await wait_for(lambda: all(c.decider.decision for c in scaler.fleet.by_model.values()), 5, "first decisions")
         yield scaler
 
 
@@ -291,20 +291,20 @@ async def test_each_model_is_re_decided_once_per_turn_round(nats_server: NatsSer
         await asyncio.sleep(0.1)
         decided = {m: 0 for m in models}
         for _ in range(8):
-            before = {m: scaler.by_model[m].decider._decided_at for m in models}
+            before = {m: scaler.fleet.by_model[m].decider._decided_at for m in models}
             await asyncio.sleep(0.06)  # past the 50 ms debounce: a tick's decision is taken at once
             await scaler.housekeeping_once()
             for m in models:
-                decided[m] += scaler.by_model[m].decider._decided_at != before[m]
+                decided[m] += scaler.fleet.by_model[m].decider._decided_at != before[m]
         assert decided == dict.fromkeys(models, 2), decided
         await Gateway(nc, "m0").send(8)
-        await wait_for(lambda: scaler.by_model["m0"].decider.desired(0) == 2, 5, "the sample decided at once")
+        await wait_for(lambda: scaler.fleet.by_model["m0"].decider.desired(0) == 2, 5, "the sample decided at once")
 
 
 def test_a_gateway_forgotten_while_fresh_is_decided_not_skipped() -> None:
-    """`forget_gateways` drops a gateway silent for minutes that still counts as fresh (a long staleAfterSeconds):
-    the demand changed without a sample, and a model settled on flat windows must be decided again, not skipped
-    on the old demand forever."""
+    """Housekeeping (`ModelController.housekeeping`'s `forget_after_s`) drops a gateway silent for minutes that
+    still counts as fresh (a long staleAfterSeconds): the demand changed without a sample, and a model settled on
+    flat windows must be decided again, not skipped on the old demand forever."""
     rec = _record(min_replicas=0, cooldown=1.0, initial_cooldown=0.0, stab=1.0, stale=1000.0, stable=1.0, panic=0.5,
                   fallback=False)  # fmt: skip
     pair = _Pair(rec)
@@ -337,7 +337,7 @@ async def test_between_its_turns_a_model_is_looked_at_only_while_it_needs_it(
     models = [f"m{i}" for i in range(8)]
     async with _four_turns(nats_server, nc, models) as scaler:
         turn = (scaler._tick + 1) % 4  # the next tick's
-        off = [scaler.by_model[m] for m in models if protocol.shard_of(m, 4) != turn]
+        off = [scaler.fleet.by_model[m] for m in models if protocol.shard_of(m, 4) != turn]
         assert len(off) >= 2
         looked, passed = off[0], off[1]
         looked.scaler.exhausted = True

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from autoscaler.ingest import ModelDemand
+from autoscaler.decide.ingest import ModelDemand
 from warmpool.protocol import QueueSample
 
 T0 = 1_700_000_000.0

@@ -10,7 +10,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from autoscaler.decider import DeciderSettings, ModelDecider
+from autoscaler.decide.decider import DeciderSettings, ModelDecider
 from tests.helpers import HandClock
 from tests.test_policy import SETTLED, T0, Row, make_spec, run, settled_at
 from warmpool import protocol

@@ -12,7 +12,7 @@ import logging
 from nats.aio.client import Client
 from nats.js.kv import KeyValue
 
-from autoscaler.leader import LeaderElection, LeaseSettings
+from autoscaler.shards.leader import LeaderElection, LeaseSettings
 from tests.helpers import HandClock, wait_for
 from warmpool import protocol
 from warmpool.protocol import LeaderLease

@@ -2,7 +2,7 @@
 
 A small gateway model feeds `policy.decide` every 100 ms as the real decider does: Poisson arrivals at a given
 rate, a FIFO queue, ready replicas serving `CONCURRENCY` requests for `SERVICE_S` each, and replicas asked for
-becoming ready one activation later. The gateway's counters give the rates, as `autoscaler.ingest` computes them.
+becoming ready one activation later. The gateway's counters give the rates, as `autoscaler.decide.ingest` computes them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from autoscaler import need, policy, scalein
+from autoscaler.decide import need, policy, scalein
 from simulate.policies import our_spec
 
 CONCURRENCY = 8
@@ -201,7 +201,7 @@ def test_without_a_service_time_the_queue_depth_decides() -> None:
     assert need.estimate(cfg, st, now=3.0, queued=0.0, lead_s=0.1) is None
 
 
-# --- autoscaler.need on a hand clock, reading by reading -------------------------------------------------------
+# --- autoscaler.decide.need on a hand clock, reading by reading -------------------------------------------------------
 
 CFG = need.NeedConfig(rate_window_s=6.0, service_window_s=60.0, target=8.0, carry_s=1.0)
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import re
 import signal
 import subprocess
@@ -10,8 +12,11 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import numpy as np
+import pytest
 from nats.aio.client import Client
 
+from simulate.cli import load_activations
 from tests.nodeagent_helpers import (  # noqa: F401
     MODEL,
     NODE,
@@ -163,15 +168,72 @@ def test_model_make_tiny_and_verify(tmp_path: Path) -> None:
     assert r.returncode == 1 and f"BAD   {shard.name}" in r.stdout
 
 
-def test_bench_activate_prints_the_stage_breakdown(shm_dir: Path) -> None:
+def _finite_positive(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+@pytest.mark.parametrize("engine_memory", ["private", "shared"])
+def test_bench_activate_json_has_each_activation_and_the_stage_breakdown_of_them(
+    shm_dir: Path, tmp_path: Path, engine_memory: str
+) -> None:
     r = pulsescale(
         "bench", "activate", "--size", "2MB", "--activations", "4", "--warmup", "1", "--shm-dir", str(shm_dir),
+        "--engine-memory", engine_memory, "--json", timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(r.stdout)  # stdout is the one object: progress and the agent's output went to stderr
+    assert list(shm_dir.iterdir()) == []  # the bench removes what it staged
+    assert doc["bench"] == "activate" and doc["engine_memory"] == engine_memory and doc["sync_always"] is True
+    assert (doc["model_dir"], doc["size_bytes"], doc["warmup"], doc["deadline_s"]) == (None, 2_000_000, 1, 10.0)
+    assert 0 < doc["model_bytes"] <= doc["size_bytes"] and _finite_positive(doc["staged_s"])
+    each = doc["activations"]
+    assert len(each) == 4 and all(a["loaded_bytes"] == doc["model_bytes"] for a in each)
+    for a in each:
+        assert all(_finite_positive(v) for v in a.values()), a
+        assert a["load_ms"] <= a["total_ms"] < a["claim_to_ready_s"] * 1e3  # the claimer waits for the agent
+        assert a["load_gbps"] == pytest.approx(a["loaded_bytes"] / a["load_ms"] / 1e6)
+    # The stage table is the percentiles of the activations listed.
+    samples = {s: [a[f"{s}_ms"] for a in each] for s in ("token", "load", "engine", "readiness", "total")}
+    samples["overhead"] = [a["total_ms"] - a["load_ms"] for a in each]
+    samples["claim_to_ready"] = [a["claim_to_ready_s"] * 1e3 for a in each]
+    assert list(doc["stages"]) == list(samples)
+    for name, row in doc["stages"].items():
+        assert all(_finite_positive(v) for v in row.values()), name
+        assert row["p50_ms"] <= row["p99_ms"] <= row["max_ms"], name
+        assert row["p50_ms"] == pytest.approx(np.percentile(samples[name], 50)), name
+        assert row["p99_ms"] == pytest.approx(np.percentile(samples[name], 99)), name
+        assert row["max_ms"] == pytest.approx(max(samples[name])), name
+    loader, copy = doc["host_loader"], doc["copyto"]
+    assert loader["count"] == copy["count"] == 4
+    for rate in (loader, copy):
+        assert _finite_positive(rate["p1_gbps"]) and rate["p1_gbps"] <= rate["p50_gbps"]
+    assert loader["p50_gbps"] == pytest.approx(np.percentile([a["load_gbps"] for a in each], 50))
+    targets = {t["name"]: t for t in doc["targets"]}
+    if engine_memory == "private":
+        assert doc["loader_over_copyto"] == pytest.approx(loader["p50_gbps"] / copy["p50_gbps"])
+        assert targets["loader_over_copyto"]["value"] == doc["loader_over_copyto"]
+    else:  # the loader maps shm in place: its GB/s is no copy rate, so no ratio and no target for it
+        assert doc["loader_over_copyto"] is None and "loader_over_copyto" not in targets
+    assert targets["overhead_p99_ms"]["value"] == doc["stages"]["overhead"]["p99_ms"]
+    assert targets["claim_to_ready_p99_ms"]["value"] == doc["stages"]["claim_to_ready"]["p99_ms"]  # a small model
+    for t in targets.values():
+        assert t["met"] == (t["value"] <= t["target"] if t["op"] == "<=" else t["value"] >= t["target"]), t
+    # `pulsescale simulate --activations` reads the object as it reads the text report's claim->ready row.
+    (tmp_path / "bench.json").write_text(r.stdout)
+    assert load_activations(tmp_path / "bench.json").seconds == pytest.approx([a["claim_to_ready_s"] for a in each])
+
+
+def test_bench_activate_text_report_prints_the_stage_breakdown(shm_dir: Path) -> None:
+    r = pulsescale(
+        "bench", "activate", "--size", "2MB", "--activations", "2", "--warmup", "1", "--shm-dir", str(shm_dir),
         timeout=120,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     for word in ("token", "load", "engine", "readiness", "total", "overhead (total-load)", "claim->ready"):
-        assert re.search(rf"^{re.escape(word)}\s+\d+\.\d+\s+\d+\.\d+", r.stdout, re.M), word
-    assert re.search(r"host loader\s+\d+\.\d+ GB/s", r.stdout)
-    assert re.search(r"numpy\.copyto\s+\d+\.\d+ GB/s", r.stdout)
-    assert "control-plane overhead p99" in r.stdout
+        assert re.search(rf"^{re.escape(word)}\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+$", r.stdout, re.M), word
+    assert "2 activations of a 2.0 MB model, engine memory private" in r.stdout
+    assert re.search(r"^host loader\s+\d+\.\d+ GB/s p50", r.stdout, re.M)
+    assert re.search(r"^numpy\.copyto\s+\d+\.\d+ GB/s p50", r.stdout, re.M)
+    assert re.search(r"^loader / copyto = \d+\.\d+ \(target >= 0\.7\): (ok|MISSED)$", r.stdout, re.M)
+    assert re.search(r"^control-plane overhead p99 \d+\.\d ms \(target <= 150 ms\): (ok|MISSED)$", r.stdout, re.M)
     assert list(shm_dir.iterdir()) == []  # the bench removes what it staged

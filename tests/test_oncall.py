@@ -15,14 +15,19 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from autoscaler import oncall, resources
-from autoscaler.commands import CommandService
+from autoscaler.commands.service import CommandService
+from oncall import client as oncall
+from oncall import verbs
+from oncall.apply import apply
+from oncall.describe import describe
+from oncall.get import get
 from pulsescale import cli as dispatcher
 from tests.test_commands import ControlPlaneDouble, make_spec, serving
 from warmpool import cli as warmpool_cli
 from warmpool import connect as nats_connect
 from warmpool import durations, protocol
 from warmpool.embedded import NatsServer, free_port
+from warmpool.output import replicas_text
 from warmpool.protocol import AuditRecord, DecisionRow, Override, ReplicaRecord, SlotRecord, StatusRow
 from warmpool.registry import KvSlotStore
 from warmpool.seed import seed_pool
@@ -140,7 +145,7 @@ def test_rfc3339_is_utc_with_z() -> None:
 
 def test_timeout_takes_a_duration(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        oncall.status(["--timeout", "5min"], "pulsescale status")
+        verbs.status(["--timeout", "5min"], "pulsescale status")
     assert "argument --timeout: '5min' is not a duration such as 500ms" in capsys.readouterr().err
 
 
@@ -148,53 +153,53 @@ def test_timeout_over_a_requests_lifetime_is_a_usage_error(capsys: pytest.Captur
     """The autoscaler refuses a request that expires over an hour ahead (`too_late`, "check the sender's clock"):
     the parser says the real reason instead."""
     with pytest.raises(SystemExit) as exc:
-        oncall.scale(["qwen", "--replicas", "3", "--timeout", "2h"], "pulsescale scale")
+        verbs.scale(["qwen", "--replicas", "3", "--timeout", "2h"], "pulsescale scale")
     assert exc.value.code == 2
     assert "argument --timeout: '2h' is longer than a request may live (1h" in capsys.readouterr().err
     assert oncall.parser("p", "d").parse_args(["--timeout", "1h"]).timeout == 3600
 
 
 def test_help_says_the_time_rule_and_get_hides_by(capsys: pytest.CaptureFixture[str]) -> None:
-    for verb in (oncall.status, oncall.scale, oncall.pool):
+    for verb in (verbs.status, verbs.scale, verbs.pool):
         with pytest.raises(SystemExit):
             verb(["--help"], "pulsescale x")
         assert "times are Unix seconds" in " ".join(capsys.readouterr().out.split())
     with pytest.raises(SystemExit):
         warmpool_cli.slots(["--help"], "pulsescale slots")
     assert "times are Unix seconds" in " ".join(capsys.readouterr().out.split())
-    for verb in (resources.get, resources.describe):
+    for verb in (get, describe):
         with pytest.raises(SystemExit):
             verb(["--help"], "pulsescale x")
         text = capsys.readouterr().out
         assert "--by" not in text and "audit" not in text
     with pytest.raises(SystemExit):
-        oncall.scale(["--help"], "pulsescale scale")
+        verbs.scale(["--help"], "pulsescale scale")
     assert "--by" in capsys.readouterr().out
 
 
 def test_bad_for_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        oncall.scale(["qwen", "--replicas", "3", "--for", "10min"], "pulsescale scale")
+        verbs.scale(["qwen", "--replicas", "3", "--for", "10min"], "pulsescale scale")
     assert exc.value.code == 2
     assert "argument --for: '10min' is not a duration such as 500ms, 90s, 2m, 1.5h" in capsys.readouterr().err
 
 
 def test_bad_model_name_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        oncall.pause(["Qwen.7B"], "pulsescale pause")
+        verbs.pause(["Qwen.7B"], "pulsescale pause")
     assert "'Qwen.7B' is not a model name" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
     ("command", "argv", "flag"),
     [
-        (oncall.scale, ["qwen", "--replicas", "\u0663"], "--replicas"),  # ARABIC-INDIC DIGIT THREE
-        (oncall.scale, ["qwen", "--replicas", "\uff13"], "--replicas"),  # FULLWIDTH DIGIT THREE
-        (oncall.pause, ["qwen", "--replicas", "\u0663"], "--replicas"),
-        (oncall.apply, ["-f", "x.yaml", "--max-replicas", "\u0663"], "--max-replicas"),
-        (oncall.apply, ["-f", "x.yaml", "--max-replicas", "+3"], "--max-replicas"),
-        (oncall.scale, ["qwen", "--replicas", "3", "--for", "\u0663m"], "--for"),
-        (oncall.scale, ["qwen", "--replicas", "3", "--for", "\u0663"], "--for"),
+        (verbs.scale, ["qwen", "--replicas", "\u0663"], "--replicas"),  # ARABIC-INDIC DIGIT THREE
+        (verbs.scale, ["qwen", "--replicas", "\uff13"], "--replicas"),  # FULLWIDTH DIGIT THREE
+        (verbs.pause, ["qwen", "--replicas", "\u0663"], "--replicas"),
+        (apply, ["-f", "x.yaml", "--max-replicas", "\u0663"], "--max-replicas"),
+        (apply, ["-f", "x.yaml", "--max-replicas", "+3"], "--max-replicas"),
+        (verbs.scale, ["qwen", "--replicas", "3", "--for", "\u0663m"], "--for"),
+        (verbs.scale, ["qwen", "--replicas", "3", "--for", "\u0663"], "--for"),
     ],
 )
 def test_counts_and_durations_are_ascii_digits_only(
@@ -209,10 +214,10 @@ def test_counts_and_durations_are_ascii_digits_only(
 
 
 def test_ascii_counts_are_still_read() -> None:
-    assert oncall._replicas_arg("0") == 0 and oncall._replicas_arg("12") == 12
-    assert oncall._positive_int_arg("3") == 3
+    assert oncall.replicas_arg("0") == 0 and oncall.replicas_arg("12") == 12
+    assert oncall.positive_int_arg("3") == 3
     with pytest.raises(argparse.ArgumentTypeError, match="whole number >= 1"):
-        oncall._positive_int_arg("0")
+        oncall.positive_int_arg("0")
     assert durations.parse_duration("1h30m") == 5400
 
 
@@ -250,7 +255,7 @@ async def test_one_replica_is_singular(cli, service: CommandService, control: Co
     code, _, err = await cli("scale", "qwen", "--replicas", "1")
     assert code == oncall.EXIT_REFUSED
     assert err.startswith("pulsescale scale: out_of_bounds: scale qwen to 1 replica is outside its ScaledObject's")
-    assert [oncall.replicas_text(n) for n in (0, 1, 2)] == ["0 replicas", "1 replica", "2 replicas"]
+    assert [replicas_text(n) for n in (0, 1, 2)] == ["0 replicas", "1 replica", "2 replicas"]
 
 
 async def test_refusals_print_code_and_message(cli, service: CommandService, control: ControlPlaneDouble) -> None:  # type: ignore[no-untyped-def]
@@ -447,7 +452,7 @@ def test_status_table_formatting() -> None:
             reason="override",
         ),
     ]
-    assert oncall.format_status(rows, now).splitlines() == [
+    assert verbs.format_status(rows, now).splitlines() == [
         "MODEL        DESIRED  READY  ACTIVATING  WARM  STALE  MODE          OVERRIDE                    LAST-REASON",
         "qwen         6        4      2           1     2      panic         -                           "
         "panic: demand 30 >= 2.0 x capacity 12",
@@ -459,12 +464,12 @@ def test_status_table_formatting() -> None:
 def test_status_of_one_model_shows_its_decisions() -> None:
     decisions = [DecisionRow(ts=0.0, desired=2, reason="r1"), DecisionRow(ts=60.0, desired=3, reason="r2")]
     qwen = row("qwen", desired=3, ready=3, warm=2, mode="stable", reason="r2", decisions=decisions)
-    lines = oncall.format_status([qwen], 100.0).splitlines()
+    lines = verbs.format_status([qwen], 100.0).splitlines()
     assert lines[3] == "recent decisions of qwen (newest last):"
     # RFC 3339 (UTC) with the age, not a clock time without a date.
     assert lines[4] == "  1970-01-01T00:00:00Z (100s ago)  desired 2     r1"
     assert lines[5] == "  1970-01-01T00:01:00Z (40s ago)  desired 3     r2"
-    assert oncall.format_status([], 0.0).splitlines()[1].startswith("(no models: apply a ScaledObject")
+    assert verbs.format_status([], 0.0).splitlines()[1].startswith("(no models: apply a ScaledObject")
 
 
 def test_default_by() -> None:
@@ -485,7 +490,7 @@ def test_status_shows_the_owner_and_the_replicas() -> None:
     now = 1_700_000_000.0
     rows = [row("llama", owner="a", shard=3, mode="stable"), row("qwen", owner="b", shard=17, mode="stable")]
     replicas = [replica("a", [*range(0, 11), 12], 1, 330, now), replica("b", [11, *range(13, 32)], 1, 90, now)]
-    assert oncall.format_status(rows, now, replicas=replicas).splitlines() == [
+    assert verbs.format_status(rows, now, replicas=replicas).splitlines() == [
         "MODEL  OWNER  DESIRED  READY  ACTIVATING  WARM  STALE  MODE    OVERRIDE  LAST-REASON",
         "llama  a      1        1      0           0     0      stable  -         -",
         "qwen   b      1        1      0           0     0      stable  -         -",
@@ -495,14 +500,14 @@ def test_status_shows_the_owner_and_the_replicas() -> None:
         "  a        0-10,12 (12)   1       5m30s",
         "  b        11,13-31 (20)  1       90s",
     ]
-    wide = oncall.format_status(rows, now, replicas=replicas, wide=True).splitlines()
+    wide = verbs.format_status(rows, now, replicas=replicas, wide=True).splitlines()
     assert wide[0].split()[:4] == ["MODEL", "OWNER", "SHARD", "DESIRED"]
     assert wide[2].split()[:4] == ["qwen", "b", "17", "1"]
 
 
 def test_status_with_one_replica_says_so_on_one_line() -> None:
     now = 1_700_000_000.0
-    lines = oncall.format_status(
+    lines = verbs.format_status(
         [row("qwen", owner="a", shard=17)], now, replicas=[replica("a", list(range(32)), 1, 7200, now)]
     )
     assert lines.splitlines()[0].split()[:2] == ["MODEL", "DESIRED"]  # no OWNER column: nothing to tell apart
@@ -546,7 +551,7 @@ async def test_status_cli_over_two_replicas(cli, nats_server: NatsServer, store:
 async def test_status_cli_warns_of_a_silent_replica_and_shows_the_rest(  # type: ignore[no-untyped-def]
     cli, nc: Client, nats_server: NatsServer, store: KvSlotStore
 ) -> None:
-    from autoscaler.commands import CommandSettings
+    from autoscaler.commands.service import CommandSettings
     from tests.test_commands_routing import FixedRouter
 
     hung = await nc.subscribe(protocol.replica_subject("d", "*"))  # replica d takes requests and answers none

@@ -26,8 +26,8 @@ from nats.aio.client import Client
 from nats.js.kv import KeyValue
 
 from autoscaler import daemon
-from autoscaler.leader import LeaseSettings
 from autoscaler.metrics import AutoscalerMetrics
+from autoscaler.shards.leader import LeaseSettings
 from kube.context import OperatorContext, open_buckets
 from kube.operator import FINALIZER, run_operator
 from tests.k8s_api_double import K8sApiDouble, k8s_api  # noqa: F401 - fixture
@@ -390,7 +390,7 @@ async def autoscaler(url: str, options: connect.NatsOptions | None = None) -> As
         await asyncio.wait_for(ready.wait(), 10)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 5
-        while not (started and started[0].ready() and started[0].is_leader()):
+        while not (started and started[0].ready() and started[0].fleet.is_leader()):
             assert loop.time() < deadline, "the autoscaler did not lead within 5 s"
             await asyncio.sleep(0.05)
         yield

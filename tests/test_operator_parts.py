@@ -25,8 +25,8 @@ from kubernetes import client as k8s
 from nats.aio.client import Client
 
 from autoscaler import daemon
-from autoscaler.leader import LeaseSettings
 from autoscaler.metrics import AutoscalerMetrics
+from autoscaler.shards.leader import LeaseSettings
 from kube import aio, coldpath, standby
 from kube.context import OperatorContext
 from kube.operator import BACKGROUND, FINALIZER, run_operator

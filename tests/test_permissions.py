@@ -196,7 +196,7 @@ async def test_the_chain_runs_under_role_permissions_without_a_violation(
 async def test_the_hand_over_between_replicas_runs_under_the_autoscalers_user(secure: Secure) -> None:
     """Two replicas as the autoscaler's user, on-call as its own: commands for either model from either front,
     and a status merged over both, without a permission violation (revision 6, ``pulse.autoscaler.>``)."""
-    from autoscaler.commands import CommandService
+    from autoscaler.commands.service import CommandService
     from tests.test_commands import ControlPlaneDouble, make_spec, request
     from tests.test_commands_routing import FixedRouter
     from warmpool.registry import KvSlotStore

@@ -425,6 +425,65 @@ def test_a_pool_is_empty_without_warm_or_held_slots_and_forgets_what_left() -> N
     assert (pool._keys, pool._tiers, pool._parked, pool._where, pool._filed) == ({}, {}, {}, {}, {})
 
 
+# --- accumulated loads: one fixed pool, the same order from rank, pick and Pool --------------------------------------
+
+# Held slots: n1 three (rack r1), n2 and n3 one each (both r2), n4 one (r3). Loads add up per node and per rack:
+# n1 3, n2 1, n3 1, n4 1; r1 3, r2 2, r3 1.
+_HELD = [("n1", "r1")] * 3 + [("n2", "r2"), ("n3", "r2"), ("n4", "r3")]
+# One warm slot (all tier 0) on each of these, best first by (node load, rack load): n5 (0, 2) and n6 (0, 3) hold
+# nothing but r2 holds less than r1; then the nodes holding one, n4 in the least busy rack (1, 1) before n2 (1, 2);
+# n1 (3, 3) last.
+_WARM = {"n1": "r1", "n2": "r2", "n4": "r3", "n5": "r2", "n6": "r1"}
+_ORDER = ["n5", "n6", "n4", "n2", "n1"]
+
+
+def test_loads_add_up_per_node_and_per_rack() -> None:
+    held = [rec(n, f"h{i}", rack=r, state="ready") for i, (n, r) in enumerate(_HELD)]
+    node_load, rack_load = placement.loads(held)
+    assert node_load == Counter({"n1": 3, "n2": 1, "n3": 1, "n4": 1})
+    assert rack_load == Counter({"r1": 3, "r2": 2, "r3": 1})
+
+
+def test_rank_orders_by_the_accumulated_loads() -> None:
+    held = [rec(n, f"h{i}", rack=r, state="ready") for i, (n, r) in enumerate(_HELD)]
+    warm = [rec(n, rack=r, weights=True, rootfs=True) for n, r in _WARM.items()]
+    for seed in range(20):
+        assert [r.node for r in placement.rank(warm, held, random.Random(seed))] == _ORDER
+
+
+def test_pick_and_pool_give_the_same_order_one_pick_at_a_time() -> None:
+    """Picking, then taking the picked slot out of the warm ones, walks the order `rank` gives: the scan with the
+    loads counted from the records, the Pool with the same holds fed one at a time."""
+    held = [rec(n, f"h{i}", rack=r, state="ready") for i, (n, r) in enumerate(_HELD)]
+    node_load, rack_load = placement.loads(held)
+    for seed in range(5):
+        warm = {0: {n: {f"{n}.s0"} for n in _WARM}}
+        order = []
+        while (key := _pick(warm, seed=seed, node_load=node_load, rack_load=rack_load, rack_of=_WARM)) is not None:
+            order.append(key)
+            warm[0][key.split(".")[0]].discard(key)
+        assert order == [f"{n}.s0" for n in _ORDER]
+
+        pool = placement.Pool()
+        for n, r in _WARM.items():
+            pool.add_warm(f"{n}.s0", 0, n, r)
+        for n, r in _HELD:
+            pool.held(n, r, 1)
+        order = []
+        while (key := pool.pick(usable=lambda node, keys: keys, skip=(), rng=random.Random(seed))) is not None:
+            order.append(key)
+            node = key.split(".")[0]
+            pool.remove_warm(key, 0, node)
+        assert order == [f"{n}.s0" for n in _ORDER]
+        # n1 lets go of its three holds and n6 takes one: n1 (0, 1) now comes before n6 (1, 1).
+        for n in ("n1", "n6"):
+            pool.add_warm(f"{n}.s0", 0, n, _WARM[n])
+        for _ in range(3):
+            pool.held("n1", "r1", -1)
+        pool.held("n6", "r1", 1)
+        assert pool.pick(usable=lambda node, keys: keys, skip=(), rng=random.Random(seed)) == "n1.s0"
+
+
 # One step on a model's pool: a warm slot added or removed, a slot held or let go, a node's lease lapsing or renewed.
 _step = st.one_of(
     st.tuples(st.just("warm"), st.integers(0, 5), st.integers(0, 3), st.integers(0, 3)),  # node, slot, tier

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from autoscaler.policy import Decision, Observation, Override, PolicyState, decide, initial_state
-from autoscaler.scalein import scale_in
+from autoscaler.decide.policy import Decision, Observation, Override, PolicyState, decide, initial_state
+from autoscaler.decide.scalein import scale_in
 from tests.helpers import HandClock
 from warmpool.protocol import Advanced, Fallback, ScaledObjectSpec, ScaleTargetRef, Trigger, TriggerMetadata
 

@@ -21,7 +21,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autoscaler.policy import Observation, Override, PolicyState, decide, initial_state
+from autoscaler.decide.policy import Observation, Override, PolicyState, decide, initial_state
 from warmpool.protocol import Advanced, Fallback, ScaledObjectSpec, ScaleTargetRef, Trigger, TriggerMetadata
 
 T0 = 1_700_000_000.0

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from nodeagent import cli, preflight, rootfs
+from nodeagent import cli, preflight, preflight_base, rootfs
 from nodeagent.preflight import Check
 from tests.helpers import without_ipc_lock
 from tests.nodeagent_helpers import MODEL, NODE, model_dir_fixture, shm_dir_fixture, tiny_source_fixture  # noqa: F401
@@ -54,9 +54,9 @@ def check_cli(*argv: str, timeout: float = 60) -> tuple[int, dict[str, str], str
     return r.returncode, by_name, lines[-1]
 
 
-def node_for(*argv: str) -> preflight._Node:
+def node_for(*argv: str) -> preflight_base.Node:
     """The flags as the agent's own parser reads them (`--model` among them)."""
-    return preflight._Node.from_args(cli._agent_parser("pulsescale agent").parse_args(list(argv)))
+    return preflight_base.Node.from_args(cli._agent_parser("pulsescale agent").parse_args(list(argv)))
 
 
 def status(line: str) -> str:
@@ -319,13 +319,13 @@ def test_engine_ports_below_1024_fail_when_engines_drop_privileges(model_dir: Pa
 # --- memlock ----------------------------------------------------------------------------------------------------------
 
 
-def _memlock_with_limit(node: preflight._Node, limit: int) -> dict[str, Any]:
+def _memlock_with_limit(node: preflight_base.Node, limit: int) -> dict[str, Any]:
     def probe() -> dict[str, Any]:
         _, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (limit, hard))  # lowering needs no privilege
         return asdict(preflight.check_memlock(node))
 
-    return preflight._as_user(NOBODY if os.geteuid() == 0 else None, probe)
+    return preflight_base.as_user(NOBODY if os.geteuid() == 0 else None, probe)
 
 
 def test_a_memlock_limit_below_the_weights_warns(model_dir: Path) -> None:
@@ -349,7 +349,7 @@ def test_root_locks_whatever_the_memlock_limit(model_dir: Path) -> None:
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 * 2**10, hard))
         return asdict(preflight.check_memlock(node))
 
-    got = Check(**preflight._as_user(None, probe))
+    got = Check(**preflight_base.as_user(None, probe))
     assert got.status == "OK", got
     assert "CAP_IPC_LOCK" in got.value
 
@@ -368,7 +368,7 @@ def test_engine_pinning_needs_the_limit_itself_since_engines_drop_cap_ipc_lock(m
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 * 2**10, hard))
         return asdict(preflight.check_memlock(node))
 
-    got = Check(**preflight._as_user(None, probe))
+    got = Check(**preflight_base.as_user(None, probe))
     assert got.status == "WARN", got
     assert "the agent can lock" in got.value and "engine pinning: RLIMIT_MEMLOCK is 64.0 KiB" in got.value
     assert "engines drop CAP_IPC_LOCK" in got.fix
@@ -468,10 +468,10 @@ def test_without_ipc_lock_the_rootfs_check_warns_only_when_the_memlock_limit_is_
     (tmp_path / "image" / "bin").mkdir(parents=True)
     (tmp_path / "image" / "bin" / "tool").write_bytes(b"x" * 100_000)  # over a limit of 0, under 1 MiB
     code = (
-        "import resource, sys; from nodeagent import cli, preflight\n"
+        "import resource, sys; from nodeagent import cli, preflight, preflight_base\n"
         "resource.setrlimit(resource.RLIMIT_MEMLOCK, (int(sys.argv[3]), int(sys.argv[3])))\n"
         "args = cli._agent_parser('pulsescale agent').parse_args(['--model', sys.argv[1], '--image', sys.argv[2]])\n"
-        "c = preflight.check_rootfs(preflight._Node.from_args(args))\n"
+        "c = preflight.check_rootfs(preflight_base.Node.from_args(args))\n"
         "print(c.status, c.value, '|', c.fix)\n"
     )
     argv = without_ipc_lock([sys.executable, "-c", code, str(model_dir), str(tmp_path / "image"), str(limit)])

@@ -13,6 +13,7 @@ from nats.aio.client import Client
 
 from warmpool import protocol
 from warmpool.errors import BadMessage, DuplicateRequest
+from warmpool.ledger import RequestLedger, admit
 from warmpool.protocol import ActivateRequest, QueueSample, ScaleCommand, SlotRecord
 from warmpool.rejects import Rejections
 
@@ -134,35 +135,35 @@ def test_activate_token_must_be_positive() -> None:
 
 
 def test_expired_and_duplicate_requests() -> None:
-    ledger = protocol.RequestLedger()
+    ledger = RequestLedger()
     req = protocol.decode(
         b'{"v":1,"id":"r1","expires_at":100.0,"by":"bob","model":"m","replicas":1,"for_s":5}', ScaleCommand
     )
-    protocol.admit(req, 99.0, ledger)  # fresh, first time: admitted
+    admit(req, 99.0, ledger)  # fresh, first time: admitted
     ledger.record(req, protocol.ok_reply(applied=True), 99.0)
     with pytest.raises(DuplicateRequest) as dup:
-        protocol.admit(req, 99.5, ledger)
+        admit(req, 99.5, ledger)
     assert dup.value.reason == "duplicate_id"
     assert protocol.decode_reply(dup.value.reply).fields == {"applied": True}
     with pytest.raises(BadMessage) as info:
-        protocol.admit(req, 100.5, ledger)
+        admit(req, 100.5, ledger)
     assert info.value.reason == "expired"
 
 
 def test_a_request_valid_for_longer_than_the_maximum_ttl_is_refused() -> None:
     """A forged or clock-broken sender cannot make a request replayable (and remembered) for years."""
-    ledger = protocol.RequestLedger()
+    ledger = RequestLedger()
     now = 1_000.0
     far = protocol.ScaleCommand(
         id="r", expires_at=now + protocol.MAX_REQUEST_TTL_S + 1, by="b", model="m", replicas=1, for_s=5
     )
     with pytest.raises(BadMessage) as info:
-        protocol.admit(far, now, ledger)
+        admit(far, now, ledger)
     assert info.value.reason == "too_late" and "check the sender's clock" in str(info.value)
     near = protocol.ScaleCommand(
         id="r", expires_at=now + protocol.MAX_REQUEST_TTL_S, by="b", model="m", replicas=1, for_s=5
     )
-    protocol.admit(near, now, ledger)  # exactly the maximum: admitted
+    admit(near, now, ledger)  # exactly the maximum: admitted
 
 
 def test_a_future_dated_or_over_long_lease_is_not_fresh() -> None:
@@ -181,7 +182,7 @@ def test_a_future_dated_or_over_long_lease_is_not_fresh() -> None:
 
 
 def test_ledger_is_bounded() -> None:
-    ledger = protocol.RequestLedger(max_entries=3)
+    ledger = RequestLedger(max_entries=3)
     for i in range(10):
         req = protocol.decode(
             json.dumps({"v": 1, "id": f"r{i}", "expires_at": 1e12, "by": "b", "model": "m"}).encode(),
@@ -282,3 +283,16 @@ def test_rejections_log_at_a_bounded_rate(caplog: pytest.LogCaptureFixture) -> N
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 3
     assert "999 more negative" in lines[1]
+
+
+def test_the_face_exports_every_name_of_its_parts() -> None:
+    """`warmpool.protocol` is a package (issue 24): every name of `__all__` resolves on it, each part's public names
+    are the face's own objects; the ledger is consumer state, not contract (`warmpool.ledger`)."""
+    from warmpool.protocol import base, codec, messages, names, records, replies, scaledobject
+
+    for name in protocol.__all__:
+        assert hasattr(protocol, name), name
+    for part in (names, base, messages, records, replies, scaledobject, codec):
+        for name in part.__all__:
+            assert getattr(protocol, name) is getattr(part, name), f"{part.__name__}.{name}"
+    assert not hasattr(protocol, "RequestLedger") and not hasattr(protocol, "admit")

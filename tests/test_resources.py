@@ -20,7 +20,7 @@ import pytest
 import yaml
 from nats.aio.client import Client
 
-from autoscaler.commands import CommandService
+from autoscaler.commands.service import CommandService
 from pulsescale import cli as dispatcher
 from tests.test_commands import ControlPlaneDouble, make_spec, serving
 from warmpool.embedded import NatsServer
@@ -367,8 +367,8 @@ async def test_apply_refuses_a_model_another_scaledobject_already_scales(cli, nc
 
 
 def test_active_is_the_crs_rule_demand_above_activation_not_replicas() -> None:
-    from autoscaler import resources
     from kube import status as kube_status
+    from oncall import get
     from warmpool.protocol import StatusRow
 
     now = 1000.0
@@ -377,7 +377,7 @@ def test_active_is_the_crs_rule_demand_above_activation_not_replicas() -> None:
     old = msgspec.structs.replace(scaled_up, last_active_at=now - 60)
     verdict = kube_status.Verdict(True, "ScalerPublished", "published")
     for row, expected in ((scaled_up, False), (recent, True), (old, False)):
-        assert resources._active(row, now) is expected, row
+        assert get._active(row, now) is expected, row
         composed = kube_status.compose({"metadata": {}, "spec": {}}, verdict, row, now)
         active = {c.type: c.status for c in composed.conditions}["Active"]
         assert active == ("True" if expected else "False"), row

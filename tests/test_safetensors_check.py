@@ -318,3 +318,73 @@ def test_the_figures_in_a_refusal_are_the_header_s() -> None:
     assert overlap == "tensor 'b' overlaps tensor 'a' (bytes 4..)"
     trailing = refusal(st_file({"a": entry("U8", [2], 0, 2)}, bytes(5)))
     assert trailing == "3 bytes after the last tensor; the header does not cover the file"
+
+
+def test_a_header_split_inside_a_tensor_entry_by_a_short_pread_is_joined(tmp_path: Path) -> None:
+    """The first pread of the header stops between the "F" and the "32" of the tensor's dtype (a short read: a
+    network or FUSE file system returns fewer bytes than asked); the second asks for exactly the 5 bytes still
+    missing, at the byte after the first piece, and the joined header is the file's."""
+    header = {"__metadata__": {"format": "pt"}, NAME: {"shape": [2], "data_offsets": [0, 8], "dtype": "F32"}}
+    raw = json.dumps(header).encode()
+    assert len(raw) == 119
+    split = raw.index(b'"F32"') + 2  # the first piece ends with '"F'
+    path = tmp_path / "split.safetensors"
+    path.write_bytes(st_file(raw, bytes(8)))
+    with pytest.MonkeyPatch.context() as mp:
+        calls = _short_preads(mp, split)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            hdr = safetensors_check.read_header_fd(fd, "split.safetensors")
+        finally:
+            os.close(fd)
+    # (asked, offset): the length, then the header in two pieces, the second right after the first.
+    assert calls == [(8, 0), (119, 8), (119 - split, 8 + split)]
+    assert hdr.data_offset == 8 + 119 and hdr.file_bytes == 8 + 119 + 8
+    tensor = hdr.tensor(NAME)
+    assert (tensor.dtype, tensor.shape, tensor.begin, tensor.end) == ("F32", (2,), 127, 135)
+    assert hdr.metadata == {"format": "pt"}
+    assert hdr == read_header(path)
+
+
+def test_no_pread_asks_for_more_than_an_int_can_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read larger than INT_MAX is asked for in pieces (macOS refuses a pread over INT_MAX bytes with EINVAL,
+    Linux returns at most 2 GiB - 4 KiB): each call asks for at most 2**31 - 1 bytes, the next one from where the
+    last ended. (The header limit keeps real reads far below; the reader does not rely on it.)"""
+    asked: list[tuple[int, int]] = []
+    pieces = [b"ab", b"cde", b""]
+
+    def pread(fd: int, n: int, offset: int) -> bytes:
+        asked.append((n, offset))
+        return pieces[len(asked) - 1]
+
+    monkeypatch.setattr(os, "pread", pread)
+    want = 3 * 2**30
+    assert safetensors_check._PositionalReader(-1).read(want) == b"abcde"  # the file ended after 5 bytes
+    assert [offset for _, offset in asked] == [0, 2, 5]
+    assert all(n <= 2**31 - 1 for n, _ in asked), asked
+
+
+@pytest.mark.parametrize(
+    ("data", "reason"),
+    [
+        (bytes(8), "header length is 0; a header is at least '{}'"),
+        (
+            st_file(b'{"a":' + b"[" * 200_000 + b"]" * 200_000 + b"}"),
+            "header JSON is nested too deeply to be a safetensors header",
+        ),
+        (st_file({"__metadata__": {"k": 1}}), "__metadata__ must be an object of strings"),
+    ],
+    ids=["empty header", "deep nesting", "metadata"],
+)
+def test_a_refusal_says_exactly_what_is_wrong(data: bytes, reason: str) -> None:
+    assert refusal(data) == reason
+
+
+def test_an_unknown_dtype_is_refused_with_the_list_of_known_ones() -> None:
+    reason = refusal(st_file({NAME: entry("F7", [1], 0, 4)}, bytes(4)))
+    prefix = f"tensor {NAME!r}: unknown dtype 'F7' (known: "
+    assert reason.startswith(prefix) and reason.endswith(")")
+    known = reason[len(prefix) : -1].split(", ")
+    # The dtypes a reader may look for, each by its safetensors name, comma-separated.
+    assert {"BOOL", "U8", "F16", "BF16", "F32", "F64", "I64", "F8_E4M3"} <= set(known)
+    assert set(known) == set(safetensors_check.DTYPE_SIZES) and len(known) == len(safetensors_check.DTYPE_SIZES)

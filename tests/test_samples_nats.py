@@ -14,11 +14,11 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from autoscaler import intake
+from autoscaler.act.scaler import ClaimsInFlight
 from autoscaler.cli import GC_FREEZE_EVERY_S
 from autoscaler.controller import ControllerSettings
 from autoscaler.daemon import Autoscaler
-from autoscaler.leader import LeaseSettings
-from autoscaler.scaler import ClaimsInFlight
+from autoscaler.shards.leader import LeaseSettings
 from tests.agent_double import AgentDouble
 from tests.helpers import wait_for
 from tests.test_autoscaler import Gateway, put_scaler, running_autoscaler
@@ -89,7 +89,7 @@ async def test_a_flood_of_samples_costs_neither_the_lease_nor_a_claim(
             by = {s.labels["outcome"]: s.value for s in m.samples.collect()[0].samples if s.name.endswith("_total")}
             assert by.get("dropped", 0) > 0, by  # the bound was reached, and said so
             assert by.get("accepted", 0) + by.get("coalesced", 0) + by["dropped"] == published, by
-            assert scaler.is_leader()
+            assert scaler.fleet.is_leader()
             assert (await leases.get(shard_key)).revision != revision, "m's shard lease not renewed during the flood"
             assert m.lease_lost._value.get() == 0  # type: ignore[attr-defined]
     finally:
@@ -100,7 +100,7 @@ async def test_a_lone_sample_is_folded_in_at_once(nats_server: NatsServer, nc: C
     await put_scaler(nc, "m")
     async with running_autoscaler(nats_server.url) as scaler:
         await Gateway(nc, "m").send(3)
-        await wait_for(lambda: scaler.by_model["m"].decider.demand.gateways, 5, "the sample folded in")
+        await wait_for(lambda: scaler.fleet.by_model["m"].decider.demand.gateways, 5, "the sample folded in")
         assert len(scaler.intake.samples) == 0
         assert scaler.metrics.sample("accepted")._value.get() == 1  # type: ignore[attr-defined]
 
@@ -121,10 +121,10 @@ async def test_a_rising_sample_overtakes_a_full_buffer_and_starts_its_claim_at_o
     await put_scaler(nc, "m")
     try:
         async with running_autoscaler(nats_server.url) as scaler:
-            await wait_for(lambda: "m" in scaler.by_model and len(store.claimable("m")) == 2, 5, "the model")
+            await wait_for(lambda: "m" in scaler.fleet.by_model and len(store.claimable("m")) == 2, 5, "the model")
             await Gateway(nc, "m").send(0)
-            await wait_for(lambda: scaler.by_model["m"].decider.decision is not None, 5, "a first decision")
-            c = scaler.by_model["m"]
+            await wait_for(lambda: scaler.fleet.by_model["m"].decider.decision is not None, 5, "a first decision")
+            c = scaler.fleet.by_model["m"]
             # No await from here: the drain cannot run in between.
             for i in range(50):
                 assert scaler.intake.take_sample(protocol.queue_subject(f"filler-{i}"), _steady(f"filler-{i}")) is False
@@ -273,7 +273,9 @@ async def test_a_subscription_swapped_mid_flood_loses_no_sample_nats_py_had_take
             await nc.publish(protocol.queue_subject("m"), data)
         await nc.flush()
         # A shard of no model goes, as `ShardLeases` reports a loss: "m" is now subscribed on its own.
-        scaler.on_shard_lost(next(s for s in range(protocol.SHARDS) if s != protocol.shard_of("m")))
-        await wait_for(lambda: protocol.QUEUE_WILDCARD not in scaler.sample_subjects, 5, "the subscriptions swapped")
+        scaler.ownership.on_shard_lost(next(s for s in range(protocol.SHARDS) if s != protocol.shard_of("m")))
+        await wait_for(
+            lambda: protocol.QUEUE_WILDCARD not in scaler.subscriptions.sample_subjects, 5, "the subscriptions swapped"
+        )
         assert counted() < len(flood), "the flood was taken in before the swap: nothing tested"
         await wait_for(lambda: counted() == len(flood), 30, f"{len(flood)} samples accounted for")

@@ -18,8 +18,10 @@ import pytest
 import yaml
 from nats.aio.client import Client
 
-from autoscaler import oncall, scaledobject
-from autoscaler.scaledobject import ScaledObjectError
+from manifests import loading, scaledobject
+from manifests.keda import _NOTE_HPA_NAME, _NOTE_POLLING
+from manifests.scaledobject import ScaledObjectError
+from oncall import apply as oncall_apply
 from pulsescale import cli as dispatcher
 from warmpool import protocol
 from warmpool.embedded import NatsServer, free_port
@@ -567,7 +569,7 @@ def test_the_examples_directory_loads_its_scaledobjects() -> None:
 
 
 def test_the_polling_note_says_the_gateways_push_interval() -> None:
-    assert "(every 100 ms)" in scaledobject._NOTE_POLLING  # gateway/publisher.py, README: every 100 ms
+    assert "(every 100 ms)" in _NOTE_POLLING  # gateway/publisher.py, README: every 100 ms
 
 
 def _named(name: str) -> str:
@@ -621,7 +623,7 @@ def test_load_path_refuses_an_empty_directory_an_empty_file_and_a_missing_one(tm
 
 def apply(*args: str, stdin: str = "", nats_url: str | None = None) -> int:
     argv = [*args, *(["--nats", nats_url] if nats_url else [])]
-    return oncall.apply(argv, "pulsescale apply", stdin=io.StringIO(stdin))
+    return oncall_apply.apply(argv, "pulsescale apply", stdin=io.StringIO(stdin))
 
 
 async def kv_record(nc: Client, key: str) -> ScalerRecord:
@@ -796,7 +798,7 @@ def test_loader_errors_other_than_yaml_ones_are_named(monkeypatch: pytest.Monkey
     def boom(text: str) -> list[object]:
         raise ValueError("exponent too large")
 
-    monkeypatch.setattr(scaledobject, "_documents", boom)
+    monkeypatch.setattr(loading, "_documents", boom)
     with pytest.raises(ScaledObjectError, match=r"^x.yaml: YAML: cannot be read \(ValueError: exponent too large\)"):
         scaledobject.load_documents(GOOD, "x.yaml")
 
@@ -1087,7 +1089,7 @@ def test_advanced_fields_that_no_hpa_rule_sets_are_kept() -> None:
 
 def test_an_hpa_config_without_behavior_maps_nothing_and_its_name_is_a_note() -> None:
     named = scaledobject.from_manifest(_hpa_doc({"name": "keda-hpa-qwen"}))
-    assert named.notes == [scaledobject._NOTE_HPA_NAME]
+    assert named.notes == [_NOTE_HPA_NAME]
     assert _scale_down(named.spec.advanced) == DEFAULT_DOWN and not named.paused_scale_out
     bare = scaledobject.from_manifest(_hpa_doc({}))
     assert bare.notes == [] and _scale_down(bare.spec.advanced) == DEFAULT_DOWN
@@ -1096,7 +1098,7 @@ def test_an_hpa_config_without_behavior_maps_nothing_and_its_name_is_a_note() ->
     both = scaledobject.from_manifest(
         _hpa_doc({"name": "keda-hpa-qwen", "behavior": {"scaleDown": {"selectPolicy": "Min"}}})
     )
-    assert both.notes == [scaledobject._NOTE_HPA_NAME] and both.spec.advanced.scale_down_select_policy == "Min"
+    assert both.notes == [_NOTE_HPA_NAME] and both.spec.advanced.scale_down_select_policy == "Min"
 
 
 # --- capped: what the autoscaler acts on, whoever wrote the record ----------------------------------------------------
@@ -1256,7 +1258,7 @@ def test_a_yaml_error_without_a_place_says_yaml() -> None:
 def test_a_duplicate_key_after_a_merge_key_is_refused() -> None:
     err = _refusal("base: &b {x: 1}\nm:\n  <<: *b\n  y: 1\n  y: 2\n")
     assert "duplicate key 'y' (first at line 4)" in str(err)
-    assert scaledobject._documents("base: &b {x: 1}\nm:\n  <<: *b\n  x: 2\n") == [{"base": {"x": 1}, "m": {"x": 2}}]
+    assert loading._documents("base: &b {x: 1}\nm:\n  <<: *b\n  x: 2\n") == [{"base": {"x": 1}, "m": {"x": 2}}]
 
 
 def _nested(depth: int, inner: str = "1") -> str:
@@ -1283,7 +1285,7 @@ def test_nesting_is_counted_level_by_level(text: str, refused: bool) -> None:
         assert re.fullmatch(r"deep.yaml: line 1, column \d+: nested too deeply \(more than 64 levels of mappings "
                             r"and lists\)", str(err))  # fmt: skip
     else:
-        assert scaledobject._documents(text)
+        assert loading._documents(text)
 
 
 def test_the_column_of_a_too_deep_nesting_is_one_based() -> None:
@@ -1309,7 +1311,7 @@ def test_a_loader_failure_is_a_located_refusal(monkeypatch: pytest.MonkeyPatch, 
     def boom(text: str) -> list[object]:
         raise error
 
-    monkeypatch.setattr(scaledobject, "_documents", boom)
+    monkeypatch.setattr(loading, "_documents", boom)
     err = _refusal(GOOD)
     assert (err.field, err.where, str(err)) == ("", "x.yaml", f"x.yaml: {says}")
 

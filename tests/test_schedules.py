@@ -16,10 +16,14 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 
-from autoscaler import oncall, resources, scaledobject, schedules
-from autoscaler.commands import CommandService
-from autoscaler.decider import DeciderSettings, ModelDecider
+from autoscaler.commands.service import CommandService
+from autoscaler.decide import schedules
+from autoscaler.decide.decider import DeciderSettings, ModelDecider
 from kube import standby
+from manifests import scaledobject
+from oncall import verbs
+from oncall.client import EXIT_REFUSED
+from oncall.describe import describe_model
 from pulsescale import cli as dispatcher
 from tests.helpers import HandClock, wait_for
 from tests.test_autoscaler import put_scaler, running_autoscaler
@@ -380,7 +384,7 @@ async def test_the_cli_adds_lists_deletes_and_status_shows_it(  # type: ignore[n
     assert f"qwen: schedule {name} added: floor 6 replicas from {at.replace(' ', 'T')} Europe/Berlin" in out
     assert "oncall" in out and "oncall-bob" in out
     code, out, err = await run("qwen", "--at", at, "--for", "2h", "--replicas", "9", "--name", "big")
-    assert code == oncall.EXIT_REFUSED and "out_of_bounds" in err and "maxReplicaCount 8" in err
+    assert code == EXIT_REFUSED and "out_of_bounds" in err and "maxReplicaCount 8" in err
     code, out, err = await run("qwen", "--at", "2026-12-24T18:00+01:00", "--for", "2h", "--replicas", "1")
     assert code == 2 and "not a local date-time" in err
     code, out, err = await run("qwen", "--at", at, "--tz", "Nowhere/Land", "--for", "2h", "--replicas", "1")
@@ -400,15 +404,15 @@ def test_status_and_describe_show_the_schedule_in_force_and_the_next() -> None:
     ws = schedules.windows([LAUNCH], [OnCallSchedule(schedule=sched("later", "2026-06-02T10:00", 1, 3), by="bob")])
     row = StatusRow(model="qwen", scaler="d.qwen", desired=10, ready=10, activating=0, warm=0, mode="scheduled",
                     scheduled_floor=10, schedules=schedules.status_rows(ws, now))  # fmt: skip
-    text = oncall.format_status([row], now)
+    text = verbs.format_status([row], now)
     assert "SCHEDULE" in text and "launch: floor 10, 30m left" in text
     assert "launch (scaledobject): floor 10 replicas from 2026-06-01T10:00 UTC; in force until" in text
     assert "later (oncall by bob): floor 3 replicas from 2026-06-02T10:00 UTC; starts 2026-06-02T10:00:00Z" in text
     later = StatusRow(model="q2", scaler="d.q2", desired=1, ready=1, activating=0, warm=0,
                       schedules=schedules.status_rows(ws, utc("2026-06-01T13:00")))  # fmt: skip
-    assert "next later: 3 in 22h" in oncall.format_status([row, later], now)
-    assert "SCHEDULE" not in oncall.format_status([msgspec.structs.replace(row, schedules=[])], now)
-    described = resources.describe_model(row, now)
+    assert "next later: 3 in 22h" in verbs.format_status([row, later], now)
+    assert "SCHEDULE" not in verbs.format_status([msgspec.structs.replace(row, schedules=[])], now)
+    described = describe_model(row, now)
     assert "Scheduled floor" in described and "launch (scaledobject)" in described
 
 
@@ -425,7 +429,7 @@ async def test_the_daemon_stores_oncall_schedules_and_a_new_owner_restores_them(
     await put_scaler(nc, "n")
     await put_scaler(nc, "m")
     async with running_autoscaler(nats_server.url) as scaler:
-        await wait_for(lambda: "n" in scaler.by_model and scaler.schedules_for("n") == (kept,), 5, "n's restored")
+        await wait_for(lambda: "n" in scaler.fleet.by_model and scaler.schedules_for("n") == (kept,), 5, "n's restored")
         assert scaler.schedules_for("m") == ()
         count = scaler.metrics.registry.get_sample_value
         assert count("pulsescale_registry_rejected_records_total", {"reason": "bad_json"}) == 1
@@ -445,8 +449,10 @@ async def test_a_schedule_start_is_decided_on_time_with_no_sample_and_no_houseke
     await put_scaler(nc, "b", schedules=[soon])
     # Housekeeping re-decides a model once a minute here: only the boundary timer can be on time.
     async with running_autoscaler(nats_server.url, redecide_every_s=60.0) as scaler:
-        await wait_for(lambda: "b" in scaler.by_model and scaler.by_model["b"].decider.decision is not None, 5)
-        decider = scaler.by_model["b"].decider
+        await wait_for(
+            lambda: "b" in scaler.fleet.by_model and scaler.fleet.by_model["b"].decider.decision is not None, 5
+        )
+        decider = scaler.fleet.by_model["b"].decider
         await wait_for(lambda: decider.decision is not None and decider.decision.mode == "scheduled", 6, "start")
         assert time.time() - start < 1.0
         assert decider.decision.desired == 3

@@ -5,7 +5,7 @@ node is the protocol-level double in tests/agent_double.py; everything else is r
   slot's endpoint comes only from its holder's fenced ``ready`` write, never from the activate reply;
 - one ScaledObject cannot freeze the autoscaler: replica counts are capped at a configured maximum (with the way
   to raise it), and bring-ups per model are bounded by the claimable slots and `max_claims_in_flight`;
-- on-call overrides are bounded in time (`commands.MAX_OVERRIDE_S`), stored ones too;
+- on-call overrides are bounded in time (`protocol.MAX_OVERRIDE_S`), stored ones too;
 - ``/metrics`` binds to loopback unless told otherwise.
 """
 
@@ -29,8 +29,11 @@ import nats.errors
 import pytest
 from nats.aio.client import Client
 
-from autoscaler import commands, oncall, scaledobject
 from autoscaler.controller import ControllerSettings
+from manifests import scaledobject
+from oncall import verbs
+from oncall.apply import apply
+from oncall.client import EXIT_REFUSED
 from tests.agent_double import AgentDouble
 from tests.helpers import wait_for
 from tests.test_autoscaler import Gateway, collect_events, put_scaler, running_autoscaler
@@ -166,16 +169,16 @@ async def test_scale_over_the_replica_limit_is_refused_with_the_limit_and_how_to
 ) -> None:
     await put_scaler(nc, "big", maxReplicaCount=100_000)  # the wire allows it; the autoscaler's limit does not
     async with running_autoscaler(nats_server.url) as scaler:
-        await wait_for(lambda: "big" in scaler.by_model, 5, "big followed")
+        await wait_for(lambda: "big" in scaler.fleet.by_model, 5, "big followed")
         await answering(nc)
-        assert scaler.by_model["big"].spec.max_replica_count == scaledobject.DEFAULT_MAX_REPLICAS
+        assert scaler.fleet.by_model["big"].spec.max_replica_count == scaledobject.DEFAULT_MAX_REPLICAS
         for verb, extra in (("scale", {"for_s": 60}), ("pause", {})):
             reply = await send(nc, verb, request(verb, model="big", replicas=100_000, **extra))
             assert reply["ok"] is False and reply["error"]["code"] == "out_of_bounds", reply
             message = reply["error"]["message"]
             assert "100000" in message and f"limit of {scaledobject.DEFAULT_MAX_REPLICAS}" in message
             assert "--max-replicas" in message and scaledobject.MAX_REPLICAS_ENV in message
-        assert scaler.by_model["big"].override is None
+        assert scaler.fleet.by_model["big"].override is None
 
 
 async def test_a_huge_target_with_two_slots_keeps_the_autoscaler_answering(
@@ -191,7 +194,7 @@ async def test_a_huge_target_with_two_slots_keeps_the_autoscaler_answering(
             nats_server.url, max_replicas=100_000, controller=ControllerSettings(max_claims_in_flight=bound)
         ) as scaler:
             await answering(nc)
-            big = scaler.by_model["big"].scaler
+            big = scaler.fleet.by_model["big"].scaler
             peak = 0
 
             async def sample_in_flight() -> None:
@@ -243,12 +246,12 @@ def test_apply_refuses_replica_counts_over_the_limit_unless_raised(
     path = tmp_path / "big.yaml"
     path.write_text(json.dumps(doc))  # JSON is YAML
     monkeypatch.delenv(scaledobject.MAX_REPLICAS_ENV, raising=False)
-    assert oncall.apply(["-f", str(path), "--dry-run"], "pulsescale apply") == oncall.EXIT_REFUSED
+    assert apply(["-f", str(path), "--dry-run"], "pulsescale apply") == EXIT_REFUSED
     err = capsys.readouterr().err
     assert "spec.maxReplicaCount: 100000 is over the limit of 1000" in err and "--max-replicas" in err
-    assert oncall.apply(["-f", str(path), "--dry-run", "--max-replicas", "100000"], "pulsescale apply") == 0
+    assert apply(["-f", str(path), "--dry-run", "--max-replicas", "100000"], "pulsescale apply") == 0
     monkeypatch.setenv(scaledobject.MAX_REPLICAS_ENV, "100000")
-    assert oncall.apply(["-f", str(path), "--dry-run"], "pulsescale apply") == 0
+    assert apply(["-f", str(path), "--dry-run"], "pulsescale apply") == 0
     assert "replicas 0..100000" in capsys.readouterr().out
 
 
@@ -265,22 +268,22 @@ async def test_scale_for_longer_than_a_day_is_refused_and_a_stored_one_is_not_ob
     forged = Override(kind="scale", replicas=8, expires_at=time.time() + 365 * 86400, by="mallory")
     await leases.put(protocol.override_key("n"), protocol.encode(OverrideRecord(model="n", override=forged)))
     async with running_autoscaler(nats_server.url) as scaler:
-        await wait_for(lambda: "n" in scaler.by_model and "m" in scaler.by_model, 5, "m and n followed")
+        await wait_for(lambda: "n" in scaler.fleet.by_model and "m" in scaler.fleet.by_model, 5, "m and n followed")
         await answering(nc)
         count = scaler.metrics.registry.get_sample_value
         await wait_for(lambda: count("pulsescale_registry_rejected_records_total", {"reason": "too_late"}), 5)
-        assert scaler.by_model["n"].override is None
+        assert scaler.fleet.by_model["n"].override is None
 
-        too_long = commands.MAX_OVERRIDE_S + 1
+        too_long = protocol.MAX_OVERRIDE_S + 1
         reply = await send(nc, "scale", request("scale", model="m", replicas=2, for_s=too_long))
         assert reply["ok"] is False and reply["error"]["code"] == "out_of_bounds", reply
         assert "longer than an override may last (86400 s)" in reply["error"]["message"]
-        assert scaler.by_model["m"].override is None
-        ok = await send(nc, "scale", request("scale", model="m", replicas=2, for_s=commands.MAX_OVERRIDE_S))
-        assert ok["ok"] and ok["override"]["expires_at"] <= time.time() + commands.MAX_OVERRIDE_S
+        assert scaler.fleet.by_model["m"].override is None
+        ok = await send(nc, "scale", request("scale", model="m", replicas=2, for_s=protocol.MAX_OVERRIDE_S))
+        assert ok["ok"] and ok["override"]["expires_at"] <= time.time() + protocol.MAX_OVERRIDE_S
 
     with pytest.raises(SystemExit) as exit_:
-        oncall.scale(["m", "--replicas", "2", "--for", "25h", "--nats", nats_server.url], "pulsescale scale")
+        verbs.scale(["m", "--replicas", "2", "--for", "25h", "--nats", nats_server.url], "pulsescale scale")
     assert exit_.value.code == 2
     assert "longer than an override may last (24h)" in capsys.readouterr().err
 

@@ -37,7 +37,7 @@ from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig, KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
-from autoscaler.commands import CommandSettings
+from autoscaler.commands.service import CommandSettings
 from tests.helpers import wait_for
 from tests.nodeagent_helpers import listening_addresses
 from warmpool import connect, natsauth, protocol

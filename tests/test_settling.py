@@ -1,4 +1,4 @@
-"""`autoscaler.settling` on a hand clock: when a decision repeats the last, and what repeating it leaves.
+"""`autoscaler.decide.settling` on a hand clock: when a decision repeats the last, and what repeating it leaves.
 
 The decider skips a model whose decision would repeat (`ModelDecider.settled`) and brings its state up to date with
 `settling.repeat`; a wrong sum or a missed event there is a model left unscaled, so each is pinned here by value,
@@ -12,8 +12,8 @@ import math
 
 import pytest
 
-from autoscaler import detector, policy, settling
-from autoscaler.policystate import Flat
+from autoscaler.decide import detector, policy, settling
+from autoscaler.decide.policystate import Flat
 from tests.test_policy import T0, auto_spec, make_spec
 
 BUCKET = detector.BUCKET_S

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import pytest
 
-from autoscaler.shardassign import FORGET_AFTER_LEASES, ShardAssignment, assign
+from autoscaler.shards.assign import FORGET_AFTER_LEASES, ShardAssignment, assign
 from warmpool import protocol
 from warmpool.protocol import LeaderLease, ReplicaRecord
 

@@ -21,8 +21,8 @@ import pytest
 from nats.aio.client import Client
 from nats.js.kv import KeyValue
 
-from autoscaler.leader import LeaderElection, LeaseSettings
-from autoscaler.shards import ShardLeases, ShardSettings, assign
+from autoscaler.shards.leader import LeaderElection, LeaseSettings
+from autoscaler.shards.leases import ShardLeases, ShardSettings, assign
 from tests.helpers import HandClock, wait_for
 from warmpool import protocol
 from warmpool.embedded import NatsServer

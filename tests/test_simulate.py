@@ -124,7 +124,7 @@ def test_ours_calls_the_real_policy() -> None:
     engine.run(ours, load=sc.load, service=sc.service, startup=startup, duration_s=sc.duration_s,
                initial_replicas=sc.floor, needed=sc.needed, pulse_at_s=sc.warmup_s)  # fmt: skip
     decision = getattr(ours, "decision", None)
-    assert decision is not None and decision.reason  # a Decision from autoscaler.policy, with its reason
+    assert decision is not None and decision.reason  # a Decision from autoscaler.decide.policy, with its reason
     modes = getattr(ours, "modes", {})
     assert sum(modes.values()) == round(sc.duration_s / engine.STEP_S)  # decided on every 100 ms gateway sample
     assert modes.get("normal", 0) > 0

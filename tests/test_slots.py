@@ -159,3 +159,34 @@ def test_agent_target_never_leaves_the_table() -> None:
         if target is not None:
             slots.check_transition(current, target)
             assert current not in slots.HELD_STATES or target == "failed"
+
+
+def test_a_refused_change_names_the_states_it_may_go_to() -> None:
+    """The refusal an operator reads lists what the slot may do instead, from the spec above, in order."""
+    for a, b in (("warm", "ready"), ("ready", "claimed"), ("draining", "activating")):
+        allowed = ", ".join(sorted(to for (frm, to) in ALLOWED if frm == a))
+        with pytest.raises(InvalidTransition) as err:
+            slots.check_transition(a, b)  # type: ignore[arg-type]
+        assert str(err.value) == f"a slot cannot go from {a} to {b} (from {a}: {allowed})"
+    with pytest.raises(InvalidTransition) as err:
+        slots.check_transition("ready", "warm")
+    assert str(err.value) == "a slot cannot go from ready to warm (from ready: failed, ready, releasing)"
+
+
+def test_claimable_takes_the_reader_s_verdict_on_the_lease_over_its_stamp() -> None:
+    """`fresh` is when the reader heard the lease (contract revision 10), not the agent's own stamp: an agent
+    whose clock runs behind stamps a lease that looks lapsed but was heard just now, and a lease stamped fresh by
+    a clock running ahead may not have been heard for long."""
+    rec = SlotRecord(model="m", node="n", slot="s", state="warm")
+    lease = AgentLease(node="n", slots=["s"], heartbeat_at=100.0, lease_s=2.0)
+    assert lease.fresh(101.0) and not lease.fresh(200.0)
+    assert not slots.claimable(rec, lease, 101.0, fresh=False)  # fresh by its stamp, not heard: refused
+    assert slots.claimable(rec, lease, 200.0, fresh=True)  # lapsed by its stamp, heard: claimable
+    assert slots.claimable(rec, lease, 101.0, fresh=None) and not slots.claimable(rec, lease, 200.0, fresh=None)
+    # The verdict is about the lease only: the slot must still be warm, undrained and listed.
+    assert not slots.claimable(SlotRecord(model="m", node="n", slot="s", state="ready"), lease, 200.0, fresh=True)
+    assert not slots.claimable(
+        SlotRecord(model="m", node="n", slot="s", state="warm", drain=True), lease, 200.0, fresh=True
+    )
+    assert not slots.claimable(SlotRecord(model="m", node="n", slot="t", state="warm"), lease, 200.0, fresh=True)
+    assert not slots.claimable(rec, None, 101.0, fresh=True)

@@ -11,7 +11,7 @@ What the stamp is still good for is measuring the agent's clock: each heartbeat 
 estimate `skew_s` is the highest sample of the last `SKEW_WINDOW_S` (the one that travelled fastest: a delayed
 delivery, such as a heartbeat buffered through a reconnect, only lowers a sample), so a step of the agent's clock
 shows at its next heartbeat forward and within the window backward. The autoscaler states the times of its requests
-to that agent in the agent's clock with it (`autoscaler.agentclient`), shows it in ``pulsescale pool`` and exports
+to that agent in the agent's clock with it (`autoscaler.act.agentclient`), shows it in ``pulsescale pool`` and exports
 it as ``pulsescale_agent_clock_skew_seconds{node}``.
 
 A heartbeat stamped more than `protocol.MAX_TRUSTED_SKEW_S` from our clock, either way, is a broken clock or a

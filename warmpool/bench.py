@@ -9,6 +9,10 @@ made like the slots bucket, deleted at the end), by as many concurrent writers. 
 p99; `conflicts` counts the claims' compare-and-sets lost to another writer (each a wasted round trip and a
 re-read; concurrent claimers sharing a registry reserve their candidates, so none are expected here). Figures are
 printed, not asserted: these machines are shared and noisy.
+
+``--json`` (``-o json|yaml``) prints one object instead, and nothing else on stdout: the run's parameters and, in
+``levels``, one entry a concurrency level with every figure of its row (``p50_ms``, ``p99_ms``, ``claims_per_s``,
+``floor_p99_ms``, ``ratio_p99`` = p99_ms / floor_p99_ms, ...) and the wall times the rates come from.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import sys
 import time
 
 import msgspec
@@ -26,6 +31,7 @@ from nats.js.api import KeyValueConfig
 from nats.js.kv import KeyValue
 
 from warmpool import connect as nats_connect
+from warmpool import output as out
 from warmpool import protocol
 from warmpool.embedded import NatsServer
 from warmpool.errors import ClaimConflict, NoSlotAvailable
@@ -46,6 +52,54 @@ async def scratch_bucket(js: JetStreamContext, name: str) -> KeyValue:
     return await js.create_key_value(
         KeyValueConfig(bucket=name, history=settings.slot_history, storage=settings.storage)
     )
+
+
+class ClaimsLevel(msgspec.Struct, kw_only=True):
+    """One concurrency level: a row of the text report, with the wall times its rates come from."""
+
+    claimers: int
+    claims: int
+    """Claims that landed: the run's `claims` (each level claims that many)."""
+    p50_ms: float
+    p99_ms: float
+    max_ms: float
+    claims_per_s: float
+    """claims / wall_s."""
+    wall_s: float
+    """Time spent in the claim rounds (releases between rounds and the floor's slices not counted)."""
+    conflicts: int
+    """The claims' compare-and-sets lost to another writer."""
+    floor_updates: int
+    floor_p50_ms: float
+    floor_p99_ms: float
+    floor_max_ms: float
+    floor_updates_per_s: float
+    """floor_updates / floor_wall_s."""
+    floor_wall_s: float
+    ratio_p99: float
+    """p99_ms / floor_p99_ms: what a claim costs over the one write it does."""
+
+
+class ClaimsReport(msgspec.Struct, kw_only=True):
+    """`bench claims --json`: the run's parameters, then one `ClaimsLevel` a concurrency level."""
+
+    bench: str = "claims"
+    nats: str
+    """The server's URL (`--nats`, without credentials, or the embedded one's)."""
+    embedded: bool
+    sync_always: bool | None
+    """The embedded server fsyncs every write (`--sync-always`); None for a `--nats` server."""
+    nodes: int
+    slots_per_node: int
+    slots: int
+    """Warm slots seeded: nodes x slots_per_node."""
+    claims_per_level: int
+    concurrency: list[int]
+    slices: int
+    slot_watch: bool
+    """False with `--without-slot-watch`: the slot watch stopped once the pool was seeded."""
+    floor: str = "bare nats-py kv.update(key, value, last=rev), same key shape and value size, as many writers"
+    levels: list[ClaimsLevel] = msgspec.field(default_factory=list)
 
 
 SETTLE_S = 0.05
@@ -109,14 +163,38 @@ def _ms(lat: list[float]) -> tuple[float, float]:
     return float(np.percentile(a, 50)), float(np.percentile(a, 99))
 
 
+def _public(url: str) -> str:
+    """`url` without a ``user:password@`` in it: the JSON report is kept and shared."""
+    scheme, sep, rest = url.rpartition("://")
+    return f"{scheme}{sep}{rest.rpartition('@')[2]}"
+
+
+def _row(level: ClaimsLevel) -> str:
+    return (
+        f"{level.claimers:>8} {level.claims:>7} {level.p50_ms:>8.2f} {level.p99_ms:>8.2f} {level.max_ms:>8.2f} "
+        f"{level.claims_per_s:>9.0f} {level.conflicts:>9} | "
+        f"{level.floor_p50_ms:>9.2f} {level.floor_p99_ms:>9.2f} {level.floor_updates_per_s:>9.0f} "
+        f"{level.ratio_p99:>8.2f}x"
+    )
+
+
 async def _bench(args: argparse.Namespace) -> None:
+    fmt = out.machine(args)
+    text = fmt is None
+
+    def say(line: str) -> None:  # the text report; with -o json|yaml only the object is printed
+        if text:
+            print(line, flush=True)
+
     server = None
     if args.nats_url:
         opts = nats_connect.options_from_args(args, name="pulsescale-bench")
         where = args.nats_url
+        url = ",".join(_public(u) for u in opts.servers)
     else:
         server = NatsServer(sync_always=args.sync_always).start()
         opts = nats_connect.NatsOptions(servers=(server.url,), name="pulsescale-bench")
+        url = server.url
         where = f"embedded nats-server {server.url}" + (" (sync_interval: always)" if args.sync_always else "")
     per_node = args.slots // args.nodes if args.slots else args.slots_per_node
     try:
@@ -131,13 +209,18 @@ async def _bench(args: argparse.Namespace) -> None:
         sample = store.record(keys[0])
         assert sample is not None
         value = protocol.encode(msgspec.structs.replace(sample, state="claimed", claim_id="0" * 16))
-        print(f"claims bench: {len(keys)} warm slots on {args.nodes} nodes x {per_node}, {where}")
+        report = ClaimsReport(
+            nats=url, embedded=server is not None, sync_always=args.sync_always if server is not None else None,
+            nodes=args.nodes, slots_per_node=per_node, slots=len(keys), claims_per_level=args.claims,
+            concurrency=list(args.concurrency), slices=args.slices, slot_watch=store.watching_slots,
+        )  # fmt: skip
+        say(f"claims bench: {len(keys)} warm slots on {args.nodes} nodes x {per_node}, {where}")
         if not store.watching_slots:
-            print("slot watch: stopped after the pool was seeded (a diagnostic: our claims' echoes are not received)")
+            say("slot watch: stopped after the pool was seeded (a diagnostic: our claims' echoes are not received)")
         head = ("claimers", "claims", "p50 ms", "p99 ms", "max ms", "claims/s", "conflicts")
         floor_head = ("floor p50", "floor p99", "updates/s", "p99/floor")
         widths = (8, 7, 8, 8, 8, 9, 9)
-        print(
+        say(
             " ".join(f"{h:>{w}}" for h, w in zip(head, widths, strict=True))
             + " | "
             + " ".join(f"{h:>9}" for h in floor_head)
@@ -172,15 +255,18 @@ async def _bench(args: argparse.Namespace) -> None:
                 gc.freeze()
             p50, p99 = _ms(lat_all)
             f50, f99 = _ms(floor_lat)
-            print(
-                f"{conc:>8} {len(lat_all):>7} {p50:>8.2f} {p99:>8.2f} {max(lat_all) * 1e3:>8.2f} "
-                f"{len(lat_all) / wall:>9.0f} {conflicts:>9} | "
-                f"{f50:>9.2f} {f99:>9.2f} {len(floor_lat) / floor_wall:>9.0f} {p99 / f99:>8.2f}x"
-            )
-        print(
-            "floor: bare nats-py kv.update(key, value, last=rev), same key shape and value size, as many writers, "
-            f"measured in {args.slices} slices taking turns with the claims'"
-        )
+            level = ClaimsLevel(
+                claimers=conc, claims=len(lat_all), p50_ms=p50, p99_ms=p99, max_ms=max(lat_all) * 1e3,
+                claims_per_s=len(lat_all) / wall, wall_s=wall, conflicts=conflicts,
+                floor_updates=len(floor_lat), floor_p50_ms=f50, floor_p99_ms=f99, floor_max_ms=max(floor_lat) * 1e3,
+                floor_updates_per_s=len(floor_lat) / floor_wall, floor_wall_s=floor_wall, ratio_p99=p99 / f99,
+            )  # fmt: skip
+            report.levels.append(level)
+            say(_row(level))
+            if not text:  # progress, on stderr: stdout has the object only
+                done = f"claimers {conc}: {len(lat_all)} claims, p99 {p99:.2f} ms ({p99 / f99:.2f}x the floor)"
+                print(done, file=sys.stderr, flush=True)
+        say(f"floor: {report.floor}, measured in {args.slices} slices taking turns with the claims'")
         with contextlib.suppress(Exception):
             await js.delete_key_value(FLOOR_BUCKET)
         await store.close()
@@ -188,6 +274,8 @@ async def _bench(args: argparse.Namespace) -> None:
     finally:
         if server is not None:
             server.stop()
+    if fmt is not None:
+        print(out.dump(report, fmt))
 
 
 def claims(argv: list[str], prog: str) -> int:
@@ -209,6 +297,7 @@ def claims(argv: list[str], prog: str) -> int:
         help="stop the registry's slot watch once the pool is seeded: what receiving our own claims' echoes costs",
     )
     nats_connect.add_nats_arguments(p)
+    out.add_output_argument(p)
     args = p.parse_args(argv)
     asyncio.run(_bench(args))
     return 0

@@ -1,7 +1,7 @@
 """How late the event loop runs what is due: the one figure that says whether a lease renewal can be late.
 
 A replica acts for its shards only until ``sent + lease_s * stop_fraction`` of its last renewal (1.6 s at the
-defaults, `autoscaler.shards`); a renewal whose reply waits behind a busy loop, or a process the kernel does not
+defaults, `autoscaler.shards.leases`); a renewal whose reply waits behind a busy loop, or a process the kernel does not
 schedule, loses the lease although the broker answered in time. `probe` sleeps `every_s` over and over and reports
 the overshoot of each sleep (what every other task scheduled then waited too) to `observe`, and logs a warning,
 at most once per `warn_every_s`, when one passes `warn_over_s`. Measured here on 2 cores: a few ms with 1,000

@@ -23,7 +23,7 @@ A key pattern confines where a writer publishes, not what the stream does with i
 (``Nats-Rollup: all``) on a writer's own key would purge every key of the bucket, so the buckets refuse rollups.
 And a consumer's deliver subject is not checked against its creator's publish grants: a reader of a bucket can
 have its messages delivered onto any subject, so every handler checks the subject a message arrived on and where
-it replies (`autoscaler.commands`, the agent's requests).
+it replies (`autoscaler.commands.service`, the agent's requests).
 
 Revisions: 5 let the operator read the slots and ask ``status``, and on-call read the ScaledObjects; 6 (sharding)
 lets the autoscaler, and only it, publish and subscribe ``pulse.autoscaler.>``: the replicas hand each other the

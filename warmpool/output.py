@@ -24,7 +24,7 @@ from typing import Any, Final
 import msgspec
 import yaml
 
-__all__ = ["MACHINE_FORMATS", "TIMES_RULE", "add_output_argument", "dump", "machine", "table"]
+__all__ = ["MACHINE_FORMATS", "TIMES_RULE", "add_output_argument", "dump", "machine", "replicas_text", "table"]
 
 MACHINE_FORMATS: Final = ("json", "yaml")
 TIMES_RULE: Final = (
@@ -35,6 +35,11 @@ TIMES_RULE: Final = (
 """The one rule for times in machine output, said in the --help of every command that prints times."""
 COLUMN_GAP: Final = "   "
 """kubectl's three spaces between columns."""
+
+
+def replicas_text(n: int) -> str:
+    """``1 replica``, ``0 replicas``, ``3 replicas``: the count as the replies and the CLI print it."""
+    return f"{n} replica" if n == 1 else f"{n} replicas"
 
 
 def add_output_argument(p: argparse.ArgumentParser, *, extra: Sequence[str] = ()) -> None:

@@ -2,11 +2,11 @@
 
 The agent arms a zygote per slot while the slot is warm (off the activation path), starts an engine from it on
 activation and stops it on deactivation, keeping the zygote armed (`nodeagent.forked` is the agent's side).
-Modules: `zygote` (the pre-forked process), `local` (a numpy model behind an OpenAI-shaped HTTP server),
-`loaders` (weights into engine memory), `safetensors_check` (pure header validation). An import contract keeps
-NATS, aiohttp, prometheus_client and the registry out of this package. Readiness (``GET`` of the engine's
-`Started.health_path` and one real completion) is checked by the agent for every engine alike
-(`nodeagent.readiness`).
+Modules: `zygote` (the pre-forked process), `pipe` (the typed commands and events between it and the agent),
+`local` (a numpy model behind an OpenAI-shaped HTTP server), `loaders` (weights into engine memory),
+`safetensors_check` (pure header validation). An import contract keeps NATS, aiohttp, prometheus_client and the
+registry out of this package. Readiness (``GET`` of the engine's `Started.health_path` and one real completion) is
+checked by the agent for every engine alike (`nodeagent.readiness`).
 """
 
 from __future__ import annotations

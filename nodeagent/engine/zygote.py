@@ -3,13 +3,14 @@
 The agent starts ``python -m nodeagent.engine.zygote SPEC`` when it arms a slot. The zygote imports the engine and the
 loader (numpy, the HTTP server: the interpreter start and imports that a cold pod pays for), reads the model's
 config, freezes its heap (`gc.freeze`, so forked children share it copy-on-write) and waits for commands on
-stdin, one JSON object per line:
+stdin, one JSON object per line (`nodeagent.engine.pipe`: typed, decoded there; a line that is not a command is
+answered with an ``error`` event):
 
-- ``{"cmd": "start", "port": P}``: fork a child that loads the staged weights with the loader, builds the engine,
-  binds ``host:P`` (0 = any free port) and serves; it reports ``serving`` (or ``failed``) itself.
-- ``{"cmd": "stop", "grace_s": S}``: SIGTERM the child, SIGKILL it after S seconds; the process exit frees every
-  byte of engine memory, while the staged weights stay in shm and the zygote stays armed.
-- ``{"cmd": "exit"}`` or end of stdin (the agent is gone): kill the child and exit.
+- ``{"cmd": "start", "port": P}`` (`pipe.Start`): fork a child that loads the staged weights with the loader,
+  builds the engine, binds ``host:P`` (0 = any free port) and serves; it reports ``serving`` (or ``failed``) itself.
+- ``{"cmd": "stop", "grace_s": S}`` (`pipe.Stop`): SIGTERM the child, SIGKILL it after S seconds; the process exit
+  frees every byte of engine memory, while the staged weights stay in shm and the zygote stays armed.
+- ``{"cmd": "exit"}`` (`pipe.Exit`) or end of stdin (the agent is gone): kill the child and exit.
 
 The spec's ``weights`` are the staged files as descriptors the agent passed to the zygote (open, read-only,
 hashed by the agent through that very descriptor) with the device, inode and size staging verified; the zygote
@@ -18,10 +19,11 @@ weights by name. ``run_as`` ([uid, gid], set when the agent is root) is the unpr
 once it has imported everything and read the config: ``PR_SET_NO_NEW_PRIVS``, no supplementary groups, then the
 group and user (real, effective and saved), so no engine process ever runs as root or can regain it.
 
-Events go to the stdout the zygote was started with, one JSON line each (< PIPE_BUF, so the zygote's and the
-child's lines never interleave): ``armed``, ``forked``, ``serving``, ``failed``, ``exited``, ``error``. That
-descriptor is the zygote's own: first thing, it is moved aside and fd 1 joins fd 2 (the slot's log, through the
-agent), so nothing an engine or a library prints can pass for an event, and the child closes it once it serves.
+Events (`pipe.Event`) go to the stdout the zygote was started with, one JSON line each (< PIPE_BUF, so the
+zygote's and the child's lines never interleave): ``armed``, ``forked``, ``serving``, ``failed``, ``exited``,
+``error``. That descriptor is the zygote's own: first thing, it is moved aside and fd 1 joins fd 2 (the slot's log,
+through the agent), so nothing an engine or a library prints can pass for an event, and the child closes it once it
+serves.
 Both processes ask the kernel to kill them when their parent dies (``PR_SET_PDEATHSIG``), so a SIGKILLed agent
 leaves no engine behind.
 """
@@ -39,6 +41,8 @@ import sys
 import time
 import traceback
 from typing import Any, Final
+
+from nodeagent.engine import pipe
 
 __all__ = ["CHILD_ENGINES", "FAULTS", "main"]
 
@@ -79,9 +83,9 @@ def drop_privileges(uid: int, gid: int) -> None:
         raise OSError(f"still {os.getresuid()}:{os.getresgid()} after dropping to {uid}:{gid}")
 
 
-def emit(event: dict[str, Any]) -> None:
-    data = (json.dumps(event, separators=(",", ":")) + "\n").encode()
-    os.write(_events_fd, data)
+def emit(event: pipe.Event) -> None:
+    """One event line to the agent (`pipe.encode`: compact JSON, well under ``PIPE_BUF``, written at once)."""
+    os.write(_events_fd, pipe.encode(event))
 
 
 def _keep_events_apart() -> None:
@@ -104,14 +108,14 @@ def _child(spec: dict[str, Any], engine: Any, loader: Any, files: Any, port: int
             weights = loader.load(files, private=spec["private"])
         except Exception as err:  # noqa: BLE001 - reported to the agent, which decides what it means
             traceback.print_exc()
-            emit({"ev": "failed", "pid": os.getpid(), "stage": "load", "reason": f"{type(err).__name__}: {err}"})
+            emit(pipe.Failed(pid=os.getpid(), stage="load", reason=f"{type(err).__name__}: {err}"))
             os._exit(1)
         t1 = time.perf_counter()
         fault = spec.get("fault")
         if fault == "crash":
             os.abort()
         if fault == "fail":
-            emit({"ev": "failed", "pid": os.getpid(), "stage": "engine", "reason": "fault injected: engine failed"})
+            emit(pipe.Failed(pid=os.getpid(), stage="engine", reason="fault injected: engine failed"))
             os._exit(1)
         if fault == "hang":
             while True:
@@ -120,19 +124,18 @@ def _child(spec: dict[str, Any], engine: Any, loader: Any, files: Any, port: int
             server = engine.boot(weights, spec["host"], port, fault)
         except Exception as err:  # noqa: BLE001
             traceback.print_exc()
-            emit({"ev": "failed", "pid": os.getpid(), "stage": "engine", "reason": f"{type(err).__name__}: {err}"})
+            emit(pipe.Failed(pid=os.getpid(), stage="engine", reason=f"{type(err).__name__}: {err}"))
             os._exit(1)
         t2 = time.perf_counter()
         emit(
-            {
-                "ev": "serving",
-                "pid": os.getpid(),
-                "port": server.port,
-                "load_ms": (t1 - t0) * 1e3,
-                "boot_ms": (t2 - t1) * 1e3,
-                "bytes": weights.nbytes,
-                "mode": weights.mode,
-            }
+            pipe.Serving(
+                pid=os.getpid(),
+                port=server.port,
+                load_ms=(t1 - t0) * 1e3,
+                boot_ms=(t2 - t1) * 1e3,
+                bytes=weights.nbytes,
+                mode=weights.mode,
+            )
         )
         os.close(_events_fd)  # nothing more to say: what it serves cannot write to the agent's event channel
         server.serve_forever(poll_interval=3600)
@@ -167,35 +170,34 @@ class _Zygote:
         note = self.loader.prepare(self.files)  # as the engine's user: limits and capabilities as it will have them
         gc.collect()
         gc.freeze()  # objects made so far are never touched by the collector: children share them untouched
-        emit({"ev": "armed", "pid": os.getpid(), "prepare_ms": (time.perf_counter() - t0) * 1e3, "loader_note": note})
+        emit(pipe.Armed(pid=os.getpid(), prepare_ms=(time.perf_counter() - t0) * 1e3, loader_note=note))
 
-    def start(self, cmd: dict[str, Any]) -> None:
+    def start(self, cmd: pipe.Start) -> None:
         if self.child is not None:
-            emit({"ev": "error", "reason": f"engine process {self.child} is still running; stop it first"})
+            emit(pipe.Error(reason=f"engine process {self.child} is still running; stop it first"))
             return
         me = os.getpid()
         pid = os.fork()
         if pid == 0:
-            _child(self.spec, self.engine, self.loader, self.files, int(cmd.get("port", 0)), me)
+            _child(self.spec, self.engine, self.loader, self.files, cmd.port, me)
         self.child = pid
         self.pidfd = os.pidfd_open(pid)
-        emit({"ev": "forked", "pid": pid})
+        emit(pipe.Forked(pid=pid))
 
     def reap(self, requested: bool) -> None:
         assert self.child is not None and self.pidfd is not None
         _, status = os.waitpid(self.child, 0)
-        event: dict[str, Any] = {"ev": "exited", "pid": self.child, "requested": requested}
         if os.WIFSIGNALED(status):
-            event["signal"] = signal.Signals(os.WTERMSIG(status)).name
+            event = pipe.Exited(pid=self.child, requested=requested, signal=signal.Signals(os.WTERMSIG(status)).name)
         else:
-            event["code"] = os.WEXITSTATUS(status)
+            event = pipe.Exited(pid=self.child, requested=requested, code=os.WEXITSTATUS(status))
         os.close(self.pidfd)
         self.child = self.pidfd = None
         emit(event)
 
     def stop(self, grace_s: float) -> None:
         if self.child is None:
-            emit({"ev": "exited", "pid": None, "requested": True, "code": None})
+            emit(pipe.Exited(pid=None, requested=True))
             return
         os.kill(self.child, signal.SIGTERM)
         assert self.pidfd is not None
@@ -223,20 +225,17 @@ class _Zygote:
                 if not line.strip():
                     continue
                 try:
-                    cmd = json.loads(line)
-                    verb = cmd["cmd"]
-                except (ValueError, KeyError, TypeError):
-                    emit({"ev": "error", "reason": f"bad command {line[:200]!r}"})
+                    cmd = pipe.decode_command(line)
+                except pipe.BadMessage as err:  # not JSON, no known ``cmd``, a field missing or of the wrong type
+                    emit(pipe.Error(reason=str(err)))
                     continue
-                if verb == "start":
+                if isinstance(cmd, pipe.Start):
                     self.start(cmd)
-                elif verb == "stop":
-                    self.stop(float(cmd.get("grace_s", 1.0)))
-                elif verb == "exit":
+                elif isinstance(cmd, pipe.Stop):
+                    self.stop(cmd.grace_s)
+                else:  # pipe.Exit
                     self.shutdown()
                     return
-                else:
-                    emit({"ev": "error", "reason": f"unknown command {verb!r}"})
 
     def shutdown(self) -> None:
         if self.child is not None:
@@ -255,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         zygote.arm()
     except Exception as err:  # noqa: BLE001 - reported to the agent as the reason the slot cannot arm
         traceback.print_exc()
-        emit({"ev": "error", "fatal": True, "reason": f"cannot arm: {type(err).__name__}: {err}"})
+        emit(pipe.Error(reason=f"cannot arm: {type(err).__name__}: {err}", fatal=True))
         return 1
     zygote.run()
     return 0
