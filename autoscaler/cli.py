@@ -42,7 +42,7 @@ def run_autoscaler(argv: list[str], prog: str) -> int:
         type=int,
         metavar="N",
         help="the most replicas acted on per model: larger ScaledObjects are cut to it, larger scale/pause "
-        f"refused [${scaledobject.MAX_REPLICAS_ENV} or {scaledobject.DEFAULT_MAX_REPLICAS}]",
+        f"refused [${protocol.MAX_REPLICAS_ENV} or {protocol.DEFAULT_MAX_REPLICAS}]",
     )
     p.add_argument(
         "--max-claims-in-flight",

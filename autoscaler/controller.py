@@ -72,7 +72,8 @@ class Deps:
     store: KvSlotStore
     metrics: AutoscalerMetrics
     cold_path: ColdPath
-    is_leader: Callable[[], bool]
+    owns: Callable[[], bool]
+    """This replica owns the model's shard now, so it acts for the model (the glossary's *owner*)."""
     settings: ControllerSettings = field(default_factory=ControllerSettings)
     clock: Callable[[], float] = time.time
     claims: ClaimsInFlight = field(default_factory=ClaimsInFlight)
@@ -91,7 +92,7 @@ class ModelController:
             events=self.events,
             metrics=deps.metrics,
             cold_path=deps.cold_path,
-            is_leader=deps.is_leader,
+            owns=deps.owns,
             settings=deps.settings.scaler,
             clock=deps.clock,
             claims=deps.claims,
@@ -167,7 +168,7 @@ class ModelController:
                 ready=self.scaler.ready,
                 activating=self.scaler.activating,
             )
-        if self.deps.is_leader():
+        if self.deps.owns():
             # A new target that a sample caused starts `pulsescale_decision_seconds`; its first claim ends it.
             self.scaler.wake(ev.sample_at if ev.changed else None)
         self._arm_boundary(now)
@@ -175,7 +176,7 @@ class ModelController:
 
     def _arm_boundary(self, now: float) -> None:
         """Aim the boundary timer at the next schedule start or end (unchanged: left as it is)."""
-        at = self.decider.next_boundary(now) if self.deps.is_leader() else None
+        at = self.decider.next_boundary(now) if self.deps.owns() else None
         if at == self._boundary_at and (at is None or self._boundary_timer is not None):
             return
         self._cancel_boundary()
@@ -197,7 +198,7 @@ class ModelController:
     def _boundary_fired(self) -> None:
         self._boundary_timer = None
         self._boundary_at = None
-        if not self.deps.is_leader():
+        if not self.deps.owns():
             return  # the shard moved on: its new owner decides
         now = self.deps.clock()
         self.decider.request(now)
@@ -253,7 +254,7 @@ class ModelController:
             self._timer.cancel()
             self._timer = None
         self._cancel_boundary()
-        if not self.deps.is_leader():
+        if not self.deps.owns():
             await self.scaler.stop(release_in_flight=False)  # the leader releases them
             return 0
         return await self.scaler.release_all(reason)

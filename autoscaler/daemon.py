@@ -95,9 +95,9 @@ class AutoscalerSettings:
     0 picks a free one."""
     lease: LeaseSettings = field(default_factory=LeaseSettings)
     controller: ControllerSettings = field(default_factory=ControllerSettings)
-    max_replicas: int = scaledobject.DEFAULT_MAX_REPLICAS
+    max_replicas: int = protocol.DEFAULT_MAX_REPLICAS
     """The most replicas the autoscaler acts on for one model: a ScaledObject over it is cut down to it (logged),
-    and ``scale``/``pause`` over it are refused. The wire allows 100000; see `scaledobject.DEFAULT_MAX_REPLICAS`."""
+    and ``scale``/``pause`` over it are refused. The wire allows 100000; see `protocol.DEFAULT_MAX_REPLICAS`."""
     housekeeping_every_s: float = 0.25
     """Time-driven checks of the models holding slots (dead agents, stuck activations); the rest (override expiry,
     stale gateways, the windows moving on) on each model's turn, `redecide_every_s`. Decisions run on samples."""
@@ -165,7 +165,7 @@ class Autoscaler:
             store=store,
             metrics=self.metrics,
             cold_path=cold_path or LocalColdPath(),
-            is_leader=self.fleet.is_leader,
+            owns=self.fleet.holds_shards,
             settings=settings.controller,
             clock=clock,
         )
@@ -256,7 +256,7 @@ class Autoscaler:
         whose views stay stale (wedged). Leading, or connected with views current since the last reconnect, is
         alive; so is a replica whose NATS is down: the client reconnects by itself, and a restart would only take
         every replica down at once during a broker outage (``/readyz`` reports it)."""
-        if self.fleet.is_leader() or not self.nc.is_connected:
+        if self.fleet.holds_shards() or not self.nc.is_connected:
             return True
         views = (self.store.slots, self.store.agents, self.scalers)
         return all(v.current() for v in views)
@@ -267,7 +267,7 @@ class Autoscaler:
             "ok": self.healthy(),
             "ready": reason is None,
             **({"reason": reason} if reason is not None else {}),
-            "leader": self.fleet.is_leader(),
+            "leader": self.fleet.holds_shards(),
             "identity": self.settings.identity,
             "shards": sorted(self.fleet.shards.held()) if self.fleet.shards is not None else [],
             "nats_connected": self.nc.is_connected,
@@ -348,7 +348,7 @@ class Autoscaler:
             held = [r for r in self.store.records(model) if r.state in ("ready", "activating", "claimed")]
             shard = protocol.shard_of(model)
             # The controller acts while this replica holds the model's shard (fenced, checked at every act).
-            deps = dataclasses.replace(self.deps, is_leader=functools.partial(self.fleet.owns_shard, shard))
+            deps = dataclasses.replace(self.deps, owns=functools.partial(self.fleet.owns_shard, shard))
             c = ModelController(record, deps, current_replicas=len(held))
             self.fleet.add(key, c)
             self.slot_events.slot_gauges(c)
@@ -445,7 +445,7 @@ class Autoscaler:
             its_turn = protocol.shard_of(c.model, turns) == turn
             if not c.housekeeping_due(its_turn):
                 continue  # nothing of it to look at between its turns (a fleet's steady models: most of them)
-            if self.fleet.by_model.get(c.model) is not c or not c.deps.is_leader():
+            if self.fleet.by_model.get(c.model) is not c or not c.deps.owns():
                 continue  # its ScaledObject went (or was re-pointed) while we yielded, or another replica owns it
             with self._contained(f"housekeeping of {c.model}"):
                 await c.housekeeping(now, decide=its_turn, forget_after_s=self.settings.forget_gateway_after_s)
@@ -470,7 +470,7 @@ class Autoscaler:
         self.metrics.agent_leases.set(len(nodes))
         self.metrics.agent_leases_lapsed.set(sum(1 for node in nodes if self.store.lease_lapsed(node, now)))
         for c in self.fleet.by_model.values():
-            c.scaler.series.owned.set(1 if c.deps.is_leader() else 0)
+            c.scaler.series.owned.set(1 if c.deps.owns() else 0)
 
     # --- leadership (`autoscaler.ownership`) --------------------------------------------------------------------
 
@@ -547,7 +547,7 @@ async def run(
             nc,
             scaler,
             store,
-            is_leader=scaler.fleet.is_leader,
+            holds_shards=scaler.fleet.holds_shards,
             router=shards,
             rejections=scaler.rejections,  # counted in pulsescale_rejected_messages_total{reason}
             settings=commands.CommandSettings(max_replicas=settings.max_replicas),

@@ -60,7 +60,7 @@ class Models:
             self.subjects_changed.set()
         return c
 
-    def is_leader(self) -> bool:
+    def holds_shards(self) -> bool:
         """Acts for at least one shard (answers on-call commands, counts as leading in ``/healthz``)."""
         return self.shards is not None and bool(self.shards.held())
 

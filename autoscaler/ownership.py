@@ -156,7 +156,7 @@ class Ownership:
                 if time.perf_counter() >= until:
                     await asyncio.sleep(0)
                     until = time.perf_counter() + self.slice_s
-                if self.models.by_model.get(c.model) is c and c.deps.is_leader():
+                if self.models.by_model.get(c.model) is c and c.deps.owns():
                     with self.contained(f"the first decision of {c.model}"):
                         c.evaluate(self.clock())
             where = f"shard(s) {','.join(map(str, sorted(batch)))}" if batch else "shards already held"

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Final
 
 from warmpool.errors import PulsescaleError
+from warmpool.protocol import DEFAULT_MAX_REPLICAS, MAX_REPLICAS_ENV  # the one replica bound, the contract's
 
 __all__ = [
     "ANNOTATION_PREFIXES",
@@ -49,11 +50,6 @@ PAUSED_SCALE_IN_ANNOTATION: Final = "pulsescale.io/paused-scale-in"
 PAUSED_SCALE_OUT_ANNOTATION: Final = "pulsescale.io/paused-scale-out"
 MANIFEST_SUFFIXES: Final = (".yaml", ".yml", ".json")
 """What `load_path` reads from a directory, as ``kubectl apply -f DIR``."""
-DEFAULT_MAX_REPLICAS: Final = 1000
-"""The most replicas of one model that `apply`, the on-call commands and the autoscaler accept unless configured
-otherwise: well above any single model's fleet today, and small enough that a typo (``100000``) is refused."""
-MAX_REPLICAS_ENV: Final = "PULSESCALE_MAX_REPLICAS"
-"""Environment variable that raises (or lowers) `DEFAULT_MAX_REPLICAS` for `apply` and the autoscaler."""
 MAX_TRIGGERS: Final = 16
 """Most triggers in one ScaledObject, as the CRD's ``maxItems`` (manifests/crdschema.py uses this one): every trigger
 names the same model, so more than one is only to name them, and the API server needs a bound for the CEL rule."""

@@ -222,7 +222,7 @@ def apply(argv: list[str], prog: str, *, stdin: TextIO | None = None) -> int:
         "--max-replicas",
         type=positive_int_arg,
         metavar="N",
-        help=f"refuse replica counts over N [$PULSESCALE_MAX_REPLICAS or {scaledobject.DEFAULT_MAX_REPLICAS}]",
+        help=f"refuse replica counts over N [$PULSESCALE_MAX_REPLICAS or {protocol.DEFAULT_MAX_REPLICAS}]",
     )
     out.add_output_argument(p)
     nats_connect.add_nats_arguments(p)

@@ -105,7 +105,7 @@ async def test_the_port_serves_metrics_health_and_readiness_and_nothing_else(
         await wait_for(lambda: ready_is(503), 5, "not ready without a broker")
         status, text = await get(port, "/readyz")
         assert status == 503 and json.loads(text)["reason"] == "NATS is not connected (reconnecting)", text
-        await wait_for(lambda: not scaler.fleet.is_leader(), 5, "the lease lapsed: no longer leading either")
+        await wait_for(lambda: not scaler.fleet.holds_shards(), 5, "the lease lapsed: no longer leading either")
         status, text = await get(port, "/healthz")
         assert status == 200 and json.loads(text)["leader"] is False, text
         nats_server.restart()

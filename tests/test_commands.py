@@ -399,7 +399,7 @@ async def test_message_without_reply_subject_is_still_applied_and_audited(
 async def test_only_the_leader_subscribes(nc: Client, store: KvSlotStore, control: ControlPlaneDouble) -> None:
     leading = False
     svc = CommandService(
-        nc, control, store, is_leader=lambda: leading, settings=CommandSettings(leadership_poll_s=0.02)
+        nc, control, store, holds_shards=lambda: leading, settings=CommandSettings(leadership_poll_s=0.02)
     )
     await svc.start()
     try:
@@ -434,7 +434,7 @@ async def test_a_callback_saying_leading_after_the_lead_was_lost_does_not_subscr
     """`on_leadership` runs later than it was called: a burst of shard losses calls it with "still leading" for
     every shard but the last, and those may run after the last one's "not leading"."""
     async with serving(
-        nc, control, store, is_leader=lambda: False, settings=CommandSettings(leadership_poll_s=60)
+        nc, control, store, holds_shards=lambda: False, settings=CommandSettings(leadership_poll_s=60)
     ) as svc:
         svc.on_leadership(True)
         for _ in range(5):
@@ -451,7 +451,7 @@ async def test_leadership_that_flaps_while_the_broker_is_down_leaves_one_subscri
     ``pulse.cmd.*`` for this connection, one never read, and every other command went unanswered."""
     leading = True
     settings = CommandSettings(leadership_poll_s=0.02)
-    async with serving(nc, control, store, is_leader=lambda: leading, settings=settings) as svc:
+    async with serving(nc, control, store, holds_shards=lambda: leading, settings=settings) as svc:
         nats_server.kill()
         await wait_for(lambda: nc.is_reconnecting, 5, "nats-py to see the broker go")
         for leading in (False, True, False):
@@ -471,7 +471,9 @@ async def test_a_deposed_leader_refuses_until_it_unsubscribes(
     nc: Client, store: KvSlotStore, control: ControlPlaneDouble
 ) -> None:
     leading = True
-    svc = CommandService(nc, control, store, is_leader=lambda: leading, settings=CommandSettings(leadership_poll_s=60))
+    svc = CommandService(
+        nc, control, store, holds_shards=lambda: leading, settings=CommandSettings(leadership_poll_s=60)
+    )
     await svc.start()
     try:
         leading = False  # lost the lease; the poll has not noticed yet

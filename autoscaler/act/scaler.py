@@ -118,7 +118,7 @@ class ModelScaler:
         events: Events,
         metrics: AutoscalerMetrics,
         cold_path: ColdPath,
-        is_leader: Callable[[], bool],
+        owns: Callable[[], bool],
         settings: ScalerSettings = ScalerSettings(),
         clock: Callable[[], float] = time.time,
         claims: ClaimsInFlight | None = None,
@@ -131,13 +131,13 @@ class ModelScaler:
         self.series = metrics.model(self.model)
         """The model's label children, looked up once (a sample or a decision costs no `labels()` lookup)."""
         self.cold_path = cold_path
-        self.is_leader = is_leader
+        self.owns = owns
         self.settings = settings
         self.clock = clock
         self.claims = claims if claims is not None else ClaimsInFlight()
         self.book = SlotBook(self.claims)
         """The slots held for the model and the bring-ups on their way to it (`scaler_book.SlotBook`)."""
-        self.slots = SlotActions(
+        self.actions = SlotActions(
             self.model,
             self.book,
             store=store,
@@ -201,7 +201,7 @@ class ModelScaler:
         no claim or the pool is empty. While one is pending, the earliest stands."""
         if sample_at is not None and self._trigger is None:
             self._trigger = _Trigger(sample_at)
-        if sample_at is not None and self._loop_task is not None and not self._stopping and self.is_leader():
+        if sample_at is not None and self._loop_task is not None and not self._stopping and self.owns():
             # A sample's new target: the claim starts now, not a loop iteration later behind other work. A failure
             # here must not reach the decision's caller; the loop below reconciles again.
             try:
@@ -214,7 +214,7 @@ class ModelScaler:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if self.is_leader():
+            if self.owns():
                 self.reconcile_once()
 
     def reconcile_once(self) -> None:
@@ -266,9 +266,9 @@ class ModelScaler:
         tried: set[str] = set()
         unbooked = Unbooked()  # counted in `claiming` until its claim is in `held`
         try:
-            while self.is_leader() and not self._stopping:
+            while self.owns() and not self._stopping:
                 try:
-                    held = await self.slots.claim(tried, unbooked)
+                    held = await self.actions.claim(tried, unbooked)
                 except NoSlotAvailable:
                     self.exhausted = True
                     await self._cold_start()
@@ -285,7 +285,7 @@ class ModelScaler:
                     trigger.observed = True
                     self.metrics.decision_seconds.observe(max(0.0, held.since - trigger.sample_at))
                 self.events.publish("slot.claimed", node=claim.node, slot=claim.slot, token=claim.token)
-                if await self.slots.activate(held, measured=True):
+                if await self.actions.activate(held, measured=True):
                     return
                 tried.add(claim.key)
                 if self.ready + self.activating >= self.desired:
@@ -319,7 +319,7 @@ class ModelScaler:
     # --- take-down --------------------------------------------------------------------------------------------
 
     async def _take_down(self, held: Held) -> None:
-        await self.slots.release(held, reason=f"scale down: {self.target.reason or 'scale down'}")
+        await self.actions.release(held, reason=f"scale down: {self.target.reason or 'scale down'}")
         self._wake.set()
 
     # --- leadership -------------------------------------------------------------------------------------------
@@ -361,7 +361,7 @@ class ModelScaler:
             if claim is not None:
                 self.held[rec.key] = Held(claim, "ready" if rec.state == "ready" else "activating", now)
         victims = list(self.held.values())
-        await asyncio.gather(*(self.slots.release(h, reason=reason) for h in victims), return_exceptions=True)
+        await asyncio.gather(*(self.actions.release(h, reason=reason) for h in victims), return_exceptions=True)
         released = sum(1 for h in victims if self.held.get(h.claim.key) is not h)
         left = len(victims) - released
         if left:
@@ -394,8 +394,8 @@ class ModelScaler:
         return len(self.held)
 
     async def _resume(self, held: Held) -> None:
-        if self.is_leader():
-            await self.slots.activate(held, measured=False)
+        if self.owns():
+            await self.actions.activate(held, measured=False)
             self._wake.set()
 
     # --- registry changes and time -------------------------------------------------------------------------------
@@ -432,7 +432,7 @@ class ModelScaler:
 
     async def housekeeping(self, now: float) -> None:
         """Time-driven checks no sample triggers: late adoptions, failed releases, dead agents, stuck activations."""
-        if not self.is_leader():
+        if not self.owns():
             return
         deadline_s = self.settings.activation_deadline_s
         was_exhausted, self.exhausted = self.exhausted, False  # look at the pool again, at most once per tick
@@ -452,20 +452,20 @@ class ModelScaler:
         for key, h in list(self.held.items()):
             if h.phase == "releasing" and h.release_failed and key not in self.book.releasing_here:
                 h.release_failed = False
-                self._spawn(self.slots.release(h, reason="retrying a failed release"), f"release-{key}")
+                self._spawn(self.actions.release(h, reason="retrying a failed release"), f"release-{key}")
                 continue
             # Judged only on a current view of the agents, once they had a heartbeat interval to renew: right
             # after an outage (a reconnect, a takeover) every lease looks old, and the slots are still serving.
             if h.phase == "ready" and self.store.lease_lapsed(h.claim.node, now):
                 log.warning("%s: agent of %s stopped heartbeating; replacing the slot", self.model, key)
                 h.phase = "releasing"
-                self._spawn(self.slots.release(h, reason="agent lease expired"), f"release-{key}")
+                self._spawn(self.actions.release(h, reason="agent lease expired"), f"release-{key}")
             elif h.phase == "activating" and key not in self.book.activating_here and now - h.since > deadline_s + 0.5:
                 # An adopted activation that its agent did not finish within the deadline: give it back.
                 rec = self.store.record(key)
                 if rec is None or rec.state != "ready":
                     h.phase = "releasing"
-                    self._spawn(self.slots.release(h, reason="activation never finished"), f"release-{key}")
+                    self._spawn(self.actions.release(h, reason="activation never finished"), f"release-{key}")
                 else:
                     h.phase = "ready"
         ready, activating = self.ready, self.activating

@@ -104,7 +104,7 @@ class CommandSettings:
     max_override_s: float = protocol.MAX_OVERRIDE_S
     """The longest ``scale --for`` accepted (`protocol.MAX_OVERRIDE_S`)."""
     leadership_poll_s: float = 0.25
-    """How often the service checks `is_leader` to (un)subscribe: elections take a lease period (seconds), so
+    """How often the service checks `holds_shards` to (un)subscribe: elections take a lease period (seconds), so
     this adds little to a failover; the per-request fence covers the lag on deposition."""
     peer_status_timeout_s: float = 1.5
     """How long the front waits for the other replicas' rows in a ``status`` of every model: a live replica

@@ -34,15 +34,15 @@ again. Every mutating command is idempotent in effect (the same override, the sa
 Leadership. Only a leading replica answers. A standby does not subscribe at all, so with no leader the client
 gets ``NoResponders`` at once (which the CLI explains) instead of a refusal from whichever standby the queue group
 picked. Subscriptions use the queue group `CommandSettings.queue_group`, so while an old and a new leader overlap
-(until the old one's deposition unsubscribes it) a request is still handled once; and `is_leader` is checked on
+(until the old one's deposition unsubscribes it) a request is still handled once; and `holds_shards` is checked on
 every request, so the old leader answers ``not_leader`` rather than acting after it lost the lease. The service
-follows `is_leader` by itself (a cheap check every `CommandSettings.leadership_poll_s`); the election's
+follows `holds_shards` by itself (a cheap check every `CommandSettings.leadership_poll_s`); the election's
 ``on_elected`` / ``on_deposed`` may also call `on_leadership` to (un)subscribe at once. It (un)subscribes only
 on a live connection, never while nats-py reconnects (see `CommandService.set_leading`): after a broker restart
 the connection holds exactly one subscription per subject.
 
 Sharding (protocol revision 6). With a `Router` (the replica's shard leases), models are split over replicas and
-`is_leader` means "holds at least one shard". Every such replica is a *front*: it answers ``pulse.cmd.<verb>`` in
+`holds_shards` means "holds at least one shard". Every such replica is a *front*: it answers ``pulse.cmd.<verb>`` in
 the queue group. A request naming a model (scale, pause, resume, schedule, status of one model) is handled by the
 front if it owns the model; if another live replica does, the front publishes the very same bytes to
 ``pulse.autoscaler.<owner>.cmd.<verb>`` with the client's inbox as reply-to, and the owner runs the whole pipeline
@@ -145,7 +145,7 @@ async def ensure_audit_stream(nc: Client, settings: CommandSettings = CommandSet
 class CommandService:
     """Answers ``pulse.cmd.<verb>`` while this replica leads (with a `Router`: while it holds a shard, and its
     hand-over subject too). ``start()``, then ``on_leadership(...)`` from the election's callbacks (or leave
-    `is_leader` at its default for a single replica), ``stop()`` at shutdown."""
+    `holds_shards` at its default for a single replica), ``stop()`` at shutdown."""
 
     def __init__(
         self,
@@ -155,7 +155,7 @@ class CommandService:
         *,
         clock: Callable[[], float] = time.time,
         rejections: Rejections | None = None,
-        is_leader: Callable[[], bool] = lambda: True,
+        holds_shards: Callable[[], bool] = lambda: True,
         settings: CommandSettings = CommandSettings(),
         router: Router | None = None,
     ) -> None:
@@ -164,7 +164,7 @@ class CommandService:
         self.store = store
         self.clock = clock
         self.rejections = rejections or Rejections(log)
-        self.is_leader = is_leader
+        self.holds_shards = holds_shards
         self.settings = settings
         self.router = router
         self.ledger = RequestLedger(settings.ledger_entries)
@@ -192,7 +192,7 @@ class CommandService:
         """Create the audit stream if needed, subscribe if this replica leads now, and follow leadership."""
         await ensure_audit_stream(self.nc, self.settings)
         self._started = True
-        await self.set_leading(self.is_leader())
+        await self.set_leading(self.holds_shards())
         if self._follower is None:
             self._follower = asyncio.create_task(self._follow_leadership(), name="commands-follow-leadership")
 
@@ -210,7 +210,7 @@ class CommandService:
     async def _follow_leadership(self) -> None:
         while self._started:
             await asyncio.sleep(self.settings.leadership_poll_s)
-            leading = self.is_leader()
+            leading = self.holds_shards()
             if leading != self.subscribed:
                 await self._try_set_leading(leading)
 
@@ -221,12 +221,12 @@ class CommandService:
             log.warning("could not %s on-call commands: %s", "answer" if leading else "stop answering", err)
 
     async def set_leading(self, leading: bool) -> None:
-        """Subscribe (`leading`, and `is_leader` says so now) or unsubscribe; idempotent. With a router, the
+        """Subscribe (`leading`, and `holds_shards` says so now) or unsubscribe; idempotent. With a router, the
         hand-over subject too: it is subscribed first, so a front never hands a request to a replica that could
         not yet hear it.
 
         `leading` may be stale when this runs (`on_leadership` schedules it; a burst of shard losses schedules
-        "still leading" for every shard but the last), so subscribing also takes `is_leader` now. And the
+        "still leading" for every shard but the last), so subscribing also takes `holds_shards` now. And the
         subscriptions change only while the connection is up (`stop` excepted): while it is down this does
         nothing, and `_follow_leadership` catches up once it is back. nats-py queues the SUB of a subscribe made
         while it reconnects, and an unsubscribe while it reconnects drops the subscription on our side with no
@@ -235,7 +235,7 @@ class CommandService:
         connected is replayed by nats-py on each reconnect, so a leader that loses and retakes its shards in a
         broker outage comes back with its one subscription."""
         async with self._lock:
-            want = leading and self._started and self.is_leader()
+            want = leading and self._started and self.holds_shards()
             if (self._sub is not None) if want else (self._sub is None and self._own_sub is None):
                 return  # as wanted already
             if self._started and not self.nc.is_connected:
@@ -327,7 +327,7 @@ class CommandService:
                 self.outcomes["handed_over"] += 1
                 return None
             admit(req, now, self.ledger)
-            if not self.is_leader():
+            if not self.holds_shards():
                 raise Refused("not_leader", "this autoscaler replica is not the leader; retry", remember=False)
             outcome = await self.verbs.apply(verb, req, now, handed=handed)
             self.outcomes["applied" if outcome.applied else "refused"] += 1

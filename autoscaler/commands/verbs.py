@@ -17,7 +17,6 @@ from collections import Counter
 from autoscaler.commands.base import MAX_SCHEDULE_AHEAD_S, CommandSettings, ControlPlane, Outcome, Refused
 from autoscaler.commands.status import StatusRows
 from autoscaler.decide import schedules
-from manifests import scaledobject
 from warmpool import durations, protocol
 from warmpool.errors import BadMessage
 from warmpool.output import replicas_text
@@ -120,7 +119,7 @@ class Verbs:
                 "out_of_bounds",
                 f"{verb} {model} to {replicas_text(replicas)} is over this autoscaler's limit of "
                 f"{replicas_text(cap)} per model; raise it with `pulsescale autoscaler --max-replicas N` "
-                f"(or ${scaledobject.MAX_REPLICAS_ENV})",
+                f"(or ${protocol.MAX_REPLICAS_ENV})",
             )
         lo, hi = spec.min_replica_count, spec.max_replica_count
         if not lo <= replicas <= hi:

@@ -64,7 +64,7 @@ async def _ingest_in_process(nc, store: KvSlotStore, models: int, samples: int) 
         store=store,
         metrics=AutoscalerMetrics(),
         cold_path=LocalColdPath(),
-        is_leader=lambda: False,
+        owns=lambda: False,
     )
     ctrls = {
         f"x{i}": ModelController(ScalerRecord(namespace="bench", name=f"x{i}", spec=_spec(f"x{i}")), deps)
