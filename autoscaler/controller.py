@@ -88,7 +88,7 @@ class ModelController:
         self.scaler = ModelScaler(
             self.decider,
             store=deps.store,
-            agents=AgentClient(deps.nc, clock=deps.clock, skew=deps.store.clock_skew),
+            agents=AgentClient(deps.nc, clock=deps.clock, skew=deps.store.index.clock_skew),
             events=self.events,
             metrics=deps.metrics,
             cold_path=deps.cold_path,

@@ -466,9 +466,9 @@ class Autoscaler:
         """``pulsescale_agent_leases`` and, of them, ``pulsescale_agent_leases_lapsed`` (`KvSlotStore.lease_lapsed`:
         only on a current view, so a replica cut off from the broker does not call every agent stale); and
         ``pulsescale_model_owned`` of every model (which replica's decision gauges are current)."""
-        nodes = list(self.store.leases())
+        nodes = list(self.store.index.leases())
         self.metrics.agent_leases.set(len(nodes))
-        self.metrics.agent_leases_lapsed.set(sum(1 for node in nodes if self.store.lease_lapsed(node, now)))
+        self.metrics.agent_leases_lapsed.set(sum(1 for node in nodes if self.store.index.lease_lapsed(node, now)))
         for c in self.fleet.by_model.values():
             c.scaler.series.owned.set(1 if c.deps.owns() else 0)
 
@@ -516,7 +516,7 @@ async def run(
         # The autoscaler creates the buckets, and turns rollups off on those an older version made.
         buckets = await ensure_buckets(nc.jetstream(timeout=2.0), harden=True)
         store = KvSlotStore(nc, buckets, on_reject=lambda reason: metrics.registry_rejected.labels(reason).inc())
-        metrics.agent_clock_skew.source = store.clock_skews
+        metrics.agent_clock_skew.source = store.index.clocks.skews
         opened.push_async_callback(store.close)
         await store.start()
         scaler = Autoscaler(settings, nc, store, buckets, metrics=metrics, cold_path=cold_path)

@@ -3,7 +3,7 @@
 Besides its own series the registry carries the default process, platform and GC collectors and
 ``pulsescale_build_info{version,component}``, so one scrape says which build runs and what it costs. The daemon serves
 it on ``/metrics`` (see `autoscaler.daemon`). deploy/monitoring's alerts and dashboard read these names
-(tests/test_monitoring.py checks that every name they use is one a component exports).
+(tests/kube/test_monitoring.py checks that every name they use is one a component exports).
 
 Series labelled by model exist only for models with a ScaledObject here (`model`), and go with it (`forget`): the
 activation histogram's children too, so its cardinality is models x stages, bounded as the gauges are.

@@ -66,7 +66,7 @@ class Retirement:
         of two activation deadlines since the record's last write leaves alone a claim whose ScaledObject is
         arriving."""
         grace_s = 2 * self.settings.activation_deadline_s
-        agents = AgentClient(self.nc, clock=self.clock, skew=self.store.clock_skew)
+        agents = AgentClient(self.nc, clock=self.clock, skew=self.store.index.clock_skew)
         for rec in self.store.records():
             if (
                 rec.model in self.models.by_model

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import resource
 import time
@@ -53,16 +52,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.budget import BodyBudget, Hold
 from gateway.catalog import Catalog
-from gateway.errors import Refused, error_body
+from gateway.errors import Refused
 from gateway.listener import GuardedSite
 from gateway.metrics import GatewayMetrics
 from gateway.publisher import Publisher
 from gateway.queue import Endpoint, Waiter
+from gateway.requestbody import error_response, parse_request
 from gateway.routes import Routes
 from gateway.scalers import Scalers
 from gateway.settings import GatewaySettings, default_gateway_id
 from gateway.table import Queue, QueueTable
-from warmpool import connect, protocol
+from warmpool import connect
 from warmpool.errors import PulsescaleError
 from warmpool.rejects import Rejections
 
@@ -224,7 +224,7 @@ class Gateway:
             if request.match_info.route.resource is not None:
                 raise  # raised by a handler of ours, not the router
             self.metrics.refused.labels("no_route").inc()
-            return _error(
+            return error_response(
                 err.status,
                 "no_route",
                 f"this listener does not serve {request.method} {request.path}",
@@ -297,13 +297,13 @@ class Gateway:
             try:
                 body = await self._read_body(request, hold)
                 try:
-                    model, stream = _parse(body, request.match_info.get("model"))
+                    model, stream = parse_request(body, request.match_info.get("model"))
                 except ValueError as err:
                     raise Refused(400, "bad_request", str(err)) from None
                 q = self.table.admit(model)
             except Refused as refusal:
                 self.metrics.refused.labels(refusal.reason).inc()
-                return _error(refusal.status, refusal.reason, refusal.message, refusal.headers)
+                return error_response(refusal.status, refusal.reason, refusal.message, refusal.headers)
             return await self._wait_and_serve(request, q, hold, body, stream, arrived)
         finally:
             hold.release()
@@ -367,7 +367,7 @@ class Gateway:
             self.metrics.responses.labels(model, "429").inc()
             self.metrics.refused.labels("queue_full").inc()
             self._changed(q)
-            return _error(
+            return error_response(
                 429,
                 "queue_full",
                 f"{q.limit} requests for {model} are already waiting; retry shortly",
@@ -405,7 +405,7 @@ class Gateway:
             if not w.item.done() and remaining > 0:
                 await asyncio.wait([w.item], timeout=remaining)
             if not w.item.done() and q.give_up(w, "timeout"):
-                return _error(
+                return error_response(
                     504,
                     "timeout",
                     f"no {q.model} replica could take the request within {self.settings.timeout_s:g} s; "
@@ -433,7 +433,7 @@ class Gateway:
                 why = "its slot left ready"
             except TimeoutError:
                 q.finish(w, "timeout")
-                return _error(
+                return error_response(
                     504,
                     "upstream_timeout",
                     f"the {q.model} upstream did not answer within {self.settings.upstream_timeout_s:g} s",
@@ -448,7 +448,7 @@ class Gateway:
             log.info("%s: request on %s retried: %s", q.model, ep.key, why)
             if w.attempts >= self.settings.max_attempts:
                 q.finish(w, "failed")
-                return _error(
+                return error_response(
                     502, "upstream_failed", f"{w.attempts} upstream(s) of {q.model} broke before answering: {why}"
                 )
             self.metrics.retries.labels(q.model).inc()
@@ -559,32 +559,6 @@ def _check_file_limit(connections: int) -> None:
 
 def _why(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
-
-
-def _parse(body: bytearray, path_model: str | None) -> tuple[str, bool]:
-    """The model and whether the answer is streamed; ValueError says what is wrong with the request."""
-    try:
-        req = json.loads(body)
-    except (ValueError, RecursionError):
-        raise ValueError("the body is not JSON") from None
-    if not isinstance(req, dict):
-        raise ValueError("the body must be a JSON object")
-    model = req.get("model")
-    if model is not None and not isinstance(model, str):
-        raise ValueError("`model` must be a string")
-    if path_model is not None and model is not None and model != path_model:
-        raise ValueError(f"the path names model {path_model!r} but the body names {model!r}")
-    model = path_model or model
-    if not model:
-        raise ValueError("name the model: `model` in the body, or POST /<model>/v1/completions")
-    if not protocol.is_name(model):
-        raise ValueError(f"model {model!r} is not a valid name ({protocol.NAME_PATTERN})")
-    return model, req.get("stream") is True
-
-
-def _error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
-    """An OpenAI-style error answer (`gateway.errors.error_body`)."""
-    return web.json_response(error_body(status, code, message), status=status, headers=headers)
 
 
 async def run(

@@ -194,7 +194,7 @@ async def serve(settings: OperatorSettings, *, stop: asyncio.Event, ready: async
             )  # fmt: skip
             ctx.extra["leading"] = elector.leading
             health = await _health(settings, nc, elector, ctx)
-            from kube.operator import run_operator as run_kopf  # kopf's import is heavy: after the checks
+            from kube.kopfrun import run_operator as run_kopf  # kopf's import is heavy: after the checks
 
             async def act(stop_flag: asyncio.Event) -> None:
                 await run_kopf(ctx, stop_flag=stop_flag)

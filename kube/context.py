@@ -1,6 +1,6 @@
 """What every part of the operator shares: the NATS handles, the Kubernetes client and the settings.
 
-One `OperatorContext` is built by `pulsescale operator` (kube/cli.py) and handed to `kube.operator.build_registry`,
+One `OperatorContext` is built by `pulsescale operator` (kube/cli.py) and handed to `kube.kopfrun.build_registry`,
 which passes it to each part's ``register(registry, ctx)`` (the ScaledObject handlers here, kube/standby.py,
 kube/coldpath.py). Handlers close over it instead of reaching for globals, so two operators (the leader test) live
 in one process.

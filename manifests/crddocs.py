@@ -2,7 +2,7 @@
 
 `docs_markdown` walks msgspec's schema of the spec and of the status (manifests/crdtypes.py) with the same
 descriptions as the CRD (manifests/crdnotes.py) and adds the page's own lists: the CEL rules, `NO_EFFECT` (fields
-accepted with no effect, and why) and `REFUSED` (what the validator refuses, and why; tests/test_crd.py checks
+accepted with no effect, and why) and `REFUSED` (what the validator refuses, and why; tests/manifests/test_crd.py checks
 each against it). ``pulsescale crd --docs`` prints it (manifests/crd.py). Pure.
 """
 

@@ -35,7 +35,7 @@ What the conversion decides, and why:
   wire's own minimum since revision 5).
 - The HPA ``behavior`` rules are one struct for ``scaleUp`` and ``scaleDown``, mapped differently (scale-down onto
   the policy, scale-up mostly refused): `PATH_NOTES` describes each by its path, in the CRD and the docs, and
-  `REFUSED` (manifests/crddocs.py) lists what the validator refuses with the reason (tests/test_crd.py checks
+  `REFUSED` (manifests/crddocs.py) lists what the validator refuses with the reason (tests/manifests/test_crd.py checks
   each against it).
 
 Pure: no I/O libraries. `render` is the CRD as ``pulsescale crd`` prints it (manifests/crd.py).

@@ -16,11 +16,16 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from nats.aio.client import Client
 
+from tests.nodeagent_helpers import (  # noqa: F401 - registered here for every folder: shm_dir, tiny_source, model_dir
+    model_dir_fixture,
+    shm_dir_fixture,
+    tiny_source_fixture,
+)
 from warmpool import connect
 from warmpool.embedded import NatsServer
 from warmpool.registry import KvSlotStore
 
-FIRST_ON_WORKERS = ("tests/test_vllm.py", "tests/test_demo.py")
+FIRST_ON_WORKERS = ("tests/nodeagent/test_vllm.py", "tests/demo/test_demo.py")
 """Modules with the suite's longest tests (a real vLLM start, ~50 s; the demo's processes, ~35 s)."""
 
 

@@ -18,20 +18,17 @@ from pathlib import Path
 from nats.aio.client import Client
 
 from autoscaler.controller import ControllerSettings
-from tests.nodeagent_helpers import (  # noqa: F401 - fixtures
-    MODEL,
-    model_dir_fixture,
-    running_agent,
-    settings,
-    shm_dir_fixture,
-    tiny_source_fixture,
-)
-from tests.test_autoscaler import (  # noqa: F401 - cancel_gateways is an autouse fixture
+from tests.autoscaler.test_autoscaler import (  # noqa: F401 - cancel_gateways is an autouse fixture
     Gateway,
     autoscaler_in_process,
     cancel_gateways,
     put_scaler,
     wait_for,
+)
+from tests.nodeagent_helpers import (
+    MODEL,
+    running_agent,
+    settings,
 )
 from warmpool.embedded import NatsServer
 from warmpool.registry import Changed, KvSlotStore

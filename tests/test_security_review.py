@@ -262,7 +262,7 @@ async def test_a_kv_value_relayed_onto_the_autoscalers_subjects_is_not_acted_on(
     ``pulse.cmd.pause`` and a sample onto ``pulse.queue.tiny``. Neither is acted on: nats-server 2.15 does not
     deliver a push consumer to the autoscaler's wildcard subscriptions at all (measured: nothing is delivered),
     and where a server does, the message keeps its ``$KV...`` subject and is dropped unanswered
-    (tests/test_commands.py builds that delivery)."""
+    (tests/autoscaler/test_commands.py builds that delivery)."""
     sample = protocol.QueueSample(
         gateway="relay", model=MODEL, seq=1, ts=time.time(), queue_depth=10_000, inflight=0,
         arrivals_total=0, completions_total=0, timeouts_total=0,
@@ -336,7 +336,7 @@ async def test_a_record_naming_another_slot_or_node_than_its_key_is_rejected(clu
         await (await js.key_value(protocol.AGENTS_BUCKET)).put("n2", protocol.encode(lease))
         await wait_for(lambda: store.rejected.counts["subject_mismatch"] >= 2, 10, "both records rejected")
         assert f"{MODEL}.n2.s7" not in store.slots and "n2" not in store.agents
-        assert store.lease("n1") is None and not any(r.node == "n1" and r.slot == "s0" for r in store.records())
+        assert store.index.lease("n1") is None and not any(r.node == "n1" and r.slot == "s0" for r in store.records())
         await wait_for(
             lambda: (
                 cluster.metric("pulsescale_registry_rejected_records_total", reason="subject_mismatch") >= before + 2
@@ -377,7 +377,7 @@ async def test_only_slots_that_the_nodes_lease_lists_are_claimable(cluster: Clus
         big = {"v": 1, "node": "n3", "slots": many, "heartbeat_at": time.time(), "lease_s": 60}
         await agents_kv.put("n3", json.dumps(big).encode())
         await wait_for(lambda: store.rejected.counts["bad_value"] > rejected, 10, "the oversized lease refused")
-        assert store.lease("n3") is None and store.claimable(MODEL) == []
+        assert store.index.lease("n3") is None and store.claimable(MODEL) == []
 
 
 # --- 13. monitoring port ---------------------------------------------------------------------------------------------

@@ -126,10 +126,10 @@ async def _round(store: KvSlotStore, concurrency: int, budget: int) -> tuple[lis
             latencies.append(time.perf_counter() - t0)
             held.append(c)
 
-    lost = store.claim_conflicts
+    lost = store.claimer.claim_conflicts
     t0 = time.perf_counter()
     await asyncio.gather(*(claimer() for _ in range(concurrency)))
-    return latencies, held, store.claim_conflicts - lost, time.perf_counter() - t0
+    return latencies, held, store.claimer.claim_conflicts - lost, time.perf_counter() - t0
 
 
 async def _floor_keys(kv: KeyValue, keys: list[str], value: bytes, count: int) -> dict[str, int]:
@@ -212,10 +212,10 @@ async def _bench(args: argparse.Namespace) -> None:
         report = ClaimsReport(
             nats=url, embedded=server is not None, sync_always=args.sync_always if server is not None else None,
             nodes=args.nodes, slots_per_node=per_node, slots=len(keys), claims_per_level=args.claims,
-            concurrency=list(args.concurrency), slices=args.slices, slot_watch=store.watching_slots,
+            concurrency=list(args.concurrency), slices=args.slices, slot_watch=not args.without_slot_watch,
         )  # fmt: skip
         say(f"claims bench: {len(keys)} warm slots on {args.nodes} nodes x {per_node}, {where}")
-        if not store.watching_slots:
+        if args.without_slot_watch:
             say("slot watch: stopped after the pool was seeded (a diagnostic: our claims' echoes are not received)")
         head = ("claimers", "claims", "p50 ms", "p99 ms", "max ms", "claims/s", "conflicts")
         floor_head = ("floor p50", "floor p99", "updates/s", "p99/floor")

@@ -286,7 +286,8 @@ class BucketView(Generic[V]):
         """The bucket's newest revision before the watch starts (the snapshot holds at least up to it, see
         `_follow`) and its stream's name. 0 when the bucket is empty, or when the server does not answer within
         `WATCH_PROBE_TIMEOUT_S`: while a cluster elects, waiting the KV timeout here too held a re-list past 15 s
-        (tests/test_cluster.py, 2 runs in 6 beside a CPU hog), so the end marker alone decides then, as before."""
+        (tests/warmpool/test_cluster.py, 2 runs in 6 beside a CPU hog), so the end marker alone decides then, as
+        before."""
         status = asyncio.ensure_future(self._kv.status())
         await asyncio.wait([status], timeout=WATCH_PROBE_TIMEOUT_S)  # asyncio.wait: see `LeaderElection.campaign`
         if not status.done():

@@ -151,7 +151,7 @@ async def _slots(nc: Client, model: str | None, fmt: str | None) -> None:
         rows = sorted(store.records(model), key=lambda r: r.key)
         fresh = {}
         for r in rows:
-            lease = store.lease(r.node)
+            lease = store.index.lease(r.node)
             fresh[r.key] = "fresh" if lease and lease.fresh(now) else "stale"
         if fmt is not None:
             # The records as stored, each with its agent's freshness (not part of the record: judged here, now).

@@ -4,7 +4,7 @@ password, a self-signed CA and server certificate for TLS.
 
 One table (`permissions`) is the source of both the local layout and the authorization the manifests ship
 (the auth.conf in deploy/base/nats/configmap.yaml is `render_authorization` of example nodes, checked by
-tests/test_manifests.py).
+tests/manifests/test_manifests.py).
 
 How JetStream maps onto subjects, which is what the permissions grant:
 - a KV write is a publish to ``$KV.<bucket>.<key>``, so a key pattern confines a writer (an agent writes

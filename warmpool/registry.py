@@ -36,14 +36,13 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from nats.aio.client import Client
 from nats.js.kv import KeyValue
 
 from warmpool import protocol
-from warmpool.agentclocks import Verdict
 from warmpool.buckets import (
     ALL_BUCKETS,
     KV_REPLICAS_ENV,
@@ -132,13 +131,17 @@ class KvSlotStore:
         `on_reject(reason)` binds the owner's metric (``pulsescale_registry_rejected_records_total``)."""
         slots_kv = buckets[protocol.SLOTS_BUCKET]
         agents_kv = buckets[protocol.AGENTS_BUCKET]
-        self._index = SlotIndex(nc, slots_kv, agents_kv, self.rejected, clock=clock, monotonic=monotonic)
-        self.slots: BucketView[SlotRecord] = self._index.slots
-        self.agents: BucketView[AgentLease] = self._index.agents
+        self.index = SlotIndex(nc, slots_kv, agents_kv, self.rejected, clock=clock, monotonic=monotonic)
+        """The read side: slots and agent leases as last seen, the claimable pool, each node's lease verdict
+        (`lease`, `lease_fresh`, `lease_verdict`, ...), unreachable nodes and clock skews. What only reads goes
+        here; the store itself claims, writes and watches."""
+        self.slots: BucketView[SlotRecord] = self.index.slots
+        self.agents: BucketView[AgentLease] = self.index.agents
         self._writes = SlotWrites(slots_kv, agents_kv, self.slots, self.agents, clock=clock)
-        self._claims = Claimer(
-            self._index, self._writes, clock=clock, rng=self.rng, resolve_timeout_s=resolve_timeout_s
+        self.claimer = Claimer(
+            self.index, self._writes, clock=clock, rng=self.rng, resolve_timeout_s=resolve_timeout_s
         )
+        """Takes warm slots with fenced compare-and-sets (`claim_conflicts`: those lost to another claimer)."""
         self._tasks: list[asyncio.Task[None]] = []
 
     @classmethod
@@ -174,10 +177,6 @@ class KvSlotStore:
         self.slots.closed = True
         await cancel_and_wait(self._tasks[:1])
 
-    @property
-    def watching_slots(self) -> bool:
-        return bool(self._tasks) and not self._tasks[0].done()
-
     async def close(self) -> None:
         self.slots.closed = self.agents.closed = True
         await cancel_and_wait(self._tasks)
@@ -192,85 +191,23 @@ class KvSlotStore:
 
     # --- the parts' settings and counters -------------------------------------------------------------------
 
-    @property
-    def max_claim_attempts(self) -> int:
-        """`Claimer.max_claim_attempts`."""
-        return self._claims.max_claim_attempts
-
-    @property
-    def max_cas_attempts(self) -> int:
-        """`SlotWrites.max_cas_attempts`."""
-        return self._writes.max_cas_attempts
-
-    @property
-    def resolve_timeout_s(self) -> float:
-        """`Claimer.resolve_timeout_s`."""
-        return self._claims.resolve_timeout_s
-
-    @property
-    def claim_conflicts(self) -> int:
-        """`Claimer.claim_conflicts`."""
-        return self._claims.claim_conflicts
-
     # --- reading (`SlotIndex`) ---------------------------------------------------------------------------------
 
     def record(self, key: str) -> SlotRecord | None:
         """`SlotIndex.record`."""
-        return self._index.record(key)
+        return self.index.record(key)
 
     def entry(self, key: str) -> tuple[SlotRecord, int] | None:
         """`SlotIndex.entry`."""
-        return self._index.entry(key)
+        return self.index.entry(key)
 
     def records(self, model: str | None = None) -> list[SlotRecord]:
         """`SlotIndex.records`."""
-        return self._index.records(model)
-
-    def lease(self, node: str) -> AgentLease | None:
-        """`SlotIndex.lease`."""
-        return self._index.lease(node)
-
-    def leases(self) -> dict[str, AgentLease]:
-        """`SlotIndex.leases`."""
-        return self._index.leases()
-
-    def nodes(self) -> set[str]:
-        """`SlotIndex.nodes`."""
-        return self._index.nodes()
+        return self.index.records(model)
 
     def claimable(self, model: str, now: float | None = None) -> list[SlotRecord]:
         """`SlotIndex.claimable`."""
-        return self._index.claimable(model, now)
-
-    def lease_lapsed(self, node: str, now: float) -> bool:
-        """`SlotIndex.lease_lapsed`."""
-        return self._index.lease_lapsed(node, now)
-
-    def lease_fresh(self, node: str, now: float | None = None) -> bool:
-        """`SlotIndex.lease_fresh`: the node's slots may be offered."""
-        return self._index.lease_fresh(node, now)
-
-    def lease_verdict(self, node: str, now: float | None = None) -> Verdict | None:
-        """`SlotIndex.lease_verdict`: ``fresh``, ``lapsed``, ``skewed``, or None (no lease)."""
-        return self._index.lease_verdict(node, now)
-
-    @property
-    def unreachable_nodes(self) -> Collection[str]:
-        """Nodes marked by `mark_unreachable` and not heard from since."""
-        return self._index.unreachable.keys()
-
-    def mark_unreachable(self, node: str) -> None:
-        """`SlotIndex.mark_unreachable`: nobody is subscribed to the node's agent verbs; none of its slots is
-        offered until its agent heartbeats again."""
-        self._index.mark_unreachable(node)
-
-    def clock_skew(self, node: str) -> float | None:
-        """`SlotIndex.clock_skew`: the node's agent's clock minus ours, seconds (None: no heartbeat heard)."""
-        return self._index.clock_skew(node)
-
-    def clock_skews(self) -> dict[str, float]:
-        """`clock_skew` of every node heard (for ``pulsescale_agent_clock_skew_seconds``)."""
-        return self._index.clocks.skews()
+        return self.index.claimable(model, now)
 
     async def get(self, key: str) -> tuple[SlotRecord, int]:
         """`SlotWrites.get`: one slot from the broker (not the view)."""
@@ -280,23 +217,23 @@ class KvSlotStore:
 
     async def claim(self, model: str, *, exclude: Iterable[str] = ()) -> Claim:
         """`Claimer.claim`."""
-        return await self._claims.claim(model, exclude=exclude)
+        return await self.claimer.claim(model, exclude=exclude)
 
     async def claim_slot(self, key: str) -> Claim:
         """`Claimer.claim_slot`."""
-        return await self._claims.claim_slot(key)
+        return await self.claimer.claim_slot(key)
 
     async def advance(self, claim: Claim, state: SlotState, **fields: Any) -> Claim:
         """`Claimer.advance`."""
-        return await self._claims.advance(claim, state, **fields)
+        return await self.claimer.advance(claim, state, **fields)
 
     async def release(self, claim: Claim, *, reason: str | None = None) -> None:
         """`Claimer.release`."""
-        await self._claims.release(claim, reason=reason)
+        await self.claimer.release(claim, reason=reason)
 
     def adopt(self, key: str) -> Claim | None:
         """`Claimer.adopt`."""
-        return self._claims.adopt(key)
+        return self.claimer.adopt(key)
 
     # --- agent side and drains (`SlotWrites`) ----------------------------------------------------------------------
 

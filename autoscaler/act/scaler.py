@@ -456,7 +456,7 @@ class ModelScaler:
                 continue
             # Judged only on a current view of the agents, once they had a heartbeat interval to renew: right
             # after an outage (a reconnect, a takeover) every lease looks old, and the slots are still serving.
-            if h.phase == "ready" and self.store.lease_lapsed(h.claim.node, now):
+            if h.phase == "ready" and self.store.index.lease_lapsed(h.claim.node, now):
                 log.warning("%s: agent of %s stopped heartbeating; replacing the slot", self.model, key)
                 h.phase = "releasing"
                 self._spawn(self.actions.release(h, reason="agent lease expired"), f"release-{key}")

@@ -173,9 +173,9 @@ class SlotActions:
         """Nobody is subscribed to `node`'s agent: a dead agent's lease stays fresh for up to its `lease_s`, and
         each claim of its slots meanwhile would fail the same way. None is offered until it heartbeats again, and
         a slot of it released meanwhile goes `failed` (its agent, back, writes it `warm`)."""
-        if node not in self.store.unreachable_nodes:
+        if node not in self.store.index.unreachable:
             log.warning("%s: %s; offering none of its slots until it heartbeats again", self.model, err)
-        self.store.mark_unreachable(node)
+        self.store.index.mark_unreachable(node)
 
     async def _deactivate(self, held: Held) -> None:
         try:

@@ -212,9 +212,9 @@ class Verbs:
             raise Refused("out_of_bounds", f"{what} {model}: a floor of {replicas_text(replicas)} exceeds {bound}")
 
     def _check_node(self, node: str) -> None:
-        if self.store.lease(node) is not None or any(r.node == node for r in self.store.records()):
+        if self.store.index.lease(node) is not None or any(r.node == node for r in self.store.records()):
             return
-        known = sorted({r.node for r in self.store.records()} | set(self.store.leases()))
+        known = sorted({r.node for r in self.store.records()} | set(self.store.index.leases()))
         raise Refused("unknown_node", f"no agent or slot on node {node!r}; known nodes: {', '.join(known) or 'none'}")
 
     def _pool(self, model: str | None, now: float) -> Outcome:
@@ -223,9 +223,9 @@ class Verbs:
             self._spec(model)  # a model with neither slots nor a ScaledObject is a typo
         slots = []
         counts: dict[str, Counter[str]] = {}
-        fresh = {node: self.store.lease_fresh(node, now) for node in {r.node for r in records}}
+        fresh = {node: self.store.index.lease_fresh(node, now) for node in {r.node for r in records}}
         for r in records:
-            skew_s = self.store.clock_skew(r.node)
+            skew_s = self.store.index.clock_skew(r.node)
             slots.append(
                 PoolSlot(
                     key=r.key,

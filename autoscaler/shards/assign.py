@@ -36,9 +36,9 @@ def assign(shards: int, members: Iterable[str]) -> dict[int, str]:
     room for ``shards // n`` shards (the first ``shards % n`` of them, in an order fixed by their names' hash, one
     more). So the split is even (the busiest holds at most one shard more than the idlest: plain rendezvous hashing
     leaves 3 replicas with 16 of 32 shards at worst), and it stays stable: a member joining or leaving moves its own
-    share plus a few shards between the others (7 of 32 at worst over 2,000 random fleets of 1-7, tests/test_shards.py).
-    Pure and order-independent, so every replica computes the same plan from the same members. Empty without
-    members."""
+    share plus a few shards between the others (7 of 32 at worst over 2,000 random fleets of 1-7,
+    tests/autoscaler/test_shards.py). Pure and order-independent, so every replica computes the same plan from the same
+    members. Empty without members."""
     names = sorted(set(members), key=lambda m: (_weight(m, -1), m))
     if not names:
         return {}

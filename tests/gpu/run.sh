@@ -7,7 +7,7 @@
 #    $PULSESCALE_GPU_DISK_DIR, default /var/tmp; host: the CPU copy) for each size, against the PCIe link's usable
 #    rate (nvidia-smi), via `pulsescale bench activate --loader ...`;
 # 2. whether the driver enforces RLIMIT_MEMLOCK on cudaHostRegister (pins 1 GiB under an 8 MiB limit);
-# 3. the GPU-marked tests (tests/test_gpu_loaders.py -m gpu);
+# 3. the GPU-marked tests (tests/nodeagent/test_gpu_loaders.py -m gpu);
 # 4. claim -> first token with a vLLM standby (sleep/wake), when vLLM for CUDA is importable and the bench has
 #    `--engine vllm`; otherwise it says why it skipped.
 #
@@ -71,7 +71,7 @@ finally:
 PYEOF
 
 echo "=== 3. GPU tests"
-timeout 120 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_loaders.py || status=1
+timeout 120 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/nodeagent/test_gpu_loaders.py || status=1
 
 echo "=== 4. claim -> first token with a vLLM standby"
 if ! "$PY" -c 'import vllm, torch; assert torch.cuda.is_available()' >/dev/null 2>&1; then

@@ -1,0 +1,1 @@
+"""Tests of the autoscaler daemon: decide, act, shards, commands."""

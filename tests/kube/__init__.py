@@ -1,0 +1,1 @@
+"""Tests of the Kubernetes side: operator, RBAC, deploy/, monitoring."""

@@ -1,0 +1,1 @@
+"""Tests of the ScaledObject reader and the CRD."""

@@ -1,0 +1,1 @@
+"""Tests of the node agent, its engines and staging."""
