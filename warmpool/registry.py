@@ -101,9 +101,10 @@ log = logging.getLogger("pulsescale.registry")
 class KvSlotStore:
     """The slot registry on JetStream KV. Use ``async with await KvSlotStore.open(nc) as store:``.
 
-    Reading is from the views (`record`, `entry`, `records`, `lease`, `leases`, `claimable`; no I/O), writing is by
-    compare-and-set: claims (`claim`, `claim_slot`), the holder's moves (`advance`, `release`), the agent's
-    (`register`, `set_state`, `heartbeat`, `withdraw`), drains, and `watch` for the slot changes.
+    Reading is from the views (`record`, `entry`, `records`, `claimable` here; leases, lease verdicts, unreachable
+    nodes and clock skews on `index`; no I/O), writing is by compare-and-set: claims (`claim`, `claim_slot`), the
+    holder's moves (`advance`, `release`), the agent's (`register`, `set_state`, `heartbeat`, `withdraw`), drains,
+    and `watch` for the slot changes. The claimer's settings and counters are on `claimer`.
 
     This class opens the buckets, runs the watches and hands each call to the part that does it: `SlotIndex`
     (reads), `SlotWrites` (the compare-and-set loop, the agent's writes, drains), `Claimer` (claims, the
@@ -188,8 +189,6 @@ class KvSlotStore:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-    # --- the parts' settings and counters -------------------------------------------------------------------
 
     # --- reading (`SlotIndex`) ---------------------------------------------------------------------------------
 
