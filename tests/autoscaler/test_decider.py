@@ -709,7 +709,7 @@ def test_on_call_schedules_and_an_edit_reach_the_next_decision() -> None:
     d = ModelDecider(short(), DeciderSettings(debounce_s=0.05), now=T0)
     d.on_sample(_sample(1, T0, queue=4), T0)
     assert d.decide(T0, ready=2).decision.desired == 2
-    assert d.windows == ()
+    assert [w.name for w in d.windows] == []
     oncall = OnCallSchedule(schedule=sched("oc", T0, 60.0, 5), by="bob", set_at=T0)
     assert d.set_schedules((oncall,), T0 + 0.01) == T0 + 0.05  # due once the debounce has passed
     assert d.oncall_schedules == (oncall,)
