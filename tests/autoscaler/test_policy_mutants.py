@@ -1,0 +1,299 @@
+"""Pinning tests for the scaling policy's details that the table tests leave loose (mutation survivors).
+
+Fixed inputs, hand-computed expectations: the need recorded from an observation, the state a decision carries
+forward (flat, rec/held, scale-up/-down bookkeeping), the scheduled floor, `cooling_s`, and each branch of
+`_scale`, `_fresh` and `_flat_after` at and either side of its boundaries. No reason text is asserted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from autoscaler.decide import detector, need
+from autoscaler.decide.policy import (
+    _UNRECORDED,
+    _flat_after,
+    _fresh,
+    _lows_window,
+    _replicas,
+    _scale,
+    cooling_s,
+    decide,
+    initial_state,
+    record_need,
+)
+from autoscaler.decide.policystate import Flat, Observation, PolicyState, bounds_of
+from autoscaler.decide.scalein import scale_in, step_gap_s
+from tests.autoscaler.test_policy import make_spec
+from warmpool.protocol import Override
+
+T0 = 1_700_000_000.0
+SPEC = make_spec()  # target 4, activation 0, min 1 / max 50, stabilisation 60 s, 50 % per 60 s, panic 2x
+CFG = need.config(SPEC, 4.0)
+
+
+def _pulse(current: float | None = 4.0, *, panic: bool = False) -> detector.Pulse:
+    return detector.Pulse(
+        fresh=True,
+        current=current,
+        stable_demand=current,
+        panic_demand=current,
+        forecast_demand=current,
+        slope_per_s=0.0,
+        capacity=20.0,
+        panic=panic,
+        panic_condition=panic,
+        entered_panic=False,
+        left_panic=False,
+    )
+
+
+def _need(high: float) -> need.Need:
+    return need.Need(replicas=1.0, arrival_rate=1.0, service_s=1.0, backlog=0.0, drain_replicas=0.0, high=high)
+
+
+def _state(spec=SPEC, desired: int = 5, **kw) -> PolicyState:  # type: ignore[no-untyped-def]
+    return dataclasses.replace(initial_state(spec, now=T0, current_replicas=desired), **kw)
+
+
+# --- record_need -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("lam", "mu"), [(None, 10.0), (10.0, None), (None, None), (math.nan, 10.0)])
+def test_record_need_keeps_the_state_unless_both_rates_are_known(lam: float | None, mu: float | None) -> None:
+    before = need.initial(CFG)
+    obs = Observation(demand=8.0, ready=2, arrival_rate=lam, completion_rate=mu)
+    assert record_need(CFG, before, obs, 8.0, T0) is before
+    assert record_need(CFG, None, obs, 8.0, T0) is None
+
+
+def test_record_need_passes_ready_queued_and_surge_to_the_need() -> None:
+    obs = Observation(demand=8.0, ready=3, queued=2.0, arrival_rate=10.0, completion_rate=9.0)
+    got = record_need(CFG, None, obs, 8.0, T0)
+    assert got is not None
+    assert got.ready == 3  # obs.ready reaches need.record
+    assert got.saturated_since == T0  # queued 2 > 0: every slot busy from now
+    assert got.surge_since is None  # surge defaults to False
+    assert got.recorded_at == T0
+    assert got.in_flight.mean(T0, 6.0) == pytest.approx(6.0)  # demand 8 less queued 2
+    assert got.arrivals.mean(T0, 6.0) == pytest.approx(10.0)
+    assert got.completions.mean(T0, 6.0) == pytest.approx(9.0)
+    surged = record_need(CFG, None, obs, 8.0, T0, True)
+    assert surged is not None and surged.surge_since == T0
+    # Nothing ready (or a negative count) records 0 ready; queued is capped at the demand (in flight 0).
+    none_ready = record_need(CFG, None, dataclasses.replace(obs, ready=-1, queued=50.0), 8.0, T0)
+    assert none_ready is not None and none_ready.ready == 0
+    assert none_ready.in_flight.mean(T0, 6.0) == pytest.approx(0.0)
+    # No queue: not saturated.
+    unqueued = record_need(CFG, None, dataclasses.replace(obs, queued=None), 8.0, T0)
+    assert unqueued is not None and unqueued.saturated_since is None
+    assert unqueued.in_flight.mean(T0, 6.0) == pytest.approx(8.0)
+
+
+# --- small helpers ------------------------------------------------------------------------------------------------
+
+
+def test_lows_window_keeps_the_lowest_recommendation_of_a_bucket() -> None:
+    lows = _lows_window(SPEC).record(T0, -3).record(T0, -5)  # two decisions in one bucket: recs 3 then 5
+    assert lows.peak(T0, 6.0) == -3  # "max" of the negated recs: the lowest rec, not the last one
+    assert lows.span_s == SPEC.advanced.panic_window_seconds
+
+
+def test_replicas_rounds_up_and_zero_demand_needs_none() -> None:
+    assert _replicas(0.0, 4.0) == 0
+    assert _replicas(8.0 + 1e-12, 4.0) == 2
+    assert _replicas(8.1, 4.0) == 3
+
+
+def test_initial_state_holds_the_current_count_with_nothing_recorded() -> None:
+    st = initial_state(SPEC, now=T0, current_replicas=3)
+    assert (st.desired, st.mode, st.started_at, st.hold_replicas, st.last_active_at) == (3, "hold", T0, 3, T0)
+    assert st.flat is _UNRECORDED and st.flat == Flat(None, -1, None)
+    idle = initial_state(make_spec(min_replica_count=0), now=T0, current_replicas=-2)
+    assert (idle.desired, idle.hold_replicas, idle.last_active_at) == (0, 0, None)
+
+
+def test_cooling_s_counts_down_from_creation_or_from_the_start() -> None:
+    st = _state()
+    assert cooling_s(SPEC, st, T0 - 100.0, T0 + 5.0) == 0.0  # no initialCooldownPeriod
+    one = make_spec(initial_cooldown_period=1.0)
+    assert cooling_s(one, st, T0 - 0.25, T0 + 0.5) == pytest.approx(0.25)  # created 0.25 s before the start
+    assert cooling_s(one, st, None, T0 + 0.5) == pytest.approx(0.5)  # unknown: since started_at
+    assert cooling_s(one, st, math.nan, T0 + 0.5) == pytest.approx(0.5)
+    assert cooling_s(one, st, math.inf, T0 + 2.0) == pytest.approx(-1.0)
+
+
+# --- _flat_after ---------------------------------------------------------------------------------------------------
+
+
+def test_flat_after_every_branch() -> None:
+    assert _flat_after(None, 8.0, 2, T0) is None
+    assert _flat_after(_UNRECORDED, 8.0, 2, T0) == Flat(8.0, 2, T0)  # first fresh decision: dated now
+    assert _flat_after(_UNRECORDED, None, 2, T0) == Flat(None, 2, None)  # first blind one: no demand, no date
+    blind = Flat(None, 2, None)
+    assert _flat_after(blind, None, 2, T0) is blind  # still blind, same count
+    assert _flat_after(blind, 8.0, 2, T0) == Flat(8.0, 2, T0)  # fresh demand starts it
+    assert _flat_after(blind, None, 3, T0) is None  # the count changed
+    fresh = Flat(8.0, 2, T0 - 1.0)
+    assert _flat_after(fresh, 8.0, 2, T0) is fresh  # the same again: kept, with its first date
+    assert _flat_after(fresh, 8.0, 3, T0) is None
+    assert _flat_after(fresh, 9.0, 2, T0) is None
+    assert _flat_after(fresh, None, 2, T0) is None  # blind after fresh data
+
+
+# --- _scale and _fresh ---------------------------------------------------------------------------------------------
+
+
+def _call_scale(state: PolicyState, now: float, needs: need.Need | None, rec: int = 1, stabilised: int = 1):  # type: ignore[no-untyped-def]
+    windows = scale_in(SPEC, 2.0)
+    return _scale(SPEC, _pulse(), rec, stabilised, state, bounds_of(SPEC), 0.0, 4.0, 2.0, now, windows, needs)[:2]
+
+
+def test_scale_down_on_rates_holds_what_the_rates_upper_bound_may_need() -> None:
+    now = T0 + 1000.0
+    st = _state(desired=5)
+    # From 5, 50 % per period keeps int(2.5) = 2; the rates' upper bound 3.0 needs ceil(3.0 - 0.1) = 3 > 2.
+    assert _call_scale(st, now, _need(3.0)) == (3, "normal")
+    assert _call_scale(st, now, _need(3.2)) == (4, "normal")  # ceil(3.1)
+    assert _call_scale(st, now, None) == (2, "normal")  # no rates: the rate limit alone
+    assert _call_scale(st, now, _need(9.0)) == (5, "normal")  # never above the current count
+    assert _call_scale(st, now, _need(3.0), rec=5) == (5, "normal")  # rec == prev: steady
+    assert _call_scale(st, now, _need(3.0), rec=7) == (7, "normal")  # up at once
+
+
+def test_scale_on_rates_waits_a_step_gap_after_a_step_down() -> None:
+    now = T0 + 1000.0
+    gap = step_gap_s(scale_in(SPEC, 2.0))
+    assert gap == 60.0
+    # A step exactly one gap ago no longer blocks (nor counts in the 60 s period): 50 % of 5 keeps 2, need 3.
+    assert _call_scale(_state(scale_downs=((now - gap, 1),)), now, _need(3.0)) == (3, "normal")
+    # Within the gap: no step at all on rates.
+    assert _call_scale(_state(scale_downs=((now - gap + 0.5, 1),)), now, _need(3.0)) == (5, "normal")
+
+
+def test_scale_in_panic_never_goes_down() -> None:
+    windows = scale_in(SPEC, 2.0)
+    got = _scale(SPEC, _pulse(40.0, panic=True), 3, 3, _state(), bounds_of(SPEC), 0.0, 4.0, 2.0, T0, windows)
+    assert got[:2] == (5, "panic")
+
+
+def _call_fresh(spec, state: PolicyState, pulse: detector.Pulse, cooling: float, needs: need.Need | None):  # type: ignore[no-untyped-def]
+    windows = scale_in(spec, 2.0)
+    return _fresh(spec, pulse, 1, 1, state, bounds_of(spec), None, 0.0, 4.0, 2.0, T0 + 1000.0, cooling, windows, needs)[
+        :2
+    ]
+
+
+def test_fresh_idle_and_the_initial_cooldown() -> None:
+    spec = make_spec(min_replica_count=0)
+    # At idle with no current reading: demand 0 <= activation 0, stays idle.
+    assert _call_fresh(spec, _state(spec, desired=0), _pulse(None), 0.0, None) == (0, "idle")
+    assert _call_fresh(spec, _state(spec, desired=0), _pulse(0.0), 0.0, None) == (0, "idle")
+    # Active, inactive since forever, the initial cooldown over (0 s left): drop to idle.
+    assert _call_fresh(spec, _state(spec, desired=5), _pulse(0.0), 0.0, _need(3.0)) == (0, "idle")
+    # 0.5 s of initialCooldownPeriod left: the normal rules with the rates (50 % keeps 2, the upper bound 3).
+    assert _call_fresh(spec, _state(spec, desired=5), _pulse(0.0), 0.5, _need(3.0)) == (3, "normal")
+    assert _call_fresh(spec, _state(spec, desired=5), _pulse(0.0), 0.5, None) == (2, "normal")
+
+
+# --- decide: the state carried forward ----------------------------------------------------------------------------
+
+
+def test_a_fresh_decision_records_flat_rec_held_and_mode() -> None:
+    st = initial_state(SPEC, now=T0, current_replicas=2)
+    now = T0 + 0.1
+    decision, new = decide(SPEC, Observation(demand=8.0, ready=2), st, now)
+    # ceil(8 / 4) = 2 = the count held at restart: normal, steady.
+    assert (decision.desired, decision.mode, decision.panic) == (2, "normal", False)
+    assert (new.desired, new.mode, new.rec, new.held) == (2, "normal", 2, 2)
+    assert new.flat == Flat(8.0, 2, now)
+    assert (new.scale_ups, new.scale_downs) == ((), ())  # a steady decision is no step
+    assert (new.last_fresh_at, new.last_active_at) == (now, now)
+    # The same again keeps the flat record with its first date.
+    _, again = decide(SPEC, Observation(demand=8.0, ready=2), new, now + 0.1)
+    assert again.flat == Flat(8.0, 2, now)
+
+
+def test_a_blind_decision_records_its_count_as_flat() -> None:
+    st = initial_state(SPEC, now=T0, current_replicas=2)
+    decision, new = decide(SPEC, Observation(demand=None, ready=2), st, T0 + 0.1)
+    assert decision.desired == 2
+    assert new.flat == Flat(None, 2, None)
+
+
+def test_an_override_or_panic_clears_flat() -> None:
+    st = initial_state(SPEC, now=T0, current_replicas=2)
+    obs = Observation(demand=8.0, ready=2, override=Override(kind="scale", replicas=4, expires_at=T0 + 100.0))
+    decision, new = decide(SPEC, obs, st, T0 + 0.1)
+    assert (decision.desired, decision.mode) == (4, "override")
+    assert new.flat is None
+    assert new.scale_ups == ()  # the person's step, not the policy's
+    _, panicked = decide(SPEC, Observation(demand=40.0, ready=2), st, T0 + 0.1)
+    assert panicked.panic and panicked.flat is None
+
+
+def test_steps_are_kept_for_a_period_and_added_up() -> None:
+    st = initial_state(SPEC, now=T0, current_replicas=1)
+    now = T0 + 100.0
+    # A step up 30 s ago (kept), one up and one down exactly a period (60 s) ago (both dropped).
+    st = dataclasses.replace(st, scale_ups=((now - 30.0, 1), (now - 60.0, 2)), scale_downs=((now - 60.0, 1),))
+    decision, new = decide(SPEC, Observation(demand=8.0, ready=1), st, now)
+    assert decision.desired == 2  # 8 / 4, up from 1
+    assert new.scale_ups == ((now - 30.0, 1), (now, 1))
+    assert new.scale_downs == ()
+    _, steady = decide(SPEC, Observation(demand=8.0, ready=2), new, now + 0.1)
+    assert steady.scale_ups == ((now - 30.0, 1), (now, 1))  # no (now, 0) for a steady decision
+
+
+# --- decide: scheduled warm-up and paused scale-in -----------------------------------------------------------------
+
+
+def test_a_scheduled_floor_raises_the_count_up_to_the_max() -> None:
+    st = initial_state(SPEC, now=T0, current_replicas=2)
+    obs = Observation(demand=8.0, ready=2, scheduled_floor=3)
+    decision, new = decide(SPEC, obs, st, T0 + 0.1)
+    assert (decision.desired, decision.mode, new.mode) == (3, "scheduled", "scheduled")
+    assert isinstance(decision.reason, str) and decision.reason
+    assert new.scale_ups == ((T0 + 0.1, 1),)
+    # At the floor already: the policy's own decision.
+    at = decide(SPEC, dataclasses.replace(obs, scheduled_floor=2), st, T0 + 0.1)[0]
+    assert (at.desired, at.mode) == (2, "normal")
+    # Above maxReplicaCount: the max.
+    top = decide(SPEC, dataclasses.replace(obs, scheduled_floor=80), st, T0 + 0.1)[0]
+    assert (top.desired, top.mode) == (50, "scheduled")
+
+
+def test_paused_scale_in_keeps_the_mode_and_reason_when_it_does_not_bind() -> None:
+    st = initial_state(SPEC, now=T0, current_replicas=2)
+    decision, new = decide(SPEC, Observation(demand=16.0, ready=4, paused_scale_in=True), st, T0 + 0.1)
+    # 16 / 4 = 4 up from 2 (16 < 2 x 4 ready x 4: no panic); paused-scale-in allows a rise as it is.
+    assert (decision.desired, decision.mode, new.mode) == (4, "normal", "normal")
+    assert isinstance(decision.reason, str) and decision.reason
+
+
+# --- decide: rates ---------------------------------------------------------------------------------------------------
+
+
+def test_a_surge_reaches_the_need_state() -> None:
+    st = initial_state(SPEC, now=T0, current_replicas=2)
+    # 24 >= 2 x 2 ready x 4: the panic condition holds, so the need dates a surge from now.
+    obs = Observation(demand=24.0, ready=2, arrival_rate=10.0, completion_rate=10.0)
+    _, new = decide(SPEC, obs, st, T0 + 0.1)
+    assert new.need is not None and new.need.surge_since == T0 + 0.1
+    _, calm = decide(SPEC, dataclasses.replace(obs, demand=8.0), st, T0 + 0.1)
+    assert calm.need is not None and calm.need.surge_since is None
+
+
+def test_created_at_reaches_the_initial_cooldown() -> None:
+    spec = make_spec(min_replica_count=0, initial_cooldown_period=60.0, cooldown_period=0.0)
+    st = dataclasses.replace(initial_state(spec, now=T0, current_replicas=3), hold_replicas=None)  # no restart hold
+    obs = Observation(demand=0.0, ready=3, created_at=T0 - 120.0)
+    # Created two minutes ago: the initial cooldown is over, no demand, cooldown 0: idle at once.
+    d, _ = decide(spec, obs, st, T0 + 0.1)
+    assert (d.desired, d.mode) == (0, "idle")
+    # Unknown creation: counted from the start, 59.9 s to go: the normal rules, 50 % of 3 keeps int(1.5) = 1.
+    d2, _ = decide(spec, dataclasses.replace(obs, created_at=None), st, T0 + 0.1)
+    assert (d2.desired, d2.mode) == (1, "normal")
