@@ -36,8 +36,8 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from nodeagent import tinymodel
-from nodeagent.bench_loader import NO_GPU_EXIT, _bench_loader, _finite, _pct, _progress
+from nodeagent import bench_loader, tinymodel
+from nodeagent.bench_loader import NO_GPU_EXIT, _pct
 from nodeagent.engine import cudaplan, loaders, safetensors_check
 from warmpool import connect as nats_connect
 from warmpool import output as out
@@ -203,7 +203,7 @@ async def _bench(
         t0 = time.perf_counter()
         await _wait_warm(store, key, 600, agent)
         staged_s = time.perf_counter() - t0
-        print(f"staged, verified, locked and armed in {staged_s:.1f} s", file=_progress(out.machine(args)))
+        print(f"staged, verified, locked and armed in {staged_s:.1f} s", file=out.progress(out.machine(args)))
         base = CopyBaseline(sorted((shm / MODEL).glob("*.safetensors")))
         stages: dict[str, list[float]] = {s: [] for s in STAGES}
         claim_ready: list[float] = []
@@ -277,7 +277,7 @@ async def _bench(
         stages={name: StagePercentiles.of(vals) for name, vals in rows},
         host_loader=CopyRate(p50_gbps=loader_p50, p1_gbps=_pct(gbps, 1), count=len(gbps)),
         copyto=CopyRate(p50_gbps=copy_p50, p1_gbps=_pct(base.gbps, 1), count=len(base.gbps)),
-        loader_over_copyto=None if ratio is None else _finite(ratio), targets=targets, activations=each,
+        loader_over_copyto=None if ratio is None else out.finite(ratio), targets=targets, activations=each,
     )  # fmt: skip
     fmt = out.machine(args)
     if fmt is not None:
@@ -289,7 +289,7 @@ async def _bench(
 
 def _target(name: str, value: float, op: str, target: float) -> Target:
     met = value <= target if op == "<=" else value >= target  # NaN (nothing measured) meets neither
-    return Target(name=name, value=_finite(value), op=op, target=target, met=met)
+    return Target(name=name, value=out.finite(value), op=op, target=target, met=met)
 
 
 _STAGE_LABELS = {"overhead": "overhead (total-load)", "claim_to_ready": "claim->ready"}
@@ -370,11 +370,11 @@ def activate(argv: list[str], prog: str) -> int:
     except ValueError as err:
         p.error(str(err))
     if args.loader:
-        return _bench_loader(args, sizes)
+        return bench_loader.run(args, sizes)
     if len(sizes) != 1:
         p.error("--size takes one size for the activation bench (several only with --loader)")
     size = sizes[0]
-    progress = _progress(out.machine(args))
+    progress = out.progress(out.machine(args))
     work = Path(tempfile.mkdtemp(prefix="pulsescale-bench-"))
     shm = Path(tempfile.mkdtemp(prefix="pulsescale-bench-", dir=args.shm_dir))
     try:

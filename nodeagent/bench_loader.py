@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import mmap
 import os
 import shutil
@@ -20,7 +19,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import TextIO
 
 import msgspec
 import numpy as np
@@ -33,14 +31,6 @@ def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.array(values), q)) if values else float("nan")
 
 
-def _finite(x: float) -> float | None:
-    """`x`, or None for NaN/inf: JSON has no NaN."""
-    return x if math.isfinite(x) else None
-
-
-def _progress(fmt: str | None) -> TextIO:
-    """Where progress lines go: stdout with the text report, stderr when stdout carries the -o json|yaml object."""
-    return sys.stdout if fmt is None else sys.stderr
 
 
 NO_GPU_EXIT = 3
@@ -191,14 +181,14 @@ def _loader_row(r: LoaderResult | LoaderSkipped, where: Path) -> str:
     )
 
 
-def _bench_loader(args: argparse.Namespace, sizes: list[int]) -> int:
+def run(args: argparse.Namespace, sizes: list[int]) -> int:
     if args.loader in loaders.GPU_LOADERS:
         why = loaders.probe_gpu().unavailable(args.loader)
         if why:
             print(f"no GPU: loader {args.loader} cannot run here: {why}", file=sys.stderr)
             return NO_GPU_EXIT
     fmt = out.machine(args)
-    progress = _progress(fmt)
+    progress = out.progress(fmt)
     limit, link = _pcie_limit() if args.loader in loaders.GPU_LOADERS else (None, "host memory")
     pins = [args.pin] if args.loader == "cuda-pinned" and args.pin != "both" else ["always", "never"]
     if args.loader != "cuda-pinned":

@@ -226,7 +226,7 @@ def activate(argv: list[str], prog: str) -> int:
     out.add_output_argument(p)
     args = p.parse_args(argv)
     fmt = out.machine(args)
-    progress = sys.stdout if fmt is None else sys.stderr
+    progress = out.progress(fmt)
     try:
         vllm.detect_platform()
     except Exception as err:  # noqa: BLE001 - EngineFailed: vLLM missing, said how to install it

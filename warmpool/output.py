@@ -18,13 +18,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import sys
 from collections.abc import Iterable, Sequence
-from typing import Any, Final
+from typing import Any, Final, TextIO
 
 import msgspec
 import yaml
 
-__all__ = ["MACHINE_FORMATS", "TIMES_RULE", "add_output_argument", "dump", "machine", "replicas_text", "table"]
+__all__ = [
+    "MACHINE_FORMATS",
+    "TIMES_RULE",
+    "add_output_argument",
+    "dump",
+    "finite",
+    "machine",
+    "progress",
+    "replicas_text",
+    "table",
+]
 
 MACHINE_FORMATS: Final = ("json", "yaml")
 TIMES_RULE: Final = (
@@ -35,6 +47,17 @@ TIMES_RULE: Final = (
 """The one rule for times in machine output, said in the --help of every command that prints times."""
 COLUMN_GAP: Final = "   "
 """kubectl's three spaces between columns."""
+
+
+def finite(x: float | None) -> float | None:
+    """A figure for ``-o json|yaml``: `x`, or None for NaN, infinity or nothing (JSON has no NaN)."""
+    return float(x) if x is not None and math.isfinite(x) else None
+
+
+def progress(fmt: str | None) -> TextIO:
+    """Where a command's progress lines go: stdout beside the text report, stderr when stdout carries the
+    ``-o json|yaml`` object (`machine`'s answer) and nothing else."""
+    return sys.stdout if fmt is None else sys.stderr
 
 
 def replicas_text(n: int) -> str:

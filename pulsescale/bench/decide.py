@@ -44,7 +44,6 @@ import asyncio
 import time
 
 from autoscaler.decide import settling
-from pulsescale.bench import report as rpt
 from pulsescale.bench.run import GATEWAY_PHASES, READY_TIMEOUT_S, WARM_UP_S, _Run
 from pulsescale.bench.traffic import _ingest_in_process, _spec, _stand_in_agent
 from pulsescale.bench.watch import _follow_leases
@@ -85,7 +84,7 @@ async def _end_to_end(args: argparse.Namespace) -> None:
         res.setup_s = setup_s = t_seeded - t_start
         run.say(f"setup: {args.models} models x 4 warm slots seeded in {setup_s:.1f} s")
         rate = await _ingest_in_process(nc, store, args.models, args.samples)
-        res.ingest_in_process_samples_per_s = rpt.finite(rate)
+        res.ingest_in_process_samples_per_s = out.finite(rate)
         run.say(f"ingest in process (decode + fold + debounced decide, one core): {rate:,.0f} samples/s")
         t_started = time.perf_counter()
         run.start_replicas()

@@ -8,10 +8,10 @@ the end, alone on stdout. Pure: structs and arithmetic, no I/O.
 
 from __future__ import annotations
 
-import math
-
 import msgspec
 import numpy as np
+
+from warmpool.output import finite
 
 __all__ = [
     "Bounds",
@@ -24,16 +24,12 @@ __all__ = [
     "Percentiles",
     "ReplicaFigures",
     "Takeover",
-    "finite",
     "over",
     "percentiles",
     "ratio",
 ]
 
 
-def finite(x: float | None) -> float | None:
-    """`x` as a float, or None for None, NaN or an infinity: JSON has no NaN."""
-    return float(x) if x is not None and math.isfinite(x) else None
 
 
 def ratio(num: float | None, den: float | None) -> float | None:

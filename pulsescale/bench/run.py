@@ -60,7 +60,7 @@ def _pct(xs: list[float]) -> str:
 
 
 def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else rpt.finite(seconds * 1e3)
+    return None if seconds is None else out.finite(seconds * 1e3)
 
 
 SEED_BATCH = 100
@@ -132,10 +132,7 @@ class _Run:
     def say(self, line: str) -> None:
         """A line of the text report: on stdout, or, with -o json|yaml, on stderr as progress (stdout carries the
         object only)."""
-        if self.fmt is None:
-            print(line)
-        else:
-            print(line, file=sys.stderr, flush=True)
+        print(line, file=out.progress(self.fmt), flush=True)
 
     def live(self) -> set[str]:
         return {r.identity for r in self.replicas if not r.killed and r.proc.poll() is None}
@@ -348,7 +345,7 @@ class _Run:
             r50 = np.percentile(latencies, 50) / np.percentile(floor, 50)
             r99 = np.percentile(latencies, 99) / np.percentile(floor, 99)
             self.say(f"ratio to the floor: p50 {r50:.2f}x   p99 {r99:.2f}x")
-            res.ratio_to_floor_p50, res.ratio_to_floor_p99 = rpt.finite(float(r50)), rpt.finite(float(r99))
+            res.ratio_to_floor_p50, res.ratio_to_floor_p99 = out.finite(float(r50)), out.finite(float(r99))
         return per
 
     async def takeover(self, per: dict[str, list[str]]) -> None:

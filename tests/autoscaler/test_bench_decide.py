@@ -140,7 +140,8 @@ def test_the_report_has_nulls_not_nan_for_what_cannot_be_computed() -> None:
     got = report.percentiles([0.001, 0.002, 0.004])
     assert got.answered == 3 and got.p50_ms == pytest.approx(2.0) and got.max_ms == pytest.approx(4.0)
     assert got.p99_ms is not None and 2.0 < got.p99_ms < 4.0
-    assert report.finite(float("nan")) is None and report.finite(float("inf")) is None and report.finite(2) == 2.0
+    assert output.finite(float("nan")) is None and output.finite(float("inf")) is None and output.finite(2) == 2.0
+    assert output.finite(None) is None
     assert report.ratio(3.0, 2.0) == 1.5 and report.ratio(1.0, 0.0) is None and report.ratio(None, 1.0) is None
     # watch._over's (count, bound) pairs: a bound in s, past the last bucket, nothing read, not exported.
     assert report.over((3, "2.5 s"), 0.5) == report.Over(over_s=0.5, count=3, longest_within_s=2.5)

@@ -16,22 +16,9 @@ import yaml
 
 from manifests import keda, scaledobject
 from manifests.scaledobject import ScaledObjectError
+from tests.manifests.test_scaledobject import GOOD  # the one good manifest the reader's tests vary
 from warmpool import protocol
 from warmpool.protocol import ScalerRecord
-
-GOOD = """\
-apiVersion: pulsescale.io/v1alpha1
-kind: ScaledObject
-metadata:
-  name: qwen
-spec:
-  scaleTargetRef: {name: qwen}
-  minReplicaCount: 1
-  maxReplicaCount: 4
-  triggers:
-    - type: gateway-queue
-      metadata: {model: qwen}
-"""
 
 
 def _spec(**over: object) -> dict[str, object]:
