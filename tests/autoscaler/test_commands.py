@@ -283,6 +283,9 @@ async def test_status_rows_and_decision_trim(nc: Client, service: CommandService
 
 async def test_pool_lists_slots_with_agent_freshness(nc: Client, service: CommandService, store: KvSlotStore) -> None:
     await seed_pool(store, "llama", nodes=1, slots_per_node=1, lease_s=0.001, node_prefix="old")
+    # A lease is fresh for lease_s after the view *heard* it (revision 10): on a busy machine the watch can deliver
+    # it just before the request is handled, within that millisecond; ask once it has lapsed as heard.
+    await wait_for(lambda: store.index.lease_verdict("old-0") == "lapsed", 5, "old-0's lease heard and lapsed")
     reply = await send(nc, "pool", request("pool"))
     assert reply["counts"] == {"llama": {"warm": 1}, "qwen": {"warm": 4}}
     by_key = {s["key"]: s for s in reply["slots"]}
