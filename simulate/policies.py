@@ -76,7 +76,8 @@ class Ours:
     def __init__(self, spec: ScaledObjectSpec, *, initial_replicas: int, name: str = "pulsescale") -> None:
         self.name = name
         self.spec = spec
-        self.state = ours.initial_state(spec, now=0.0, current_replicas=initial_replicas)
+        self.policy_spec = ours.PolicySpec.of(spec)  # built once, as the decider builds it per edit
+        self.state = ours.initial_state(self.policy_spec, now=0.0, current_replicas=initial_replicas)
         self.decision: ours.Decision | None = None
         self.panics = 0
         self.modes: dict[str, int] = {}
@@ -99,7 +100,7 @@ class Ours:
             completion_rate=mu,
         )
         was_panic = self.state.panic
-        self.decision, self.state = ours.decide(self.spec, obs, self.state, m.now)
+        self.decision, self.state = ours.decide(self.policy_spec, obs, self.state, m.now)
         self.panics += int(self.decision.panic and not was_panic)
         self.modes[self.decision.mode] = self.modes.get(self.decision.mode, 0) + 1
         return self.decision.desired

@@ -16,7 +16,7 @@ of samples is one decision, never a polling period. A sample above the largest s
 decision may be a pulse, and is decided at once. A sample that changes nothing asks for nothing: what time alone
 changes (the windows, stale gateways, cooldowns, an override's expiry) is decided by the controller's housekeeping,
 on its own period, for the models where it can change anything: `settled` says when a decision now would repeat the
-last one exactly and leave the policy's windows as deciding would (`settling.settle_s`,
+last one exactly and leave the policy's windows as deciding would (`PolicySpec.settle_s`,
 `settling.time_events`, a gateway turning stale), and housekeeping skips those.
 
 Schedules (protocol revision 8). The ScaledObject's ``schedules`` and the on-call ones (`oncall_schedules`, set
@@ -88,7 +88,9 @@ class ModelDecider:
         self.record = record
         self.settings = settings
         self.demand = ModelDemand(record.spec.model, record.spec.advanced.stale_after_seconds)
-        self.state = policy.initial_state(record.spec, now=now, current_replicas=current_replicas)
+        self.policy_spec = policy.PolicySpec.of(record.spec)
+        """The ScaledObject as the policy reads it, built once per edit (`autoscaler.decide.policyspec`)."""
+        self.state = policy.initial_state(self.policy_spec, now=now, current_replicas=current_replicas)
         self.override: Override | None = None
         """The on-call override (`scale`, `pause`); the paused annotation is read from `record`."""
         self.oncall_schedules: tuple[OnCallSchedule, ...] = ()
@@ -150,6 +152,8 @@ class ModelDecider:
 
     def update_record(self, record: ScalerRecord, now: float) -> float:
         """A live edit of the ScaledObject: the next decision uses it. Returns when that decision is due."""
+        if record.spec != self.record.spec:
+            self.policy_spec = policy.PolicySpec.of(record.spec)
         self.record = record
         self._windows = None
         self.demand.stale_after_s = record.spec.advanced.stale_after_seconds
@@ -197,7 +201,7 @@ class ModelDecider:
         """Deciding at `now` with `ready` replicas would repeat the last decision exactly (reason and figures too),
         so housekeeping may `skip` it. Conservative: False unless the last decision had fresh demand, no panic, no
         hold after restart, no scale step still within its period, no override or pause, the same ready count,
-        lead time and ScaledObject, was taken `settling.settle_s` after the demand last changed (a gateway turning
+        lead time and ScaledObject, was taken `PolicySpec.settle_s` after the demand last changed (a gateway turning
         stale is a change), and no time event (`settling.time_events`) falls since the state was last brought up to
         date (a decision, or `skip`)."""
         d, state, at, demand = self.decision, self.state, self._decided_at, self._demand_seen
@@ -213,7 +217,7 @@ class ModelDecider:
         # A hold of 0 replicas after a restart binds nothing (no decision goes below it): as good as none.
         if d.panic or state.hold_replicas or state.scale_downs or state.scale_ups:
             return False
-        if policy.cooling_s(self.spec, state, self.record.created_at, now) > 0:
+        if policy.cooling_s(self.policy_spec, state, self.record.created_at, now) > 0:
             return False
         stale_at = -math.inf
         stale_after = self.demand.stale_after_s
@@ -225,10 +229,10 @@ class ModelDecider:
         # Windows that only ever held this demand (`PolicyState.flat`) need not wait for older values to leave:
         # a fleet's models start steady, and waiting `settle_s` (minutes) re-decided every one on every turn.
         # ...unless the demand changed since the last decision other than by a sample (`touch`: gateways forgotten).
-        flat = stale_at < at and self._changed_at <= at and settling.flat_settled(self.spec, state, at)
-        if at < changed + settling.settle_s(self.spec) and not flat:
+        flat = stale_at < at and self._changed_at <= at and settling.flat_settled(self.policy_spec, state, at)
+        if at < changed + self.policy_spec.settle_s and not flat:
             return False
-        events = settling.time_events(self.spec, state, self.record.created_at, demand)
+        events = settling.time_events(self.policy_spec, state, self.record.created_at, demand)
         if any(self._current_at < t <= now for t in events):
             return False
         # A schedule that started or ended since: the floor changes (`next_boundary`).
@@ -242,7 +246,7 @@ class ModelDecider:
         assert self.decision is not None
         q, lam, mu = self._rates_seen
         self.state = settling.repeat(
-            self.spec, self.state, self.decision, now, self._demand_seen, queued=q, arrival_rate=lam,
+            self.policy_spec, self.state, self.decision, now, self._demand_seen, queued=q, arrival_rate=lam,
             completion_rate=mu,
         )  # fmt: skip
         self._current_at = now
@@ -297,7 +301,7 @@ class ModelDecider:
             scheduled_floor=schedules.floor_at(self.windows, now),
         )
         before = self.state.desired
-        decision, self.state = policy.decide(self.spec, obs, self.state, now)
+        decision, self.state = policy.decide(self.policy_spec, obs, self.state, now)
         self._demand_seen, self._current_at = obs.demand, now
         self._rates_seen = (obs.queued, obs.arrival_rate, obs.completion_rate)
         # What `settled` compares; none after a decision with an override in it (its reason names the override,

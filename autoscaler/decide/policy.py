@@ -1,6 +1,8 @@
 """The scaling policy: ``decide(spec, observation, state, now) -> (decision, state)``.
 
 Pure, as DESIGN.md "Scaling policy" asks: no I/O, no clock (``now`` is an argument), frozen inputs and outputs.
+`spec` is a `PolicySpec` (`autoscaler.decide.policyspec`): the ScaledObject resolved once when it changes, as
+Knative's ``DeciderSpec``, so a decision derives nothing from KEDA's wire type.
 The controller calls `decide` on every (debounced) sample of a model and acts on `Decision.desired`; the
 `Decision.reason` goes to events, status and logs as it is.
 Its terms (`Observation`, `PolicyState`, `Decision`, the bounds) are in `autoscaler.decide.policystate`; rules 1 and 2
@@ -50,34 +52,34 @@ them: the person asked for that count.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Final
 
 from autoscaler.decide import detector, need
 from autoscaler.decide.holds import apply_override, blind, describe, live, one_way
+from autoscaler.decide.policyspec import PolicySpec
 from autoscaler.decide.policystate import (
     ROUNDING,
-    Bounds,
     Decision,
     Flat,
     Mode,
     Observation,
     PolicyState,
-    bounds_of,
     clean,
-    trigger_of,
 )
 from autoscaler.decide.policystate import (
     number_text as _n,
 )
-from autoscaler.decide.scalein import ScaleIn, rate_floor, rate_text, scale_in, span_s, step_gap_s
-from warmpool.protocol import Override, ScaledObjectSpec
+from autoscaler.decide.scalein import ScaleIn, rate_floor, rate_text, scale_in, step_gap_s
+from warmpool.protocol import Override
 
 __all__ = [
     "Decision",
     "Mode",
     "Observation",
     "Override",
+    "PolicySpec",
     "PolicyState",
     "cooling_s",
     "decide",
@@ -106,61 +108,41 @@ def record_need(
     )  # fmt: skip
 
 
-def _lows_window(spec: ScaledObjectSpec) -> detector.TimeWindow:
-    return detector.TimeWindow.empty(spec.advanced.panic_window_seconds, combine="max")
+def _lows_window(spec: PolicySpec) -> detector.TimeWindow:
+    return detector.TimeWindow.empty(spec.detector.panic_window_s, combine="max")
 
 
-def _config(
-    spec: ScaledObjectSpec, target: float, activation: float, windows: ScaleIn | None = None
-) -> detector.DetectorConfig:
-    adv = spec.advanced
-    return detector.DetectorConfig(
-        calm_s=windows.calm_s if windows is not None else None,
-        stable_window_s=adv.stable_window_seconds,
-        panic_window_s=adv.panic_window_seconds,
-        panic_threshold=adv.panic_threshold,
-        target_queue_depth=target,
-        activation_queue_depth=activation,
-        carry_s=adv.stale_after_seconds,
-    )
-
-
-def _recommendation_window(spec: ScaledObjectSpec) -> detector.TimeWindow:
-    return detector.TimeWindow.empty(span_s(spec), combine="max")
+def _recommendation_window(spec: PolicySpec) -> detector.TimeWindow:
+    return detector.TimeWindow.empty(spec.span_s, combine="max")
 
 
 def _replicas(demand: float, target: float) -> int:
     return max(math.ceil(demand / target - ROUNDING), 0)
 
 
-def initial_state(spec: ScaledObjectSpec, *, now: float, current_replicas: int) -> PolicyState:
+def initial_state(spec: PolicySpec, *, now: float, current_replicas: int) -> PolicyState:
     """State for a model seen for the first time, or after a restart or leader failover: the current count is held
     (scale-ups allowed) until a stable window of demand has been seen (Knative's restart rule)."""
     current = max(current_replicas, 0)
-    target, activation = trigger_of(spec)
-    bounds = bounds_of(spec)
     return PolicyState(
         desired=current,
         mode="hold",
         started_at=now,
         hold_replicas=current,
-        pulse=detector.initial(_config(spec, target, activation)),
+        pulse=detector.initial(spec.detector),
         recommendations=_recommendation_window(spec),
-        last_active_at=now if current > bounds.idle else None,
+        last_active_at=now if current > spec.bounds.idle else None,
         flat=_UNRECORDED,
     )
 
 
 def _fresh(
-    spec: ScaledObjectSpec,
+    spec: PolicySpec,
     pulse: detector.Pulse,
     rec: int,
     stabilised: int,
     state: PolicyState,
-    bounds: Bounds,
     last_active_at: float | None,
-    activation: float,
-    target: float,
     lead_s: float,
     now: float,
     cooling_s: float,
@@ -169,7 +151,7 @@ def _fresh(
 ) -> tuple[int, Mode, str]:
     """Rules 3 to 5 on fresh demand. `cooling_s`: what is left of ``initialCooldownPeriod`` (<= 0: none); `needs`:
     what the rates say the load needs (None: the queue depth's forecast decides)."""
-    prev = state.desired
+    prev, bounds, activation, cooldown = state.desired, spec.bounds, spec.activation, spec.keda.cooldown_period
     demand = pulse.current if pulse.current is not None else 0.0
     if bounds.idle_capable and not pulse.panic:
         if prev <= bounds.idle and demand <= activation:
@@ -177,36 +159,31 @@ def _fresh(
         # Only while inactive now: with a cooldownPeriod of 0 the time since the last activity is 0 >= 0 even under
         # demand, and the count would flap between idle and active on every decision.
         inactive = demand <= activation
-        if prev > bounds.idle and inactive and (last_active_at is None or now - last_active_at >= spec.cooldown_period):
+        if prev > bounds.idle and inactive and (last_active_at is None or now - last_active_at >= cooldown):
             if cooling_s <= 0:
                 return (
                     bounds.idle,
                     "idle",
-                    f"idle {prev} -> {bounds.idle}: no demand above {_n(activation)} for {_n(spec.cooldown_period)} s",
+                    f"idle {prev} -> {bounds.idle}: no demand above {_n(activation)} for {_n(cooldown)} s",
                 )
-            desired, mode, reason = _scale(
-                spec, pulse, rec, stabilised, state, bounds, activation, target, lead_s, now, windows, needs
-            )
+            desired, mode, reason = _scale(spec, pulse, rec, stabilised, state, lead_s, now, windows, needs)
             return desired, mode, f"{reason}; idle at {bounds.idle} in {_n(cooling_s)} s (initialCooldownPeriod)"
-    return _scale(spec, pulse, rec, stabilised, state, bounds, activation, target, lead_s, now, windows, needs)
+    return _scale(spec, pulse, rec, stabilised, state, lead_s, now, windows, needs)
 
 
 def _scale(
-    spec: ScaledObjectSpec,
+    spec: PolicySpec,
     pulse: detector.Pulse,
     rec: int,
     stabilised: int,
     state: PolicyState,
-    bounds: Bounds,
-    activation: float,
-    target: float,
     lead_s: float,
     now: float,
     windows: ScaleIn,
     needs: need.Need | None = None,
 ) -> tuple[int, Mode, str]:
     """Rules 4 and 5: panic, or the normal recommendation with its stabilisation and rate limit."""
-    adv = spec.advanced
+    adv, bounds, target, activation = spec.keda.advanced, spec.bounds, spec.target, spec.activation
     prev = state.desired
     demand = pulse.current if pulse.current is not None else 0.0
     forecast = pulse.forecast_demand if pulse.forecast_demand is not None else demand
@@ -220,7 +197,7 @@ def _scale(
         want = min(prev, stabilised)
         if needs is not None:
             want = min(prev, max(want, math.ceil(needs.high - need.TOLERANCE)))  # the rate may be that high yet
-        floor = rate_floor(prev, state.scale_ups, state.scale_downs, spec, windows, now)
+        floor = rate_floor(prev, state.scale_ups, state.scale_downs, spec.keda, windows, now)
         if needs is not None and any(now - ts < step_gap_s(windows) for ts, _ in state.scale_downs):
             # On rates the window's highest recommendation falls a replica at a time as a pulse's recommendations
             # leave it: one step per stabilisation window (or period), not one per decision.
@@ -258,34 +235,34 @@ def _scale(
         return desired, mode, f"steady at {prev}: stabilising, max {stabilised} over {stab} s (now {rec})"
     if adv.scale_down_select_policy == "Disabled":
         return desired, mode, f"steady at {prev}: scale-down disabled (scaleDownSelectPolicy), policy wants {want}"
-    return desired, mode, f"steady at {prev}: scale-down rate {rate_text(spec, windows)} used"
+    return desired, mode, f"steady at {prev}: scale-down rate {rate_text(spec.keda, windows)} used"
 
 
-def cooling_s(spec: ScaledObjectSpec, state: PolicyState, created_at: float | None, now: float) -> float:
+def cooling_s(spec: PolicySpec, state: PolicyState, created_at: float | None, now: float) -> float:
     """Seconds of ``initialCooldownPeriod`` still to run (<= 0: over). While it runs, a decision's reason may count
     it down, so no decision repeats the last (`ModelDecider.settled`)."""
-    if spec.initial_cooldown_period <= 0:
+    period = spec.keda.initial_cooldown_period
+    if period <= 0:
         return 0.0
     since = created_at if created_at is not None and math.isfinite(created_at) else state.started_at
-    return since + spec.initial_cooldown_period - now
+    return since + period - now
 
 
-def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: float) -> tuple[Decision, PolicyState]:
+def decide(spec: PolicySpec, obs: Observation, state: PolicyState, now: float) -> tuple[Decision, PolicyState]:
     """One scaling decision for one model at `now`; see the module docstring for the rules and their order."""
-    adv = spec.advanced
-    bounds = bounds_of(spec)
-    target, activation = trigger_of(spec)
+    adv = spec.keda.advanced
+    bounds, target, activation = spec.bounds, spec.target, spec.activation
     prev = state.desired
     demand = clean(obs.demand)
     lead_s = obs.lead_time_s
     if lead_s is None or not math.isfinite(lead_s) or lead_s <= 0:
         lead_s = adv.lead_time_seconds
-    windows = scale_in(spec, lead_s)  # the whole lead time: a cold path's minutes make bringing one back dear
+    windows = scale_in(spec.keda, lead_s)  # the whole lead time: a cold path's minutes make bringing one back dear
     # The slope is fitted on one panic window of history; extrapolating it much further is guessing (a cold start's
     # minutes-long claim -> ready time would turn noise into dozens of replicas).
     lead_s = min(lead_s, max(adv.panic_window_seconds, adv.lead_time_seconds))
     pulse, pulse_state = detector.observe(
-        _config(spec, target, activation, windows),
+        dataclasses.replace(spec.detector, calm_s=windows.calm_s),
         state.pulse,
         now=now,
         demand=demand,
@@ -298,14 +275,14 @@ def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: fl
 
     recs = state.recommendations
     flat = state.flat
-    if recs.span_s != span_s(spec):
+    if recs.span_s != spec.span_s:
         recs = _recommendation_window(spec).record(now, prev)  # the spec's window changed: start from the count
         flat = None
     last_fresh_at, last_active_at = state.last_fresh_at, state.last_active_at
     need_state, last_rec, last_held, lows = state.need, state.rec, state.held, state.lows
 
     if demand is None:
-        desired, mode, reason = blind(spec, state, bounds, now)
+        desired, mode, reason = blind(spec.keda, state, bounds, now)
         # Recorded as a recommendation so that, when metrics return, the count held blind is only left after a
         # stabilisation window of fresh data (KEDA's fallback reaches HPA's window the same way).
         recs = recs.record(now, desired)
@@ -316,7 +293,7 @@ def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: fl
             last_active_at = now
         forecast = pulse.forecast_demand if pulse.forecast_demand is not None else demand
         peak = pulse.panic_demand if pulse.panic and pulse.panic_demand is not None else 0.0
-        need_cfg = need.config(spec, target)
+        need_cfg = spec.need
         need_state = record_need(need_cfg, need_state, obs, demand, now, pulse.panic_condition)
         needs = (
             need.estimate(
@@ -364,10 +341,7 @@ def decide(spec: ScaledObjectSpec, obs: Observation, state: PolicyState, now: fl
             up_to,
             rec if stabilised is None else max(int(stabilised), rec),
             state,
-            bounds,
             last_active_at,
-            activation,
-            target,
             lead_s,
             now,
             cooling_s(spec, state, obs.created_at, now),
@@ -461,10 +435,10 @@ def _flat_after(flat: Flat | None, demand: float | None, rec: int, now: float) -
     return flat
 
 
-def hold_after(spec: ScaledObjectSpec, hold: int | None, window: detector.TimeWindow, now: float) -> int | None:
+def hold_after(spec: PolicySpec, hold: int | None, window: detector.TimeWindow, now: float) -> int | None:
     """The restart hold at `now`: gone once a full stable window of demand was seen since the restart (the
     policy's own view takes over)."""
     first_ts = window.first_ts
-    if hold is not None and first_ts is not None and now - first_ts >= spec.advanced.stable_window_seconds:
+    if hold is not None and first_ts is not None and now - first_ts >= spec.detector.stable_window_s:
         return None
     return hold

@@ -1,9 +1,10 @@
 """When time alone can change a policy decision: the decider skips a model until then, and repeats its last one.
 
-`settle_s` and `trend_settle_s` say when a decision on unchanged inputs repeats the last one as far as the windows
-go, `flat_settled` when one flat since the start does, `time_events` the times at which time alone changes it
-(the idle drop, the end of ``initialCooldownPeriod``), and `repeat` the state `autoscaler.decide.policy.decide` would
-leave when it repeats its last decision, without running it (`autoscaler.decide.decider.ModelDecider.settled`). Pure.
+`PolicySpec.settle_s` and `PolicySpec.trend_settle_s` (`autoscaler.decide.policyspec`) say when a decision on
+unchanged inputs repeats the last one as far as the windows go, `flat_settled` when one flat since the start does,
+`time_events` the times at which time alone changes it (the idle drop, the end of ``initialCooldownPeriod``), and
+`repeat` the state `autoscaler.decide.policy.decide` would leave when it repeats its last decision, without running
+it (`autoscaler.decide.decider.ModelDecider.settled`). Pure.
 """
 
 from __future__ import annotations
@@ -11,63 +12,38 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from autoscaler.decide import detector, need, policy, scalein
-from autoscaler.decide.policystate import Decision, Observation, PolicyState, bounds_of, trigger_of
-from warmpool.protocol import ScaledObjectSpec
+from autoscaler.decide import detector, policy
+from autoscaler.decide.policy import PolicySpec
+from autoscaler.decide.policystate import Decision, Observation, PolicyState
 
-__all__ = ["flat_settled", "repeat", "settle_s", "time_events", "trend_settle_s"]
-
-
-def settle_s(spec: ScaledObjectSpec) -> float:
-    """Seconds after the last change of a model's demand (or its spec) past which a decision on the same demand,
-    ready count and lead time repeats the previous one exactly, as far as the windows go: the trend is fitted over
-    a panic window, the mean over the stable window, panic is left a stable window after its condition, the
-    recommendations of the panic window's forecast are stabilised over the scale-down window, and the rate limit
-    remembers a period of steps. Summed, not maxed: each starts when the one before has settled. Two buckets of
-    slack for keys that round either way."""
-    adv = spec.advanced
-    # Unset windows at their longest (`scale_in` at a lead time of AUTO_HOLD_MAX_S or more): settling later is safe.
-    longest = scalein.scale_in(spec, scalein.AUTO_HOLD_MAX_S)
-    return (
-        adv.stable_window_seconds + adv.panic_window_seconds + longest.hold_s + longest.period_s + 2 * detector.BUCKET_S
-    )
+__all__ = ["flat_settled", "repeat", "time_events"]
 
 
-def trend_settle_s(spec: ScaledObjectSpec) -> float:
-    """Seconds of decisions on one unchanged demand, from its first (`Flat.demand_since`), past which the next
-    repeats the last exactly when the windows never held another value (`PolicyState.flat`): the trend's fit needs
-    points all along its panic window before its forecast is the demand itself. Two buckets of slack, as
-    `settle_s`."""
-    return spec.advanced.panic_window_seconds + 2 * detector.BUCKET_S
-
-
-def flat_settled(spec: ScaledObjectSpec, state: PolicyState, decided_at: float) -> bool:
+def flat_settled(spec: PolicySpec, state: PolicyState, decided_at: float) -> bool:
     """The windows held one demand and one recommendation since the start, and the decision at `decided_at` saw
     them past `trend_settle_s`: deciding again on the same inputs repeats it (`ModelDecider.settled`)."""
     flat = state.flat
     # (`policy.initial_state`'s, before any decision, has no `demand_since` either.)
-    return flat is not None and flat.demand_since is not None and decided_at >= flat.demand_since + trend_settle_s(spec)
+    return flat is not None and flat.demand_since is not None and decided_at >= flat.demand_since + spec.trend_settle_s
 
 
-def time_events(
-    spec: ScaledObjectSpec, state: PolicyState, created_at: float | None, demand: float
-) -> tuple[float, ...]:
+def time_events(spec: PolicySpec, state: PolicyState, created_at: float | None, demand: float) -> tuple[float, ...]:
     """Times at which a decision on the unchanged fresh `demand` may change by time alone, beside the windows
     (`settle_s`): the idle drop (``cooldownPeriod`` after the last activity, while inactive above the idle count)
     and the end of ``initialCooldownPeriod`` (whose reason counts it down). The fallback and an override's expiry
     are the caller's to rule out."""
     out: list[float] = []
-    _, activation = trigger_of(spec)
-    if state.last_active_at is not None and demand <= activation and state.desired > bounds_of(spec).idle:
-        out.append(state.last_active_at + spec.cooldown_period)
-    if spec.initial_cooldown_period > 0:
+    keda = spec.keda
+    if state.last_active_at is not None and demand <= spec.activation and state.desired > spec.bounds.idle:
+        out.append(state.last_active_at + keda.cooldown_period)
+    if keda.initial_cooldown_period > 0:
         since = created_at if created_at is not None and math.isfinite(created_at) else state.started_at
-        out.append(since + spec.initial_cooldown_period)
+        out.append(since + keda.initial_cooldown_period)
     return tuple(out)
 
 
 def repeat(
-    spec: ScaledObjectSpec,
+    spec: PolicySpec,
     state: PolicyState,
     decision: Decision,
     now: float,
@@ -82,7 +58,6 @@ def repeat(
     rates and the recommendation recorded in the windows (a few microseconds; the reads, the trend and the rules
     are what is skipped), and the times of the last fresh and the last active demand moved on, as each decision
     moves them."""
-    target, activation = trigger_of(spec)
     pulse = state.pulse
     window = pulse.window.record(now, demand)
     ready = state.need.ready if state.need is not None else 0  # `settled` held it: the same ready count
@@ -93,7 +68,7 @@ def repeat(
         hold_replicas=policy.hold_after(spec, state.hold_replicas, window, now),  # a hold of 0 may be repeated
         recommendations=state.recommendations.record(now, state.held),
         last_fresh_at=now,
-        last_active_at=state.last_active_at if demand <= activation else now,
-        need=policy.record_need(need.config(spec, target), state.need, obs, demand, now),
+        last_active_at=state.last_active_at if demand <= spec.activation else now,
+        need=policy.record_need(spec.need, state.need, obs, demand, now),
         lows=state.lows.record(now, -state.rec) if state.lows is not None else None,
     )

@@ -43,7 +43,7 @@ import argparse
 import asyncio
 import time
 
-from autoscaler.decide import settling
+from autoscaler.decide.policyspec import PolicySpec
 from pulsescale.bench.run import GATEWAY_PHASES, READY_TIMEOUT_S, WARM_UP_S, _Run
 from pulsescale.bench.traffic import _ingest_in_process, _spec, _stand_in_agent
 from pulsescale.bench.watch import _follow_leases
@@ -94,9 +94,9 @@ async def _end_to_end(args: argparse.Namespace) -> None:
         stop = asyncio.Event()
         bg = asyncio.create_task(run.background(stop))
         owners = asyncio.create_task(run.watch_ownership(stop))
-        # Steady traffic until the models' windows settle (`settling.trend_settle_s`): a fleet's models are timed
+        # Steady traffic until the models' windows settle (`PolicySpec.trend_settle_s`): a fleet's models are timed
         # as they run, not in their first seconds, when housekeeping still re-decides every one of them.
-        await asyncio.sleep(WARM_UP_S + settling.trend_settle_s(_spec("m0")))
+        await asyncio.sleep(WARM_UP_S + PolicySpec.of(_spec("m0")).trend_settle_s)
         res.ownership_settled_s = settled = await run.settle(READY_TIMEOUT_S)
         run.phase = "pulses"
         run.say(f"ownership settled {settled:.1f} s after the pulses' warm-up")

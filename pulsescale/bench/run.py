@@ -79,7 +79,7 @@ their own; `--gateways-in-step` puts them all at one (a pulse then waits behind 
 BACKGROUND_YIELD_EVERY = 200
 """The background samples yield to the event loop after this many publishes (a publish rarely yields itself)."""
 WARM_UP_S = 3.5
-"""Steady traffic before the pulses, past the windows' settling (`settling.trend_settle_s` of the bench's spec):
+"""Steady traffic before the pulses, past the windows' settling (`PolicySpec.trend_settle_s` of the bench's spec):
 a model is skipped from the turn after its first decision on settled windows, one or two turns of
 `redecide_every_s` (1 s) later."""
 OWNERSHIP_EVERY_S = 0.25

@@ -9,7 +9,7 @@ import logging
 import msgspec
 import pytest
 
-from autoscaler.decide import policy, settling
+from autoscaler.decide import policy
 from autoscaler.decide.decider import LEAD_TIME_MIN_SAMPLES, DeciderSettings, Evaluation, ModelDecider
 from tests.helpers import HandClock
 from warmpool import protocol
@@ -206,7 +206,7 @@ def short(
     schedules: tuple[Schedule, ...] = (),
     **advanced: float,
 ) -> ScalerRecord:
-    """Short windows (settling.settle_s 3.7 s, trend_settle_s 0.7 s), target 2, at least one replica."""
+    """Short windows (PolicySpec.settle_s 3.7 s, trend_settle_s 0.7 s), target 2, at least one replica."""
     raw = {
         "schedules": [msgspec.to_builtins(s) for s in schedules],
         "scaleTargetRef": {"name": "m"},
@@ -402,14 +402,14 @@ def test_a_change_decided_at_its_own_instant_lets_the_flat_windows_settle() -> N
 
 
 def test_a_new_demand_settles_when_a_decision_is_made_settle_s_after_it() -> None:
-    """Windows that held two demands settle only on a decision taken `settling.settle_s` (3.7 s) or more after the
+    """Windows that held two demands settle only on a decision taken `PolicySpec.settle_s` (3.7 s) or more after the
     last change: one exactly then is enough."""
     h = Housekeeping(short())
     h.run(3.0)
     h.depth["a"] = 6
     h.run(TICK)
     changed = h.now
-    settle = settling.settle_s(h.d.spec)
+    settle = h.d.policy_spec.settle_s
     assert settle == 3.7
     while h.now + TICK < changed + settle:
         assert not h.run(TICK)[0]
@@ -558,7 +558,7 @@ def test_the_status_row_says_fallback() -> None:
 def test_a_new_decider_starts_from_no_replicas_unless_told_and_touch_needs_no_sample() -> None:
     rec = record()
     d = ModelDecider(rec, now=T0)
-    assert d.state == policy.initial_state(rec.spec, now=T0, current_replicas=0)
+    assert d.state == policy.initial_state(policy.PolicySpec.of(rec.spec), now=T0, current_replicas=0)
     assert d.demand.model == "m"
     d.touch(T0 + 1)  # gateways forgotten before any sample said anything: nothing to compare yet
     assert not d.settled(T0 + 2, ready=0)
@@ -599,7 +599,7 @@ def test_an_override_expires_at_its_end_and_the_log_says_whose(caplog: pytest.Lo
 
 def test_a_decision_with_an_override_in_it_is_never_repeated_by_a_skip() -> None:
     """Its reason names the override; the next decision, without it, will not: housekeeping must decide it. (The
-    demand last changed more than `settling.settle_s` before: only the override stands in the way.)"""
+    demand last changed more than `PolicySpec.settle_s` before: only the override stands in the way.)"""
     h = Housekeeping(short())
     h.run(5.0)
     h.d.override = Override(kind="scale", replicas=2, expires_at=None, by="alice")

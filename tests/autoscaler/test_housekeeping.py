@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from nats.aio.client import Client
 
 from autoscaler.daemon import Autoscaler, SlotCounts
-from autoscaler.decide import settling
 from autoscaler.decide.decider import DeciderSettings, ModelDecider
+from autoscaler.decide.policyspec import PolicySpec
 from tests.autoscaler.test_autoscaler import Gateway, put_scaler, running_autoscaler
 from tests.helpers import wait_for
 from warmpool import protocol
@@ -240,7 +240,7 @@ def test_a_quiet_model_is_skipped_until_a_gateway_turns_stale() -> None:
     for _ in range(40):  # 10 s on a steady gateway: it samples every 0.5 s (same demand), housekeeping ticks
         pair.step("tick", "", 0)
         pair.step("sample", "a", 2)
-    assert pair.skipped > 20, pair.skipped  # settled after settling.settle_s (~3.7 s here)
+    assert pair.skipped > 20, pair.skipped  # settled after PolicySpec.settle_s (~3.7 s here)
     before = pair.skipped
     pair.step("ticks", "", 8)  # the gateway went silent: it turns stale after 1 s, and that is decided
     assert pair.skip.decision is not None and pair.skip.decision.mode == "stale"
@@ -249,11 +249,12 @@ def test_a_quiet_model_is_skipped_until_a_gateway_turns_stale() -> None:
 
 def test_a_model_steady_from_its_first_sample_is_skipped_long_before_settle_s() -> None:
     """Windows that only ever held one demand repeat once the trend's window is full of it
-    (`settling.trend_settle_s`), not `settling.settle_s` later: a fleet's models start steady, and waiting minutes
+    (`PolicySpec.trend_settle_s`), not `PolicySpec.settle_s` later: a fleet's models start steady, and waiting minutes
     re-decided every one of them on every turn. The skipping decider still decides as the reference does."""
     rec = _record(min_replicas=0, cooldown=1.0, initial_cooldown=0.0, stab=1.0, stale=1.0, stable=2.0, panic=0.5,
                   fallback=False)  # fmt: skip
-    settle, trend = settling.settle_s(rec.spec), settling.trend_settle_s(rec.spec)
+    terms = PolicySpec.of(rec.spec)
+    settle, trend = terms.settle_s, terms.trend_settle_s
     assert trend < settle / 3
     pair = _Pair(rec)
     pair.step("ticks", "", 3)  # decided blind first, as a takeover decides before the first sample comes

@@ -38,7 +38,8 @@ def run(
     rng = np.random.default_rng(seed)
     spec = our_spec(target=float(CONCURRENCY), min_replicas=min_replicas, max_replicas=max_replicas,
                     stabilization_s=stabilization_s)  # fmt: skip
-    state = policy.initial_state(spec, now=0.0, current_replicas=replicas)
+    terms = policy.PolicySpec.of(spec)
+    state = policy.initial_state(terms, now=0.0, current_replicas=replicas)
     ready, desired = replicas, replicas
     coming: deque[float] = deque()  # ready times of replicas asked for
     queue = 0
@@ -80,7 +81,7 @@ def run(
             arrival_rate=lam,
             completion_rate=mu,
         )
-        d, state = policy.decide(spec, obs, state, now)
+        d, state = policy.decide(terms, obs, state, now)
         if d.desired > desired:
             coming.extend([now + activation_s] * (d.desired - desired - len(coming) + (desired - ready)))
         elif d.desired < desired:

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from autoscaler.decide.policy import Decision, Observation, Override, PolicyState, decide, initial_state
+from autoscaler.decide.policy import Decision, Observation, Override, PolicySpec, PolicyState, decide, initial_state
 from autoscaler.decide.scalein import scale_in
 from tests.helpers import HandClock
 from warmpool.protocol import Advanced, Fallback, ScaledObjectSpec, ScaleTargetRef, Trigger, TriggerMetadata
@@ -90,10 +90,11 @@ def run(
     spec: ScaledObjectSpec, rows: list[Row], *, current: int = 1, state: PolicyState | None = None
 ) -> tuple[Decision, PolicyState]:
     clock = HandClock(T0)
-    state = state or initial_state(spec, now=T0, current_replicas=current)
+    state = state or initial_state(PolicySpec.of(spec), now=T0, current_replicas=current)
     decision: Decision | None = None
     for i, row in enumerate(rows):
         spec = row.spec or spec
+        terms = PolicySpec.of(spec)
         for _ in range(row.repeat):
             obs = Observation(
                 demand=row.demand,
@@ -104,7 +105,7 @@ def run(
                 paused_scale_out=row.paused_out,
                 created_at=row.created_at,
             )
-            decision, state = decide(spec, obs, state, clock.advance(row.dt))
+            decision, state = decide(terms, obs, state, clock.advance(row.dt))
         assert decision is not None
         where = f"row {i} at +{clock.now - T0:.1f} s: {decision}"
         if row.want is not None:
@@ -411,7 +412,7 @@ def test_scale_down_rate_removes_at_least_one() -> None:
 def settled_at(spec: ScaledObjectSpec, replicas: int) -> PolicyState:
     """A state holding `replicas` at T0 in normal mode, past the restart hold, with no scale step in the period."""
     return dataclasses.replace(
-        initial_state(spec, now=T0, current_replicas=replicas), hold_replicas=None, mode="normal"
+        initial_state(PolicySpec.of(spec), now=T0, current_replicas=replicas), hold_replicas=None, mode="normal"
     )
 
 
@@ -573,9 +574,10 @@ def test_decide_is_cheap() -> None:
     _, state = run(spec, [SETTLED])
     obs = Observation(demand=24, ready=6)
     now = T0 + 100.0
+    terms = PolicySpec.of(spec)
     start = time.perf_counter()
     for i in range(1000):
-        _, state = decide(spec, obs, state, now + i * 0.05)
+        _, state = decide(terms, obs, state, now + i * 0.05)
     per_call_s = (time.perf_counter() - start) / 1000
     assert per_call_s < 2e-3
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import msgspec
 import pytest
 
 from autoscaler.decide import detector, need
@@ -25,14 +26,16 @@ from autoscaler.decide.policy import (
     initial_state,
     record_need,
 )
-from autoscaler.decide.policystate import Flat, Observation, PolicyState, bounds_of
-from autoscaler.decide.scalein import scale_in, step_gap_s
-from tests.autoscaler.test_policy import make_spec
-from warmpool.protocol import Override
+from autoscaler.decide.policyspec import PolicySpec
+from autoscaler.decide.policystate import Bounds, Flat, Observation, PolicyState
+from autoscaler.decide.scalein import AUTO_HOLD_MAX_S, scale_in, step_gap_s
+from tests.autoscaler.test_policy import auto_spec, make_spec
+from warmpool.protocol import Override, Trigger, TriggerMetadata
 
 T0 = 1_700_000_000.0
-SPEC = make_spec()  # target 4, activation 0, min 1 / max 50, stabilisation 60 s, 50 % per 60 s, panic 2x
-CFG = need.config(SPEC, 4.0)
+KEDA = make_spec()  # target 4, activation 0, min 1 / max 50, stabilisation 60 s, 50 % per 60 s, panic 2x
+SPEC = PolicySpec.of(KEDA)
+CFG = need.config(KEDA, 4.0)
 
 
 def _pulse(current: float | None = 4.0, *, panic: bool = False) -> detector.Pulse:
@@ -99,7 +102,7 @@ def test_record_need_passes_ready_queued_and_surge_to_the_need() -> None:
 def test_lows_window_keeps_the_lowest_recommendation_of_a_bucket() -> None:
     lows = _lows_window(SPEC).record(T0, -3).record(T0, -5)  # two decisions in one bucket: recs 3 then 5
     assert lows.peak(T0, 6.0) == -3  # "max" of the negated recs: the lowest rec, not the last one
-    assert lows.span_s == SPEC.advanced.panic_window_seconds
+    assert lows.span_s == KEDA.advanced.panic_window_seconds
 
 
 def test_replicas_rounds_up_and_zero_demand_needs_none() -> None:
@@ -112,14 +115,14 @@ def test_initial_state_holds_the_current_count_with_nothing_recorded() -> None:
     st = initial_state(SPEC, now=T0, current_replicas=3)
     assert (st.desired, st.mode, st.started_at, st.hold_replicas, st.last_active_at) == (3, "hold", T0, 3, T0)
     assert st.flat is _UNRECORDED and st.flat == Flat(None, -1, None)
-    idle = initial_state(make_spec(min_replica_count=0), now=T0, current_replicas=-2)
+    idle = initial_state(PolicySpec.of(make_spec(min_replica_count=0)), now=T0, current_replicas=-2)
     assert (idle.desired, idle.hold_replicas, idle.last_active_at) == (0, 0, None)
 
 
 def test_cooling_s_counts_down_from_creation_or_from_the_start() -> None:
     st = _state()
     assert cooling_s(SPEC, st, T0 - 100.0, T0 + 5.0) == 0.0  # no initialCooldownPeriod
-    one = make_spec(initial_cooldown_period=1.0)
+    one = PolicySpec.of(make_spec(initial_cooldown_period=1.0))
     assert cooling_s(one, st, T0 - 0.25, T0 + 0.5) == pytest.approx(0.25)  # created 0.25 s before the start
     assert cooling_s(one, st, None, T0 + 0.5) == pytest.approx(0.5)  # unknown: since started_at
     assert cooling_s(one, st, math.nan, T0 + 0.5) == pytest.approx(0.5)
@@ -148,8 +151,8 @@ def test_flat_after_every_branch() -> None:
 
 
 def _call_scale(state: PolicyState, now: float, needs: need.Need | None, rec: int = 1, stabilised: int = 1):  # type: ignore[no-untyped-def]
-    windows = scale_in(SPEC, 2.0)
-    return _scale(SPEC, _pulse(), rec, stabilised, state, bounds_of(SPEC), 0.0, 4.0, 2.0, now, windows, needs)[:2]
+    windows = scale_in(KEDA, 2.0)
+    return _scale(SPEC, _pulse(), rec, stabilised, state, 2.0, now, windows, needs)[:2]
 
 
 def test_scale_down_on_rates_holds_what_the_rates_upper_bound_may_need() -> None:
@@ -166,7 +169,7 @@ def test_scale_down_on_rates_holds_what_the_rates_upper_bound_may_need() -> None
 
 def test_scale_on_rates_waits_a_step_gap_after_a_step_down() -> None:
     now = T0 + 1000.0
-    gap = step_gap_s(scale_in(SPEC, 2.0))
+    gap = step_gap_s(scale_in(KEDA, 2.0))
     assert gap == 60.0
     # A step exactly one gap ago no longer blocks (nor counts in the 60 s period): 50 % of 5 keeps 2, need 3.
     assert _call_scale(_state(scale_downs=((now - gap, 1),)), now, _need(3.0)) == (3, "normal")
@@ -175,20 +178,18 @@ def test_scale_on_rates_waits_a_step_gap_after_a_step_down() -> None:
 
 
 def test_scale_in_panic_never_goes_down() -> None:
-    windows = scale_in(SPEC, 2.0)
-    got = _scale(SPEC, _pulse(40.0, panic=True), 3, 3, _state(), bounds_of(SPEC), 0.0, 4.0, 2.0, T0, windows)
+    windows = scale_in(KEDA, 2.0)
+    got = _scale(SPEC, _pulse(40.0, panic=True), 3, 3, _state(), 2.0, T0, windows)
     assert got[:2] == (5, "panic")
 
 
 def _call_fresh(spec, state: PolicyState, pulse: detector.Pulse, cooling: float, needs: need.Need | None):  # type: ignore[no-untyped-def]
-    windows = scale_in(spec, 2.0)
-    return _fresh(spec, pulse, 1, 1, state, bounds_of(spec), None, 0.0, 4.0, 2.0, T0 + 1000.0, cooling, windows, needs)[
-        :2
-    ]
+    windows = scale_in(spec.keda, 2.0)
+    return _fresh(spec, pulse, 1, 1, state, None, 2.0, T0 + 1000.0, cooling, windows, needs)[:2]
 
 
 def test_fresh_idle_and_the_initial_cooldown() -> None:
-    spec = make_spec(min_replica_count=0)
+    spec = PolicySpec.of(make_spec(min_replica_count=0))
     # At idle with no current reading: demand 0 <= activation 0, stays idle.
     assert _call_fresh(spec, _state(spec, desired=0), _pulse(None), 0.0, None) == (0, "idle")
     assert _call_fresh(spec, _state(spec, desired=0), _pulse(0.0), 0.0, None) == (0, "idle")
@@ -288,7 +289,7 @@ def test_a_surge_reaches_the_need_state() -> None:
 
 
 def test_created_at_reaches_the_initial_cooldown() -> None:
-    spec = make_spec(min_replica_count=0, initial_cooldown_period=60.0, cooldown_period=0.0)
+    spec = PolicySpec.of(make_spec(min_replica_count=0, initial_cooldown_period=60.0, cooldown_period=0.0))
     st = dataclasses.replace(initial_state(spec, now=T0, current_replicas=3), hold_replicas=None)  # no restart hold
     obs = Observation(demand=0.0, ready=3, created_at=T0 - 120.0)
     # Created two minutes ago: the initial cooldown is over, no demand, cooldown 0: idle at once.
@@ -297,3 +298,31 @@ def test_created_at_reaches_the_initial_cooldown() -> None:
     # Unknown creation: counted from the start, 59.9 s to go: the normal rules, 50 % of 3 keeps int(1.5) = 1.
     d2, _ = decide(spec, dataclasses.replace(obs, created_at=None), st, T0 + 0.1)
     assert (d2.desired, d2.mode) == (1, "normal")
+
+
+# --- PolicySpec.of ---------------------------------------------------------------------------------------------------
+
+
+def test_policy_spec_resolves_the_scaled_object_once() -> None:
+    """Bounds, the smallest target and activation over the triggers, the detector's and the need's windows: what
+    `decide` used to derive from KEDA's wire type on every call."""
+    second = Trigger(
+        type="gateway-queue", metadata=TriggerMetadata(model="llm", target_queue_depth=3.0, activation_queue_depth=7.0)
+    )
+    keda = make_spec(
+        target=5.0, activation=2.0, min_replica_count=0, idle_replica_count=None, max_replica_count=9,
+        advanced={"stable_window_seconds": 30.0, "panic_window_seconds": 3.0, "panic_threshold": 1.5,
+                  "stale_after_seconds": 2.5},
+    )  # fmt: skip
+    keda = msgspec.structs.replace(keda, triggers=[*keda.triggers, second])
+    spec = PolicySpec.of(keda)
+    assert spec.keda is keda
+    assert (spec.target, spec.activation) == (3.0, 2.0)
+    assert spec.bounds == Bounds(min=0, max=9, idle=0, active_floor=1)
+    assert spec.detector == detector.DetectorConfig(
+        stable_window_s=30.0, panic_window_s=3.0, panic_threshold=1.5, target_queue_depth=3.0,
+        activation_queue_depth=2.0, carry_s=2.5, calm_s=None,
+    )  # fmt: skip
+    assert spec.need == need.NeedConfig(rate_window_s=3.0, service_window_s=30.0, target=3.0, carry_s=2.5)
+    assert spec.span_s == 60.0  # SET's stabilisation window
+    assert PolicySpec.of(auto_spec()).span_s == AUTO_HOLD_MAX_S

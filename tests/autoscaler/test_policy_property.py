@@ -21,7 +21,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autoscaler.decide.policy import Observation, Override, PolicyState, decide, initial_state
+from autoscaler.decide.policy import Observation, Override, PolicySpec, PolicyState, decide, initial_state
 from warmpool.protocol import Advanced, Fallback, ScaledObjectSpec, ScaleTargetRef, Trigger, TriggerMetadata
 
 T0 = 1_700_000_000.0
@@ -98,16 +98,17 @@ def test_decisions_hold_the_invariants(
     spec: ScaledObjectSpec, current: int, trace: list[tuple[float, float | None, int, float | None, Override | None]]
 ) -> None:
     now = T0
-    state: PolicyState = initial_state(spec, now=now, current_replicas=current)
+    terms = PolicySpec.of(spec)
+    state: PolicyState = initial_state(terms, now=now, current_replicas=current)
     idle = spec.idle_replica_count if spec.idle_replica_count is not None else spec.min_replica_count
     for dt, demand, ready, lead_s, override in trace:
         now += dt
         obs = Observation(demand=demand, ready=ready, lead_time_s=lead_s, override=override)
         before = copy.deepcopy(state)
-        decision, after = decide(spec, obs, state, now)
+        decision, after = decide(terms, obs, state, now)
 
         # Pure: equal inputs, equal outputs; the input state is untouched.
-        again, after_again = decide(spec, obs, state, now)
+        again, after_again = decide(terms, obs, state, now)
         assert again == decision
         assert same(after, after_again)
         assert same(state, before)
@@ -160,14 +161,15 @@ def test_keda_fields_hold_their_invariants(
     (but for the bounds); ``scaleDownSelectPolicy: Disabled`` never steps down in normal mode; no idle drop inside
     ``initialCooldownPeriod``; and the bounds hold whatever the fields say."""
     now = T0
-    state: PolicyState = initial_state(spec, now=now, current_replicas=current)
+    terms = PolicySpec.of(spec)
+    state: PolicyState = initial_state(terms, now=now, current_replicas=current)
     idle = spec.idle_replica_count if spec.idle_replica_count is not None else spec.min_replica_count
     floor = max(spec.min_replica_count, 1)
     for (dt, demand, ready, lead_s, override), paused_in, paused_out in trace:
         now += dt
         obs = Observation(demand=demand, ready=ready, lead_time_s=lead_s, override=override,
                           paused_scale_in=paused_in, paused_scale_out=paused_out)  # fmt: skip
-        decision, after = decide(spec, obs, state, now)
+        decision, after = decide(terms, obs, state, now)
         prev, desired = state.desired, decision.desired
         if not _live(override, now):
             assert desired <= spec.max_replica_count, decision
