@@ -1,5 +1,5 @@
 import sys
 
-from pulsescale.cli import main
+from pulsescale.entry import main
 
 sys.exit(main())

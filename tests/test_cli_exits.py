@@ -185,3 +185,38 @@ def test_shard_changes_are_one_line_per_round(caplog: pytest.LogCaptureFixture) 
         terms.report()
         terms.report()
     assert [r.getMessage() for r in caplog.records] == ["r1: owns 32 more shard(s) 0-31; owns 32 now"]
+
+
+# Ctrl-C as the CLI's first import starts: the entry module has taken SIGINT, nothing of the CLI is loaded yet.
+_INTERRUPT_WHILE_IMPORTING = """
+import builtins, os, signal, sys
+from pulsescale import entry
+real = builtins.__import__
+def interrupting(name, *args, **kw):
+    builtins.__import__ = real
+    os.kill(os.getpid(), signal.SIGINT)
+    return real(name, *args, **kw)
+builtins.__import__ = interrupting
+sys.argv = ["pulsescale", "status", "--nats", "nats://127.0.0.1:1"]
+sys.exit(entry.main())
+"""
+
+
+def test_ctrl_c_while_the_cli_is_still_importing_is_one_line_and_exit_130() -> None:
+    """Before `pulsescale.cli.main` runs, Python's own handler would raise KeyboardInterrupt inside an import (a
+    20-line traceback); the console script's entry module catches it from its first statement."""
+    r = subprocess.run([sys.executable, "-c", _INTERRUPT_WHILE_IMPORTING], capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stderr) == (130, "pulsescale: interrupted\n"), r.stderr
+    assert "pulsescale.cli" not in r.stdout
+
+
+def test_the_console_script_and_python_m_start_at_the_entry_module() -> None:
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    scripts = tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["pulsescale"] == "pulsescale.entry:main"
+    assert "from pulsescale.entry import main" in (root / "pulsescale" / "__main__.py").read_text()
+    r = pulsescale("--version")
+    assert r.returncode == 0 and r.stdout.startswith("pulsescale "), r
