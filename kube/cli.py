@@ -9,6 +9,11 @@ Start-up checks, each a named error that says what to do (the dispatcher prints 
 - NATS: the same flags and environment as the other daemons (`warmpool.connect`); unreachable, credentials or a
   permission refused is `NatsUnavailable` (from `connect`). The buckets must exist (the autoscaler creates them).
 
+Scope: every namespace (``-A``, the default: deploy/base's ClusterRole), or only those named by ``--namespace NS``
+(repeated; exact names), for deploy/overlays/namespaced, which grants a Role in each of them and nothing
+cluster-wide. Either way the Lease and the ConfigMap of model owners (kube/records.py) live in the operator's own
+namespace (``--lease-namespace``).
+
 Then one replica of possibly several: a candidate for the Lease (kube/leader.py), and while it leads, the operator
 (kube/operator.py `run_operator`). SIGTERM/SIGINT: the operator stops, the Lease is released, exit 0.
 
@@ -25,6 +30,7 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 from collections.abc import Awaitable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -37,7 +43,7 @@ from nats.aio.client import Client
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kube import apicall, leader
-from kube.context import DEFAULT_STATUS_EVERY_S, OperatorContext, open_buckets
+from kube.context import DEFAULT_HOME_NAMESPACE, DEFAULT_STATUS_EVERY_S, OperatorContext, open_buckets
 from kube.metrics import OperatorMetrics
 from manifests.crdtypes import GROUP, PLURAL, VERSION
 from warmpool import connect, daemonstart
@@ -47,9 +53,10 @@ __all__ = ["CrdMissing", "KubeConfigMissing", "KubeUnreachable", "OperatorSettin
 
 log = logging.getLogger("pulsescale.operator")
 
-DEFAULT_LEASE_NAMESPACE: Final = "pulsescale-system"
+DEFAULT_LEASE_NAMESPACE: Final = DEFAULT_HOME_NAMESPACE
 SERVICE_ACCOUNT_NAMESPACE: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 DISCOVERY_TIMEOUT_S: Final = 10.0
+NAMESPACE_NAME: Final = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # RFC 1123 label, as the API server checks
 
 
 class KubeConfigMissing(PulsescaleError):
@@ -190,7 +197,8 @@ async def serve(settings: OperatorSettings, *, stop: asyncio.Event, ready: async
             elector = leader.LeaseElector(k8s.CoordinationV1Api(api), lease)
             ctx = OperatorContext(
                 nc=nc, scalers=buckets["pulse_scalers"], slots=buckets["pulse_slots"], api=api,
-                namespaces=settings.namespaces, identity=lease.identity, status_every_s=settings.status_every_s,
+                namespaces=settings.namespaces, home_namespace=lease.namespace, identity=lease.identity,
+                status_every_s=settings.status_every_s,
             )  # fmt: skip
             ctx.extra["leading"] = elector.leading
             health = await _health(settings, nc, elector, ctx)
@@ -233,6 +241,18 @@ def _positive(text: str) -> float:
     return value
 
 
+def _namespace(text: str) -> str:
+    """An exact namespace name. kopf also takes globs (``team-*``) and negations (``!kube-*``), but it resolves them
+    by listing and watching Namespaces, which this operator does not (no cluster scanning, no cluster-scoped RBAC
+    in the namespaced mode): with scanning off kopf would take ``team-*`` as a literal name and watch nothing."""
+    if not NAMESPACE_NAME.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a namespace name (lowercase letters, digits and '-', at most 63): name each namespace "
+            "exactly, repeating --namespace; globs and negations are not supported"
+        )
+    return text
+
+
 def run_operator(argv: list[str], prog: str) -> int:
     p = argparse.ArgumentParser(
         prog=prog,
@@ -243,8 +263,9 @@ def run_operator(argv: list[str], prog: str) -> int:
     p.add_argument("--kubeconfig", metavar="FILE", help="kubeconfig [$KUBECONFIG, ~/.kube/config, or in-cluster]")
     p.add_argument("--context", help="kubeconfig context [its current-context]")
     scope = p.add_mutually_exclusive_group()
-    scope.add_argument("--namespace", "-n", action="append", metavar="NS",
-                       help="watch ScaledObjects in NS (repeat for several) [all namespaces]")  # fmt: skip
+    scope.add_argument("--namespace", "-n", action="append", metavar="NS", type=_namespace,
+                       help="watch ScaledObjects in NS only (repeat for several; deploy/overlays/namespaced grants a "
+                       "Role in each) [all namespaces]")  # fmt: skip
     scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace (the default)")
     connect.add_nats_arguments(p)
     g = p.add_argument_group("leader election (a coordination.k8s.io/v1 Lease)")

@@ -30,6 +30,7 @@ from warmpool.errors import PulsescaleError
 
 __all__ = [
     "DEFAULT_DELETE_WAIT_S",
+    "DEFAULT_HOME_NAMESPACE",
     "DEFAULT_STATUS_EVERY_S",
     "DEFAULT_STATUS_TIMEOUT_S",
     "FIELD_MANAGER",
@@ -41,6 +42,7 @@ __all__ = [
 DEFAULT_STATUS_EVERY_S: Final = 5.0  # how often the status subresource is refreshed from the autoscaler's `status`
 DEFAULT_STATUS_TIMEOUT_S: Final = 3.0  # how long one `status` request may take before this round is skipped
 DEFAULT_DELETE_WAIT_S: Final = 60.0  # how long a deleted ScaledObject waits for its model's slots to be released
+DEFAULT_HOME_NAMESPACE: Final = "pulsescale-system"  # the operator's own namespace when nothing says which
 FIELD_MANAGER: Final = "pulsescale-operator"  # the field manager and the Events' reporting component
 
 T = TypeVar("T")
@@ -55,6 +57,9 @@ class OperatorContext:
     slots: KeyValue  # pulse_slots: read only (the finalizer waits for releases; standby pods follow slots)
     api: k8s.ApiClient
     namespaces: tuple[str, ...] = ()
+    home_namespace: str = DEFAULT_HOME_NAMESPACE
+    """The operator's own namespace (its Lease's): where the ConfigMap of model owners lives (kube/records.py),
+    out of the tenants' reach. Need not be one of `namespaces`."""
     identity: str = "pulsescale-operator"  # this replica (the Lease holder; the Events' reportingInstance)
     status_every_s: float = DEFAULT_STATUS_EVERY_S
     status_timeout_s: float = DEFAULT_STATUS_TIMEOUT_S

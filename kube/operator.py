@@ -25,6 +25,12 @@ What it does with a ScaledObject (`ScaledObjects`):
   does not fight another controller: its record is withdrawn). Likewise one ScaledObject per model (``Ready=False
   ModelConflict``): the autoscaler runs one controller per model and would silently ignore a second record. Refused
   objects are re-checked every status round, so deleting the other object lets this one through.
+- a model owned by another namespace (kube/records.py `ModelOwners`: the first namespace to publish it, or the one
+  the platform team named in the ConfigMap ``pulsescale-model-owners``): ``Ready=False ModelOwnedByOtherNamespace``
+  naming the owner, a Warning Event, nothing published (a record it had is withdrawn: the platform team moved the
+  model). Checked before the one-per-model rule, which still holds within the owner's namespace. An unowned model
+  is claimed for the object's namespace before its record is written; the claim stays when the object goes. An
+  unreadable ConfigMap is ``Ready=False ModelOwnerUnknown``: nothing new published, a record in force kept.
 - delete (finalizer ``pulsescale.io/finalizer``): the record is removed from `pulse_scalers`; then, unless another
   record names the same model, the operator waits (up to `OperatorContext.delete_wait_s`, ``Ready=False
   Deleting`` and a Normal Event while it waits, a Warning if it gives up) until the model's slots in `pulse_slots`
@@ -64,7 +70,7 @@ from kube import aio
 from kube import status as status_mod
 from kube.context import FIELD_MANAGER, OperatorContext
 from kube.events import EventRecorder, ObjectRef
-from kube.records import HELD_SLOT_STATES, Records, record_key
+from kube.records import HELD_SLOT_STATES, ModelOwners, ModelOwnersUnavailable, Records, record_key
 from kube.statuswriter import StatusWriter
 from manifests import scaledobject
 from manifests.crdtypes import GROUP, PLURAL, VERSION
@@ -95,8 +101,11 @@ OPTIONAL_PARTS: Final = ("kube.standby", "kube.coldpath")  # each has register(r
 BACKGROUND: Final = "background"
 """``ctx.extra[BACKGROUND]``: a list of ``async (stop: asyncio.Event) -> None`` that `register` of a part may append
 to; `run_operator` runs each on the caller's loop beside kopf until the stop flag is set (e.g. a NATS watch)."""
-RECHECKED_REASONS: Final = frozenset({"TargetConflict", "ModelConflict", "ScaleTargetNotFound"})
-"""Refusals that end when another object goes (or the target comes): re-checked every status round."""
+RECHECKED_REASONS: Final = frozenset(
+    {"TargetConflict", "ModelConflict", "ScaleTargetNotFound", "ModelOwnedByOtherNamespace", "ModelOwnerUnknown"}
+)
+"""Refusals that end when another object goes, the target comes or the platform team moves a model: re-checked
+every status round."""
 EVENT_LISTENERS: Final = "event_listeners"
 """``ctx.extra[EVENT_LISTENERS]``: a list of ``async (event: protocol.Event) -> None`` that `register` of a part may
 append: the operator's one ``pulse.events.>`` subscription decodes each event once and hands it to each of them."""
@@ -146,6 +155,8 @@ class ScaledObjects:
         self.recorder = EventRecorder(ctx.api, component=FIELD_MANAGER, instance=ctx.identity, clock=ctx.clock)
         self.records = Records(ctx)
         """The records in `pulse_scalers` and the held slots in `pulse_slots` (kube/records.py)."""
+        self.owners = ModelOwners(ctx)
+        """Which namespace owns which model (kube/records.py)."""
         self.status = StatusWriter(ctx, self.recorder)
         """The autoscaler's rows and the status subresource (kube/statuswriter.py)."""
 
@@ -244,8 +255,15 @@ class ScaledObjects:
                     kwargs["max_replicas"] = self.ctx.max_replicas
                 record = scaledobject.from_manifest(body, **kwargs)
             except scaledobject.ScaledObjectError as err:
+                # The record in force stays only while its model is still this namespace's.
+                moved = None if previous is None else await self._owner_refusal(previous.spec.model, namespace,
+                                                                                 claim=False)  # fmt: skip
                 if previous is None:
                     verdict = status_mod.Verdict(False, "InvalidSpec", str(err))
+                elif moved is not None and moved[0] == "ModelOwnedByOtherNamespace" and moved[1] is not None:
+                    verdict = status_mod.Verdict(False, moved[0], moved[1])
+                    await self.records.withdraw(key)
+                    known.model = None
                 else:
                     # The last valid record runs on: the status keeps describing it (its pause, notes, the
                     # autoscaler's row for it), only Ready says the edit was refused.
@@ -258,14 +276,22 @@ class ScaledObjects:
                     )  # fmt: skip
                 await self.recorder.record(ref, "Warning", "InvalidSpec", str(err))
             else:
+                model = record.spec.model
                 reason, conflict = "TargetConflict", await self._conflict(body, previous is not None)
+                if conflict is None:
+                    reason, conflict = await self._owner_refusal(model, namespace, claim=False)
                 if conflict is None and previous is None:
-                    reason, conflict = "ModelConflict", await self.records.model_conflict(record.spec.model, key)
+                    reason, conflict = "ModelConflict", await self.records.model_conflict(model, key)
+                if conflict is None:  # about to publish: the model is this namespace's from now on
+                    reason, conflict = await self._owner_refusal(model, namespace, claim=True)
                 paused_by_annotation = record.paused  # one-way pauses are not Paused (as KEDA): noted in its message
                 one_way = _one_way_pause(record)
                 if conflict is not None:
-                    verdict = status_mod.Verdict(False, reason, conflict)
-                    if previous is not None:
+                    # Not knowing the owners refuses new writes but withdraws nothing: an API server hiccup must
+                    # not drop running models to zero.
+                    keep = reason == "ModelOwnerUnknown" and previous is not None
+                    verdict = status_mod.Verdict(False, reason, conflict, in_force=keep)
+                    if previous is not None and not keep:
                         await self.records.withdraw(key)
                         known.model = None
                     await self.recorder.record(ref, "Warning", reason, conflict)
@@ -302,6 +328,18 @@ class ScaledObjects:
             known.verdict = verdict
             await self.status.write(known)
             return verdict
+
+    async def _owner_refusal(self, model: str, namespace: str, *, claim: bool) -> tuple[str, str | None]:
+        """(reason, message) when `model` is not this namespace's: owned by another (``ModelOwnedByOtherNamespace``)
+        or the owners cannot be read (``ModelOwnerUnknown``); message None when it may go on. With `claim`, an
+        unowned model becomes this namespace's (written before the record)."""
+        try:
+            owner = await (self.owners.claim(model, namespace) if claim else self.owners.owner(model))
+        except ModelOwnersUnavailable as err:
+            return "ModelOwnerUnknown", str(err)
+        if owner is None or owner == namespace:
+            return "ModelOwnedByOtherNamespace", None
+        return "ModelOwnedByOtherNamespace", self.owners.refusal(model, owner)
 
     async def _target_problem(self, body: dict[str, Any]) -> tuple[str, str] | None:
         """(reason, message) when the scale target cannot be scaled: absent, or a kind with no pod template and no
@@ -418,10 +456,17 @@ class ScaledObjects:
     # --- loops ------------------------------------------------------------------------------------------------
 
     async def status_round(self) -> None:
-        """One status refresh: ask the autoscaler, patch each changed status, re-check refused objects."""
+        """One status refresh: ask the autoscaler, patch each changed status, re-check refused objects and
+        published ones whose model the platform team gave to another namespace."""
         await self.status.refresh()
+        owners: dict[str, str] = {}
+        if any(k.model is not None for k in self.known.values()):
+            with contextlib.suppress(ModelOwnersUnavailable):  # unreadable: nothing is taken away this round
+                owners = await self.owners.read()
         for key, known in list(self.known.items()):
-            if known.verdict.reason in RECHECKED_REASONS:
+            namespace = known.body["metadata"]["namespace"]
+            moved = known.model is not None and owners.get(known.model, namespace) != namespace
+            if known.verdict.reason in RECHECKED_REASONS or moved:
                 meta = known.body["metadata"]
                 fresh = await self._get(meta["namespace"], meta["name"])
                 if fresh is not None and not fresh["metadata"].get("deletionTimestamp"):

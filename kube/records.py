@@ -1,27 +1,58 @@
-"""The operator's side of the NATS buckets: the ScaledObjects' records in `pulse_scalers`, and the slots in
-`pulse_slots` a deleted one waits for.
+"""The operator's records: the ScaledObjects' records in `pulse_scalers`, the slots in `pulse_slots` a deleted one
+waits for, and which namespace owns which model (`ModelOwners`, a ConfigMap in the operator's own namespace).
 
 `Records` is the only code of the operator that touches either bucket: it reads a record (an unreadable one is
 absent), publishes one, withdraws one (a delete marker the autoscaler's watch sees), finds another published record
 that scales the same model (the one-ScaledObject-per-model rule, and whether the model's slots stay claimed after a
 delete), and lists a model's held slots (`HELD_SLOT_STATES`) for the finalizer. Records are keyed
 ``<namespace>.<name>`` (`record_key`), as the autoscaler's `StatusRow.key`.
+
+A model name is cluster-wide (one controller per model in the autoscaler, one set of slots) while ScaledObjects are
+namespaced, written by tenants. `ModelOwners` is the rule that keeps a tenant from squatting another's model:
+
+- the ConfigMap `MODEL_OWNERS_CONFIGMAP` in the operator's namespace (``OperatorContext.home_namespace``, beside
+  its Lease; tenants cannot write there) maps ``<model>: <namespace>``;
+- a model with no entry is claimed by the namespace of the first ScaledObject the operator publishes for it: the
+  entry is written (compare-and-set on the ConfigMap's resourceVersion) before the record, so nothing is published
+  without its owner on file;
+- the entry outlives the ScaledObjects: an operator restart, or the owner deleting and re-creating its object,
+  does not free the model, so no squatter can take it in that window. Only the platform team moves or frees a model
+  (``kubectl -n <operator namespace> edit configmap pulsescale-model-owners``), and it may write entries before any
+  ScaledObject exists: an explicit claim, so that first-come cannot win a model meant for another team.
 """
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Any, Final
 
 import nats.js.errors
+import urllib3.exceptions
+from kubernetes.client.exceptions import ApiException
 
 from kube.context import OperatorContext
 from warmpool import protocol
-from warmpool.errors import BadMessage
+from warmpool.errors import BadMessage, PulsescaleError
 
-__all__ = ["HELD_SLOT_STATES", "Records", "record_key"]
+__all__ = [
+    "HELD_SLOT_STATES",
+    "MODEL_OWNERS_CONFIGMAP",
+    "ModelOwners",
+    "ModelOwnersUnavailable",
+    "Records",
+    "record_key",
+]
 
 HELD_SLOT_STATES: Final = frozenset({"claimed", "activating", "ready", "releasing"})
 """Slot states that mean a model still holds the slot; the finalizer waits until none is left."""
+MODEL_OWNERS_CONFIGMAP: Final = "pulsescale-model-owners"
+"""The ConfigMap of model owners; its Role in deploy/ names it (``resourceNames``), so it is not a flag."""
+CLAIM_TRIES: Final = 5  # compare-and-set rounds of one claim before giving up (each loss is another writer's win)
+
+
+class ModelOwnersUnavailable(PulsescaleError):
+    """The ConfigMap of model owners could not be read or written: nothing new is published until it can be."""
+
+    code = "model_owners_unavailable"
 
 
 def record_key(namespace: str, name: str) -> str:
@@ -113,3 +144,87 @@ class Records:
             if slot.model == model and slot.state in HELD_SLOT_STATES:
                 held.append(k)
         return held
+
+
+class ModelOwners:
+    """The ConfigMap of model owners (see the module docstring), read and claimed through one `OperatorContext`."""
+
+    def __init__(self, ctx: OperatorContext) -> None:
+        self.ctx = ctx
+
+    @property
+    def where(self) -> str:
+        return f"{self.ctx.home_namespace}/{MODEL_OWNERS_CONFIGMAP}"
+
+    async def _read(self) -> Any | None:
+        """The ConfigMap (a `kubernetes` model), None when it does not exist yet."""
+        try:
+            return await self.ctx.call(
+                self.ctx.core.read_namespaced_config_map, MODEL_OWNERS_CONFIGMAP, self.ctx.home_namespace
+            )
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise self._unavailable("read", err) from None
+        except (urllib3.exceptions.HTTPError, OSError) as err:
+            raise self._unavailable("read", err) from None
+
+    def _unavailable(self, what: str, err: BaseException) -> ModelOwnersUnavailable:
+        said = f"{err.status} {err.reason}" if isinstance(err, ApiException) else (str(err).splitlines() or [""])[0]
+        fix = " (the operator's Role in its namespace must grant it: deploy/base/operator/rbac.yaml)"
+        return ModelOwnersUnavailable(
+            f"cannot {what} ConfigMap {self.where}, the record of which namespace owns which model: {said}"
+            + (fix if isinstance(err, ApiException) and err.status == 403 else "")
+        )
+
+    def refusal(self, model: str, owner: str) -> str:
+        """The ``Ready=False ModelOwnedByOtherNamespace`` message."""
+        return (
+            f"model {model} is owned by namespace {owner} (ConfigMap {self.where}); a model is scaled only from the "
+            f"namespace that owns it: name another model in this trigger, or ask the platform team to move {model} "
+            "to this namespace"
+        )
+
+    async def read(self) -> dict[str, str]:
+        """model -> owning namespace."""
+        cm = await self._read()
+        return dict((cm.data if cm is not None else None) or {})
+
+    async def owner(self, model: str) -> str | None:
+        """The namespace that owns `model`, None when nobody does."""
+        return (await self.read()).get(model)
+
+    async def claim(self, model: str, namespace: str) -> str:
+        """Makes `namespace` the owner of `model` unless a namespace already is; returns the owner. A
+        compare-and-set on the resourceVersion read (create when the ConfigMap is missing): of two claims racing
+        (two objects, or a replica that has just lost its Lease) exactly one is written, the other reads it."""
+        core, home = self.ctx.core, self.ctx.home_namespace
+        for _ in range(CLAIM_TRIES):
+            cm = await self._read()
+            owners = dict((cm.data if cm is not None else None) or {})
+            if model in owners:
+                return str(owners[model])
+            try:
+                if cm is None:
+                    await self.ctx.call(core.create_namespaced_config_map, home, {
+                        "apiVersion": "v1",
+                        "kind": "ConfigMap",
+                        "metadata": {"name": MODEL_OWNERS_CONFIGMAP,
+                                     "labels": {"app.kubernetes.io/part-of": "pulsescale",
+                                                "app.kubernetes.io/managed-by": "pulsescale-operator"}},
+                        "data": {model: namespace},
+                    })  # fmt: skip
+                else:
+                    cm.data = {**owners, model: namespace}  # with the resourceVersion read: a 409 if it changed
+                    await self.ctx.call(core.replace_namespaced_config_map, MODEL_OWNERS_CONFIGMAP, home, cm)
+            except ApiException as err:
+                if err.status == 409:
+                    continue  # another writer was first: read again
+                raise self._unavailable("write", err) from None
+            except (urllib3.exceptions.HTTPError, OSError) as err:
+                raise self._unavailable("write", err) from None
+            return namespace
+        raise ModelOwnersUnavailable(
+            f"could not record the owner of model {model} in ConfigMap {self.where}: it changed under each of "
+            f"{CLAIM_TRIES} tries"
+        )

@@ -52,6 +52,8 @@ READY_REASONS: Final = (
     "InvalidSpec",  # the shared validator refused it; the message is its error
     "TargetConflict",  # another ScaledObject or an HPA scales the same workload
     "ModelConflict",  # another ScaledObject's record already scales the same model
+    "ModelOwnedByOtherNamespace",  # the model belongs to another namespace (kube/records.py `ModelOwners`)
+    "ModelOwnerUnknown",  # the ConfigMap of model owners cannot be read or written: nothing new is published
     "ScaleTargetNotFound",  # published, but the scaleTargetRef workload does not exist (KEDA: not Ready)
     "ScaleTargetUnsupported",  # published, but the target's kind is not a Deployment or StatefulSet
     "Deleting",  # the finalizer runs: record removed, waiting for the model's slots

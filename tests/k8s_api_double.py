@@ -81,6 +81,7 @@ RESOURCES: Final[tuple[ResourceDef, ...]] = (
     ),
     ResourceDef("", "v1", "Pod", "pods", subresources=("status",)),
     ResourceDef("", "v1", "Event", "events"),
+    ResourceDef("", "v1", "ConfigMap", "configmaps", short_names=("cm",)),
     ResourceDef("", "v1", "Namespace", "namespaces", namespaced=False, subresources=("status",)),
     ResourceDef("events.k8s.io", "v1", "Event", "events"),
     ResourceDef("apps", "v1", "Deployment", "deployments", subresources=("status", "scale"), short_names=("deploy",)),

@@ -21,12 +21,13 @@ from typing import Any
 import pytest
 import yaml
 
+from kube.records import MODEL_OWNERS_CONFIGMAP
 from manifests import scaledobject
 from tests.manifests.test_manifests import FOREIGN_GROUPS, validate
 from warmpool import natsauth
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-BUILDS = ["base", "overlays/production", "overlays/no-rootfs", "monitoring"]
+BUILDS = ["base", "overlays/production", "overlays/no-rootfs", "overlays/namespaced", "monitoring"]
 """Every kustomization a user applies directly (the others are parts of these)."""
 RESTRICTED = "restricted"
 NODE_NAMESPACE = "pulsescale-node"
@@ -197,7 +198,7 @@ def test_the_restricted_check_refuses_what_the_profile_refuses() -> None:
         assert restricted_violations(spec), f"break #{i} went unnoticed"
 
 
-@pytest.mark.parametrize("target", ["base", "overlays/production", "overlays/no-rootfs"])
+@pytest.mark.parametrize("target", ["base", "overlays/production", "overlays/no-rootfs", "overlays/namespaced"])
 def test_pods_meet_the_profile_their_namespace_enforces(target: str) -> None:
     docs = build(target)
     levels = {
@@ -230,9 +231,19 @@ OPERATOR_RULES = {
     ("autoscaling", "horizontalpodautoscalers"): {"list"},
     ("", "events"): {"create", "patch"},
 }
-"""The operator's cluster-wide permissions, exactly: what kube/ calls. A change here is a reviewed widening."""
-OPERATOR_LEADER_RULES = {("coordination.k8s.io", "leases"): {"get", "create", "update"}}
-"""In its own namespace only: the leader-election Lease."""
+"""The operator's permissions where it serves ScaledObjects (cluster-wide in the base, a Role per watched namespace
+in overlays/namespaced), exactly: what kube/ calls. A change here is a reviewed widening."""
+OPERATOR_HOME_RULES = {
+    ("coordination.k8s.io", "leases"): {"get", "create", "update"},
+    ("", "configmaps"): {"get", "create", "update"},
+}
+"""In its own namespace only: the leader-election Lease and the ConfigMap of model owners, each by name."""
+OPERATOR_HOME_ROLES = ("pulsescale-operator-leader", "pulsescale-operator-model-owners")
+OPERATOR_HOME_OBJECTS = {
+    ("coordination.k8s.io", "leases"): "--lease-name",
+    ("", "configmaps"): MODEL_OWNERS_CONFIGMAP,
+}
+"""What each home rule's resourceNames must name: the flag that names the Lease, the ConfigMap's fixed name."""
 
 
 def flatten(role: Doc) -> dict[tuple[str, str], set[str]]:
@@ -244,11 +255,58 @@ def flatten(role: Doc) -> dict[tuple[str, str], set[str]]:
     return out
 
 
+def home_rules(docs: tuple[Doc, ...]) -> dict[tuple[str, str], set[str]]:
+    out: dict[tuple[str, str], set[str]] = {}
+    for name in OPERATOR_HOME_ROLES:
+        role = find(docs, "Role", name)
+        assert role["metadata"]["namespace"] == "pulsescale", name
+        for key, verbs in flatten(role).items():
+            out.setdefault(key, set()).update(verbs)
+    return out
+
+
 def test_the_operator_has_exactly_the_verbs_it_uses() -> None:
     docs = build("base")
     assert flatten(find(docs, "ClusterRole", "pulsescale-operator")) == OPERATOR_RULES
-    leader = find(docs, "Role", "pulsescale-operator-leader")
-    assert leader["metadata"]["namespace"] == "pulsescale" and flatten(leader) == OPERATOR_LEADER_RULES
+    assert home_rules(docs) == OPERATOR_HOME_RULES
+
+
+@pytest.mark.parametrize("target", ["base", "overlays/namespaced"])
+def test_the_lease_and_the_model_owners_are_granted_by_name_and_create_is_a_rule_of_its_own(target: str) -> None:
+    """Kubernetes cannot limit create by resourceNames: create is a rule alone (create only), and every other verb
+    on the Lease and the ConfigMap is limited to the one the operator uses."""
+    docs = build(target)
+    (c,) = pod_spec(find(docs, "Deployment", "pulsescale-operator"))["containers"]
+    for name in OPERATOR_HOME_ROLES:
+        for rule in find(docs, "Role", name)["rules"]:
+            ((group, resource),) = {(g, r) for g in rule["apiGroups"] for r in rule["resources"]}
+            named = OPERATOR_HOME_OBJECTS[(group, resource)]
+            named = flag(c["args"], named) if named.startswith("--") else named
+            if rule.get("resourceNames"):
+                assert rule["resourceNames"] == [named] and "create" not in rule["verbs"], (name, rule)
+            else:
+                assert rule["verbs"] == ["create"], f"{name}: {rule['verbs']} on every {resource} of the namespace"
+
+
+def test_the_namespaced_overlay_has_a_role_in_each_watched_namespace_and_nothing_cluster_wide() -> None:
+    docs = build("overlays/namespaced")
+    (c,) = pod_spec(find(docs, "Deployment", "pulsescale-operator"))["containers"]
+    watched = {a.split("=", 1)[1] for a in c["args"] if a.startswith("--namespace=")}
+    assert watched and not any(a in ("-A", "--all-namespaces") for a in c["args"])
+    operator_sa = ("pulsescale", "pulsescale-operator")
+    bound = [d for d in docs if d["kind"] in ("RoleBinding", "ClusterRoleBinding")
+             and any((s.get("namespace"), s["name"]) == operator_sa for s in d["subjects"])]  # fmt: skip
+    assert not [b for b in bound if b["kind"] == "ClusterRoleBinding"], "a cluster-wide binding of the operator"
+    assert not [d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"].startswith("pulsescale-op")]
+    served = {b["metadata"]["namespace"] for b in bound if b["roleRef"]["name"] == "pulsescale-operator"}
+    assert served == watched, f"Roles in {sorted(served)}, but the operator watches {sorted(watched)}"
+    for ns in watched:
+        binding = find(tuple(d for d in docs if d["metadata"].get("namespace") == ns), "RoleBinding",
+                       "pulsescale-operator")  # fmt: skip
+        assert binding["roleRef"]["kind"] == "Role"
+        role = find(tuple(d for d in docs if d["metadata"].get("namespace") == ns), "Role", "pulsescale-operator")
+        assert flatten(role) == OPERATOR_RULES, ns  # what the base's ClusterRole grants, in this namespace only
+    assert home_rules(docs) == OPERATOR_HOME_RULES  # the Lease and the model owners as in the base
 
 
 KUBE = Path(__file__).resolve().parents[2] / "kube"
@@ -264,6 +322,7 @@ _CLIENT_RESOURCE = {
     "stateful_set": ("apps", "statefulsets"),
     "horizontal_pod_autoscaler": ("autoscaling", "horizontalpodautoscalers"),
     "lease": ("coordination.k8s.io", "leases"),
+    "config_map": ("", "configmaps"),
 }
 NOT_IN_THE_CODE = {
     # What no kubernetes-client call in kube/ shows, with the reason.
@@ -291,14 +350,14 @@ def test_the_operator_s_roles_grant_what_kube_calls_and_nothing_more() -> None:
         needed.setdefault(key, set()).update(verbs)
     docs = build("base")
     cluster = flatten(find(docs, "ClusterRole", "pulsescale-operator"))
-    leader = flatten(find(docs, "Role", "pulsescale-operator-leader"))
-    assert set(cluster) & set(leader) == set(), "a resource in both roles"
-    granted = {**cluster, **leader}
+    home = home_rules(docs)
+    assert set(cluster) & set(home) == set(), "a resource in both roles"
+    granted = {**cluster, **home}
     missing = {k: sorted(v - granted.get(k, set())) for k, v in needed.items() if v - granted.get(k, set())}
     extra = {k: sorted(v - needed.get(k, set())) for k, v in granted.items() if v - needed.get(k, set())}
     assert not missing, f"kube/ calls what its roles do not grant: {missing}"
     assert not extra, f"the roles grant what kube/ never calls: {extra}"
-    assert set(leader) == {("coordination.k8s.io", "leases")}  # the Lease only in the operator's namespace
+    assert set(home) == set(OPERATOR_HOME_RULES)  # the Lease and the model owners only in the operator's namespace
 
 
 def test_the_operator_leads_through_a_lease_in_its_namespace_and_is_probed_on_its_pod_ip() -> None:
@@ -311,10 +370,10 @@ def test_the_operator_leads_through_a_lease_in_its_namespace_and_is_probed_on_it
     assert flag(c["args"], "--lease-namespace") == "$(POD_NAMESPACE)"
     assert flag(c["args"], "--identity") == "$(POD_NAME)"
     assert flag(c["args"], "--health-host") == "$(POD_IP)"  # loopback by default: the kubelet could not reach it
-    # the Role that grants the Lease is bound in the namespace the pod runs in ($(POD_NAMESPACE))
-    role = find(docs, "Role", "pulsescale-operator-leader")
-    binding = find(docs, "RoleBinding", "pulsescale-operator-leader")
-    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == deployment["metadata"]["namespace"]
+    # the Roles of the Lease and the model owners are bound in the namespace the pod runs in ($(POD_NAMESPACE))
+    for name in OPERATOR_HOME_ROLES:
+        role, binding = find(docs, "Role", name), find(docs, "RoleBinding", name)
+        assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == deployment["metadata"]["namespace"]
     port = int(flag(c["args"], "--health-port"))
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz" and c["readinessProbe"]["httpGet"]["path"] == "/readyz"
@@ -457,7 +516,7 @@ def command_flags(command: str) -> frozenset[str]:
     [("Deployment", "pulsescale-autoscaler"), ("Deployment", "pulsescale-operator"), ("DaemonSet", "pulsescale-agent")],
 )
 def test_every_flag_in_a_manifest_is_one_its_command_takes(kind: str, name: str) -> None:
-    for target in ("base", "overlays/production"):
+    for target in ("base", "overlays/production", "overlays/namespaced"):
         (c,) = pod_spec(find(build(target), kind, name))["containers"]
         command, *args = c["args"]
         assert c["command"] == ["pulsescale"]

@@ -587,3 +587,10 @@ async def test_pulsescale_operator_with_nats_unreachable_says_so(k8s_api: K8sApi
                             "--nats-connect-timeout", "1", env=operator_env(tmp_path))  # fmt: skip
     assert rc == 3  # unreachable
     assert "cannot connect to NATS" in out and "nothing listens there" in out, out
+
+
+async def test_pulsescale_operator_refuses_a_namespace_glob_it_could_not_resolve(tmp_path: Path) -> None:
+    # kopf resolves globs by listing Namespaces, which this operator never does: `team-*` would watch nothing.
+    rc, out = await run_cli("--namespace", "team-*", "--nats", "nats://127.0.0.1:1", env=operator_env(tmp_path))
+    assert rc == 2
+    assert "'team-*' is not a namespace name" in out and "globs and negations are not supported" in out, out
