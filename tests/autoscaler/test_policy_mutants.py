@@ -326,3 +326,92 @@ def test_policy_spec_resolves_the_scaled_object_once() -> None:
     assert spec.need == need.NeedConfig(rate_window_s=3.0, service_window_s=30.0, target=3.0, carry_s=2.5)
     assert spec.span_s == 60.0  # SET's stabilisation window
     assert PolicySpec.of(auto_spec()).span_s == AUTO_HOLD_MAX_S
+
+
+# --- _scale's reasons: what events, status and logs show on-call ---------------------------------------------------
+
+
+def _reading(current: float, forecast: float, *, panic: bool = False, condition: bool = True, peak: float = 40.0,
+             capacity: float = 20.0) -> detector.Pulse:  # fmt: skip
+    return detector.Pulse(
+        fresh=True, current=current, stable_demand=current, panic_demand=peak, forecast_demand=forecast,
+        slope_per_s=0.0, capacity=capacity, panic=panic, panic_condition=condition, entered_panic=False,
+        left_panic=False,
+    )  # fmt: skip
+
+
+RATES = need.Need(replicas=7.0, arrival_rate=12.5, service_s=1.5, backlog=3.0, drain_replicas=0.5, high=7.0)
+
+
+@pytest.mark.parametrize(
+    ("desired", "rec", "stabilised", "reading", "needs", "want"),
+    [
+        (2, 7, 7, _reading(10.0, 26.0), None, (7, "normal", "up 2 -> 7: forecast 26 in 2 s / target 4")),
+        (2, 7, 7, _reading(10.0, 26.0), RATES,
+         (7, "normal", "up 2 -> 7: need 12.5 req/s x 1.5 s / target 4 + backlog 3 (+0.5)")),
+        (2, 7, 7, _reading(10.0, 26.0), dataclasses.replace(RATES, backlog=0.0),
+         (7, "normal", "up 2 -> 7: need 12.5 req/s x 1.5 s / target 4")),
+        (2, 70, 70, _reading(10.0, 26.0), None,
+         (50, "normal", "up 2 -> 50: forecast 26 in 2 s / target 4 (bounds 1..50)")),
+        (2, 7, 7, _reading(10.0, None), None, (7, "normal", "up 2 -> 7: forecast 10 in 2 s / target 4")),  # type: ignore[arg-type]
+        (5, 1, 1, _reading(3.0, 3.5), None, (2, "normal", "down 5 -> 2: forecast 3.5 / target 4, rate-limited")),
+        (5, 5, 5, _reading(19.0, 20.0), None, (5, "normal", "steady at 5: forecast 20 / target 4")),
+        (5, 1, 5, _reading(3.0, 3.5), None, (5, "normal", "steady at 5: stabilising, max 5 over 60 s (now 1)")),
+        (5, 10, 10, _reading(40.0, 41.0, panic=True), None,
+         (10, "panic", "panic: demand 40 >= 2 x capacity 20 -> 10")),
+        (5, 10, 10, _reading(40.0, 41.0, panic=True, capacity=0.0), None,
+         (10, "panic", "panic: demand 40 > 0 with nothing ready -> 10")),
+        (5, 10, 10, _reading(40.0, 41.0, panic=True), RATES,
+         (10, "panic",
+          "panic: demand 40 >= 2 x capacity 20 -> 10; need 12.5 req/s x 1.5 s / target 4 + backlog 3 (+0.5)")),
+    ],
+)  # fmt: skip
+def test_scale_says_why(
+    desired: int, rec: int, stabilised: int, reading: detector.Pulse, needs: need.Need | None,
+    want: tuple[int, str, str],
+) -> None:  # fmt: skip
+    """Each outcome of rules 4 and 5 with its reason, the figures in it as the decision saw them."""
+    now = T0 + 1000.0
+    got = _scale(SPEC, reading, rec, stabilised, _state(desired=desired), 2.0, now, scale_in(KEDA, 2.0), needs)
+    assert got == want
+
+
+def test_scale_says_when_panic_will_be_left() -> None:
+    """Panic held after its condition: the seconds to calm count from when the condition last held."""
+    now = T0 + 1000.0
+    st = _state(desired=5)
+    st = dataclasses.replace(st, pulse=dataclasses.replace(st.pulse, panic_condition_at=now - 10.0))
+    got = _scale(SPEC, _reading(3.0, 3.0, panic=True, condition=False), 1, 1, st, 2.0, now, scale_in(KEDA, 2.0))
+    assert got == (5, "panic", "panic: holding, 50 s until calm -> 5")
+    never = dataclasses.replace(st, pulse=dataclasses.replace(st.pulse, panic_condition_at=None))
+    got = _scale(SPEC, _reading(3.0, 3.0, panic=True, condition=False), 1, 1, never, 2.0, now, scale_in(KEDA, 2.0))
+    assert got == (5, "panic", "panic: holding, 60 s until calm -> 5")
+
+
+def test_scale_says_which_scale_down_rule_holds_the_count() -> None:
+    """Steady above the recommendation: scale-down disabled, or the period's steps used up."""
+    now = T0 + 1000.0
+    disabled = PolicySpec.of(make_spec(advanced={"scale_down_select_policy": "Disabled"}))
+    got = _scale(disabled, _reading(3.0, 3.5), 1, 1, _state(desired=5), 2.0, now, scale_in(disabled.keda, 2.0))
+    assert got == (5, "normal", "steady at 5: scale-down disabled (scaleDownSelectPolicy), policy wants 1")
+    used = _state(desired=5, scale_downs=((now - 10.0, 6),))  # the period started at 11: 50 % keeps 5
+    got = _scale(SPEC, _reading(3.0, 3.5), 1, 1, used, 2.0, now, scale_in(KEDA, 2.0))
+    assert got == (5, "normal", "steady at 5: scale-down rate 50 %/60 s used")
+
+
+def test_fresh_says_when_the_initial_cooldown_lets_the_idle_drop_happen() -> None:
+    """Inactive past cooldownPeriod but inside initialCooldownPeriod: the normal rules, and how long until idle."""
+    spec = PolicySpec.of(make_spec(min_replica_count=0))
+    got = _fresh(spec, _reading(0.0, 0.0), 0, 0, _state(spec, desired=5), None, 2.0, T0 + 1000.0, 0.5,
+                 scale_in(spec.keda, 2.0))  # fmt: skip
+    why = "down 5 -> 2: forecast 0 / target 4, rate-limited; idle at 0 in 0.5 s (initialCooldownPeriod)"
+    assert got == (2, "normal", why)
+
+
+def test_the_restart_hold_says_how_much_of_the_window_was_seen() -> None:
+    """After a restart the count held is a floor until a stable window of demand was seen; the reason says how
+    much was, and what the policy wanted (from 5, the rate limit's 2)."""
+    st = initial_state(SPEC, now=T0, current_replicas=5)
+    _, st = decide(SPEC, Observation(demand=4.0, ready=5), st, T0 + 1.0)
+    d, _ = decide(SPEC, Observation(demand=4.0, ready=5), st, T0 + 13.5)
+    assert (d.desired, d.mode, d.reason) == (5, "hold", "hold 5 after restart: 12.5 of 60 s window seen (policy: 2)")
