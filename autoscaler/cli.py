@@ -57,6 +57,13 @@ def run_autoscaler(argv: list[str], prog: str) -> int:
         help="JetStream replicas of the KV buckets it creates, and the least an existing one is raised to "
         f"[${registry.KV_REPLICAS_ENV}, else detected: 1 on a single server, 3 on a cluster of 3 or more]",
     )
+    p.add_argument(
+        "--require-assignment",
+        action="store_true",
+        help="offer a node's slots only of the models `pulsescale assign` gave that node (KV pulse_assignments); "
+        "without it a node with no assignment offers whatever its agent advertises. The secure deployment sets it "
+        "[off: a node with an assignment is held to it either way]",
+    )
     p.add_argument("--identity", help="replica name in the shard leases: letters, digits, - and _ [host-pid-random]")
     p.add_argument(
         "--lease",
@@ -106,6 +113,7 @@ def run_autoscaler(argv: list[str], prog: str) -> int:
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
         max_replicas=max_replicas,
+        require_assignment=args.require_assignment,
         gc_freeze_every_s=args.gc_freeze_every if args.gc_freeze_every > 0 else None,
         lease=LeaseSettings(lease_s=args.lease, renew_every_s=args.lease / 4),
         controller=ControllerSettings(

@@ -98,6 +98,9 @@ class AutoscalerSettings:
     max_replicas: int = protocol.DEFAULT_MAX_REPLICAS
     """The most replicas the autoscaler acts on for one model: a ScaledObject over it is cut down to it (logged),
     and ``scale``/``pause`` over it are refused. The wire allows 100000; see `protocol.DEFAULT_MAX_REPLICAS`."""
+    require_assignment: bool = False
+    """Offer a node's slots only of the models `pulse_assignments` lists for it (revision 11). Off: a node without
+    an assignment offers what its agent writes (the quickstart, the demo); the secure deployment turns it on."""
     housekeeping_every_s: float = 0.25
     """Time-driven checks of the models holding slots (dead agents, stuck activations); the rest (override expiry,
     stale gateways, the windows moving on) on each model's turn, `redecide_every_s`. Decisions run on samples."""
@@ -515,7 +518,12 @@ async def run(
         metrics.nats_connected.set_function(lambda: 1.0 if nc.is_connected else 0.0)
         # The autoscaler creates the buckets, and turns rollups off on those an older version made.
         buckets = await ensure_buckets(nc.jetstream(timeout=2.0), harden=True)
-        store = KvSlotStore(nc, buckets, on_reject=lambda reason: metrics.registry_rejected.labels(reason).inc())
+        store = KvSlotStore(
+            nc,
+            buckets,
+            on_reject=lambda reason: metrics.registry_rejected.labels(reason).inc(),
+            require_assignment=settings.require_assignment,
+        )
         metrics.agent_clock_skew.source = store.index.clocks.skews
         opened.push_async_callback(store.close)
         await store.start()

@@ -61,6 +61,7 @@ COMMANDS: dict[str, Command] = {
     "delete": Command("oncall.delete:delete", "remove a ScaledObject from the registry", "config"),
     "crd": Command("manifests.crd:main", "print the ScaledObject CRD (or its JSON Schema), generated", "config"),
     "slots": Command("warmpool.cli:slots", "list slots straight from the registry", "config"),
+    "assign": Command("warmpool.cli:assign", "set the models a node may offer (or list them)", "config"),
     "model": Command("nodeagent.cli:model", "model tools: make-tiny (test weights), verify, stage", "config"),
     "bench": Command("pulsescale.cli:bench", "benchmarks: claims, decide, activate", "benchmarks"),
     "load": Command("gateway.cli:run_load_cli", "open-loop load: base, a 300 % pulse, back", "benchmarks"),

@@ -11,6 +11,7 @@ Real processes throughout: a nats-server with the users `warmpool.natsauth` rend
   to ``_INBOX.`` only);
 - events: agents may not publish ``pulse.events.>`` (gateways route on ``slot.ready``);
 - records under another key, and fake slots that no lease lists, are not offered;
+- a slot of a model its node was not assigned (issue 25, M3) is never claimed, and the agent cannot assign itself;
 - the local secure broker serves no unauthenticated monitoring port unless asked.
 """
 
@@ -42,7 +43,7 @@ from tests.helpers import wait_for
 from tests.nodeagent_helpers import listening_addresses
 from warmpool import connect, natsauth, protocol
 from warmpool.embedded import NatsServer, free_port
-from warmpool.errors import PermissionDenied
+from warmpool.errors import NoSlotAvailable, PermissionDenied
 from warmpool.protocol import MAX_SLOTS_PER_NODE
 from warmpool.registry import ALL_BUCKETS, KvSlotStore, ensure_buckets
 
@@ -378,6 +379,82 @@ async def test_only_slots_that_the_nodes_lease_lists_are_claimable(cluster: Clus
         await agents_kv.put("n3", json.dumps(big).encode())
         await wait_for(lambda: store.rejected.counts["bad_value"] > rejected, 10, "the oversized lease refused")
         assert store.index.lease("n3") is None and store.claimable(MODEL) == []
+
+
+# --- issue 25, M3: agents bound to their models -----------------------------------------------------------------------
+
+
+def run_cli(cluster: Cluster, user: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pulsescale", *argv], env=cluster.env(user), capture_output=True,
+                          text=True, timeout=60, check=False)  # fmt: skip
+
+
+async def test_a_warm_slot_of_a_model_its_node_was_not_assigned_is_never_claimed(cluster: Cluster) -> None:
+    """The reviewer's attack: agent-n1, assigned ``llama`` by the operator, advertises a warm ``tiny`` slot (any key
+    under its node is its to write); the autoscaler claimed it and would route tiny's traffic there. Now it is never
+    claimed and the autoscaler counts it, while n2's assigned tiny slot is claimed; the agent may not rewrite its
+    assignment."""
+    assigned = {"n1": "llama", "n2": MODEL}  # n3 stays unbound
+    for node, model in assigned.items():
+        done = await asyncio.to_thread(run_cli, cluster, "operator", "assign", node, model)
+        assert done.returncode == 0 and done.stdout == f"node {node} may offer {model}\n", done.stderr
+    before = cluster.metric("pulsescale_registry_rejected_records_total", reason="unassigned_model")
+    async with contextlib.AsyncExitStack() as stack:
+        n1 = await stack.enter_async_context(cluster.client("agent-n1"))
+        n2 = await stack.enter_async_context(cluster.client("agent-n2"))
+        admin = await stack.enter_async_context(cluster.client("operator"))
+        for nc, node in ((n1, "n1"), (n2, "n2")):
+            js = nc.jetstream(timeout=5.0)
+            lease = protocol.AgentLease(node=node, slots=["a0"], heartbeat_at=time.time(), lease_s=60)
+            await (await js.key_value(protocol.AGENTS_BUCKET)).put(node, protocol.encode(lease))
+            # n1's slot looks better (resident, rootfs mounted): placement would try it first.
+            await (await js.key_value(protocol.SLOTS_BUCKET)).put(
+                f"{MODEL}.{node}.a0", slot(node, "a0", weights_resident=node == "n1", rootfs_mounted=node == "n1")
+            )
+        try:
+            async with cluster.client("autoscaler") as nc, await KvSlotStore.open(nc, assignments=True) as store:
+                keys = {f"{MODEL}.{n}.a0" for n in ("n1", "n2")}
+                await wait_for(lambda: keys <= set(store.slots.keys()), 10, "both slots in the view")
+                await wait_for(lambda: store.index.lease_fresh("n1") and store.index.lease_fresh("n2"), 10, "leases")
+                claim = await store.claim(MODEL)
+                assert claim.key == f"{MODEL}.n2.a0"  # not n1's, however much better placed
+                # Counted once per such record; earlier tests of this module left records under n1 and n2 too.
+                off = {
+                    r.key
+                    for r in store.records()
+                    if r.state in ("warm", "ready") and r.node in assigned and r.model != assigned[r.node]
+                }
+                assert f"{MODEL}.n1.a0" in off and store.rejected.counts["unassigned_model"] == len(off)
+                with pytest.raises(NoSlotAvailable):
+                    await store.claim(MODEL)
+                with pytest.raises(NoSlotAvailable, match="not assigned to node n1"):
+                    await store.claim_slot(f"{MODEL}.n1.a0")
+                await store.release(claim)
+                assert store.record(f"{MODEL}.n1.a0").state == "warm"  # type: ignore[union-attr]
+            await wait_for(
+                lambda: (
+                    cluster.metric("pulsescale_registry_rejected_records_total", reason="unassigned_model")
+                    >= before + 1
+                ),
+                10,
+                "the autoscaler to count it",
+            )
+
+            async def widen(nc: Client) -> None:
+                kv = await nc.jetstream(timeout=5.0).key_value(protocol.ASSIGNMENTS_BUCKET)
+                await kv.put("n1", protocol.encode(protocol.NodeAssignment(node="n1", models=["llama", MODEL])))
+
+            with pytest.raises(PermissionDenied) as refused:
+                await connect.run_client(cluster.options("agent-n1"), widen)
+            assert refused.value.subject == f"$KV.{protocol.ASSIGNMENTS_BUCKET}.n1"
+            listed = await asyncio.to_thread(run_cli, cluster, "operator", "assign", "--json")
+            assert {a["node"]: a["models"] for a in json.loads(listed.stdout)} == {"n1": ["llama"], "n2": [MODEL]}
+        finally:
+            # The module's cluster is shared: leave no binding and no slot behind.
+            assignments = await admin.jetstream(timeout=5.0).key_value(protocol.ASSIGNMENTS_BUCKET)
+            for nc, node in ((n1, "n1"), (n2, "n2")):
+                await assignments.delete(node)  # unbound again (a purge is a rollup: refused)
+                await (await nc.jetstream(timeout=5.0).key_value(protocol.SLOTS_BUCKET)).delete(f"{MODEL}.{node}.a0")
 
 
 # --- 13. monitoring port ---------------------------------------------------------------------------------------------

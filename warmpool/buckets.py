@@ -74,6 +74,7 @@ _HISTORY = {
     protocol.AGENTS_BUCKET: 1,
     protocol.SCALERS_BUCKET: 5,
     protocol.LEASES_BUCKET: 1,
+    protocol.ASSIGNMENTS_BUCKET: 5,  # as pulse_scalers: who assigned what before, for the record
 }
 ALL_BUCKETS = protocol.BUCKETS
 

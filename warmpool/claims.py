@@ -122,6 +122,11 @@ class Claimer:
             raise SlotNotFound(f"no slot {key}")
         rec = hit[0]
         now = self.clock()
+        if not self.index.assignments.allows(rec.model, rec.node):
+            raise NoSlotAvailable(
+                f"slot {key}: model {rec.model} is not assigned to node {rec.node} ({protocol.ASSIGNMENTS_BUCKET}); "
+                f"`pulsescale assign {rec.node} {rec.model}` if that node should serve it"
+            )
         if not slots.claimable(rec, self.index.lease(rec.node), now, fresh=self.index.lease_fresh(rec.node, now)):
             raise NoSlotAvailable(f"slot {key} is {rec.state}{' (drained)' if rec.drain else ''} or its agent is stale")
         return await self._claim_one(hit, self.clock())
@@ -225,11 +230,15 @@ class Claimer:
 
     def adopt(self, key: str) -> Claim | None:
         """The claim that holds `key` now, as a `Claim` this process can act on (a new leader takes over the
-        previous leader's claims this way). None when the slot is not held."""
+        previous leader's claims this way). None when the slot is not held, or is of a model its node may not offer
+        (revision 11): its agent can write a held record under its node, claim id and all, and an adopted claim
+        counts as capacity and may be activated."""
         hit = self.index.slots.get(key)
         if hit is None:
             return None
         rec, rev = hit
+        if not self.index.assignments.allows(rec.model, rec.node):
+            return None
         if rec.state not in slots.HELD_STATES or rec.claim_id is None:
             return None
         token = rec.token if rec.token is not None else rev  # untouched since the claim write: its revision

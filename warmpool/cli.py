@@ -1,5 +1,6 @@
 """warmpool's subcommands: `pulsescale nats` (a local broker; `--secure`: with the production's users,
-permissions and TLS), `pulsescale slots` (the registry, raw) and
+permissions and TLS), `pulsescale slots` (the registry, raw),
+`pulsescale assign` (the models each node may offer, KV `pulse_assignments`) and
 `pulsescale sample` (gateway samples by hand).
 
 A NATS failure (unreachable, credentials or a permission refused) leaves these as `NatsUnavailable`, and a port
@@ -10,8 +11,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import getpass
+import os
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -175,6 +179,82 @@ def slots(argv: list[str], prog: str) -> int:
     args = p.parse_args(argv)
     opts = nats_connect.options_from_args(args, name="pulsescale-slots")
     asyncio.run(nats_connect.run_client(opts, lambda nc: _slots(nc, args.model, out.machine(args))))
+    return 0
+
+
+async def _assignments(nc: Client) -> list[protocol.NodeAssignment]:
+    js = nc.jetstream(timeout=5.0)
+    kv = (await ensure_buckets(js, names=(protocol.ASSIGNMENTS_BUCKET,)))[protocol.ASSIGNMENTS_BUCKET]
+    found = []
+    for node in await buckets.list_keys(js, protocol.ASSIGNMENTS_BUCKET):
+        try:
+            entry = await kv.get(node)
+        except nats.js.errors.KeyNotFoundError:
+            continue  # deleted: the node is unbound
+        if entry.value:
+            found.append(protocol.decode(entry.value, protocol.NodeAssignment))
+    return found
+
+
+async def _assign(nc: Client, record: protocol.NodeAssignment) -> None:
+    js = nc.jetstream(timeout=5.0)
+    kv = (await ensure_buckets(js, names=(protocol.ASSIGNMENTS_BUCKET,)))[protocol.ASSIGNMENTS_BUCKET]
+    await kv.put(record.node, protocol.encode(record))
+
+
+def _default_by() -> str:
+    """Who is assigning: ``$PULSESCALE_USER``, else ``user@host`` (as the on-call commands' ``--by``)."""
+    if os.environ.get("PULSESCALE_USER"):
+        return os.environ["PULSESCALE_USER"][:128]
+    try:
+        user = getpass.getuser()
+    except (OSError, KeyError):
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"[:128]
+
+
+def assign(argv: list[str], prog: str) -> int:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Set the models a node may offer slots of (KV pulse_assignments; needs the operator's NATS user). "
+        "The autoscaler claims none of a node's slots of another model and counts them "
+        '(pulsescale_registry_rejected_records_total{reason="unassigned_model"}); a node without an assignment '
+        "offers any model unless the autoscaler runs with --require-assignment. Without NODE: list the assignments.",
+    )
+    p.add_argument("node", nargs="?", help="the node (its agent's --node)")
+    p.add_argument("models", nargs="*", metavar="MODEL", help="every model the node may offer (replaces the list)")
+    p.add_argument("--none", action="store_true", help="the node may offer no model (take it out of service)")
+    p.add_argument("--by", help="who assigns, kept in the record [$PULSESCALE_USER, else user@host]")
+    out.add_output_argument(p)
+    nats_connect.add_nats_arguments(p)
+    args = p.parse_args(argv)
+    bad = [n for n in ([args.node] if args.node else []) + args.models if not protocol.is_name(n)]
+    if bad:
+        p.error(f"{', '.join(map(repr, bad))}: names match {protocol.NAME_PATTERN}")
+    if args.node and not args.models and not args.none:
+        p.error(f"give the models {args.node} may offer, or --none for no model")
+    if args.models and args.none:
+        p.error("--none takes no MODEL")
+    if len(set(args.models)) > protocol.MAX_MODELS_PER_NODE:
+        p.error(f"at most {protocol.MAX_MODELS_PER_NODE} models per node")
+    opts = nats_connect.options_from_args(args, name="pulsescale-assign")
+    fmt = out.machine(args)
+    if args.node is None:
+        found = asyncio.run(nats_connect.run_client(opts, _assignments))
+        if fmt is not None:
+            print(out.dump(found, fmt))
+            return 0
+        rows = [(a.node, ",".join(a.models) or "<no model>", a.by or "-") for a in found]
+        print(out.table(("NODE", "MODELS", "BY"), rows))
+        return 0
+    record = protocol.NodeAssignment(
+        node=args.node, models=sorted(set(args.models)), by=(args.by or _default_by())[:128], updated_at=time.time()
+    )
+    asyncio.run(nats_connect.run_client(opts, lambda nc: _assign(nc, record)))
+    if fmt is not None:
+        print(out.dump(record, fmt))
+        return 0
+    print(f"node {record.node} may offer {', '.join(record.models) or 'no model'}")
     return 0
 
 

@@ -27,7 +27,9 @@ it replies (`autoscaler.commands.service`, the agent's requests).
 
 Revisions: 5 let the operator read the slots and ask ``status``, and on-call read the ScaledObjects; 6 (sharding)
 lets the autoscaler, and only it, publish and subscribe ``pulse.autoscaler.>``: the replicas hand each other the
-on-call commands of the models they own and ask each other for status rows there.
+on-call commands of the models they own and ask each other for status rows there. 11 (agents bound to their
+models) adds `pulse_assignments`: the operator writes it (``pulsescale assign``), the agents only read it, the
+autoscaler (which reads every bucket and writes none of it) checks claims against it.
 
 Replies: each user receives on its own inbox, ``_INBOX.<user>.>`` (`connect` sets nats-py's inbox prefix from the
 user name), so no role can read another's replies; a role that answers requests (agents, the autoscaler's
@@ -135,10 +137,13 @@ def permissions(role: Role, node: str | None = None) -> Permissions:
     if role == "agent":
         assert node is not None
         # No `pulse.events.>`: agents never publish events, and gateways route on `slot.ready` events.
+        # Revision 11: `pulse_assignments` (the models its node may offer) is read only: a node's agent writes any
+        # model under its node's keys, so what binds it to its models must be out of its reach.
         return Permissions(
             publish=(
                 *_kv_read(protocol.SLOTS_BUCKET),
                 *_kv_read(protocol.AGENTS_BUCKET),
+                *_kv_read(protocol.ASSIGNMENTS_BUCKET),
                 *_kv_write(protocol.SLOTS_BUCKET, f"*.{node}.*"),
                 *_kv_write(protocol.AGENTS_BUCKET, node),
             ),
@@ -170,12 +175,15 @@ def permissions(role: Role, node: str | None = None) -> Permissions:
     if role == "operator":
         # Revision 5: it also reads the slots (standby pods follow their slot; the finalizer waits for releases),
         # asks the autoscaler for `status` (the status subresource) and reads events (Kubernetes Events, the cold
-        # path). It may not send any other on-call command.
+        # path). It may not send any other on-call command. Revision 11: it assigns nodes their models
+        # (`pulse_assignments`), as it declares the models themselves.
         return Permissions(
             publish=(
                 *_kv_read(protocol.SCALERS_BUCKET),
                 *_kv_write(protocol.SCALERS_BUCKET),
                 *_kv_read(protocol.SLOTS_BUCKET),
+                *_kv_read(protocol.ASSIGNMENTS_BUCKET),
+                *_kv_write(protocol.ASSIGNMENTS_BUCKET),
                 protocol.cmd_subject("status"),
             ),
             subscribe=(events, replies),

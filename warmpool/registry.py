@@ -1,9 +1,11 @@
 """The slot registry on JetStream KV: fenced claims by compare-and-set, agent leases, and watches.
 
 Buckets (names from `protocol`): `pulse_slots` holds one `SlotRecord` per ``<model>.<node>.<slot>``;
-`pulse_agents` holds one `AgentLease` per node. Every slot write is ``kv.update(key, value, last=rev)`` on the
-revision we last saw, so the server decides every race. The revision of the claim write is the claim's fencing
-token; with the random `claim_id` it is what a holder must present to move the slot on.
+`pulse_agents` holds one `AgentLease` per node; `pulse_assignments`, when the store follows it (the autoscaler
+does), one `NodeAssignment` per node: the models that node may offer (revision 11). Every slot write is
+``kv.update(key, value, last=rev)`` on the revision we last saw, so the server decides every race. The revision
+of the claim write is the claim's fencing token; with the random `claim_id` it is what a holder must present to
+move the slot on.
 
 A `KvSlotStore` keeps a view of both buckets from KV watches (snapshot, then deltas; re-listed after every
 reconnect, since watches do not resume by themselves). Claims pick candidates from the view and let the
@@ -120,9 +122,14 @@ class KvSlotStore:
         rng: random.Random | None = None,
         resolve_timeout_s: float = 10.0,
         on_reject: Callable[[str], None] | None = None,
+        require_assignment: bool = False,
     ) -> None:
         """`clock` (wall) stamps records and measures the agents' clocks; `monotonic` times how long ago each
-        lease was heard (their freshness) and how long ago the views were listed."""
+        lease was heard (their freshness) and how long ago the views were listed.
+
+        With `pulse_assignments` among `buckets` the store follows it and offers a node's slots only of the models
+        its assignment lists (revision 11, `slotindex.Assignments`); `require_assignment` (which needs the bucket)
+        offers nothing of a node that has none."""
         self.nc = nc
         self.clock = clock
         self.monotonic = monotonic
@@ -132,7 +139,19 @@ class KvSlotStore:
         `on_reject(reason)` binds the owner's metric (``pulsescale_registry_rejected_records_total``)."""
         slots_kv = buckets[protocol.SLOTS_BUCKET]
         agents_kv = buckets[protocol.AGENTS_BUCKET]
-        self.index = SlotIndex(nc, slots_kv, agents_kv, self.rejected, clock=clock, monotonic=monotonic)
+        assignments_kv = buckets.get(protocol.ASSIGNMENTS_BUCKET)
+        if require_assignment and assignments_kv is None:
+            raise ValueError(f"require_assignment needs the bucket {protocol.ASSIGNMENTS_BUCKET} among `buckets`")
+        self.index = SlotIndex(
+            nc,
+            slots_kv,
+            agents_kv,
+            self.rejected,
+            clock=clock,
+            monotonic=monotonic,
+            assignments_kv=assignments_kv,
+            require_assignment=require_assignment,
+        )
         """The read side: slots and agent leases as last seen, the claimable pool, each node's lease verdict
         (`lease`, `lease_fresh`, `lease_verdict`, ...), unreachable nodes and clock skews. What only reads goes
         here; the store itself claims, writes and watches."""
@@ -152,25 +171,32 @@ class KvSlotStore:
         *,
         settings: BucketSettings = BucketSettings(),
         timeout_s: float = 2.0,
+        assignments: bool = False,
         **kwargs: Any,
     ) -> KvSlotStore:
         """`timeout_s` bounds each KV call: a claim caught by a broker restart learns its fate (by reading
-        it back) after this long instead of the client's default 5 s."""
-        buckets = await ensure_buckets(
-            nc.jetstream(timeout=timeout_s), settings, names=(protocol.SLOTS_BUCKET, protocol.AGENTS_BUCKET)
-        )
+        it back) after this long instead of the client's default 5 s. `assignments` (implied by
+        `require_assignment`): follow `pulse_assignments` too, as the autoscaler does."""
+        names = [protocol.SLOTS_BUCKET, protocol.AGENTS_BUCKET]
+        if assignments or kwargs.get("require_assignment"):
+            names.append(protocol.ASSIGNMENTS_BUCKET)
+        buckets = await ensure_buckets(nc.jetstream(timeout=timeout_s), settings, names=names)
         return cls(nc, buckets, **kwargs)
 
     # --- the watches ---------------------------------------------------------------------------------------------
 
     async def start(self, timeout_s: float = 10.0) -> None:
         """Start the watches and wait for their first snapshot."""
+        views: list[BucketView[Any]] = [self.slots, self.agents]
+        if self.index.assigned is not None:
+            views.append(self.index.assigned)
         if not self._tasks:
             self._tasks = [
-                asyncio.create_task(self.slots.run(), name="registry-watch-slots"),
-                asyncio.create_task(self.agents.run(), name="registry-watch-agents"),
+                asyncio.create_task(view.run(), name=f"registry-watch-{name}")
+                for view, name in zip(views, ("slots", "agents", "assignments"), strict=False)
             ]
-        await asyncio.wait_for(asyncio.gather(self.slots.ready.wait(), self.agents.ready.wait()), timeout_s)
+        await asyncio.wait_for(asyncio.gather(*(view.ready.wait() for view in views)), timeout_s)
+        self.index.assignments.judge_all(self.slots.value)  # the slots listed before the assignments were
 
     async def stop_slot_watch(self) -> None:
         """Stop following `pulse_slots`; the view keeps what it holds, and our own writes (`apply_local`). For
@@ -180,6 +206,8 @@ class KvSlotStore:
 
     async def close(self) -> None:
         self.slots.closed = self.agents.closed = True
+        if self.index.assigned is not None:
+            self.index.assigned.closed = True
         await cancel_and_wait(self._tasks)
         self._tasks = []
 

@@ -7,23 +7,101 @@ out of their pool and counted as load on their node until the broker answers. Le
 process heard them, on its own monotonic clock (`warmpool.agentclocks.AgentClocks`, which also measures each
 agent's clock skew), and called lapsed only on a current view (`lease_lapsed`). `warmpool.registry.KvSlotStore`
 reads through this.
+
+Revision 11: a store that follows `pulse_assignments` offers a node's slots only of the models its assignment
+lists (`Assignments`): the agent's user may write any key under its node, the model part included, so the slot
+record alone does not say that the node should serve that model.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from nats.aio.client import Client
 from nats.js.kv import KeyValue
 
-from warmpool import placement, slots
+from warmpool import placement, protocol, slots
 from warmpool.agentclocks import AgentClocks, Verdict
 from warmpool.bucketview import BucketView, Clock
-from warmpool.protocol import AgentLease, SlotRecord
+from warmpool.errors import BadMessage
+from warmpool.protocol import AgentLease, NodeAssignment, SlotRecord
 from warmpool.rejects import Rejections
 
-__all__ = ["SlotIndex"]
+__all__ = ["Assignments", "SlotIndex"]
+
+
+class Assignments:
+    """Which models each node may offer (revision 11: `pulse_assignments`, which only the operator's user may write;
+    an agent may only read it), and the count of the slots that break it.
+
+    A `warm` or `ready` slot of a model its node's assignment does not list is not offered (`SlotIndex.usable`,
+    `Claimer.claim_slot`) nor adopted (`Claimer.adopt`), and is counted ``unassigned_model`` once per record (again
+    when it changes, not when a re-list brings it back unchanged). A node with no assignment is unbound, offering
+    what its agent writes as before revision 11, unless `require`: then it offers nothing. Without a `view` (a
+    store that does not follow the bucket: the agents, the tools) every node is unbound."""
+
+    JUDGED_STATES: tuple[protocol.SlotState, ...] = ("warm", "ready")
+    """The states that offer a slot: `warm` to a claim, `ready` to adoption (and to the gateways, which route on the
+    record and do not follow the assignments yet)."""
+
+    def __init__(self, view: BucketView[NodeAssignment] | None, rejected: Rejections, *, require: bool = False) -> None:
+        self.view = view
+        self.rejected = rejected
+        self.require = require
+        """A node without an assignment offers nothing (``pulsescale autoscaler --require-assignment``)."""
+        self._counted: dict[str, SlotRecord] = {}  # key -> the refused record that was counted
+        self._by_node: dict[str, set[str]] = {}  # node -> its slot keys, judged again when its assignment changes
+
+    def allows(self, model: str, node: str) -> bool:
+        """Whether `node` may offer slots of `model`."""
+        assignment = self.view.value(node) if self.view is not None else None
+        if assignment is None:
+            return not self.require
+        return model in assignment.models
+
+    def judge(self, key: str, rec: SlotRecord | None, node: str) -> None:
+        """The slot under `key` of `node` is now `rec` (None: gone): count it if its node may not offer it."""
+        if self.view is None and not self.require:
+            return  # every node unbound: nothing to count, nothing to remember
+        if rec is None:
+            self._counted.pop(key, None)
+            keys = self._by_node.get(node)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self._by_node[node]
+            return
+        self._by_node.setdefault(node, set()).add(key)
+        if self.view is not None and not self.view.ready.is_set():
+            return  # not listed yet: every node would look unassigned (`judge_all` follows the listing)
+        if rec.state not in self.JUDGED_STATES or self.allows(rec.model, node):
+            self._counted.pop(key, None)
+            return
+        if self._counted.get(key) == rec:
+            return  # counted already (a re-list brought it back unchanged)
+        self._counted[key] = rec
+        assignment = self.view.value(node) if self.view is not None else None
+        lists = f"lists {', '.join(assignment.models) or 'no model'}" if assignment else "has no record of it"
+        self.rejected(
+            BadMessage(
+                "unassigned_model",
+                f"slot {key} is {rec.state}, but model {rec.model} is not assigned to node {node} "
+                f"({protocol.ASSIGNMENTS_BUCKET} {lists}): not offered; if that node should serve it, "
+                f"`pulsescale assign {node} {rec.model}` with the operator's NATS user",
+            ),
+            source=f"{protocol.SLOTS_BUCKET}/{key}",
+        )
+
+    def judge_node(self, node: str, record: Callable[[str], SlotRecord | None]) -> None:
+        """The assignment of `node` changed: judge its slots again (`record` reads one from the view)."""
+        for key in list(self._by_node.get(node, ())):
+            self.judge(key, record(key), node)
+
+    def judge_all(self, record: Callable[[str], SlotRecord | None]) -> None:
+        """The assignments are listed: judge every slot seen before (a node without a record included)."""
+        for node in list(self._by_node):
+            self.judge_node(node, record)
 
 
 class SlotIndex:
@@ -40,7 +118,11 @@ class SlotIndex:
         *,
         clock: Clock = time.time,
         monotonic: Clock = time.monotonic,
+        assignments_kv: KeyValue | None = None,
+        require_assignment: bool = False,
     ) -> None:
+        """`assignments_kv`: follow `pulse_assignments` (`Assignments`); `require_assignment`: a node without one
+        offers nothing."""
         self.clock = clock
         self.monotonic = monotonic
         self.slots: BucketView[SlotRecord] = BucketView(nc, slots_kv, SlotRecord, rejected, clock=monotonic)
@@ -61,11 +143,21 @@ class SlotIndex:
         """Node -> the lease in the view when its agent was found not subscribed to its verbs (NATS no responders:
         dead, or not connected). Its slots are not offered until a newer heartbeat is heard (`_index_lease`):
         a dead agent's lease stays fresh for up to `lease_s`, and every claim of its slots meanwhile fails."""
+        self.assigned: BucketView[NodeAssignment] | None = None
+        """The view of `pulse_assignments`, when this store follows it."""
+        if assignments_kv is not None:
+            self.assigned = BucketView(nc, assignments_kv, NodeAssignment, rejected, clock=monotonic)
+            self.assigned._on_change = self._index_assignment
+        self.assignments = Assignments(self.assigned, rejected, require=require_assignment)
+        """Which models each node may offer (revision 11)."""
         self.slots._on_change = self._index
         self.agents._on_change = self._index_lease
         self.agents._on_arrival = self.clocks.heard
 
     def _index(self, key: str, old: SlotRecord | None, new: SlotRecord | None) -> None:
+        node = new.node if new is not None else old.node if old is not None else None
+        if node is not None:
+            self.assignments.judge(key, new, node)
         for rec, delta in ((old, -1), (new, 1)):
             if rec is None:
                 continue
@@ -123,6 +215,14 @@ class SlotIndex:
             self._offered.pop(node, None)
         else:
             self._offered[node] = frozenset(new.slots)
+        self._unpark(node)
+
+    def _index_assignment(self, node: str, _old: NodeAssignment | None, _new: NodeAssignment | None) -> None:
+        self.assignments.judge_node(node, self.slots.value)
+        self._unpark(node)  # a model it may offer now is filed again; one it may not is parked at the next pick
+
+    def _unpark(self, node: str) -> None:
+        """File `node` again in the pools that parked it: what it may offer changed."""
         for model in self._parked_in.pop(node, ()):
             if (pool := self.pools.get(model)) is not None:
                 pool.unpark(node)
@@ -130,7 +230,10 @@ class SlotIndex:
     def usable(self, model: str, node: str, keys: Collection[str], now: float) -> list[str]:
         """The keys among `keys` (warm slots of `model` on `node`) that a claim may take at `now`: none unless the
         node's lease is fresh, and only the slots that lease lists (a record alone offers nothing: any key under
-        the node can be written by its agent user). Costs at most `protocol.MAX_SLOTS_PER_NODE` lookups."""
+        the node can be written by its agent user), and only of a model the node's assignment lets it offer
+        (`Assignments`). Costs at most `protocol.MAX_SLOTS_PER_NODE` lookups."""
+        if not self.assignments.allows(model, node):
+            return []
         lease = self.lease(node)
         if lease is None or node in self.unreachable or self.clocks.judge(node, lease, now) != "fresh":
             return []

@@ -87,6 +87,7 @@ def every_command(tmp_path: Path) -> dict[str, list[str]]:
         "apply": ["apply", "-f", str(EXAMPLE)],
         "sample": ["sample", "qwen", "--queue-depth", "1"],
         "slots": ["slots"],
+        "assign": ["assign"],
         "agent": ["agent", "--node", "n1", "--model", str(tmp_path), "--shm-dir", str(tmp_path / "shm"),
                   "--metrics-port", "-1"],
         "autoscaler": ["autoscaler"],

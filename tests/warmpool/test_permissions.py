@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -31,7 +32,7 @@ from tests.nodeagent_helpers import MODEL
 from warmpool import connect, natsauth, protocol
 from warmpool.embedded import NatsServer, free_port
 from warmpool.errors import NatsUnavailable, PermissionDenied, PulsescaleError
-from warmpool.registry import BucketView
+from warmpool.registry import BucketView, ensure_buckets
 from warmpool.rejects import Rejections
 
 NODES = ("n1", "n2")
@@ -273,6 +274,10 @@ def subscribe(subject: str) -> Callable[[Client], Awaitable[object]]:
         ("oncall", publish("pulse.autoscaler.a.cmd.scale"), "publish", "pulse.autoscaler.a.cmd.scale"),
         ("operator", publish("pulse.autoscaler.a.cmd.status"), "publish", "pulse.autoscaler.a.cmd.status"),
         ("gateway", subscribe("pulse.autoscaler.>"), "subscribe", "pulse.autoscaler.>"),
+        # Revision 11: the models a node may offer are the operator's to write; its own agent only reads them.
+        ("agent-n1", kv_put(protocol.ASSIGNMENTS_BUCKET, "n1"), "publish", "$KV.pulse_assignments.n1"),
+        ("autoscaler", kv_put(protocol.ASSIGNMENTS_BUCKET, "n1"), "publish", "$KV.pulse_assignments.n1"),
+        ("oncall", kv_put(protocol.ASSIGNMENTS_BUCKET, "n1"), "publish", "$KV.pulse_assignments.n1"),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )
@@ -382,6 +387,7 @@ def test_each_agent_user_writes_only_its_own_nodes_keys() -> None:
     perms = natsauth.permissions("agent", "gpu-0")
     kv_writes = [s for s in perms.publish if s.startswith("$KV.")]
     assert kv_writes == ["$KV.pulse_slots.*.gpu-0.*", "$KV.pulse_agents.gpu-0"]
+    assert f"$JS.API.STREAM.INFO.KV_{protocol.ASSIGNMENTS_BUCKET}" in perms.publish  # it reads its assignment
     assert perms.subscribe == ("pulse.agent.gpu-0.>", "_INBOX.agent-gpu-0.>")
     assert not any(s.startswith("$JS.API.STREAM.CREATE") for s in perms.publish)
     assert not any(s.startswith("_INBOX") for s in perms.publish)  # answers go by allow_responses only
@@ -418,3 +424,50 @@ def test_an_agent_started_before_the_buckets_exist_says_who_creates_them(tiny_so
         assert "the autoscaler creates the registry's buckets when it starts, so start it first" in last
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+
+
+# --- revision 11: the shipped authorization keeps an agent off its own assignment -----------------------------------
+
+
+async def test_the_shipped_authorization_lets_an_agent_read_but_not_write_its_assignment(tmp_path: Path) -> None:
+    """deploy/base/nats/configmap.yaml's auth.conf on a real nats-server (its password variables filled in here,
+    as the Secret fills them there): the operator assigns gpu-0 its model; gpu-0's agent reads it, and is refused
+    writing it, whether it widens its own list or deletes it."""
+    from tests.manifests.test_manifests import example_nodes, nats_config
+
+    node = example_nodes()[0]
+    filled = r'{user: "\1", password: "pw-\1",'
+    auth = re.sub(r'\{user: "([^"]+)", password: \$\w+,', filled, nats_config()["auth.conf"])
+    server = NatsServer(tmp_path / "nats", extra_config=auth)
+
+    def options(user: str) -> connect.NatsOptions:
+        return connect.NatsOptions(servers=(server.url,), user=user, password=f"pw-{user}", name=f"test-{user}")
+
+    async def buckets(nc: Client) -> None:
+        await ensure_buckets(nc.jetstream(timeout=5.0), harden=True)
+
+    async def assign(nc: Client) -> None:
+        kv = await nc.jetstream(timeout=5.0).key_value(protocol.ASSIGNMENTS_BUCKET)
+        await kv.put(node, protocol.encode(protocol.NodeAssignment(node=node, models=["qwen"])))
+
+    async def read(nc: Client) -> protocol.NodeAssignment:
+        kv = await nc.jetstream(timeout=5.0).key_value(protocol.ASSIGNMENTS_BUCKET)
+        entry = await kv.get(node)
+        assert entry.value is not None
+        return protocol.decode(entry.value, protocol.NodeAssignment)
+
+    async def delete(nc: Client) -> None:
+        await nc.publish(f"$KV.{protocol.ASSIGNMENTS_BUCKET}.{node}", b"", headers={"KV-Operation": "DEL"})
+        await nc.flush()
+
+    agent = f"agent-{node}"
+    with server:
+        await connect.run_client(options("autoscaler"), buckets)  # only the autoscaler creates the buckets
+        await connect.run_client(options("operator"), assign)
+        assert (await connect.run_client(options(agent), read)).models == ["qwen"]
+        subject = f"$KV.{protocol.ASSIGNMENTS_BUCKET}.{node}"
+        for work in (kv_put(protocol.ASSIGNMENTS_BUCKET, node), delete):
+            with pytest.raises(PermissionDenied) as refused:
+                await connect.run_client(options(agent), work)
+            assert (refused.value.operation, refused.value.subject) == ("publish", subject)
+        assert (await connect.run_client(options(agent), read)).models == ["qwen"]

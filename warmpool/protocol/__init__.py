@@ -82,6 +82,13 @@ Revisions of v1 (each only adds fields or tightens a request only our own autosc
   (the same deadline as seconds from arrival, timed by the agent's monotonic clock: the agent stops at the earlier
   of the two; absent from older autoscalers: `deadline` alone, as before), and `PoolSlot` adds `skew_s` (the
   measured skew of the slot's agent, None until one of its heartbeats was heard).
+- revision 11 (agents bound to their models): a new bucket, `pulse_assignments` (`ASSIGNMENTS_BUCKET`), holds a
+  `NodeAssignment` (`node`, `models`, `by`, `updated_at`) under ``<node>``: the models that node may offer. The
+  operator's user writes it (``pulsescale assign``); agents may only read it; the autoscaler creates the bucket.
+  A reader that follows it refuses a `warm` or `ready` slot whose model its node's assignment does not list: never
+  claimed or adopted, counted ``unassigned_model`` (a new entry of `REASONS`). A node without an assignment offers
+  what it writes, as before, unless the reader requires one (``pulsescale autoscaler --require-assignment``).
+  A list over `MAX_MODELS_PER_NODE` is refused ``bad_value``. Nothing else changes shape.
 
 Pure: no I/O, no NATS import; `now` is passed in where time matters.
 """
@@ -130,6 +137,7 @@ from warmpool.protocol.names import (
     AGENT_PREFIX,
     AGENT_VERBS,
     AGENTS_BUCKET,
+    ASSIGNMENTS_BUCKET,
     AUDIT_PREFIX,
     AUDIT_STREAM,
     AUDIT_WILDCARD,
@@ -146,6 +154,7 @@ from warmpool.protocol.names import (
     MAX_CLOCK_SKEW_S,
     MAX_LEASE_S,
     MAX_MESSAGE_BYTES,
+    MAX_MODELS_PER_NODE,
     MAX_OVERRIDE_S,
     MAX_REPLICAS_ENV,
     MAX_REQUEST_TTL_S,
@@ -190,6 +199,7 @@ from warmpool.protocol.names import (
 from warmpool.protocol.records import (
     AgentLease,
     LeaderLease,
+    NodeAssignment,
     OnCallSchedule,
     Override,
     OverrideRecord,
@@ -251,6 +261,7 @@ from warmpool.protocol.scaledobject import (
 __all__ = [
     "AGENTS_BUCKET",
     "AGENT_VERBS",
+    "ASSIGNMENTS_BUCKET",
     "AUDIT_STREAM",
     "AUDIT_WILDCARD",
     "BUCKETS",
@@ -276,6 +287,7 @@ __all__ = [
     "MAX_TRUSTED_SKEW_S",
     "MAX_LEASE_S",
     "MAX_MESSAGE_BYTES",
+    "MAX_MODELS_PER_NODE",
     "MAX_REQUEST_TTL_S",
     "MAX_SLOTS_PER_NODE",
     "NAME_PATTERN",
@@ -298,6 +310,7 @@ __all__ = [
     "ErrorCode",
     "EventType",
     "LeaderLease",
+    "NodeAssignment",
     "Override",
     "OverrideRecord",
     "OverrideReply",
@@ -395,5 +408,5 @@ __all__ = [
     "TypedReply",
 ]
 
-CONTRACT_REVISION: Final = 10
+CONTRACT_REVISION: Final = 11
 """Revision of wire contract v1 this code speaks (see the module doc for what each revision changed)."""

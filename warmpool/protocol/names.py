@@ -16,6 +16,7 @@ from warmpool.errors import BadMessage
 __all__ = [
     "AGENTS_BUCKET",
     "AGENT_PREFIX",
+    "ASSIGNMENTS_BUCKET",
     "AGENT_VERBS",
     "AUDIT_PREFIX",
     "AUDIT_STREAM",
@@ -33,6 +34,7 @@ __all__ = [
     "MAX_CLOCK_SKEW_S",
     "MAX_LEASE_S",
     "MAX_MESSAGE_BYTES",
+    "MAX_MODELS_PER_NODE",
     "MAX_OVERRIDE_S",
     "MAX_REPLICAS_ENV",
     "MAX_REQUEST_TTL_S",
@@ -86,6 +88,9 @@ handful of models is well under 100); the bound is what one node's agent user ca
 a slot is claimable only when its node's fresh lease lists it, so a node that writes thousands of fake records costs
 at most this many failed activations. A lease over it is refused (``bad_value``), not truncated: no honest agent
 sends one, and a truncated list would offer an arbitrary subset."""
+MAX_MODELS_PER_NODE: Final = 64
+"""The most models one `NodeAssignment` may list (revision 11): a node holds a few models per GPU, 8 GPUs; a longer
+list is a generated mistake, refused (``bad_value``) rather than trusted."""
 MAX_CLOCK_SKEW_S: Final = 5.0
 """A heartbeat dated more than this ahead of the reader's clock is not fresh: a future-dated lease is a clock fault
 or a forgery, never a reason to trust a node for longer."""
@@ -117,7 +122,10 @@ SLOTS_BUCKET: Final = "pulse_slots"
 AGENTS_BUCKET: Final = "pulse_agents"
 SCALERS_BUCKET: Final = "pulse_scalers"
 LEASES_BUCKET: Final = "pulse_leases"
-BUCKETS: Final = (SLOTS_BUCKET, AGENTS_BUCKET, SCALERS_BUCKET, LEASES_BUCKET)
+ASSIGNMENTS_BUCKET: Final = "pulse_assignments"
+"""Revision 11: ``<node>`` -> `NodeAssignment`, the models that node may offer. Written by the operator's user (as
+`pulse_scalers`), only read by the agents: a node's own agent cannot widen what it may serve."""
+BUCKETS: Final = (SLOTS_BUCKET, AGENTS_BUCKET, SCALERS_BUCKET, LEASES_BUCKET, ASSIGNMENTS_BUCKET)
 """Every bucket of the registry."""
 
 CMD_VERBS: Final = ("scale", "pause", "resume", "status", "pool", "drain", "undrain", "schedule")
@@ -191,6 +199,7 @@ REASONS: Final = (
     "expired",  # a request past its expires_at
     "duplicate_id",  # a request id already applied
     "clock_skew",  # revision 10: an agent's heartbeat stamped more than MAX_TRUSTED_SKEW_S from the reader's clock
+    "unassigned_model",  # revision 11: a warm or ready slot of a model its node's assignment does not list
 )
 
 # Error codes of failed replies (``{"ok": false, "error": {"code", "message"}}``); clients branch on these, so

@@ -2,6 +2,7 @@
 
 - `pulse_slots`: `SlotRecord` under ``<model>.<node>.<slot>``.
 - `pulse_agents`: `AgentLease` under ``<node>``.
+- `pulse_assignments`: `NodeAssignment` under ``<node>`` (revision 11).
 - `pulse_scalers`: `ScalerRecord` (a `ScaledObjectSpec`) under ``<namespace>.<name>``.
 - `pulse_leases`: `LeaderLease` (the leader and each shard), `ReplicaRecord`, `OverrideRecord` (an `Override`) and
   `ScheduleRecord` (`OnCallSchedule`s); their keys are spelled in `warmpool.protocol.names`.
@@ -24,6 +25,7 @@ from warmpool.protocol.names import (
     IDENTITY_PATTERN,
     MAX_CLOCK_SKEW_S,
     MAX_LEASE_S,
+    MAX_MODELS_PER_NODE,
     MAX_SCHEDULES,
     MAX_SLOTS_PER_NODE,
     SHARDS,
@@ -35,6 +37,7 @@ from warmpool.protocol.scaledobject import ScaledObjectSpec, Schedule, check_sch
 __all__ = [
     "AgentLease",
     "LeaderLease",
+    "NodeAssignment",
     "OnCallSchedule",
     "Override",
     "OverrideRecord",
@@ -119,6 +122,28 @@ class AgentLease(Message, kw_only=True):
     @property
     def renew_every_s(self) -> float:
         return self.heartbeat_every_s if self.heartbeat_every_s else self.lease_s / 3
+
+
+class NodeAssignment(Message, kw_only=True):
+    """Revision 11: the value under ``<node>`` in `pulse_assignments`: the models the node may offer slots of.
+
+    The node's agent may write any key under its node in `pulse_slots`, model included; this record, which only the
+    operator's user may write, is what binds the node to its models. A reader refuses a `warm` or `ready` slot of
+    another model on the node (``unassigned_model``). An empty `models` offers nothing; no record at all is the
+    reader's choice (`warmpool.slotindex.Assignments`: unbound unless it requires an assignment)."""
+
+    node: Name
+    models: Annotated[list[Name], msgspec.Meta(max_length=MAX_MODELS_PER_NODE)] = []
+    by: Text = ""
+    """Who wrote it (``pulsescale assign --by``; default the user and host)."""
+    updated_at: float = 0.0
+
+    @property
+    def key(self) -> str:
+        return self.node
+
+    def _validate(self) -> None:
+        _finite(self, "updated_at")
 
 
 class ScalerRecord(Message, kw_only=True):
