@@ -73,7 +73,7 @@ class Retirement:
                 or not self.models.owns(rec.model)  # the owner of its shard sweeps it
                 or rec.key in self._sweeping
                 or rec.state not in ("claimed", "activating", "ready")
-                or now - rec.updated_at < grace_s
+                or self.store.index.unchanged_s(rec.key) < grace_s  # on our clock: an agent's may be off
             ):
                 continue
             claim = self.store.adopt(rec.key)

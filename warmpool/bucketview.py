@@ -131,6 +131,7 @@ class BucketView(Generic[V]):
         self._keep_bad = keep_bad
         self._clock = clock
         self._items: dict[str, tuple[V, int]] = {}
+        self._heard: dict[str, float] = {}  # key -> when its current revision first reached this view, by `clock`
         self.ready = asyncio.Event()
         """Set once the first snapshot is in."""
         self.relists = 0
@@ -160,6 +161,13 @@ class BucketView(Generic[V]):
     def revision(self, key: str) -> int | None:
         hit = self._items.get(key)
         return hit[1] if hit is not None else None
+
+    def heard_at(self, key: str) -> float | None:
+        """When `key`'s current revision first reached this view (a watch delta, our own write, or the listing that
+        first showed it), by `clock`; a re-listing of the same revision keeps the time. None: not in the view.
+        How long a record has stood unchanged, judged on the reader's clock: the writer's ``updated_at`` is on the
+        writer's clock, which may be seconds or minutes off (contract revision 10)."""
+        return self._heard.get(key)
 
     def __contains__(self, key: object) -> bool:
         return key in self._items
@@ -216,8 +224,11 @@ class BucketView(Generic[V]):
         old = self._items.get(key)
         if value is None:
             self._items.pop(key, None)
+            self._heard.pop(key, None)
         else:
             self._items[key] = (value, revision)
+            if old is None or old[1] != revision:
+                self._heard[key] = self._clock()
         if self._on_change is not None:
             self._on_change(key, old[0] if old else None, value)
 
@@ -403,6 +414,13 @@ class BucketView(Generic[V]):
             if (key in snapshot and snapshot[key][1] < rev) or key in kept_bad:
                 snapshot[key] = (value, rev)
         self._items = snapshot
+        # Heard now: what the listing brings anew (its write time is unknown: its age counts from here); an
+        # unchanged revision keeps its time, and what the listing no longer holds is forgotten.
+        now, heard = self._clock(), self._heard
+        self._heard = {
+            key: heard[key] if key in old and old[key][1] == rev and key in heard else now
+            for key, (_, rev) in snapshot.items()
+        }
         if self._on_change is not None:
             for key in old.keys() | snapshot.keys():
                 before, after = old.get(key), snapshot.get(key)

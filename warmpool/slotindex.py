@@ -254,6 +254,13 @@ class SlotIndex:
         """(record, revision) of the slot under `key` in the view, or None."""
         return self.slots.get(key)
 
+    def unchanged_s(self, key: str) -> float:
+        """Seconds this process has seen `key`'s current revision stand, on its monotonic clock (0 when not in the
+        view; a record first seen in a listing counts from the listing): a record's age judged without its
+        writer's clock, since an agent's ``updated_at`` is on the agent's, which may be off by minutes."""
+        heard = self.slots.heard_at(key)
+        return 0.0 if heard is None else self.monotonic() - heard
+
     def records(self, model: str | None = None) -> list[SlotRecord]:
         """Slots in the current view (of one model, or all)."""
         if model is None:

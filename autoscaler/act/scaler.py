@@ -386,7 +386,9 @@ class ModelScaler:
             if claim is None:
                 continue
             phase: Phase = "ready" if rec.state == "ready" else "activating"
-            held = Held(claim, phase, rec.updated_at or now)
+            # Since when, on our clock: how long we have seen the record stand (its `updated_at` may be the
+            # agent's clock, minutes off; a record first seen in a listing is as new as the listing).
+            held = Held(claim, phase, now - self.store.index.unchanged_s(rec.key))
             self.held[rec.key] = held
             if rec.state == "claimed":
                 # The previous leader died between its claim and its `activate`: finish what it started.
@@ -443,7 +445,7 @@ class ModelScaler:
             for r in self.store.records(self.model)
             if r.key not in self.held
             and r.state in ("claimed", "activating", "ready")
-            and now - r.updated_at > 2 * deadline_s
+            and self.store.index.unchanged_s(r.key) > 2 * deadline_s  # on our clock: the agent's may be off
         ]
         if orphans:
             log.warning("%s: adopting %d slot(s) held by no one here: %s", self.model, len(orphans),

@@ -25,7 +25,7 @@ from autoscaler.controller import ControllerSettings
 from autoscaler.metrics import AutoscalerMetrics
 from autoscaler.shards.leader import LeaseSettings
 from tests.agent_double import AgentDouble
-from tests.helpers import wait_for
+from tests.helpers import ShiftedClock, wait_for
 from warmpool import connect, protocol
 from warmpool.embedded import NatsServer, free_port
 from warmpool.errors import PulsescaleError
@@ -416,6 +416,44 @@ async def test_an_orphaned_claim_is_adopted_and_given_back(
             await wait_for(lambda: store.record("m.node-0.s0").state == "warm", 6)
             quiet.cancel()
     finally:
+        await agent.stop()
+
+
+@pytest.mark.parametrize("agent_ahead_s", [600.0, -600.0])
+async def test_an_orphan_is_judged_by_how_long_we_saw_it_not_by_the_agents_clock(
+    nats_server: NatsServer, nc: Client, store: KvSlotStore, agent_ahead_s: float
+) -> None:
+    """The orphan's record carries `updated_at` from a clock ten minutes off (ahead: it would look fresh for ten
+    minutes and never be adopted; behind: it would look ancient the moment it was written). It is adopted two
+    activation deadlines after the leader saw it stand, whatever that clock says."""
+    agent = await AgentDouble(nc, store, "node-0", "m", slots=2).start()
+    fast = {
+        "scaleDownStabilizationSeconds": 0.5,
+        "scaleDownPeriodSeconds": 0.5,
+        "scaleDownPercent": 100,
+        "stableWindowSeconds": 1.0,
+    }
+    await put_scaler(nc, "m", cooldownPeriod=0.5, advanced=fast)
+    skewed = await KvSlotStore.open(nc, clock=ShiftedClock(agent_ahead_s))
+    await skewed.start()
+    try:
+        async with running_autoscaler(
+            nats_server.url, controller=ControllerSettings(activation_deadline_s=0.5)
+        ) as scaler:
+            await wait_for(lambda: len(scaler.fleet.held) == protocol.SHARDS, 5, "every shard held")
+            await asyncio.sleep(0.5)  # the takeovers' tasks adopt what they find: the orphan must come after them
+            # Made while the leader runs, so it is the sweep (not the takeover) that must find it.
+            orphan = await store.claim_slot("m.node-0.s0")  # a replica that died; its agent's clock is off:
+            orphan = await skewed.advance(orphan, "activating")
+            orphan = await skewed.advance(orphan, "ready", endpoint="http://lost:1")
+            assert abs(orphan.record.updated_at - time.time() - agent_ahead_s) < 5
+            seen = time.monotonic()
+            await wait_for(lambda: scaler.fleet.by_model["m"].scaler.held.get("m.node-0.s0") is not None, 10,
+                           "the leader to adopt the orphan")  # fmt: skip
+            # Not before two deadlines (1 s) of seeing it stand: as old as its clock says (behind) is not enough.
+            assert time.monotonic() - seen >= 0.9
+    finally:
+        await skewed.close()
         await agent.stop()
 
 

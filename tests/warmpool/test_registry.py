@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import signal
 import time
 from collections import Counter
 
@@ -15,7 +16,7 @@ from nats.aio.client import Client
 from nats.js.client import JetStreamContext
 from nats.js.kv import KeyValue
 
-from tests.helpers import ShiftedClock, wait_for
+from tests.helpers import HandClock, ShiftedClock, wait_for
 from warmpool import connect, protocol, registry
 from warmpool.embedded import NatsServer
 from warmpool.errors import (
@@ -425,6 +426,41 @@ async def test_a_bucket_view_can_keep_the_last_good_record(nc: Client) -> None:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_a_bucket_view_times_each_revision_on_the_readers_clock(nats_server: NatsServer, nc: Client) -> None:
+    """How long a record stood unchanged, on the reader's clock (the writer's ``updated_at`` is on the writer's,
+    which may be off by minutes): a record first seen in a listing counts from the listing, a new revision from
+    when it arrived, and a re-listing after a reconnect keeps the time of a revision it already held."""
+    kv = (await ensure_buckets(nc.jetstream()))[protocol.AGENTS_BUCKET]
+
+    def lease(beat: float, node: str = "n1") -> AgentLease:
+        return AgentLease(node=node, heartbeat_at=beat, lease_s=2.0)
+
+    await kv.put("n1", protocol.encode(lease(1.0)))
+    await kv.put("n2", protocol.encode(lease(1.0, "n2")))
+    clock = HandClock(start=100.0)
+    view = BucketView(nc, kv, AgentLease, Rejections(logging.getLogger("test")), clock=clock)
+    task = asyncio.create_task(view.run())
+    try:
+        await wait_for(view.ready.is_set, 5, "the first snapshot")
+        assert (view.heard_at("n1"), view.heard_at("n2"), view.heard_at("n3")) == (100.0, 100.0, None)
+        clock.now = 105.0
+        await kv.put("n1", protocol.encode(lease(2.0)))
+        await wait_for(lambda: view.value("n1") == lease(2.0), 5, "the new revision")
+        assert (view.heard_at("n1"), view.heard_at("n2")) == (105.0, 100.0)
+        await kv.delete("n2")
+        await wait_for(lambda: "n2" not in view, 5, "the delete")
+        assert view.heard_at("n2") is None
+        clock.now = 110.0
+        relists = view.relists
+        await asyncio.to_thread(nats_server.restart, signal.SIGTERM)
+        await wait_for(lambda: view.relists > relists and view.current(), 30, "a re-listing after the restart")
+        assert (view.heard_at("n1"), view.heard_at("n2")) == (105.0, None)  # the same revision: its time kept
+    finally:
+        view.closed = True
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 class EarlyMarker:
