@@ -18,6 +18,7 @@ __all__ = [
     "BadWeights",
     "EngineFailed",
     "LoaderUnavailable",
+    "NoShmRoom",
     "StagingFailed",
     "UnsafeStagingDir",
     "WeightsChanged",
@@ -46,6 +47,12 @@ class StagingFailed(PulsescaleError):
     """Copying, mapping or locking the staged weights failed for a reason outside the weights themselves."""
 
     code = "staging_failed"
+
+
+class NoShmRoom(StagingFailed):
+    """Not enough room in shm for the stage now: the filesystem is full (ENOSPC), has less free than the stage
+    needs, or the stage would go beyond ``--shm-budget``. Nothing is wrong with the weights, so the agent stages
+    again once room appears (`prewarm.Prewarmer`, with a bounded back-off)."""
 
 
 class UnsafeStagingDir(StagingFailed):

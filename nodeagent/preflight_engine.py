@@ -115,6 +115,7 @@ def _probe_server(argv0: str, path: str, model: Path | None, files: list[str]) -
         if model is not None:
             out["model_dir"] = os.access(model, os.R_OK | os.X_OK)
             out["unreadable"] = [n for n in files if not os.access(model / n, os.R_OK)][:3]
+            out["model_closed"] = serverproc.closed_above(str(model))  # a 0700 directory above it, say
         return out
 
     return probe
@@ -153,34 +154,49 @@ def check_engine_exec(node: Node) -> Check:
     who = user_name(node.run_as)
     if "error" in got:
         return Check("engine-exec", "FAIL", f"cannot check as {who}: {got['error']}", "")
+    unread = _unread_model(got, model, staged, who) if model is not None else None
     if not got["exec"]:
         found = argv0 if "/" in argv0 else shutil.which(argv0, path=path)
         if found is None or not os.path.exists(found):
             return Check(
                 "engine-exec", "FAIL", f"{argv0}: not found on the engine's PATH ({path})", "give its full path"
             )
+        also = f"; nor can it read {unread[0]}" if unread else ""  # both at once: one round of fixes, not two
         return Check(
             "engine-exec",
             "FAIL",
-            f"{found}: not executable by {who} ({got.get('closed') or 'it is not a file that user may run'})",
-            f"install it where {who} can read and run it, or open its directories (chmod o+rx)",
+            f"{found}: not executable by {who} ({got.get('closed') or 'it is not a file that user may run'}){also}",
+            f"install it where {who} can read and run it, or open its directories (chmod o+rx)"
+            + (f"; {unread[1]}" if unread else ""),
         )
     line = f"{got['exe']} runs as {who}"
     if a.image and "/" not in argv0:
         line += " (with --image, the image's bin comes first on PATH)"
     if model is not None:
         shown = "{staged_dir}" if reads == "staged_dir" else str(model)
-        if not got["model_dir"] or got["unreadable"]:
-            what = "0700, the agent's own" if model == staged else ", ".join(got["unreadable"]) or "the directory"
-            fix = (
-                "stage from a model directory on this node readable by that user and give the server {model_dir}: "
-                "the staged copy in shm is the agent's own (0700)"
-                if model == staged
-                else f"make {model} readable by {who} (chmod -R o+rX, or that user's group)"
-            )
-            return Check("engine-exec", "FAIL", f"{line}, but cannot read {shown} ({what})", fix)
+        if unread is not None:
+            return Check("engine-exec", "FAIL", f"{line}, but cannot read {unread[0]}", unread[1])
         line += f" and reads {shown}"
     return Check("engine-exec", "OK", line)
+
+
+def _unread_model(got: dict[str, Any], model: Path, staged: Path, who: str) -> tuple[str, str] | None:
+    """(what the engine user cannot read and why, the fix) from `_probe_server`'s answer; None when it reads
+    the model directory and every file of the manifest."""
+    if got["model_dir"] and not got["unreadable"]:
+        return None
+    if model == staged:
+        return (
+            "{staged_dir} (0700, the agent's own)",
+            "stage from a model directory on this node readable by that user and give the server {model_dir}: "
+            "the staged copy in shm is the agent's own (0700)",
+        )
+    closed = got.get("model_closed")
+    if closed and closed != str(model):
+        # A closed directory above: `chmod -R` on the model directory would change nothing.
+        return f"{model} ({closed} is closed to it)", f"open {closed} to {who} (chmod o+x), or move the model"
+    what = ", ".join(got["unreadable"]) or "the directory"
+    return f"{model} ({what})", f"make {model} readable by {who} (chmod -R o+rX, or that user's group)"
 
 
 def check_engine_ports(node: Node) -> Check:

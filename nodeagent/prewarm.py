@@ -8,6 +8,12 @@ skipped (it is re-armed for the new weights when it is given back). A prewarm co
 and a `warm` slot stays `warm` (claimable) throughout; it goes `prewarming` only while its zygote is re-armed
 for a set that did change.
 
+A stage refused for lack of shm room (`errors.NoShmRoom`: the budget, the filesystem's free space, ENOSPC) fails
+its slots with the reason, logged once, and is tried again once room appears: shm's room is looked at after
+`staging_retry_first_s`, then twice as long each time up to `staging_retry_max_s`, and the stage runs again only when
+the room grew since it was refused (`_wait_for_room`). Staged, the slots go `warm` as after any prewarm. Other
+failures (corrupt weights, a bad model) are not retried: they need a person, then a ``prewarm``.
+
 Keeping slots warm: an engine or zygote that dies on its own fails the claim it served and is re-armed, bounded by
 the slot's failures in a row (`recover`); a slot record deleted under the agent is written again (`restore`);
 an idle slot the registry failed while this agent's lease had lapsed is written `warm` again (`revive`). Every
@@ -20,10 +26,11 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import Literal
 
 from nodeagent import fetch, modelformat, progress, staging
 from nodeagent.engine import local as local_engine
-from nodeagent.errors import ActivationRefused, describe
+from nodeagent.errors import ActivationRefused, StagingFailed, describe
 from nodeagent.metrics import AgentMetrics
 from nodeagent.rootfsstage import RootfsStage
 from nodeagent.slot import REGISTRY_ERRORS, Slot, SlotKeeper
@@ -37,6 +44,9 @@ log = logging.getLogger("pulsescale.agent")
 
 ROOTFS_RECHECK_S = 2.0
 """A rootfs residency check this recent stands for the slots armed with it (one ``mincore`` walk, not one each)."""
+
+Outcome = Literal["staged", "no_room", "failed"]
+"""How a prewarm's stage went: ``no_room`` is retried when room appears (`Prewarmer._wait_for_room`)."""
 
 
 class Prewarmer:
@@ -57,6 +67,10 @@ class Prewarmer:
         )
         """The engines' EROFS rootfs (``--image``): built or found, mounted or reused, and warmed by the prewarm."""
         self._rootfs_lock = asyncio.Lock()
+        self._room_wait: asyncio.Task[None] | None = None
+        """Waits for shm room after a stage refused for lack of it, then stages again (`_wait_for_room`)."""
+        self._room_names: list[str] = []
+        """The slots that wait for it."""
 
     async def register_all(self) -> None:
         """Write every slot `prewarming` (start-up): visible at once, claimable only once `warm`."""
@@ -76,6 +90,13 @@ class Prewarmer:
         k.refresh_gauges()
 
     def start(self, names: list[str]) -> None:
+        if self._room_wait is not None:
+            # The slots waiting for shm room come along: this prewarm stages for them too (and waits again,
+            # for all of them, if it is refused the same way).
+            self._room_wait.cancel()
+            self._room_wait = None
+            wanted = set(names) | set(self._room_names)
+            names = [n for n in self.keeper.slots if n in wanted]
         self._running = self.keeper.spawn(self.prewarm(names), name="prewarm")
 
     @property
@@ -100,8 +121,10 @@ class Prewarmer:
             self.start(names)
         return PrewarmReply(accepted=names, skipped_serving=busy, state="prewarming")
 
-    async def prewarm(self, names: list[str]) -> None:
-        """Stage (or re-verify) the weights, lock them, arm the named slots' zygotes, then mark them `warm`."""
+    async def prewarm(self, names: list[str], *, retry: bool = False) -> Outcome:
+        """Stage (or re-verify) the weights, lock them, arm the named slots' zygotes, then mark them `warm`.
+        `retry`: a try of `_wait_for_room`, whose refusal for lack of room again is neither logged nor waited
+        for anew (the wait goes on)."""
         k, s = self.keeper, self.keeper.settings
         targets = [k.slots[n] for n in names if k.slots[n].active is None]
         previous = k.staged
@@ -132,18 +155,71 @@ class Prewarmer:
         except Exception as err:  # noqa: BLE001 - whatever it is, the slots must not stay `prewarming`
             if isinstance(err, staging.ShmBudgetExceeded):
                 k.metrics.staging_refused.labels("shm_budget").inc()
-            await self._staging_failed(targets, f"staging failed: {describe(err)}")
-            return
+            reason = f"staging failed: {describe(err)}"
+            if not isinstance(err, staging.NoShmRoom):
+                await self._staging_failed(targets, reason)
+                return "failed"
+            # No room: nothing is wrong with the weights. Logged once per episode, not once per try.
+            await self._staging_failed(targets, f"{reason} (staged again once room appears)", quiet=retry)
+            if not retry:
+                if self._room_wait is not None:
+                    self._room_wait.cancel()  # one wait at a time (`start` already ended any)
+                self._room_names = list(names)
+                self._room_wait = k.spawn(self._wait_for_room(), name="staging-room-wait")
+            return "no_room"
         finally:
             self.progress = None
         k.staged = staged  # what the staged files on disk now are
         await mounting  # engines start from the rootfs: mounted (or said why not) before any is armed
         _count_staged(k.metrics, staged)
         try:
-            await self._lock_and_arm(staged, targets, t0)
+            return "staged" if await self._lock_and_arm(staged, targets, t0) else "failed"
         finally:
             if previous is not None:
                 previous.close(keep=staged)  # running zygotes hold their own copies of what they were given
+
+    async def _wait_for_room(self) -> None:
+        """Stage again for the slots refused for lack of shm room once there is more room than when it was
+        refused; looked at after `staging_retry_first_s`, then twice as long each time up to
+        `staging_retry_max_s`. The slots stay `failed` with the reason meanwhile. Ends staged, refused for
+        another reason (logged as such), superseded by a ``prewarm`` (`start`), or cancelled at shutdown."""
+        k, s = self.keeper, self.keeper.settings
+        t0, tries, outcome = time.monotonic(), 0, "no_room"
+        delay_s = s.staging_retry_first_s
+        refused_at = await self._room()
+        try:
+            while outcome == "no_room" and not k.stopping:
+                await asyncio.sleep(delay_s)
+                delay_s = min(2 * delay_s, s.staging_retry_max_s)
+                room = await self._room()
+                if self.running or (room is not None and refused_at is not None and room <= refused_at):
+                    continue  # nothing freed: the same stage would be refused the same way
+                tries += 1
+                self._running = asyncio.current_task()
+                try:
+                    outcome = await self.prewarm(self._room_names, retry=True)
+                finally:
+                    self._running = None
+                refused_at = await self._room()
+        finally:
+            if self._room_wait is asyncio.current_task():
+                self._room_wait = None
+        if outcome == "staged":
+            log.info(
+                "shm has room again: staged %s after %d tr%s, %.0f s after it was refused",
+                s.model_name,
+                tries,
+                "y" if tries == 1 else "ies",
+                time.monotonic() - t0,
+            )
+
+    async def _room(self) -> int | None:
+        """Bytes a stage could write in shm now (`staging.room_bytes`); None when that cannot be told."""
+        s = self.keeper.settings
+        try:
+            return await asyncio.to_thread(staging.room_bytes, s.shm_dir, s.shm_budget_bytes)
+        except (OSError, StagingFailed):
+            return None  # stage again on the back-off: the stage itself says what is wrong
 
     def _progress(self) -> progress.Progress:
         """A line in the log every `progress_interval_s` or 10 % of a stage's bytes; the fraction in the status."""
@@ -161,7 +237,9 @@ class Prewarmer:
         )
         return self.progress
 
-    async def _lock_and_arm(self, staged: staging.Staged, targets: list[Slot], t0: float) -> None:
+    async def _lock_and_arm(self, staged: staging.Staged, targets: list[Slot], t0: float) -> bool:
+        """False when the staged weights cannot be mapped (the slots are `failed`); each slot's arming says
+        for itself how it went."""
         k, s = self.keeper, self.keeper.settings
         try:
             # Re-uses the mappings of unchanged files and unlocks the rest before locking anything new, so the
@@ -172,7 +250,7 @@ class Prewarmer:
         except Exception as err:  # noqa: BLE001
             self.locked = None
             await self._staging_failed(targets, f"cannot map the staged weights: {describe(err)}")
-            return
+            return False
         self.locked = locked
         k.staging_error = None
         took = time.perf_counter() - t0
@@ -193,10 +271,15 @@ class Prewarmer:
             f"locked {locked.locked_bytes / 2**20:.1f} MiB" if locked.error is None else locked.error,
         )
         await asyncio.gather(*(self.arm(slot, staged) for slot in targets))
+        return True
 
-    async def _staging_failed(self, targets: list[Slot], reason: str) -> None:
+    async def _staging_failed(self, targets: list[Slot], reason: str, *, quiet: bool = False) -> None:
+        """Every target `failed` with `reason`; logged unless `quiet` (a retry refused as the first try was)."""
         self.keeper.staging_error = reason
-        log.error("%s", reason)
+        if quiet:
+            log.debug("%s", reason)
+        else:
+            log.error("%s", reason)
         for slot in targets:
             await self.keeper.fail(slot, reason)
 

@@ -50,6 +50,7 @@ from nodeagent.serverproc import (
     kill_strays,
     killpg,
     preexec,
+    refusal,
     sweep_shared_memory,
 )
 from nodeagent.serverspec import PLACEHOLDERS, BadCommand, Hook, ServerSpec, free_port, http_request, render
@@ -86,6 +87,8 @@ _PROBE_S: Final = 5.0
 """The longest one readiness probe waits for its answer (less when the health deadline is nearer)."""
 _EXIT_POLL_S: Final = 0.1
 """How often a server's return code is looked at while its children still hold its output pipe."""
+_MODEL_PATHS: Final = ("model_dir", "staged_dir")
+"""Placeholders naming a model directory the server opens by path (the first one its command line has)."""
 
 
 class ServedEngine:
@@ -201,6 +204,8 @@ class ServedEngine:
             port = self.port or free_port(self.bind_host)
             argv = render(self.spec.argv, {**self.values, "port": port, "host": self.bind_host})
             run_as = engine_identity(self.spec.engine_user)
+            # The model directory the server opens by path: checked as the engine user before the exec (`preexec`).
+            reads = next((self.values.get(p) for p in _MODEL_PATHS if _names(self.spec.argv, p)), None)
             self._owner, self._started_at = (run_as[0] if run_as else os.geteuid()), time.time()
             self.log.note(f"starting {shlex.join(argv)}" + (f" as uid {run_as[0]}" if run_as else ""))
             t0 = time.perf_counter()
@@ -212,7 +217,17 @@ class ServedEngine:
                 # No NATS credentials, none of the agent's settings; the marker finds what the server leaves behind.
                 env=engine_env({**self.spec.env, SERVER_MARKER: self.marker}),
                 start_new_session=True,  # its own process group: stopped as a group, Ctrl-C is the agent's
-                preexec_fn=preexec(run_as, os.getpid()),
+                preexec_fn=preexec(run_as, os.getpid(), reads),
+            )
+            # Said once at the start: a server's own output goes to its log, and the wait can be minutes long.
+            log.info(
+                "slot %s: server %d starting%s; up to %g s for %s to answer 200 (its output: %s)",
+                self.name,
+                self._proc.pid,
+                f" as uid {run_as[0]}" if run_as else "",
+                self.spec.health_timeout_s,
+                self.spec.ready_path,
+                self.log.path,
             )
             self._port = port
             self._pump = asyncio.create_task(self._read(self._proc), name=f"server-log-{self.name}")
@@ -237,6 +252,9 @@ class ServedEngine:
         while True:
             if proc.returncode is not None:
                 await self._drained()
+                refused = refusal(proc.returncode, self.log_tail())
+                if refused is not None:
+                    raise EngineFailed("arm", f"server {proc.pid} stopped before it ran: {refused}")
                 raise EngineFailed(
                     "arm",
                     f"server {proc.pid} {describe_rc(proc.returncode)} before {self.spec.ready_path} answered 200"
@@ -412,6 +430,11 @@ class ServedEngine:
             self.shm_swept += len(removed)
             log.info("slot %s: removed %d shared-memory segment(s) its server left: %s", self.name, len(removed),
                      ", ".join(removed[:5]))  # fmt: skip
+
+
+def _names(argv: tuple[str, ...], placeholder: str) -> bool:
+    """`argv` has ``{placeholder}`` in one of its words."""
+    return any(f"{{{placeholder}}}" in word for word in argv)
 
 
 def _connect_host(bind_host: str) -> str:

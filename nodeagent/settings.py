@@ -119,6 +119,12 @@ class AgentSettings:
     """Most shm the staging directory may hold at the peak of a stage (the old version stays until the new one
     verifies, so a changed model counts twice); a stage beyond it is refused, nothing evicted. None: bounded only
     by /dev/shm's free space."""
+    staging_retry_first_s: float = 1.0
+    """A stage refused for lack of shm room (`errors.NoShmRoom`) is tried again after this long, then after twice
+    as long each time: room freed by an operator (a stale model removed) is taken within about a second."""
+    staging_retry_max_s: float = 30.0
+    """The longest pause between those tries: shm full for hours costs a look at its free space (one ``statvfs``)
+    every 30 s, and a stage runs again only when that room grew; room freed late is still taken within 30 s."""
     fetch_timeout_s: float = 30.0
     """Connect and per-read timeout of a download: a stalled proxy counts as a dropped connection (resumed)."""
     fetch_retries: int = 5

@@ -16,15 +16,16 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from nodeagent.errors import StagingFailed
-from nodeagent.stagedir import O_DIR
+from nodeagent.errors import NoShmRoom
+from nodeagent.stagedir import O_DIR, own_dir
 
-__all__ = ["Allowance", "ShmBudgetExceeded", "check_budget", "gib", "shm_use"]
+__all__ = ["Allowance", "ShmBudgetExceeded", "check_budget", "gib", "room_bytes", "shm_use"]
 
 
-class ShmBudgetExceeded(StagingFailed):
+class ShmBudgetExceeded(NoShmRoom):
     """Staging would take the staging directory's shm use beyond ``--shm-budget``; the message says what is
-    staged, what is needed, the budget and the fix. Nothing is evicted to make room."""
+    staged, what is needed, the budget and the fix. Nothing is evicted to make room: the agent stages again when
+    room appears (a staged model removed)."""
 
 
 def shm_use(shm_fd: int) -> dict[str, int]:
@@ -49,6 +50,21 @@ def shm_use(shm_fd: int) -> dict[str, int]:
         finally:
             os.close(fd)
     return use
+
+
+def room_bytes(shm_dir: Path, budget_bytes: int | None) -> int:
+    """What a stage could write under `shm_dir` now: the filesystem's free bytes and, under ``--shm-budget``, the
+    budget less what the directory holds (the smaller). Reads only (`own_dir` with ``create=False``); raises
+    `StagingFailed` or `OSError` when the directory cannot be opened."""
+    fd = own_dir(shm_dir, create=False)
+    try:
+        vfs = os.fstatvfs(fd)
+        room = vfs.f_bavail * vfs.f_frsize
+        if budget_bytes is not None:
+            room = min(room, budget_bytes - sum(shm_use(fd).values()))
+        return room
+    finally:
+        os.close(fd)
 
 
 def gib(n: float) -> str:

@@ -32,7 +32,7 @@ import nats.errors
 
 from nodeagent import staging, vllm
 from nodeagent.engine import Started
-from nodeagent.errors import ActivationRefused, EngineFailed
+from nodeagent.errors import ActivationRefused, EngineFailed, describe
 from nodeagent.forked import ForkedEngine
 from nodeagent.metrics import AgentMetrics
 from nodeagent.rootfs import Rootfs
@@ -420,8 +420,18 @@ class SlotKeeper:
 
     async def ensure_armed(self, slot: Slot, staged: staging.Staged) -> str | None:
         """With the slot's lock held: its engine armed for `staged` (re-made if its spec changed); the reason if
-        it cannot arm. A standby server is started here and waited for (its readiness URL), which is why this
-        runs at prewarm and in clean-ups, never on the activation path."""
+        it cannot arm, logged once here (every caller fails the slot with it). A standby server is started here
+        and waited for (its readiness URL), which is why this runs at prewarm and in clean-ups, never on the
+        activation path."""
+        try:
+            err = await self._arm(slot, staged)
+        except Exception as exc:  # noqa: BLE001 - whatever it is, the slot is failed with it, never left prewarming
+            err = f"cannot start the engine: {describe(exc)}"
+        if err is not None:
+            log.error("slot %s: cannot arm its engine: %s", slot.key, _headline(err))
+        return err
+
+    async def _arm(self, slot: Slot, staged: staging.Staged) -> str | None:
         try:
             wanted = self._wanted_spec(slot, staged)
         except EngineFailed as err:
@@ -485,6 +495,13 @@ class SlotKeeper:
                 return
         if slot.phase == "active":
             slot.phase = "warm"
+
+
+def _headline(reason: str) -> str:
+    """A failure's reason for the agent's log: its first line, the agent's own words (what follows is the engine's
+    output, kept in the slot's log and record: on the agent's log an engine could forge lines), printable only."""
+    first = reason.partition("\n")[0].removesuffix("; last output:")
+    return "".join(c if c.isprintable() else "?" for c in first)[:1000]
 
 
 def _port(settings: AgentSettings, index: int) -> int:

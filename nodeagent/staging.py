@@ -19,8 +19,9 @@ manifest's sha256 is checked end to end.
 Budget and progress (`nodeagent.shmbudget`): ``--shm-budget`` bounds what the staging directory holds at the peak
 of a stage (the old version stays until the new one verifies, so both count); a stage beyond it is refused before
 anything is written (`ShmBudgetExceeded`, which names what is staged, what is needed and the fix); nothing is
-evicted, so weights a slot serves from are never taken away. `progress.Progress` gets the bytes to write and each
-block.
+evicted, so weights a slot serves from are never taken away. A stage that finds too little room (the budget, the
+filesystem's free space, ENOSPC while writing) raises `NoShmRoom`, which the agent retries once room appears
+(`room_bytes` says how much there is). `progress.Progress` gets the bytes to write and each block.
 
 Ownership (`nodeagent.stagedir`; the agent runs as root, ``/dev/shm`` is writable by every local user):
 ``<shm_dir>`` and ``<shm_dir>/<model>`` must be real directories owned by the agent, mode 0700 (made so when
@@ -42,7 +43,7 @@ loaders of part 2 register the mapping with CUDA for that.
 
 This module does the staging itself (`stage`, `check_staged`) and is the face of staging for the rest of the agent:
 the names of the modules above that callers use (`Staged`, `StagedFile`, `lock`, `LockedWeights`, `shm_use`,
-`check_budget`, `ShmBudgetExceeded`, `COPY_BLOCK_BYTES`) are importable from here.
+`room_bytes`, `check_budget`, `ShmBudgetExceeded`, `NoShmRoom`, `COPY_BLOCK_BYTES`) are importable from here.
 """
 
 from __future__ import annotations
@@ -60,9 +61,9 @@ from typing import Any, Final
 
 from nodeagent import fetch, modelformat
 from nodeagent.engine import safetensors_check
-from nodeagent.errors import BadWeights, StagingFailed
+from nodeagent.errors import BadWeights, NoShmRoom, StagingFailed
 from nodeagent.progress import Progress
-from nodeagent.shmbudget import Allowance, ShmBudgetExceeded, check_budget, shm_use
+from nodeagent.shmbudget import Allowance, ShmBudgetExceeded, check_budget, room_bytes, shm_use
 from nodeagent.stagedfiles import Staged, StagedFile, close_fd, ident
 from nodeagent.stagedir import FILE_MODE, O_READ, own_dir, own_subdir, size_in
 from nodeagent.stagesource import COPY_BLOCK_BYTES, Source, header_of, source_for
@@ -71,12 +72,14 @@ from nodeagent.weightlock import LockedWeights, lock
 __all__ = [
     "COPY_BLOCK_BYTES",
     "LockedWeights",
+    "NoShmRoom",
     "ShmBudgetExceeded",
     "Staged",
     "StagedFile",
     "check_budget",
     "check_staged",
     "lock",
+    "room_bytes",
     "shm_use",
     "stage",
 ]
@@ -223,7 +226,7 @@ def _fill_file(
             raise
         except OSError as err:
             if err.errno == errno.ENOSPC:
-                raise StagingFailed(f"{dest} is full while staging {name} ({source.size(name)} bytes)") from None
+                raise NoShmRoom(f"{dest} is full while staging {name} ({source.size(name)} bytes)") from None
             raise BadWeights(name, f"copy failed: {err.strerror or err}") from None
         # The observed digest is not reported: reasons land in the registry, readable by every gateway.
         if h.hexdigest() != want:
@@ -307,8 +310,8 @@ def stage(
     fetch_options: fetch.FetchOptions | None = None,
 ) -> Staged:
     """Stage `source` (a model directory, or an http(s) URL serving one: `fetch`) as `model` under `shm_dir`;
-    raises `BadModel`, `BadWeights`, `StagingFailed` (or its `UnsafeStagingDir`, `ShmBudgetExceeded`,
-    `fetch.FetchFailed`).
+    raises `BadModel`, `BadWeights`, `StagingFailed` (or its `UnsafeStagingDir`, `NoShmRoom` and its
+    `ShmBudgetExceeded`, `fetch.FetchFailed`).
 
     All or nothing: every file that needs copying is copied to its ``.partial`` file and verified first; only
     when the whole set verifies are they renamed into place. On failure the staged files are the complete
@@ -412,7 +415,7 @@ def _stage_in(
         vfs = os.statvfs(dest_fd)
         free = vfs.f_bavail * vfs.f_frsize
         if need > free:
-            raise StagingFailed(
+            raise NoShmRoom(
                 f"{dest.parent} has {free / 2**20:.0f} MiB free, staging {model} needs {need / 2**20:.0f} MiB more "
                 "(the previous version stays staged until the new one verifies); free shm or give the node a "
                 "larger /dev/shm"

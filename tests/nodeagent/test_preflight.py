@@ -278,6 +278,34 @@ def test_a_server_the_engine_user_cannot_run_fails_naming_the_closed_directory(
 
 
 @root_only
+def test_a_model_dir_inside_a_directory_closed_to_the_engine_user_fails_naming_that_directory(
+    model_dir: Path, shm_dir: Path, closed_dir: Path, nats_server: NatsServer
+) -> None:
+    """Issue 25: the review's DIR inside a 0700 directory. The model's own modes are open (`chmod -R` on it would
+    change nothing): the check names the closed directory above it, also when the server itself cannot be run."""
+    model = closed_dir / MODEL
+    shutil.copytree(model_dir, model)
+    for p in [model, *model.iterdir()]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    rc, lines, _ = check_cli(
+        "--node", NODE, "--model", str(model), "--shm-dir", str(shm_dir), "--nats", nats_server.url,
+        "--metrics-port", "-1", "--engine", "command", "--engine-cmd", "sleep {port} {model_dir}",
+    )  # fmt: skip
+    assert rc == 1
+    line = lines["engine-exec"]
+    assert line.startswith("FAIL") and f"cannot read {model} ({closed_dir} is closed to it)" in line, line
+    assert f"open {closed_dir} to nobody (uid 65534) (chmod o+x)" in line, line
+    # The server is not runnable either: both in one line, so one round of fixes clears the check.
+    node = node_for("--model", str(model), "--engine", "command", "--engine-cmd", f"{closed_dir}/server {{model_dir}}")
+    preflight.check_engine_user(node)
+    got = preflight.check_engine_exec(node)
+    assert got.status == "FAIL", got
+    assert f"{closed_dir} is closed to this user" in got.value
+    assert f"nor can it read {model} ({closed_dir} is closed to it)" in got.value, got.value
+    assert f"open {closed_dir} to nobody" in got.fix, got.fix
+
+
+@root_only
 def test_a_server_on_the_path_that_reads_the_model_passes_and_one_reading_the_staged_copy_fails(
     model_dir: Path, shm_dir: Path
 ) -> None:
