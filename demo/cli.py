@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import signal
 import sys
 from pathlib import Path
 
 from demo.settings import DemoSettings, parse_pulse
+from warmpool.daemonstart import add_log_level_argument, configure_logging
 
 __all__ = ["main"]
 
@@ -93,9 +93,9 @@ def _settings(argv: list[str], prog: str) -> DemoSettings:
     p.add_argument(
         "--out", type=Path, default=d.out_dir, metavar="DIR", help=f"report.json and the PNG go here [{d.out_dir}]"
     )
-    p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_log_level_argument(p, default="WARNING")
     args = p.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args)  # the daemons' format; the demo's own signal handling is below (it cleans up, then 130)
     if args.engine == "vllm":
         try:
             import vllm  # noqa: F401
