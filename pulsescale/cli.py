@@ -44,6 +44,7 @@ COMMANDS: dict[str, Command] = {
     "operator": Command("kube.cli:run_operator", "run the Kubernetes operator for ScaledObject CRs (kopf)", "daemons"),
     "nats": Command("warmpool.cli:run_nats", "run a local nats-server with JetStream (from the wheel)", "daemons"),
     "gateway": Command("gateway.cli:run_gateway", "run the reference gateway (queue, route, samples)", "daemons"),
+    "bridge": Command("bridge.cli:run_bridge", "publish demand samples from engines' metrics or PromQL", "daemons"),
     # on-call
     "status": Command("oncall.verbs:status", "show models, replicas and the last decisions", "on-call"),
     "pool": Command("oncall.verbs:pool", "show the warm pool: slots by state, node and rack", "on-call"),

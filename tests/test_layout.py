@@ -25,6 +25,7 @@ PACKAGES = (
     "demo",
     "kube",
     "pulsescale",
+    "bridge",
 )
 MAX_LINES = 600
 MAX_METHODS = 25
