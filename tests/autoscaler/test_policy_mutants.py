@@ -415,3 +415,87 @@ def test_the_restart_hold_says_how_much_of_the_window_was_seen() -> None:
     _, st = decide(SPEC, Observation(demand=4.0, ready=5), st, T0 + 1.0)
     d, _ = decide(SPEC, Observation(demand=4.0, ready=5), st, T0 + 13.5)
     assert (d.desired, d.mode, d.reason) == (5, "hold", "hold 5 after restart: 12.5 of 60 s window seen (policy: 2)")
+
+
+def test_scale_reasons_at_their_edges() -> None:
+    """The figures a reason quotes where the reading lacks one (no current demand: 0; no panic peak: the demand), a
+    backlog under one request, panic's calm already past, capacity under one, and a step down within the rate."""
+    now, windows = T0 + 1000.0, scale_in(KEDA, 2.0)
+
+    def why(desired: int, rec: int, stabilised: int, reading: detector.Pulse, needs: need.Need | None = None,
+            state: PolicyState | None = None) -> tuple[int, str, str]:  # fmt: skip
+        return _scale(SPEC, reading, rec, stabilised, state or _state(desired=desired), 2.0, now, windows, needs)
+
+    blank = dataclasses.replace(_reading(0.0, 0.0), current=None, forecast_demand=None)
+    assert why(2, 7, 7, blank) == (7, "normal", "up 2 -> 7: forecast 0 in 2 s / target 4")
+    small = dataclasses.replace(RATES, backlog=0.5, drain_replicas=0.25)
+    assert why(2, 7, 7, _reading(10.0, 26.0), small)[2] == (
+        "up 2 -> 7: need 12.5 req/s x 1.5 s / target 4 + backlog 0.5 (+0.2)"
+    )
+    no_peak = dataclasses.replace(_reading(40.0, 41.0, panic=True), panic_demand=None)
+    assert why(5, 10, 10, no_peak)[2] == "panic: demand 40 >= 2 x capacity 20 -> 10"
+    assert why(5, 10, 10, _reading(40.0, 41.0, panic=True, peak=50.0))[2] == (
+        "panic: demand 50 >= 2 x capacity 20 -> 10"
+    )
+    assert why(5, 10, 10, _reading(40.0, 41.0, panic=True, capacity=0.5))[2] == (
+        "panic: demand 40 >= 2 x capacity 0.5 -> 10"
+    )
+    st = _state(desired=5)
+    calm_past = dataclasses.replace(st, pulse=dataclasses.replace(st.pulse, panic_condition_at=now - 70.0))
+    assert why(5, 1, 1, _reading(3.0, 3.0, panic=True, condition=False), state=calm_past)[2] == (
+        "panic: holding, 0 s until calm -> 5"
+    )
+    # Down within the rate: 50 % of 5 keeps 2, the recommendation 3 is above it; of 4 keeps 2, the same as asked.
+    assert why(5, 3, 3, _reading(11.0, 11.0)) == (3, "normal", "down 5 -> 3: forecast 11 / target 4")
+    assert why(4, 2, 2, _reading(7.0, 7.0)) == (2, "normal", "down 4 -> 2: forecast 7 / target 4")
+
+
+def _learnt(arrivals: float = 10.0, in_flight: float = 20.0, seconds: float = 20.0) -> tuple[PolicyState, float]:
+    """A state that learnt a service time: `arrivals` req/s arriving and completing with `in_flight` in flight
+    (Little: in flight / rate = 2 s by default), 5 ready, decided every 0.1 s; and the time of its last decision."""
+    st = initial_state(SPEC, now=T0, current_replicas=5)
+    now = T0
+    for _ in range(round(seconds * 10)):
+        now += 0.1
+        obs = Observation(demand=in_flight, ready=5, lead_time_s=0.5, queued=0.0, arrival_rate=arrivals,
+                          completion_rate=arrivals)  # fmt: skip
+        _, st = decide(SPEC, obs, st, now)
+    return st, now
+
+
+def test_a_load_that_stopped_recommends_nothing_on_rates() -> None:
+    """Rates fallen to zero for a panic window: the recommendation and what the stabilisation window holds are
+    0 (the bounds keep the count), not one replica rounded up from nothing."""
+    st, now = _learnt()
+    assert st.need is not None and st.need.service_s == pytest.approx(2.0)
+    for _ in range(80):
+        now += 0.1
+        obs = Observation(demand=0.0, ready=5, lead_time_s=0.5, queued=0.0, arrival_rate=0.0, completion_rate=0.0)
+        _, st = decide(SPEC, obs, st, now)
+    assert (st.rec, st.held) == (0, 0)
+
+
+def test_the_need_on_rates_is_bounded_by_the_demand_there_is() -> None:
+    """A rate of 5 replicas' work, but only 2 requests are there now: what exists when the capacity lands (the
+    demand and the lead time's arrivals) bounds the recommendation, and the reason names no backlog."""
+    st, now = _learnt()
+    d, st = decide(SPEC, Observation(demand=2.0, ready=5, lead_time_s=0.1, queued=0.0, arrival_rate=10.0,
+                                     completion_rate=10.0), st, now + 0.1)  # fmt: skip
+    assert st.rec == 1  # (2 + at most 10 req/s x 0.1 s) / 4 <= 0.75; unbounded, ~7.4 req/s x 2 s / 4 = 3.7
+    assert "backlog" not in d.reason and d.reason.startswith("steady at 5: stabilising"), d.reason
+
+
+def test_rates_without_a_service_time_recommend_on_the_stable_mean() -> None:
+    """From idle nothing has completed yet: the recommendation is the stable window's mean demand (its peak in
+    panic), not the current demand, whose rise is the backlog of the first seconds."""
+    st = initial_state(SPEC, now=T0, current_replicas=20)
+    now = T0
+    for _ in range(50):
+        now += 0.1
+        obs = Observation(demand=4.0, ready=20, lead_time_s=0.5, queued=4.0, arrival_rate=5.0, completion_rate=0.0)
+        _, st = decide(SPEC, obs, st, now)
+    d, st = decide(SPEC, Observation(demand=40.0, ready=20, lead_time_s=0.5, queued=40.0, arrival_rate=5.0,
+                                     completion_rate=0.0), st, now + 0.1)  # fmt: skip
+    assert not d.panic and st.need is not None and st.need.service_s is None
+    assert d.stable_demand is not None and d.stable_demand < 10.0
+    assert st.rec == math.ceil(d.stable_demand / 4.0 - 1e-9) < 10
