@@ -60,7 +60,8 @@ def run_gateway(argv: list[str], prog: str) -> int:
         "(from pulse_slots) with a bounded FIFO queue per model, least-loaded routing, 429 when the queue is full, "
         "504 after --timeout-s; publishes pulse.queue.<model> samples every 100 ms and on change. Serves the models "
         "of --models, else those of the ScaledObjects in pulse_scalers and any with a ready slot (404 unknown_model "
-        "for others). /healthz and /metrics on the same port unless --metrics-listen.",
+        "for others); a slot is routed only if its node's assignment (pulse_assignments) lists its model. /healthz "
+        "and /metrics on the same port unless --metrics-listen.",
     )
     connect.add_nats_arguments(p)
     p.add_argument("--listen", type=_listen, default=(d.host, d.port), metavar="HOST:PORT", help=f"[{d.host}:{d.port}]")
@@ -110,6 +111,13 @@ def run_gateway(argv: list[str], prog: str) -> int:
         type=_models,
         metavar="M1,M2",
         help="serve only these models [those of the ScaledObjects in pulse_scalers, and any with a ready slot]",
+    )
+    p.add_argument(
+        "--require-assignment",
+        action="store_true",
+        help="route a node's ready slots only of the models `pulsescale assign` gave that node (KV "
+        "pulse_assignments); without it a node with no assignment is routed to whatever its agent advertises. The "
+        "secure deployment sets it, as on the autoscaler [off: a node with an assignment is held to it either way]",
     )
     p.add_argument(
         "--body-budget",
@@ -172,6 +180,7 @@ def run_gateway(argv: list[str], prog: str) -> int:
         endpoint_concurrency=args.endpoint_concurrency,
         max_attempts=args.max_attempts,
         models=args.models,
+        require_assignment=args.require_assignment,
         **({"gateway_id": args.gateway_id} if args.gateway_id else {}),
     )
     try:

@@ -97,10 +97,12 @@ class GatewayMetrics:
         )
         self.rejected_records = Counter(
             "pulsescale_gateway_rejected_records_total",
-            "pulse_slots and pulse_scalers records that broke the contract, by reason",
+            "pulse_slots, pulse_scalers and pulse_assignments records that broke the contract, by reason "
+            "(unassigned_model: a ready slot not routed, its node not assigned its model; once per record)",
             ["reason"],
             registry=r,
         )
+        self.rejected_records.labels("unassigned_model")  # present from the start: an alert needs no first refusal
 
     def forget(self, model: str) -> None:
         """Drop `model`'s gauges (its queue was reclaimed: no queue, no depth). Its counters stay, as counters do;

@@ -23,15 +23,16 @@ What happens to a request, in order:
 
 Every refusal is named (`gateway.errors`) and counted in `pulsescale_gateway_refused_total{reason}`.
 
-Endpoints come from `pulse_slots` (`gateway.routes`): a slot is routed to while its record says ``ready``, and
-dropped the moment it says anything else. Every `sample_every_s` and on change the gateway publishes each model's
-`QueueSample` on ``pulse.queue.<model>`` (`gateway.publisher`), which is what the autoscaler scales on: the queue
-builds, the autoscaler activates warm slots, they appear ready here and drain the queue. An idle queue of a model
-not in ``--models`` is reclaimed (`gateway.catalog`), and its samples stop.
+Endpoints come from `pulse_slots` (`gateway.routes`): a slot is routed to while its record says ``ready`` and its
+node's assignment (`pulse_assignments`) lists its model, and dropped the moment either stops. Every `sample_every_s`
+and on change the gateway publishes each model's `QueueSample` on ``pulse.queue.<model>`` (`gateway.publisher`),
+which is what the autoscaler scales on: the queue builds, the autoscaler activates warm slots, they appear ready here
+and drain the queue. An idle queue of a model not in ``--models`` is reclaimed (`gateway.catalog`), and its samples
+stop.
 
-The NATS user needs the gateway role (publish ``pulse.queue.>``, read ``pulse_slots``) and, without ``--models``,
-KV reads of ``pulse_scalers``. ``/healthz`` and ``/metrics`` (Prometheus) are on the same listener unless given
-their own (`metrics_host`); every listener binds 127.0.0.1 unless told otherwise.
+The NATS user needs the gateway role (publish ``pulse.queue.>``, read ``pulse_slots`` and ``pulse_assignments``)
+and, without ``--models``, KV reads of ``pulse_scalers``. ``/healthz`` and ``/metrics`` (Prometheus) are on the same
+listener unless given their own (`metrics_host`); every listener binds 127.0.0.1 unless told otherwise.
 """
 
 from __future__ import annotations
@@ -118,7 +119,12 @@ class Gateway:
             on_published=lambda model: self.metrics.samples.labels(model).inc(),
         )
         self.routes = Routes(
-            nc, settings.models, on_ready=self._on_ready, on_gone=self._on_gone, rejected=self.rejected
+            nc,
+            settings.models,
+            on_ready=self._on_ready,
+            on_gone=self._on_gone,
+            rejected=self.rejected,
+            require_assignment=settings.require_assignment,
         )
         self.table.publisher = self.publisher
         self.scalers = Scalers(nc, self.catalog, self.rejected) if settings.models is None else None
@@ -516,6 +522,7 @@ class Gateway:
             "gateway": self.settings.gateway_id,
             "nats_connected": self.nc.is_connected,
             "slots_listed": self.routes.listed.is_set(),
+            "assignments": self.routes.assigned.state,
             "scalers": self.catalog.scalers,
             "connections": sum(site.connections for site in self._sites),
             "body_budget": {"held_bytes": self.budget.held_bytes, "limit_bytes": self.budget.limit_bytes},

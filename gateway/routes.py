@@ -7,25 +7,38 @@ table, so a slot that left while the gateway was disconnected is dropped too. `r
 The endpoint is what the slot's agent wrote in its fenced ``ready`` write; only ``http``/``https`` URLs with a host
 and no credentials, path or query are routed (an agent's typo must not point the gateway somewhere odd), others are
 counted in `refused` and skipped.
+
+Revision 11: a node's agent may write any model under its node's keys, endpoint included, so a ``ready`` record alone
+does not say that the node should serve that model. `NodeModels` follows `pulse_assignments` (read only) and a slot
+is routed only when its node's assignment lists its model, the rule the autoscaler claims by
+(`warmpool.slotindex.Assignments`); a node without one is routed unless `require_assignment`. Each ready record
+refused so is counted once (``unassigned_model``, in `rejected`). Nothing is routed before the assignments are read,
+or known absent (no bucket: an autoscaler from before revision 11); a NATS user that may not read them routes
+nothing, and says so with the fix. A ``claim_id`` in the record proves nothing: the agent writes the ready record
+itself, and may copy any claim id it reads in `pulse_slots`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Iterable
+from typing import Literal
 from urllib.parse import urlsplit
 
+import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
 
 from warmpool import protocol
 from warmpool.errors import BadMessage
-from warmpool.protocol import SlotRecord
+from warmpool.protocol import NodeAssignment, SlotRecord
 from warmpool.registry import BucketView, Changed, Removed, Snapshot
 from warmpool.rejects import Rejections
+from warmpool.slotindex import Assignments
 
-__all__ = ["Routes", "endpoint_ok", "ready_endpoints"]
+__all__ = ["AssignmentsState", "NodeModels", "Routes", "endpoint_ok", "ready_endpoints"]
 
 log = logging.getLogger("pulsescale.gateway")
 
@@ -51,17 +64,140 @@ def endpoint_ok(url: str) -> bool:
     )
 
 
-def ready_endpoints(records: Iterable[SlotRecord], models: frozenset[str] | None) -> Table:
-    """The routing table of `records`: ready slots with a good endpoint, of `models` (None: every model)."""
+def ready_endpoints(
+    records: Iterable[SlotRecord],
+    models: frozenset[str] | None,
+    routable: Callable[[SlotRecord], bool] = lambda _: True,
+) -> Table:
+    """The routing table of `records`: ready slots with a good endpoint, of `models` (None: every model), that
+    `routable` lets through (`NodeModels.routable`)."""
     table: Table = {}
     for r in records:
-        if r.state == "ready" and r.endpoint and endpoint_ok(r.endpoint) and (models is None or r.model in models):
+        if r.state != "ready" or not r.endpoint or not endpoint_ok(r.endpoint):
+            continue
+        if (models is None or r.model in models) and routable(r):
             table.setdefault(r.model, {})[r.key] = r.endpoint.rstrip("/")
     return table
 
 
+AssignmentsState = Literal["listing", "listed", "absent", "unreadable"]
+"""How far `pulse_assignments` has been read: ``listing`` (not yet), ``listed`` (followed), ``absent`` (no bucket:
+every node unbound), ``unreadable`` (no answer: a NATS user without KV reads of it is refused silently, or
+JetStream is down)."""
+
+_UNREADABLE_MAX_WAIT_S = 30.0
+"""The longest pause between two asks of an unreadable bucket: each ask of a refused user is a permission
+violation in the server's log."""
+
+
+class _ReadyAssignments(Assignments):
+    """The autoscaler's rule and count, judging `ready` slots only: a gateway routes nothing else, and a `warm` slot
+    of an unassigned model is the autoscaler's to refuse (and count)."""
+
+    JUDGED_STATES: tuple[protocol.SlotState, ...] = ("ready",)
+
+
+class NodeModels:
+    """Which node may be routed to for which model: `pulse_assignments` (module doc), followed with the registry's
+    `BucketView`; `on_change()` after each change of it. `routable` is False for every slot until `known`."""
+
+    def __init__(
+        self,
+        nc: Client,
+        rejected: Rejections,
+        *,
+        require: bool = False,
+        on_change: Callable[[], None] = lambda: None,
+        retry_s: float = 2.0,
+        open_timeout_s: float = 2.0,
+    ) -> None:
+        self._nc = nc
+        self._rejected = rejected
+        self._on_change = on_change
+        self._retry_s = retry_s
+        self._open_timeout_s = open_timeout_s
+        self.rule = _ReadyAssignments(None, rejected, require=require)
+        """Gets the view once it is listed: until then (no bucket) every node is unbound, unless `require`."""
+        self.state: AssignmentsState = "listing"
+        self.known = asyncio.Event()
+        """Set once the assignments are listed or known absent; stays set (a later failure keeps what was read)."""
+
+    def routable(self, rec: SlotRecord) -> bool:
+        return self.known.is_set() and self.rule.allows(rec.model, rec.node)
+
+    def judge(self, key: str, rec: SlotRecord | None, node: str) -> None:
+        """The slot `key` of `node` is now `rec` (None: gone): counted once if it is ready and may not be routed."""
+        if self.known.is_set():
+            self.rule.judge(key, rec, node)
+
+    def judge_all(self, records: dict[str, SlotRecord]) -> None:
+        """`records` are every slot now (a listing, or the assignments changed): judge each, forget the others."""
+        for key, rec in records.items():
+            self.judge(key, rec, rec.node)
+        if self.known.is_set():
+            self.rule.judge_all(records.get)
+
+    def _state(self, state: AssignmentsState, why: str = "") -> None:
+        """Move to `state`; into ``absent`` or ``listed`` the rule changed: `known`, and `on_change()`."""
+        if state == self.state:
+            return
+        if state == "unreadable" and not self.known.is_set():
+            log.warning(
+                "cannot read %s (%s): no slot is routed until it is read; give this gateway's NATS user KV reads of "
+                "%s (the gateway role has them since contract revision 11: render the authorization again)",
+                protocol.ASSIGNMENTS_BUCKET,
+                why,
+                protocol.ASSIGNMENTS_BUCKET,
+            )
+        elif state == "unreadable":
+            log.info("cannot look for %s again (%s): nothing changes meanwhile", protocol.ASSIGNMENTS_BUCKET, why)
+        elif state == "absent":
+            unbound = "no node is routed (--require-assignment)" if self.rule.require else "every node is unbound"
+            log.info("bucket %s does not exist (yet): %s", protocol.ASSIGNMENTS_BUCKET, unbound)
+        self.state = state
+        if state in ("absent", "listed"):
+            self.known.set()
+            self._on_change()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        wait_s = self._retry_s
+        while not stop.is_set():
+            try:
+                kv = await self._nc.jetstream(timeout=self._open_timeout_s).key_value(protocol.ASSIGNMENTS_BUCKET)
+            except nats.js.errors.BucketNotFoundError:
+                self._state("absent")
+                wait_s = self._retry_s
+            except (TimeoutError, nats.errors.Error, OSError) as err:
+                self._state("unreadable", "no answer" if isinstance(err, TimeoutError) else str(err) or repr(err))
+                wait_s = min(wait_s * 2, _UNREADABLE_MAX_WAIT_S)
+            else:
+                await self._follow(BucketView(self._nc, kv, NodeAssignment, self._rejected), stop)
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), wait_s)
+
+    async def _follow(self, view: BucketView[NodeAssignment], stop: asyncio.Event) -> None:
+        watch = asyncio.create_task(view.run(), name="gateway-assignments-view")
+        try:
+            async for _ in view.changes():
+                # From the first listing on its records decide (until then, a bucket that just appeared keeps the
+                # rule of an absent one).
+                self.rule.view = view
+                if self.state == "listed":
+                    self._on_change()
+                else:
+                    self._state("listed")
+                if stop.is_set():
+                    break
+        finally:
+            view.closed = True
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+
+
 class Routes:
-    """Follows `pulse_slots` and calls `on_ready(model, key, url)` / `on_gone(model, key)` as slots come and go."""
+    """Follows `pulse_slots` and calls `on_ready(model, key, url)` / `on_gone(model, key)` as slots come and go,
+    judged by `pulse_assignments` (`assigned`; `require_assignment`: a node without an assignment is not routed)."""
 
     def __init__(
         self,
@@ -71,6 +207,7 @@ class Routes:
         on_ready: Callable[[str, str, str], None],
         on_gone: Callable[[str, str], None],
         rejected: Rejections,
+        require_assignment: bool = False,
     ) -> None:
         self._nc = nc
         self.models = models
@@ -79,7 +216,9 @@ class Routes:
         self.table: Table = {}
         self.view: BucketView[SlotRecord] | None = None
         self.listed = asyncio.Event()
-        """Set once the first snapshot is in: before it, the gateway knows no endpoint yet."""
+        """Set once the first snapshot is in, judged by the assignments: before it, the gateway knows no endpoint."""
+        self.assigned = NodeModels(nc, rejected, require=require_assignment, on_change=self.rejudge)
+        """`pulse_assignments`: a ready slot is routed only if its node may offer its model (module doc)."""
 
     async def open(self, stop: asyncio.Event, retry_s: float = 0.5) -> None:
         """Open the bucket, waiting while it does not exist yet (the autoscaler creates it; this role may not)."""
@@ -97,12 +236,16 @@ class Routes:
             return
 
     async def run(self, stop: asyncio.Event) -> None:
+        await asyncio.gather(self.assigned.run(stop), self._follow(stop))
+
+    async def _follow(self, stop: asyncio.Event) -> None:
         await self.open(stop)
         view = self.view
         if view is None:
             return
         watch = asyncio.create_task(view.run(), name="gateway-slots-view")
         try:
+            await self.assigned.known.wait()  # no slot is routed before the assignments are read
             async for event in view.changes():
                 self._apply(event)
                 if stop.is_set():
@@ -112,27 +255,40 @@ class Routes:
             watch.cancel()
             await asyncio.gather(watch, return_exceptions=True)
 
+    def rejudge(self) -> None:
+        """The assignments changed: route every slot by them again (an operator's edit: rare)."""
+        if self.view is not None and self.listed.is_set():
+            self._replace({key: rec for key, rec, _ in self.view.entries()})
+
+    def _replace(self, records: dict[str, SlotRecord]) -> None:
+        """Route `records`, every slot there is now, and no other."""
+        mine = {k: r for k, r in records.items() if self.models is None or r.model in self.models}
+        self.assigned.judge_all(mine)
+        new = ready_endpoints(mine.values(), None, self.assigned.routable)
+        for model, slots in self.table.items():
+            for key in slots.keys() - new.get(model, {}).keys():
+                self._on_gone(model, key)
+        for model, slots in new.items():
+            for key, url in slots.items():
+                if self.table.get(model, {}).get(key) != url:
+                    self._on_ready(model, key, url)
+        self.table = new
+
     def _apply(self, event: Snapshot[SlotRecord] | Changed[SlotRecord] | Removed) -> None:
         if isinstance(event, Snapshot):
-            new = ready_endpoints(event.records.values(), self.models)
-            for model, slots in self.table.items():
-                for key in slots.keys() - new.get(model, {}).keys():
-                    self._on_gone(model, key)
-            for model, slots in new.items():
-                for key, url in slots.items():
-                    if self.table.get(model, {}).get(key) != url:
-                        self._on_ready(model, key, url)
-            self.table = new
+            self._replace(event.records)
             self.listed.set()
             return
         try:
-            model = protocol.parse_slot_key(event.key)[0]
+            model, node, _ = protocol.parse_slot_key(event.key)
         except BadMessage:
             return  # the view already refused such a record
         if self.models is not None and model not in self.models:
             return
-        if isinstance(event, Changed) and event.record.state == "ready" and event.record.endpoint:
-            url = event.record.endpoint
+        rec = event.record if isinstance(event, Changed) else None
+        self.assigned.judge(event.key, rec, node)
+        if rec is not None and rec.state == "ready" and rec.endpoint and self.assigned.routable(rec):
+            url = rec.endpoint
             if not endpoint_ok(url):
                 log.warning("slot %s: endpoint %r is not http(s)://host[:port]; not routed", event.key, url)
             else:

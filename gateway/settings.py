@@ -50,6 +50,11 @@ class GatewaySettings:
     models: frozenset[str] | None = None
     """Serve only these models (and publish their samples from the start); None: the models of the ScaledObjects
     in `pulse_scalers` and any model with a ready slot (`gateway.catalog`)."""
+    require_assignment: bool = False
+    """Route a node's ready slots only of the models `pulse_assignments` lists for it (``pulsescale assign``): a node
+    without an assignment is not routed to. Off: such a node is routed to, as before revision 11 (the quickstart,
+    the demo); a node with an assignment is held to it either way. The secure deployment sets it, as on the
+    autoscaler."""
     queue_idle_s: float = 300.0
     """A queue of a model not in `models` that has had nothing waiting, nothing in flight and no ready slot this
     long is reclaimed (its samples stop); one of a model no longer known goes as soon as it is idle. Longer than

@@ -28,8 +28,9 @@ it replies (`autoscaler.commands.service`, the agent's requests).
 Revisions: 5 let the operator read the slots and ask ``status``, and on-call read the ScaledObjects; 6 (sharding)
 lets the autoscaler, and only it, publish and subscribe ``pulse.autoscaler.>``: the replicas hand each other the
 on-call commands of the models they own and ask each other for status rows there. 11 (agents bound to their
-models) adds `pulse_assignments`: the operator writes it (``pulsescale assign``), the agents only read it, the
-autoscaler (which reads every bucket and writes none of it) checks claims against it.
+models) adds `pulse_assignments`: the operator writes it (``pulsescale assign``), the agents and the gateway only
+read it (the gateway routes by it), the autoscaler (which reads every bucket and writes none of it) checks claims
+against it.
 
 Replies: each user receives on its own inbox, ``_INBOX.<user>.>`` (`connect` sets nats-py's inbox prefix from the
 user name), so no role can read another's replies; a role that answers requests (agents, the autoscaler's
@@ -130,8 +131,15 @@ def permissions(role: Role, node: str | None = None) -> Permissions:
     events = f"{protocol.EVENTS_PREFIX}>"
     if role == "gateway":
         return Permissions(
-            # The ScaledObjects name the models a gateway queues for (an unknown one is 404 at once).
-            publish=(f"{protocol.QUEUE_PREFIX}>", *_kv_read(protocol.SLOTS_BUCKET), *_kv_read(protocol.SCALERS_BUCKET)),
+            # The ScaledObjects name the models a gateway queues for (an unknown one is 404 at once). Revision 11:
+            # it reads `pulse_assignments` to route a ready slot only of a model its node may offer (an agent may
+            # write a ready record of any model under its node, endpoint included).
+            publish=(
+                f"{protocol.QUEUE_PREFIX}>",
+                *_kv_read(protocol.SLOTS_BUCKET),
+                *_kv_read(protocol.SCALERS_BUCKET),
+                *_kv_read(protocol.ASSIGNMENTS_BUCKET),
+            ),
             subscribe=(events, replies),
         )
     if role == "agent":

@@ -433,41 +433,96 @@ async def test_the_shipped_authorization_lets_an_agent_read_but_not_write_its_as
     """deploy/base/nats/configmap.yaml's auth.conf on a real nats-server (its password variables filled in here,
     as the Secret fills them there): the operator assigns gpu-0 its model; gpu-0's agent reads it, and is refused
     writing it, whether it widens its own list or deletes it."""
-    from tests.manifests.test_manifests import example_nodes, nats_config
+    from tests.manifests.test_manifests import example_nodes
 
     node = example_nodes()[0]
+    server = shipped_server(tmp_path)
+    agent = f"agent-{node}"
+    with server:
+        await connect.run_client(shipped_user(server, "autoscaler"), buckets)  # only the autoscaler creates them
+        await connect.run_client(shipped_user(server, "operator"), assign(node, "qwen"))
+        assert (await connect.run_client(shipped_user(server, agent), read(node))).models == ["qwen"]
+        subject = f"$KV.{protocol.ASSIGNMENTS_BUCKET}.{node}"
+        for work in (kv_put(protocol.ASSIGNMENTS_BUCKET, node), delete_assignment(node)):
+            with pytest.raises(PermissionDenied) as refused:
+                await connect.run_client(shipped_user(server, agent), work)
+            assert (refused.value.operation, refused.value.subject) == ("publish", subject)
+        assert (await connect.run_client(shipped_user(server, agent), read(node))).models == ["qwen"]
+
+
+async def test_the_shipped_authorization_lets_the_gateway_route_by_the_assignments_but_not_write_them(
+    tmp_path: Path,
+) -> None:
+    """The same shipped auth.conf: the gateway user reads `pulse_assignments` (a get, and the reference gateway
+    itself, which watches it and routes by it) without a single permission violation in the server's log, and is
+    refused writing or deleting an assignment (a gateway could otherwise bind a node to what it routes)."""
+    from gateway.proxy import Gateway, GatewaySettings
+    from tests.manifests.test_manifests import example_nodes
+
+    node = example_nodes()[0]
+    server = shipped_server(tmp_path)
+    with server:
+        await connect.run_client(shipped_user(server, "autoscaler"), buckets)
+        await connect.run_client(shipped_user(server, "operator"), assign(node, "qwen"))
+        since = len(server.log_path.read_text())
+        assert (await connect.run_client(shipped_user(server, "gateway"), read(node))).models == ["qwen"]
+
+        async def route(nc: Client) -> None:
+            settings = GatewaySettings(nats=shipped_user(server, "gateway"), port=0, gateway_id="gw-test")
+            async with Gateway(settings, nc) as gw:
+                await wait_for(lambda: gw.routes.listed.is_set(), 15, "the gateway to list the slots")
+                assert gw.health()["assignments"] == "listed"
+                assert gw.routes.assigned.rule.allows("qwen", node) and not gw.routes.assigned.rule.allows("x", node)
+
+        await connect.run_client(shipped_user(server, "gateway"), route)
+        assert [line for line in server.log_path.read_text()[since:].splitlines() if VIOLATION in line] == []
+        subject = f"$KV.{protocol.ASSIGNMENTS_BUCKET}.{node}"
+        for work in (kv_put(protocol.ASSIGNMENTS_BUCKET, node), delete_assignment(node)):
+            with pytest.raises(PermissionDenied) as refused:
+                await connect.run_client(shipped_user(server, "gateway"), work)
+            assert (refused.value.operation, refused.value.subject) == ("publish", subject)
+        assert (await connect.run_client(shipped_user(server, "operator"), read(node))).models == ["qwen"]
+
+
+def shipped_server(tmp_path: Path) -> NatsServer:
+    """A nats-server with deploy/base/nats/configmap.yaml's auth.conf, each ``$PULSE_NATS_PASSWORD_<USER>`` filled
+    in as ``pw-<user>`` (as the Secret fills them there)."""
+    from tests.manifests.test_manifests import nats_config
+
     filled = r'{user: "\1", password: "pw-\1",'
     auth = re.sub(r'\{user: "([^"]+)", password: \$\w+,', filled, nats_config()["auth.conf"])
-    server = NatsServer(tmp_path / "nats", extra_config=auth)
+    return NatsServer(tmp_path / "nats", extra_config=auth)
 
-    def options(user: str) -> connect.NatsOptions:
-        return connect.NatsOptions(servers=(server.url,), user=user, password=f"pw-{user}", name=f"test-{user}")
 
-    async def buckets(nc: Client) -> None:
-        await ensure_buckets(nc.jetstream(timeout=5.0), harden=True)
+def shipped_user(server: NatsServer, user: str) -> connect.NatsOptions:
+    return connect.NatsOptions(servers=(server.url,), user=user, password=f"pw-{user}", name=f"test-{user}")
 
-    async def assign(nc: Client) -> None:
+
+async def buckets(nc: Client) -> None:
+    await ensure_buckets(nc.jetstream(timeout=5.0), harden=True)
+
+
+def assign(node: str, *models: str) -> Callable[[Client], Awaitable[object]]:
+    async def work(nc: Client) -> None:
         kv = await nc.jetstream(timeout=5.0).key_value(protocol.ASSIGNMENTS_BUCKET)
-        await kv.put(node, protocol.encode(protocol.NodeAssignment(node=node, models=["qwen"])))
+        await kv.put(node, protocol.encode(protocol.NodeAssignment(node=node, models=list(models))))
 
-    async def read(nc: Client) -> protocol.NodeAssignment:
+    return work
+
+
+def read(node: str) -> Callable[[Client], Awaitable[protocol.NodeAssignment]]:
+    async def work(nc: Client) -> protocol.NodeAssignment:
         kv = await nc.jetstream(timeout=5.0).key_value(protocol.ASSIGNMENTS_BUCKET)
         entry = await kv.get(node)
         assert entry.value is not None
         return protocol.decode(entry.value, protocol.NodeAssignment)
 
-    async def delete(nc: Client) -> None:
+    return work
+
+
+def delete_assignment(node: str) -> Callable[[Client], Awaitable[object]]:
+    async def work(nc: Client) -> None:
         await nc.publish(f"$KV.{protocol.ASSIGNMENTS_BUCKET}.{node}", b"", headers={"KV-Operation": "DEL"})
         await nc.flush()
 
-    agent = f"agent-{node}"
-    with server:
-        await connect.run_client(options("autoscaler"), buckets)  # only the autoscaler creates the buckets
-        await connect.run_client(options("operator"), assign)
-        assert (await connect.run_client(options(agent), read)).models == ["qwen"]
-        subject = f"$KV.{protocol.ASSIGNMENTS_BUCKET}.{node}"
-        for work in (kv_put(protocol.ASSIGNMENTS_BUCKET, node), delete):
-            with pytest.raises(PermissionDenied) as refused:
-                await connect.run_client(options(agent), work)
-            assert (refused.value.operation, refused.value.subject) == ("publish", subject)
-        assert (await connect.run_client(options(agent), read)).models == ["qwen"]
+    return work
