@@ -219,7 +219,8 @@ def assign(argv: list[str], prog: str) -> int:
         description="Set the models a node may offer slots of (KV pulse_assignments; needs the operator's NATS user). "
         "The autoscaler claims none of a node's slots of another model and counts them "
         '(pulsescale_registry_rejected_records_total{reason="unassigned_model"}); a node without an assignment '
-        "offers any model unless the autoscaler runs with --require-assignment. Without NODE: list the assignments.",
+        "offers any model unless the autoscaler and the gateway run with --require-assignment. "
+        "Without NODE: list the assignments.",
     )
     p.add_argument("node", nargs="?", help="the node (its agent's --node)")
     p.add_argument("models", nargs="*", metavar="MODEL", help="every model the node may offer (replaces the list)")

@@ -43,7 +43,7 @@ class Assignments:
 
     JUDGED_STATES: tuple[protocol.SlotState, ...] = ("warm", "ready")
     """The states that offer a slot: `warm` to a claim, `ready` to adoption (and to the gateways, which route on the
-    record and do not follow the assignments yet)."""
+    record and judge it by the same assignments: `gateway.routes`)."""
 
     def __init__(self, view: BucketView[NodeAssignment] | None, rejected: Rejections, *, require: bool = False) -> None:
         self.view = view
