@@ -139,7 +139,7 @@ def default_by(env: dict[str, str] | None = None) -> str:
 
 
 def parser(
-    prog: str, description: str, *, output_extra: Sequence[str] = (), by: bool = True
+    prog: str, description: str, *, output_extra: Sequence[str] = (), by: bool = True, templates: bool = False
 ) -> argparse.ArgumentParser:
     """The options every command sent to the autoscaler shares: --timeout, --by, -o/--json, the NATS flags.
     `by` False hides --by (a read-only command has no audit trail to write; still accepted, and still sent)."""
@@ -156,7 +156,7 @@ def parser(
         "--by",
         help="who is acting, for the audit trail [$PULSESCALE_USER or user@host]" if by else argparse.SUPPRESS,
     )
-    out.add_output_argument(p, extra=output_extra)
+    out.add_output_argument(p, extra=output_extra, templates=templates)
     nats_connect.add_nats_arguments(p)
     return p
 

@@ -33,6 +33,7 @@ import nats.js.errors
 from nats.aio.client import Client
 
 from manifests import crdtypes, scaledobject
+from oncall import jsonpath
 from oncall.client import EXIT_REFUSED, CommandFailed, parser, request, run_reads
 from warmpool import buckets, durations, protocol
 from warmpool import output as out
@@ -66,12 +67,15 @@ KINDS: Final = {
     "scaledobjects": "scaledobject",
     "scaledobject": "scaledobject",
     "so": "scaledobject",
+    **{short: "scaledobject" for short in crdtypes.SHORT_NAMES},  # the CRD's own short name (pso)
+    crdtypes.CRD_NAME: "scaledobject",  # scaledobjects.pulsescale.io, as kubectl takes a resource.group
     "slots": "slot",
     "slot": "slot",
     "models": "model",
     "model": "model",
 }
-"""What `get` and `describe` accept (kubectl's plural, singular and short names) → the kind."""
+"""What `get` and `describe` accept (kubectl's plural, singular and short names, the CRD's ``pso`` and
+``scaledobjects.pulsescale.io``) → the kind."""
 
 ACTIVE_WITHIN_S: Final = crdtypes.ACTIVE_WINDOW_S
 """ACTIVE is True when demand was above the activation threshold this recently (`crdtypes.scaler_active`, the rule of
@@ -401,13 +405,18 @@ def _print_view(view: _View, kind: str, args: argparse.Namespace, keys: Sequence
                 print(out.dump(o, fmt) if fmt == "json" else "---\n" + out.dump(o, fmt))
         else:
             print(out.dump(objs, fmt))
+    elif fmt is not None and fmt.startswith("jsonpath="):
+        objs = [msgspec.to_builtins(obj) for _, _, _, obj in chosen]
+        # As kubectl: one object named, the object; otherwise a List of them.
+        data = objs[0] if args.name and len(objs) == 1 else _as_list(objs)
+        print(jsonpath.render(fmt.removeprefix("jsonpath="), data), end="")  # as kubectl: no newline of its own
     elif fmt == "name":
         for key, _, cells, _ in chosen:
             name = cells[1] if kind == "scaledobject" and args.all_namespaces else cells[0]
             print(f"{_NAME_PREFIX[kind]}/{name if kind == 'scaledobject' else key}")
     else:
         text = out.table(view.header, [cells for _, _, cells, _ in chosen])
-        print(text if header else "\n".join(text.splitlines()[1:]))
+        print(text if header and not args.no_headers else "\n".join(text.splitlines()[1:]))
     sys.stdout.flush()
 
 
@@ -442,8 +451,9 @@ def _get_parser(prog: str) -> argparse.ArgumentParser:
         "(the autoscaler's status), as kubectl get does.",
         output_extra=("wide", "name"),
         by=False,
+        templates=True,
     )
-    p.add_argument("kind", type=kind_arg, metavar="KIND", help="scaledobjects (so), slots or models")
+    p.add_argument("kind", type=kind_arg, metavar="KIND", help="scaledobjects (so, pso), slots or models")
     p.add_argument("name", nargs="?", metavar="NAME", help="only this one (a slot by its key)")
     ns = p.add_mutually_exclusive_group()
     ns.add_argument(
@@ -451,6 +461,7 @@ def _get_parser(prog: str) -> argparse.ArgumentParser:
     )
     ns.add_argument("-A", "--all-namespaces", action="store_true", help="ScaledObjects of every namespace")
     p.add_argument("-w", "--watch", action="store_true", help="keep polling; print a row when it changes (Ctrl-C)")
+    p.add_argument("--no-headers", action="store_true", help="tables without their header row, as kubectl's")
     p.add_argument(
         "--watch-every",
         type=durations.duration_arg(),
@@ -462,5 +473,11 @@ def _get_parser(prog: str) -> argparse.ArgumentParser:
 
 
 def get(argv: list[str], prog: str) -> int:
-    args = _get_parser(prog).parse_args(argv)
+    p = _get_parser(prog)
+    args = p.parse_args(argv)
+    if args.output is not None and args.output.startswith("jsonpath="):
+        try:  # a template it cannot read is bad input, said before connecting
+            jsonpath.render(args.output.removeprefix("jsonpath="), {})
+        except jsonpath.JsonPathError as err:
+            p.error(f"-o {args.output}: {err}")
     return run_reads(prog, args, "pulsescale-get", lambda nc: _get(nc, args.kind, args))

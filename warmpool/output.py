@@ -65,15 +65,23 @@ def replicas_text(n: int) -> str:
     return f"{n} replica" if n == 1 else f"{n} replicas"
 
 
-def add_output_argument(p: argparse.ArgumentParser, *, extra: Sequence[str] = ()) -> None:
-    """``-o/--output FORMAT`` (json, yaml, and `extra` such as wide or name) and ``--json`` (= ``-o json``)."""
+def add_output_argument(p: argparse.ArgumentParser, *, extra: Sequence[str] = (), templates: bool = False) -> None:
+    """``-o/--output FORMAT`` (json, yaml, and `extra` such as wide or name) and ``--json`` (= ``-o json``).
+    `templates`: ``jsonpath=TEMPLATE`` too (kubectl's; the command renders it)."""
     choices = (*MACHINE_FORMATS, *extra)
+    shown = (*choices, "jsonpath=TEMPLATE") if templates else choices
+
+    def output_format(text: str) -> str:
+        if text in choices or (templates and text.startswith("jsonpath=")):
+            return text
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(shown)})")
+
     p.add_argument(
         "-o",
         "--output",
-        choices=choices,
+        type=output_format,
         metavar="FORMAT",
-        help=f"print {', '.join(choices)} instead of text; json and yaml are the full result, for scripts",
+        help=f"print {', '.join(shown)} instead of text; json and yaml are the full result, for scripts",
     )
     p.add_argument(
         "--json", dest="output", action="store_const", const="json", help="the same as -o json (for scripts)"

@@ -126,6 +126,28 @@ async def test_apply_a_directory_then_get_scaledobjects(cli, service: CommandSer
     assert (code, out) == (0, "scaledobject.pulsescale.io/mistral\n")
 
 
+async def test_get_as_kubectl_pso_no_headers_jsonpath(cli, service: CommandService, manifests: Path) -> None:  # type: ignore[no-untyped-def]
+    """The CRD's short name ``pso`` (and ``scaledobjects.pulsescale.io``), ``--no-headers`` and
+    ``-o jsonpath=`` as kubectl prints them, for scripts (no newline added, as kubectl's)."""
+    assert (await cli("apply", "-f", str(manifests)))[0] == 0
+    _, table, _ = await cli("get", "so")
+    for kind in ("pso", "scaledobjects.pulsescale.io"):
+        assert await cli("get", kind) == (0, table, "")
+    code, out, err = await cli("get", "pso", "--no-headers")
+    assert (code, err) == (0, "") and out.splitlines() == table.splitlines()[1:]
+    code, out, err = await cli("get", "so", "-A", "-o", "jsonpath={.items[*].metadata.name}")
+    assert (code, out, err) == (0, "llama qwen mistral", "")
+    template = '{range .items[*]}{.metadata.namespace}/{.metadata.name}={.spec.triggers[0].metadata.model}{"\\n"}{end}'
+    code, out, _ = await cli("get", "so", "-A", f"-ojsonpath={template}")
+    assert out == "default/llama=llama\ndefault/qwen=qwen\nprod/mistral=mistral\n", out
+    code, out, _ = await cli("get", "so", "qwen", "-o", "jsonpath={.spec.maxReplicaCount}")  # one named: the object
+    assert (code, out) == (0, "8")
+    code, out, err = await cli("get", "so", "-o", "jsonpath={range .items[*]}{.metadata.name}")
+    assert code == 2 and "without {end}" in err and out == ""
+    code, _, err = await cli("get", "so", "-o", "table")
+    assert code == 2 and "invalid choice: 'table'" in err and "jsonpath=TEMPLATE" in err
+
+
 async def test_get_so_yaml_round_trips_through_apply(cli, service: CommandService, manifests: Path) -> None:  # type: ignore[no-untyped-def]
     extra = '  annotations: {pulsescale.io/paused-replicas: "3"}\n'
     assert (await cli("apply", "-f", "-", stdin=so("qwen", "qwen", extra=extra)))[0] == 0
