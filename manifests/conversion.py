@@ -143,6 +143,27 @@ def _mapping(value: Any, field: str, *, required: bool = True) -> Mapping[str, A
     return value
 
 
+_LABEL_KEY: Final = re.compile(protocol.LABEL_KEY_PATTERN)
+_LABEL_VALUE: Final = re.compile(protocol.LABEL_VALUE_PATTERN)
+
+
+def _labels(value: Any) -> dict[str, str]:
+    """``metadata.labels`` as Kubernetes admits them (what ``pulsescale get -l`` selects on), or the label named."""
+    labels = _mapping(value, "metadata.labels", required=False)
+    if len(labels) > protocol.MAX_LABELS:
+        raise ScaledObjectError("metadata.labels", f"{len(labels)} labels, more than {protocol.MAX_LABELS}")
+    out: dict[str, str] = {}
+    for key, val in labels.items():
+        field = f"metadata.labels[{key!r}]"
+        prefix, _, name = str(key).rpartition("/")
+        if not isinstance(key, str) or not _LABEL_KEY.match(key) or len(name) > 63 or len(prefix) > 253:
+            raise ScaledObjectError(field, "not a Kubernetes label key ([prefix/]name, name at most 63 characters)")
+        if not isinstance(val, str) or len(val) > 63 or not _LABEL_VALUE.match(val):
+            raise ScaledObjectError(field, f"{val!r} is not a label value (a string, at most 63 characters)")
+        out[key] = val
+    return out
+
+
 def _name(value: Any, field: str) -> str:
     if value is None:
         raise ScaledObjectError(field, "required field is missing")
@@ -226,6 +247,7 @@ def from_manifest(
     )
     spec = msgspec.structs.replace(spec, advanced=advanced)
 
+    labels = _labels(meta.get("labels"))
     annotations = _mapping(meta.get("annotations"), "metadata.annotations", required=False)
     paused_flag = _flag(annotations, "paused")
     paused = paused_flag is not None and paused_flag[0]
@@ -258,6 +280,7 @@ def from_manifest(
         paused_scale_out=scale_out_disabled or (scale_out is not None and scale_out[0]),
         notes=notes,
         created_at=created_at,
+        labels=labels,
     )
 
 

@@ -33,7 +33,7 @@ import nats.js.errors
 from nats.aio.client import Client
 
 from manifests import crdtypes, scaledobject
-from oncall import jsonpath
+from oncall import jsonpath, labels
 from oncall.client import EXIT_REFUSED, CommandFailed, parser, request, run_reads
 from warmpool import buckets, durations, protocol
 from warmpool import output as out
@@ -238,6 +238,8 @@ def manifest(rec: ScalerRecord, row: StatusRow | None, status_known: bool, now: 
         "generation": rec.generation,
         "creationTimestamp": durations.rfc3339(created(rec)),
     }
+    if rec.labels:
+        meta["labels"] = dict(rec.labels)
     annotations = pause_annotations(rec)
     if annotations:
         meta["annotations"] = annotations
@@ -359,6 +361,9 @@ async def _read_view(nc: Client, kind: str, args: argparse.Namespace, now: float
             records = [r for r in records if r.namespace == args.namespace]
         if args.name:
             records = [r for r in records if r.name == args.name]
+        if args.selector:
+            selected = labels.parse_selector(args.selector)
+            records = [r for r in records if selected(r.labels)]
         rows = await read_status(nc, args, required=False) if records else []
         header, table = scaledobject_rows(records, rows, now, wide=wide, namespaces=args.all_namespaces)
         items = []
@@ -463,6 +468,13 @@ def _get_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("-w", "--watch", action="store_true", help="keep polling; print a row when it changes (Ctrl-C)")
     p.add_argument("--no-headers", action="store_true", help="tables without their header row, as kubectl's")
     p.add_argument(
+        "-l",
+        "--selector",
+        metavar="SELECTOR",
+        help="ScaledObjects whose labels match, as kubectl's (key=value, key!=value, key in (a,b), key notin (a,b), "
+        "key, !key; comma: all of them)",
+    )
+    p.add_argument(
         "--watch-every",
         type=durations.duration_arg(),
         default=DEFAULT_WATCH_EVERY_S,
@@ -475,6 +487,13 @@ def _get_parser(prog: str) -> argparse.ArgumentParser:
 def get(argv: list[str], prog: str) -> int:
     p = _get_parser(prog)
     args = p.parse_args(argv)
+    if args.selector is not None:
+        if args.kind != "scaledobject":
+            p.error(f"-l: only ScaledObjects carry labels, not {args.kind}s")
+        try:
+            labels.parse_selector(args.selector)
+        except labels.SelectorError as err:
+            p.error(f"-l {args.selector}: {err}")
     if args.output is not None and args.output.startswith("jsonpath="):
         try:  # a template it cannot read is bad input, said before connecting
             jsonpath.render(args.output.removeprefix("jsonpath="), {})

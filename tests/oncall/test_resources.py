@@ -148,6 +148,30 @@ async def test_get_as_kubectl_pso_no_headers_jsonpath(cli, service: CommandServi
     assert code == 2 and "invalid choice: 'table'" in err and "jsonpath=TEMPLATE" in err
 
 
+async def test_get_selects_by_label_and_round_trips_them(cli, service: CommandService, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """``-l`` selects ScaledObjects by their ``metadata.labels`` (kept in the record since revision 12), and
+    ``-o yaml`` prints them, so apply reads the same object back."""
+    f = tmp_path / "so.yaml"
+    docs = [so("qwen", "qwen", extra="  labels: {team: a, tier: gold}\n"),
+            so("llama", "llama", extra="  labels: {team: b}\n"), so("mistral", "mistral")]  # fmt: skip
+    f.write_text("---\n".join(docs))
+    assert (await cli("apply", "-f", str(f)))[0] == 0
+    names = "jsonpath={.items[*].metadata.name}"
+    assert await cli("get", "so", "-l", "team=a", "-o", names) == (0, "qwen", "")
+    assert await cli("get", "so", "-l", "team in (a,b),tier!=gold", "-o", names) == (0, "llama", "")
+    assert await cli("get", "so", "-l", "!team", "-o", names) == (0, "mistral", "")
+    code, out, err = await cli("get", "so", "-l", "team=c")
+    assert (code, out) == (0, "") and "No scaledobjects found" in err
+    code, out, _ = await cli("get", "so", "qwen", "-o", "yaml")
+    assert "labels:\n    team: a\n    tier: gold\n" in out
+    code, out, _ = await cli("apply", "-f", "-", stdin=out)
+    assert (code, out.split()[:3]) == (0, ["scaledobject", "default.qwen", "unchanged"]), out
+    code, _, err = await cli("get", "so", "-l", "team in (a")
+    assert code == 2 and "unbalanced" in err
+    code, _, err = await cli("get", "slots", "-l", "team=a")
+    assert code == 2 and "only ScaledObjects carry labels" in err
+
+
 async def test_get_so_yaml_round_trips_through_apply(cli, service: CommandService, manifests: Path) -> None:  # type: ignore[no-untyped-def]
     extra = '  annotations: {pulsescale.io/paused-replicas: "3"}\n'
     assert (await cli("apply", "-f", "-", stdin=so("qwen", "qwen", extra=extra)))[0] == 0

@@ -89,6 +89,8 @@ Revisions of v1 (each only adds fields or tightens a request only our own autosc
   claimed or adopted, counted ``unassigned_model`` (a new entry of `REASONS`). A node without an assignment offers
   what it writes, as before, unless the reader requires one (``pulsescale autoscaler --require-assignment``).
   A list over `MAX_MODELS_PER_NODE` is refused ``bad_value``. Nothing else changes shape.
+- revision 12 (labels): `ScalerRecord` adds `labels` (the ScaledObject's ``metadata.labels``, Kubernetes' key and
+  value syntax, at most `MAX_LABELS`; default empty), for ``pulsescale get -l``. Nothing acts on them.
 
 Pure: no I/O, no NATS import; `now` is passed in where time matters.
 """
@@ -149,9 +151,12 @@ from warmpool.protocol.names import (
     ERROR_CODES,
     EVENTS_PREFIX,
     IDENTITY_PATTERN,
+    LABEL_KEY_PATTERN,
+    LABEL_VALUE_PATTERN,
     LEADER_LEASE_KEY,
     LEASES_BUCKET,
     MAX_CLOCK_SKEW_S,
+    MAX_LABELS,
     MAX_LEASE_S,
     MAX_MESSAGE_BYTES,
     MAX_MODELS_PER_NODE,
@@ -287,6 +292,9 @@ __all__ = [
     "MAX_TRUSTED_SKEW_S",
     "MAX_LEASE_S",
     "MAX_MESSAGE_BYTES",
+    "LABEL_KEY_PATTERN",
+    "LABEL_VALUE_PATTERN",
+    "MAX_LABELS",
     "MAX_MODELS_PER_NODE",
     "MAX_REQUEST_TTL_S",
     "MAX_SLOTS_PER_NODE",
@@ -408,5 +416,5 @@ __all__ = [
     "TypedReply",
 ]
 
-CONTRACT_REVISION: Final = 11
+CONTRACT_REVISION: Final = 12
 """Revision of wire contract v1 this code speaks (see the module doc for what each revision changed)."""

@@ -34,6 +34,9 @@ __all__ = [
     "MAX_CLOCK_SKEW_S",
     "MAX_LEASE_S",
     "MAX_MESSAGE_BYTES",
+    "LABEL_KEY_PATTERN",
+    "LABEL_VALUE_PATTERN",
+    "MAX_LABELS",
     "MAX_MODELS_PER_NODE",
     "MAX_OVERRIDE_S",
     "MAX_REPLICAS_ENV",
@@ -91,6 +94,15 @@ sends one, and a truncated list would offer an arbitrary subset."""
 MAX_MODELS_PER_NODE: Final = 64
 """The most models one `NodeAssignment` may list (revision 11): a node holds a few models per GPU, 8 GPUs; a longer
 list is a generated mistake, refused (``bad_value``) rather than trusted."""
+MAX_LABELS: Final = 64
+"""The most labels a `ScalerRecord` carries (revision 12): Kubernetes sets no count, but ``metadata`` is bounded
+in size; a ScaledObject with more is refused (``bad_value``), not cut (a selector would match a different set)."""
+LABEL_KEY_PATTERN: Final = (
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
+"""A Kubernetes label key: an optional DNS-subdomain prefix and ``/``, then a name of at most 63 characters."""
+LABEL_VALUE_PATTERN: Final = r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$"
+"""A Kubernetes label value: empty, or at most 63 characters as a label name."""
 MAX_CLOCK_SKEW_S: Final = 5.0
 """A heartbeat dated more than this ahead of the reader's clock is not fresh: a future-dated lease is a clock fault
 or a forgery, never a reason to trust a node for longer."""

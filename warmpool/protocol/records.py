@@ -23,7 +23,10 @@ import msgspec
 from warmpool.protocol.base import Count, Id, Message, Name, Text, _finite, _not_negative
 from warmpool.protocol.names import (
     IDENTITY_PATTERN,
+    LABEL_KEY_PATTERN,
+    LABEL_VALUE_PATTERN,
     MAX_CLOCK_SKEW_S,
+    MAX_LABELS,
     MAX_LEASE_S,
     MAX_MODELS_PER_NODE,
     MAX_SCHEDULES,
@@ -33,6 +36,9 @@ from warmpool.protocol.names import (
     SlotState,
 )
 from warmpool.protocol.scaledobject import ScaledObjectSpec, Schedule, check_schedules
+
+LabelKey = Annotated[str, msgspec.Meta(pattern=LABEL_KEY_PATTERN, max_length=317)]  # 253 prefix + / + 63
+LabelValue = Annotated[str, msgspec.Meta(pattern=LABEL_VALUE_PATTERN, max_length=63)]
 
 __all__ = [
     "AgentLease",
@@ -166,6 +172,12 @@ class ScalerRecord(Message, kw_only=True):
     created_at: float | None = None
     """Revision 5: when the ScaledObject was created (the CR's creationTimestamp; `apply`: its first write), Unix s.
     `initialCooldownPeriod` counts from it; None: from when the autoscaler first saw the record."""
+    labels: dict[LabelKey, LabelValue] = {}
+    """Revision 12: the ScaledObject's ``metadata.labels``, for ``pulsescale get -l``; nothing acts on them."""
+
+    def _validate(self) -> None:
+        if len(self.labels) > MAX_LABELS:
+            raise ValueError(f"[bad_value] `labels` has {len(self.labels)} entries, more than {MAX_LABELS}")
 
     @property
     def key(self) -> str:
