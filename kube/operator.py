@@ -15,16 +15,19 @@ What it does with a ScaledObject (`ScaledObjects`):
 - an invalid body: ``Ready=False InvalidSpec`` with the validator's message, a Warning Event, nothing published.
   A previously published valid version stays in force (as ``kubectl apply`` refusing a bad edit leaves the running
   one): deleting it would drop the workload to zero for a typo. The condition says which generation is in force.
-- a scale target that does not exist, or of a kind other than Deployment/StatefulSet (no pod template, no scale
-  subresource here): ``Ready=False ScaleTargetNotFound`` / ``ScaleTargetUnsupported`` and a Warning Event, as KEDA
-  keeps such an object not Ready; the record is published all the same (its warm slots serve without the
-  workload; only standby pods and the cold path need it). A missing target is re-checked every status round.
+- a scale target that does not exist: ``Ready=False ScaleTargetNotFound`` and a Warning Event, as KEDA keeps such
+  an object not Ready; the record is published all the same (its warm slots serve without the workload; only
+  standby pods, the cold path and the pause need it). A missing target is re-checked every status round. A kind
+  other than an apps/v1 Deployment or StatefulSet (an Argo Rollout) is refused by the validator (``InvalidSpec``),
+  as by the CRD and ``pulsescale apply``: the operator reads no other pod template or scale subresource.
 - a second ScaledObject, or an HPA, targeting the same workload (namespace, kind, name): ``Ready=False
-  TargetConflict`` naming the other object, a Warning Event, nothing published for it. Between ScaledObjects the
-  published one keeps the target (else the oldest by creationTimestamp, then name); an HPA always wins (the operator
-  does not fight another controller: its record is withdrawn). Likewise one ScaledObject per model (``Ready=False
-  ModelConflict``): the autoscaler runs one controller per model and would silently ignore a second record. Refused
-  objects are re-checked every status round, so deleting the other object lets this one through.
+  TargetConflict`` naming the other object, a Warning Event, nothing published for it. Only a published
+  ScaledObject holds a target (one never published, invalid or refused, blocks nothing: KEDA's webhook would have
+  refused it); verdicts are judged one at a time (`ScaledObjects.judging`), so of two new ones the first published
+  keeps it. An HPA always wins (the operator does not fight another controller: its record is withdrawn). Likewise
+  one ScaledObject per model (``Ready=False ModelConflict``): the autoscaler runs one controller per model and would
+  silently ignore a second record. Refused objects are re-checked every status round, so deleting the other object
+  lets this one through.
 - a model owned by another namespace (kube/records.py `ModelOwners`: the first namespace to publish it, or the one
   the platform team named in the ConfigMap ``pulsescale-model-owners``): ``Ready=False ModelOwnedByOtherNamespace``
   naming the owner, a Warning Event, nothing published (a record it had is withdrawn: the platform team moved the
@@ -111,7 +114,7 @@ EVENT_LISTENERS: Final = "event_listeners"
 append: the operator's one ``pulse.events.>`` subscription decodes each event once and hands it to each of them."""
 BACKGROUND_STOP_S: Final = 5.0  # how long run_operator waits for background work to end after the stop flag
 READY_POLL_S: Final = 0.05  # how often run_operator looks whether kopf (in its thread) is ready
-RESTORABLE_KINDS: Final = ("Deployment", "StatefulSet")  # scale targets the restore step knows how to patch
+RESTORABLE_KINDS: Final = tuple(kind for _, kind in scaledobject.SCALE_TARGETS)  # what the restore can patch
 
 log = logging.getLogger("pulsescale.operator")
 
@@ -142,7 +145,13 @@ class _Known:
     body: dict[str, Any]
     verdict: status_mod.Verdict
     model: str | None = None  # the model of the published record (None: nothing published)
+    record: protocol.ScalerRecord | None = None
+    """The published record in force (its pauses are what kube/coldpath.py holds the target to); None: none."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def set_record(self, record: protocol.ScalerRecord | None) -> None:
+        """The record now in force (None: withdrawn), and its model."""
+        self.record, self.model = record, (None if record is None else record.spec.model)
 
 
 class ScaledObjects:
@@ -159,6 +168,8 @@ class ScaledObjects:
         """Which namespace owns which model (kube/records.py)."""
         self.status = StatusWriter(ctx, self.recorder)
         """The autoscaler's rows and the status subresource (kube/statuswriter.py)."""
+        self.judging = asyncio.Lock()
+        """Held by `reconcile` from the conflict checks to the publish: a target or a model goes to one object."""
 
     @property
     def rows(self) -> dict[str, protocol.StatusRow]:
@@ -206,8 +217,10 @@ class ScaledObjects:
     async def _conflict(self, body: dict[str, Any], published: bool) -> str | None:
         """The other object (ScaledObject or HPA) that owns this one's target, as a message; None if none.
 
-        Between two ScaledObjects the published one keeps the target (so a newer object never takes it over);
-        when neither or both are, the older (creationTimestamp, then name) does: every reconcile agrees."""
+        Between ScaledObjects only a published one (its record in `pulse_scalers`) holds a target: one that never was
+        (an invalid spec, a refused one) blocks nothing, as KEDA's webhook would have refused it at admission. So a
+        newer object never takes a target over, and a broken older one never keeps a valid one out. Of two that are
+        both published (written by an older operator) the older (creationTimestamp, then name) keeps it."""
         meta = body["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         target = _target(body)
@@ -226,10 +239,10 @@ class ScaledObjects:
             ometa = other.get("metadata") or {}
             if ometa.get("name") == name or ometa.get("deletionTimestamp") or _target(other) != target:
                 continue
+            if await self.records.read(record_key(namespace, ometa.get("name", ""))) is None:
+                continue  # never published: it holds nothing
             theirs = (ometa.get("creationTimestamp") or "", ometa.get("name", ""))
-            other_published = await self.records.read(record_key(namespace, ometa.get("name", ""))) is not None
-            wins = other_published if other_published != published else theirs < mine
-            if wins:
+            if not published or theirs < mine:
                 return (
                     f"ScaledObject {ometa.get('name')} already scales {kind}/{target_name}; "
                     "one ScaledObject per workload: delete one of them, or point this one at another target"
@@ -244,7 +257,8 @@ class ScaledObjects:
         key = record_key(namespace, name)
         ref = ObjectRef.of(body)
         known = self.known.setdefault(key, _Known(body=body, verdict=status_mod.Verdict(False, "Pending", "")))
-        async with known.lock:
+        # One verdict at a time: two objects on one target, judged at once, would each find the other unpublished.
+        async with known.lock, self.judging:
             if known.verdict.reason == "Deleting":
                 return known.verdict  # the finalizer owns it now
             known.body = body
@@ -263,11 +277,11 @@ class ScaledObjects:
                 elif moved is not None and moved[0] == "ModelOwnedByOtherNamespace" and moved[1] is not None:
                     verdict = status_mod.Verdict(False, moved[0], moved[1])
                     await self.records.withdraw(key)
-                    known.model = None
+                    known.set_record(None)
                 else:
                     # The last valid record runs on: the status keeps describing it (its pause, notes, the
                     # autoscaler's row for it), only Ready says the edit was refused.
-                    known.model = previous.spec.model
+                    known.set_record(previous)
                     verdict = status_mod.Verdict(
                         False, "InvalidSpec",
                         f"{err}; generation {previous.generation} (the last valid spec) stays in force",
@@ -293,7 +307,7 @@ class ScaledObjects:
                     verdict = status_mod.Verdict(False, reason, conflict, in_force=keep)
                     if previous is not None and not keep:
                         await self.records.withdraw(key)
-                        known.model = None
+                        known.set_record(None)
                     await self.recorder.record(ref, "Warning", reason, conflict)
                 else:
                     created = _parse_time(meta.get("creationTimestamp"))
@@ -302,11 +316,12 @@ class ScaledObjects:
                     if changed:
                         # The model first: the autoscaler's first events for it (cold.start) can arrive before
                         # the put below returns, and `on_nats_event` posts only for objects with a model.
-                        prior_model, known.model = known.model, record.spec.model
+                        prior = known.record
+                        known.model = record.spec.model
                         try:
                             await self.records.publish(key, record)
                         except BaseException:
-                            known.model = prior_model
+                            known.set_record(prior)
                             raise
                         action = "created" if previous is None else "configured"
                         await self.recorder.record(
@@ -314,7 +329,7 @@ class ScaledObjects:
                             f"{action} {protocol.SCALERS_BUCKET}/{key} (generation {record.generation}, model "
                             f"{record.spec.model})",
                         )  # fmt: skip
-                    known.model = record.spec.model
+                    known.set_record(record)
                     published = f"published to {protocol.SCALERS_BUCKET} as {key} (model {record.spec.model})"
                     missing = await self._target_problem(body)
                     verdict = status_mod.Verdict(
@@ -342,21 +357,20 @@ class ScaledObjects:
         return "ModelOwnedByOtherNamespace", self.owners.refusal(model, owner)
 
     async def _target_problem(self, body: dict[str, Any]) -> tuple[str, str] | None:
-        """(reason, message) when the scale target cannot be scaled: absent, or a kind with no pod template and no
-        scale subresource here (KEDA keeps such a ScaledObject not Ready). The record is published anyway: the warm
-        pool serves the model without the workload, only standby pods and the cold path need it."""
+        """(reason, message) when the scale target does not exist (KEDA keeps such a ScaledObject not Ready). The
+        record is published anyway: the warm pool serves the model without the workload, only standby pods, the
+        cold path and the pause need it."""
         target = _target(body)
         if target is None:
             return None
         kind, name = target
         namespace = body["metadata"]["namespace"]
-        # Its scale subresource: what the cold path and the restore write (and a small read).
+        # Its scale subresource: what the cold path, the pause and the restore write (and a small read). Other
+        # kinds never get here: the validator refuses them (`scaledobject.SCALE_TARGETS`).
         read = {"Deployment": self.ctx.apps.read_namespaced_deployment_scale,
                 "StatefulSet": self.ctx.apps.read_namespaced_stateful_set_scale}.get(kind)  # fmt: skip
         if read is None:
-            return ("ScaleTargetUnsupported",
-                    f"scaleTargetRef kind {kind} has no pod template and no scale subresource pulsescale can use: "
-                    f"point it at a {' or '.join(RESTORABLE_KINDS)}")  # fmt: skip
+            return None
         try:
             await self.ctx.call(read, name, namespace)
         except ApiException as err:

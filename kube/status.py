@@ -55,7 +55,6 @@ READY_REASONS: Final = (
     "ModelOwnedByOtherNamespace",  # the model belongs to another namespace (kube/records.py `ModelOwners`)
     "ModelOwnerUnknown",  # the ConfigMap of model owners cannot be read or written: nothing new is published
     "ScaleTargetNotFound",  # published, but the scaleTargetRef workload does not exist (KEDA: not Ready)
-    "ScaleTargetUnsupported",  # published, but the target's kind is not a Deployment or StatefulSet
     "Deleting",  # the finalizer runs: record removed, waiting for the model's slots
     "Pending",  # seen, not handled yet
 )

@@ -17,7 +17,7 @@ from typing import Any, Final
 
 import msgspec
 
-from manifests.keda import _HPA, _flag, _keda_triggers, _map_hpa, _replicas
+from manifests.keda import _HPA, _flag, _keda_triggers, _map_hpa, _replicas, check_replica_bounds, check_scale_target
 from manifests.terms import (
     API_VERSION,
     DEFAULT_MAX_REPLICAS,
@@ -230,14 +230,17 @@ def from_manifest(
     if unknown:
         (field, hint), more = unknown[0], len(unknown) - 1
         raise ScaledObjectError(field, f"unknown field{hint}" + (f"; {more} more unknown field(s)" if more else ""))
+    # KEDA's own rules, in KEDA's words, before the wire type's looser idle < min (which binds only above 0).
+    check_replica_bounds(raw_spec)
+    check_scale_target(raw_spec)
     try:
         spec = msgspec.convert(raw_spec, ScaledObjectSpec)
     except msgspec.ValidationError as err:
         raise _spec_error(err) from None
+    # idleReplicaCount needs no bound of its own: KEDA's rule above keeps it below a minimum that is within it.
     for field, value in (
         ("spec.maxReplicaCount", spec.max_replica_count),
         ("spec.minReplicaCount", spec.min_replica_count),
-        ("spec.idleReplicaCount", spec.idle_replica_count or 0),
     ):
         if value > max_replicas:
             raise _over(field, value, max_replicas)

@@ -33,7 +33,16 @@ REFUSED: Final[dict[str, str]] = {
     "spec.triggers[].metadata.model": "a second ScaledObject of one model, in one apply or already in "
     "`pulse_scalers`: the autoscaler serves one ScaledObject per model (delete the other first).",
     "spec.advanced.scalingModifiers": "every trigger of a ScaledObject feeds the same model's demand, so there is "
-    "no second metric for a formula to combine.",
+    "no second metric for a formula to combine. The CRD declares it (KEDA's shape), so the API server keeps it and "
+    "the operator refuses it (`Ready=False InvalidSpec`) instead of it vanishing.",
+    "spec.triggers[].metadata": "a key other than `model`, `targetQueueDepth` and `activationQueueDepth` (another "
+    "scaler's key, a typo), naming it: the CRD keeps unknown keys there (as KEDA's), so the operator refuses it.",
+    "spec.scaleTargetRef.kind": "anything but an apps/v1 `Deployment` or `StatefulSet` (an Argo Rollout, a custom "
+    "resource with a scale subresource), by the CRD, `pulsescale apply` and the operator: standby pods come from a "
+    "Deployment's or StatefulSet's pod template, and the operator writes only their scale subresource.",
+    "spec.idleReplicaCount": "a count not below `minReplicaCount` as KEDA's admission webhook counts it (unset: 0; "
+    "`0`: 1), in KEDA's words (`IdleReplicaCount=3 must be less than MinReplicaCount=1`), by the CRD, `pulsescale "
+    "apply` and the operator: it used to be admitted and then ignored.",
     f"{_HPA}.scaleUp.policies": "scale-up rate limits: pulsescale scales out as fast as the demand asks, from warm "
     "slots. HPA's default (Percent 100 and Pods 4 per 15 s, `Max`) is slower, so removing it loses nothing.",
     f"{_HPA}.scaleUp.stabilizationWindowSeconds": "other than 0: scale-out follows `advanced.stableWindowSeconds` "
@@ -173,9 +182,11 @@ def docs_markdown() -> str:
         "## Pausing",
         "",
         "- Annotations, in KEDA's family (`autoscaling.keda.sh/`) and ours (`pulsescale.io/`), which must agree:",
-        '  `paused: "true"` holds the current count; `paused-replicas: "N"` holds N (with or without `paused`;',
-        '  `"0"` parks at zero whatever `minReplicaCount` says); `paused-scale-in`/`paused-scale-out: "true"` stop',
-        "  one direction.",
+        '  `paused: "true"` holds the target at its current count (nothing writes its scale subresource while',
+        '  paused) and the warm pool at its count; `paused-replicas: "N"` (with or without `paused`; `"0"` parks at',
+        "  zero whatever `minReplicaCount` says) sets the target to N through its scale subresource, as KEDA does",
+        "  (`status.originalReplicaCount` recorded first, `status.pausedReplicaCount` N, put back to N if changed",
+        '  while paused), and holds the pool at N; `paused-scale-in`/`paused-scale-out: "true"` stop one direction.',
         f"- `{_HPA}.scaleUp.selectPolicy: Disabled` pauses scale-out, as the `paused-scale-out` annotation does.",
         f"- `{_HPA}.scaleDown.selectPolicy: Disabled` (or `spec.advanced.scaleDownSelectPolicy: Disabled`) never",
         "  scales down.",

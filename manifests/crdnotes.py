@@ -85,7 +85,9 @@ FIELD_NOTES: Final[dict[str, tuple[str, str]]] = {
     "ScaledObjectSpec.minReplicaCount": ("Replicas kept serving with no demand.", "spec.minReplicaCount"),
     "ScaledObjectSpec.maxReplicaCount": ("Most replicas the policy asks for.", "spec.maxReplicaCount"),
     "ScaledObjectSpec.idleReplicaCount": (
-        "Replicas with no demand after `cooldownPeriod` (must be < `minReplicaCount`); unset: `minReplicaCount`.",
+        "Replicas with no demand after `cooldownPeriod`; unset: `minReplicaCount`. As KEDA's admission webhook, "
+        "it must be less than `minReplicaCount`, an unset one counting 0 and a `0` counting 1 (so with "
+        "`minReplicaCount: 0` only `0` is admitted).",
         "spec.idleReplicaCount",
     ),
     "ScaledObjectSpec.cooldownPeriod": ("", "spec.cooldownPeriod"),
@@ -99,13 +101,17 @@ FIELD_NOTES: Final[dict[str, tuple[str, str]]] = {
     "ScaledObjectSpec.initialCooldownPeriod": ("", "spec.initialCooldownPeriod"),
     "ScaleTargetRef.envSourceContainerName": ("", "spec.scaleTargetRef.envSourceContainerName (no effect)"),
     "ScaleTargetRef.name": ("Name of the target workload in the ScaledObject's namespace.", "spec.scaleTargetRef.name"),
-    "ScaleTargetRef.kind": ("Kind of the target (anything with a scale subresource).", "spec.scaleTargetRef.kind"),
+    "ScaleTargetRef.kind": ("Kind of the target: `Deployment` or `StatefulSet`.", "spec.scaleTargetRef.kind"),
     "ScaleTargetRef.apiVersion": ("API version of the target.", "spec.scaleTargetRef.apiVersion"),
     "Trigger.type": (
         "Always `gateway-queue`: demand pushed by the gateways (other KEDA scalers are refused).",
         "spec.triggers[].type",
     ),
-    "Trigger.metadata": ("The trigger's parameters.", "spec.triggers[].metadata"),
+    "Trigger.metadata": (
+        "The trigger's parameters. Unknown keys are kept by the API server (as KEDA's string map) and refused by "
+        "the validator naming the key, so a typo is `Ready=False`, never silently dropped.",
+        "spec.triggers[].metadata",
+    ),
     "Trigger.name": ("", "spec.triggers[].name"),
     "Trigger.metricType": ("", "spec.triggers[].metricType"),
     "Trigger.useCachedMetrics": ("", "spec.triggers[].useCachedMetrics (no effect)"),
@@ -219,6 +225,10 @@ PATH_NOTES: Final[dict[str, str]] = {
     f"{_HPA}.scaleDown.policies": "`Percent` and/or `Pods` with one `periodSeconds` become "
     "`advanced.scaleDownPercent`/`scaleDownPods`/`scaleDownPeriodSeconds`.",
     f"{_HPA}.scaleDown.policies[].value": "Replicas, or percent of them, removed per period.",
+    "spec.scaleTargetRef.kind": "`Deployment` or `StatefulSet` (apps/v1). **Refused:** any other kind, an Argo "
+    "Rollout or another custom resource with a scale subresource (KEDA takes those): the operator makes standby "
+    "pods from a Deployment's or StatefulSet's pod template and writes only their scale subresource.",
+    "spec.scaleTargetRef.apiVersion": "`apps/v1` (the API of a Deployment or StatefulSet).",
     "spec.fallback.failureThreshold": "Missed intervals (of `advanced.staleAfterSeconds`, counted from the last "
     "decision with fresh demand) tolerated: the fallback count applies at the next one, as KEDA's failures > "
     "failureThreshold; `0` falls back at the first.",

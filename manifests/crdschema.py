@@ -25,14 +25,20 @@ What the conversion decides, and why:
 - ``exclusiveMinimum: X`` (JSON Schema 2020-12) becomes ``minimum: X, exclusiveMinimum: true`` (OpenAPI v3.0,
   what apiextensions.k8s.io/v1 reads); enums get ``type: string``.
 - CEL ``x-kubernetes-validations`` repeat the cross-field rules of `ScaledObjectSpec.__post_init__` and the
-  validator with the same wording: min <= max, idle < min (when min > 0), unique trigger names, one model, a
-  pulsescale name in ``metadata.name``. ``metadata.namespace`` needs no rule: a namespace is a DNS label, always
-  a pulsescale name. ``spec.triggers`` gets ``maxItems`` (`MAX_TRIGGERS`, the validator's bound too), because the
-  API server refuses a CEL rule whose worst-case cost over an unbounded list is too high.
+  validator with the same wording: min <= max, idle below min as KEDA's admission webhook reads it (an unset min
+  counts 0, a min of 0 counts 1; ``minReplicaCount`` therefore has no CRD default, `_UNSET_DEFAULTS`), unique
+  trigger names, one model, a pulsescale name in ``metadata.name``. ``metadata.namespace`` needs no rule: a
+  namespace is a DNS label, always a pulsescale name. ``spec.triggers`` gets ``maxItems`` (`MAX_TRIGGERS`, the
+  validator's bound too), because the API server refuses a CEL rule whose worst-case cost over an unbounded list is
+  too high.
 - ``spec.schedules`` (revision 8): CEL repeats the floor <= ``maxReplicaCount`` and unique names; whether two
   windows overlap needs the zone database (DST), so the validator alone refuses it (the operator reports it).
-- `_CRD_BOUNDS` adds bounds the CRD needs beyond the wire's (none today: ``fallback.failureThreshold`` 0 is the
-  wire's own minimum since revision 5).
+- `_CRD_BOUNDS` adds bounds the CRD needs beyond the wire's: ``scaleTargetRef`` is an apps/v1 Deployment or
+  StatefulSet (`terms.SCALE_TARGETS`; KEDA takes any ``/scale`` target, pulsescale refuses the others).
+- What KEDA's CRD keeps, ours keeps, so the operator sees it and refuses it with the reason instead of the API
+  server pruning it unseen (a non-strict client, or an older kubectl, sends unknown fields without complaint):
+  unknown trigger ``metadata`` keys (``x-kubernetes-preserve-unknown-fields`` on the metadata object: KEDA's is a
+  string map) and ``advanced.scalingModifiers`` (declared with KEDA's shape, `_SCALING_MODIFIERS`).
 - The HPA ``behavior`` rules are one struct for ``scaleUp`` and ``scaleDown``, mapped differently (scale-down onto
   the policy, scale-up mostly refused): `PATH_NOTES` describes each by its path, in the CRD and the docs, and
   `REFUSED` (manifests/crddocs.py) lists what the validator refuses with the reason (tests/manifests/test_crd.py checks
@@ -95,9 +101,12 @@ CEL_RULES: Final[dict[str, list[dict[str, str]]]] = {
             "message": "`minReplicaCount` must be <= `maxReplicaCount`",
         },
         {
-            "rule": "!has(self.idleReplicaCount) || !has(self.minReplicaCount) || self.minReplicaCount == 0 || "
-            "self.idleReplicaCount < self.minReplicaCount",
-            "message": "`idleReplicaCount` must be < `minReplicaCount` (as in KEDA)",
+            # KEDA's webhook (CheckReplicaCountBoundsAreValid): an unset minimum counts 0, a minimum of 0 counts 1.
+            "rule": "!has(self.idleReplicaCount) || (has(self.minReplicaCount) && "
+            "(self.idleReplicaCount < self.minReplicaCount || "
+            "(self.minReplicaCount == 0 && self.idleReplicaCount == 0)))",
+            "message": "IdleReplicaCount must be less than MinReplicaCount, as KEDA's admission webhook says (an unset "
+            "minReplicaCount counts 0, a minReplicaCount of 0 counts 1)",
         },
         {
             "rule": "self.triggers.size() >= 1",
@@ -124,7 +133,28 @@ CEL_RULES: Final[dict[str, list[dict[str, str]]]] = {
     ],
 }
 
-_CRD_BOUNDS: Final[dict[tuple[str, str], dict[str, Any]]] = {}
+_CRD_BOUNDS: Final[dict[tuple[str, str], dict[str, Any]]] = {
+    # The scale targets pulsescale takes (`terms.SCALE_TARGETS`): the API server refuses others, as the validator.
+    ("ScaleTargetRef", "kind"): {"enum": sorted({kind for _, kind in terms.SCALE_TARGETS})},
+    ("ScaleTargetRef", "apiVersion"): {"enum": sorted({api for api, _ in terms.SCALE_TARGETS})},
+}
+
+_SCALING_MODIFIERS: Final[dict[str, Any]] = {
+    # KEDA's ``advanced.scalingModifiers`` (its CRD's shape, strings bounded for the CEL cost estimate): declared so
+    # the API server keeps it for the operator to refuse with the reason, instead of pruning it unseen.
+    "type": "object",
+    "description": "KEDA's scalingModifiers (a formula over several triggers' metrics). Refused by the validator, "
+    "with the reason: every trigger of a ScaledObject feeds the same model's demand.",
+    "properties": {
+        "formula": {"type": "string", "maxLength": 4096},
+        "target": {"type": "string", "maxLength": 64},
+        "activationTarget": {"type": "string", "maxLength": 64},
+        "metricType": {"type": "string", "enum": ["AverageValue", "Value"]},
+    },
+}
+_UNSET_DEFAULTS: Final = ("minReplicaCount",)
+"""Spec fields whose wire default stays out of the CRD: KEDA's webhook tells an unset ``minReplicaCount`` from 0
+(`manifests.keda.check_replica_bounds`), so the API server must store it unset, as KEDA's CRD does."""
 
 
 def structural(schema: dict[str, Any]) -> dict[str, Any]:
@@ -218,6 +248,12 @@ def spec_schema() -> dict[str, Any]:
     out["properties"]["triggers"]["maxItems"] = MAX_TRIGGERS
     trigger = out["properties"]["triggers"]["items"]
     trigger["properties"]["name"]["maxLength"] = MAX_NAME_LENGTH
+    # Unknown metadata keys are kept (KEDA's CRD has a string map there), so a typo reaches the operator, which
+    # refuses it naming the key; pruned, it would vanish and the object would look Ready.
+    trigger["properties"]["metadata"]["x-kubernetes-preserve-unknown-fields"] = True
+    out["properties"]["advanced"]["properties"]["scalingModifiers"] = copy.deepcopy(_SCALING_MODIFIERS)
+    for name in _UNSET_DEFAULTS:
+        out["properties"][name].pop("default", None)
     out["x-kubernetes-validations"] = copy.deepcopy(CEL_RULES["spec"])
     _path_descriptions(out, "spec")
     return out

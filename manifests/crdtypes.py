@@ -97,11 +97,13 @@ class ColdPathStatus(_Camel, kw_only=True):
     request, or a new leader re-reading the status, does not patch the same shortfall twice."""
 
     requested: Count
-    """Replicas the autoscaler asked for (the warm pool's shortfall) in this episode's last request."""
+    """Replicas the autoscaler asked for (the warm pool's shortfall) in this episode's last request; the target's
+    own replicas count towards it, so the target is raised to at least this many, never by this many."""
     from_replicas: Count
-    """The target's replica count when the episode began: every request adds to this, not to the current count."""
+    """The target's replica count when the episode began."""
     to_replicas: Count
-    """The count patched to (at most ``maxReplicaCount``)."""
+    """The count the target runs for the request: the current count when it already covers it, else the request
+    (at most ``maxReplicaCount``)."""
     time: Rfc3339
     """When the episode was last written."""
 
@@ -109,8 +111,9 @@ class ColdPathStatus(_Camel, kw_only=True):
 class ScaledObjectStatus(_Camel, kw_only=True):
     """``status`` of a pulsescale ScaledObject: what the operator patches from the autoscaler's `StatusRow`.
 
-    Field names are KEDA's where KEDA has one (``conditions``, ``originalReplicaCount``, ``lastActiveTime``,
-    ``scaleTargetKind``); the rest say what pulsescale adds (warm slots, the cold path, decisions with reasons).
+    Field names are KEDA's where KEDA has one (``conditions``, ``originalReplicaCount``, ``pausedReplicaCount``,
+    ``lastActiveTime``, ``scaleTargetKind``); the rest say what pulsescale adds (warm slots, the cold path, decisions
+    with reasons).
     Every field is optional so a partial patch (merge patch of the status subresource) is a valid status.
     """
 
@@ -140,3 +143,6 @@ class ScaledObjectStatus(_Camel, kw_only=True):
     """The target's replica count before the first scale, for ``advanced.restoreToOriginalReplicaCount``."""
     cold_path: ColdPathStatus | None = None
     """The cold path's current episode; removed (merge patch ``null``) when the autoscaler's shortfall is met."""
+    paused_replica_count: Count | None = None
+    """As KEDA: the count the ``paused-replicas`` annotation set the target to (through its scale subresource);
+    removed when the annotation goes."""

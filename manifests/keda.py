@@ -19,6 +19,7 @@ from manifests.terms import (
     _ASCII_NUMBER,
     ANNOTATION_PREFIXES,
     MAX_TRIGGERS,
+    SCALE_TARGETS,
     TRIGGER_TYPE,
     ScaledObjectError,
     _over,
@@ -26,7 +27,7 @@ from manifests.terms import (
 from warmpool import protocol
 from warmpool.protocol import Advanced, HPAScalingRules
 
-__all__ = ["NOTE_ENV_SOURCE"]
+__all__ = ["NOTE_ENV_SOURCE", "check_replica_bounds", "check_scale_target"]
 
 
 def _is_number_type(info: msgspec.inspect.Type) -> bool:
@@ -157,6 +158,53 @@ def _keda_triggers(raw_spec: Mapping[str, Any], notes: list[str]) -> dict[str, A
             "trigger",
         )
     return spec
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_replica_bounds(raw_spec: Mapping[str, Any]) -> None:
+    """KEDA's admission webhook on ``idleReplicaCount`` (kedacore/keda ``CheckReplicaCountBoundsAreValid``, run by
+    ``verifyReplicaCount``), with its wording: idle must be below the minimum, where an unset ``minReplicaCount``
+    counts 0 and a ``minReplicaCount`` of 0 counts 1 (``GetHPAMinReplicas``: the HPA's least). So ``0`` with
+    ``idleReplicaCount: 3`` is refused (the autoscaler would otherwise ignore the idle count), and ``0`` with
+    ``idleReplicaCount: 0`` is admitted. Values of the wrong type are left for msgspec to name."""
+    idle, given = raw_spec.get("idleReplicaCount"), raw_spec.get("minReplicaCount")
+    if not isinstance(idle, int) or not _whole(idle) or not (given is None or _whole(given)):
+        return
+    least = 0 if not isinstance(given, int) else max(given, 1)
+    if idle < least:
+        return
+    why = {
+        None: "minReplicaCount is unset, which KEDA's webhook reads as 0: set minReplicaCount above it",
+        0: "KEDA's webhook reads minReplicaCount 0 as the HPA's least, 1: with 0 only idleReplicaCount 0 is admitted",
+    }.get(given, "set idleReplicaCount below minReplicaCount, or remove it")
+    raise ScaledObjectError(
+        "spec.idleReplicaCount",
+        f"IdleReplicaCount={idle} must be less than MinReplicaCount={least}, as KEDA's admission webhook says: {why}",
+    )
+
+
+def check_scale_target(raw_spec: Mapping[str, Any]) -> None:
+    """Refuse a ``scaleTargetRef`` that is not one of `SCALE_TARGETS` (an Argo Rollout, a custom resource with a
+    scale subresource): KEDA resolves any ``/scale`` target through API discovery, pulsescale's operator reads the
+    pod template and the scale subresource of Deployments and StatefulSets only (and its RBAC grants no more), so
+    accepting one would publish a ScaledObject whose target nothing scales. Wrong types are left to msgspec."""
+    ref = raw_spec.get("scaleTargetRef")
+    if not isinstance(ref, Mapping):
+        return
+    kind, api = ref.get("kind", "Deployment"), ref.get("apiVersion", "apps/v1")
+    if not isinstance(kind, str) or not isinstance(api, str) or (api, kind) in SCALE_TARGETS:
+        return
+    field = "kind" if kind not in {k for _, k in SCALE_TARGETS} else "apiVersion"
+    allowed = " or ".join(f"{a} {k}" for a, k in SCALE_TARGETS)
+    raise ScaledObjectError(
+        f"spec.scaleTargetRef.{field}",
+        f"{api} {kind} is not a target pulsescale scales: the operator makes standby pods from the pod template and "
+        f"writes the scale subresource of an {allowed} only (KEDA takes anything with a /scale subresource, such as "
+        "an Argo Rollout: keep that workload on KEDA, or point scaleTargetRef at a Deployment or StatefulSet)",
+    )
 
 
 _HPA: Final = "spec.advanced.horizontalPodAutoscalerConfig.behavior"

@@ -31,6 +31,11 @@ reason. What is checked, and why it is stricter than the wire decoder:
   status): ``pollingInterval``, ``useCachedMetrics`` (a pushed trigger is read as samples arrive, never polled),
   ``authenticationRef`` (nothing to authenticate to), ``horizontalPodAutoscalerConfig.name`` (no HPA is made),
   ``scaleTargetRef.envSourceContainerName`` (a pushed trigger reads no container environment).
+- ``idleReplicaCount``: KEDA's admission webhook rule and words (``IdleReplicaCount=3 must be less than
+  MinReplicaCount=1``): an unset ``minReplicaCount`` counts 0, a ``minReplicaCount`` of 0 counts 1, so
+  ``minReplicaCount: 0`` admits only ``idleReplicaCount: 0`` (``manifests.keda.check_replica_bounds``).
+- ``scaleTargetRef``: an apps/v1 Deployment or StatefulSet (`SCALE_TARGETS`); any other kind (an Argo Rollout)
+  is refused naming it, since the operator reads only their pod template and scale subresource.
 - ``fallback.failureThreshold``: KEDA's meaning, in the policy too (falls back when failures > threshold; a
   failure is a missed interval of ``advanced.staleAfterSeconds``); ``0`` falls back at the first, as KEDA's.
 - One ScaledObject per model: the autoscaler serves the first and drops a second (``daemon.apply_scaler``), so
@@ -48,7 +53,7 @@ reason. What is checked, and why it is stricter than the wire decoder:
   clamp a pause); ``paused-scale-in``/``paused-scale-out: "true"`` stop one direction. Values are strings, as
   Kubernetes requires, and ``"true"``/``"false"`` only (KEDA reads any other ``paused`` value as true: a typo
   here is refused instead of pausing).
-- Replica counts (``minReplicaCount``, ``maxReplicaCount``, ``idleReplicaCount``, paused-replicas) are at most
+- Replica counts (``minReplicaCount``, ``maxReplicaCount``, paused-replicas; idle is below min) are at most
   `max_replicas` (`DEFAULT_MAX_REPLICAS`, or ``$PULSESCALE_MAX_REPLICAS``): the wire allows 100000, but one
   ScaledObject asking for that much is a typo or an attack, and the autoscaler caps what it acts on at its own
   ``--max-replicas`` (`capped`).
@@ -94,6 +99,7 @@ from manifests.terms import (
     PAUSED_REPLICAS_ANNOTATION,
     PAUSED_SCALE_IN_ANNOTATION,
     PAUSED_SCALE_OUT_ANNOTATION,
+    SCALE_TARGETS,
     TRIGGER_TYPE,
     ScaledObjectError,
     max_replicas_from_env,
@@ -117,6 +123,7 @@ __all__ = [
     "PAUSED_REPLICAS_ANNOTATION",
     "PAUSED_SCALE_IN_ANNOTATION",
     "PAUSED_SCALE_OUT_ANNOTATION",
+    "SCALE_TARGETS",
     "TRIGGER_TYPE",
     "Manifest",
     "ScaledObjectError",

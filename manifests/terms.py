@@ -32,6 +32,7 @@ __all__ = [
     "PAUSED_REPLICAS_ANNOTATION",
     "PAUSED_SCALE_IN_ANNOTATION",
     "PAUSED_SCALE_OUT_ANNOTATION",
+    "SCALE_TARGETS",
     "TRIGGER_TYPE",
     "ScaledObjectError",
     "max_replicas_from_env",
@@ -48,6 +49,10 @@ PAUSED_ANNOTATION: Final = "pulsescale.io/paused"
 PAUSED_REPLICAS_ANNOTATION: Final = "pulsescale.io/paused-replicas"
 PAUSED_SCALE_IN_ANNOTATION: Final = "pulsescale.io/paused-scale-in"
 PAUSED_SCALE_OUT_ANNOTATION: Final = "pulsescale.io/paused-scale-out"
+SCALE_TARGETS: Final = (("apps/v1", "Deployment"), ("apps/v1", "StatefulSet"))
+"""The (apiVersion, kind) of the scale targets pulsescale takes: the operator reads their pod template (standby
+pods) and writes their scale subresource (the cold path, paused-replicas, the restore), and its RBAC grants exactly
+those. KEDA takes anything with a ``/scale`` subresource; every other kind is refused, by the CRD and the validator."""
 MANIFEST_SUFFIXES: Final = (".yaml", ".yml", ".json")
 """What `load_path` reads from a directory, as ``kubectl apply -f DIR``."""
 MAX_TRIGGERS: Final = 16

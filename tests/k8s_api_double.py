@@ -20,7 +20,8 @@ What it does, as the API server does:
   for resources that have the subresource) and ``scale`` for deployments and statefulsets (GET/PUT/PATCH as an
   ``autoscaling/v1`` Scale that reads and writes the workload's ``spec.replicas``);
 - with ``prune_with_crds``, custom resources lose the fields their CRD (deploy/crd/) does not declare, as the API
-  server prunes them (off by default);
+  server prunes them (off by default): a node with ``x-kubernetes-preserve-unknown-fields`` keeps its unknown
+  fields (the ScaledObject's trigger metadata), its declared ones pruned by their schemas;
 - one global, monotonic ``resourceVersion``; ``metadata.uid``, ``creationTimestamp`` and ``generation`` (bumped by
   a change of anything but metadata and status); errors are ``v1`` Status objects with ``reason`` and ``code``.
 
@@ -224,21 +225,25 @@ def load_crd_schemas(directory: Path = CRD_DIR) -> dict[tuple[str, str], Obj]:
 
 def prune(value: Any, schema: Obj) -> Any:
     """What the API server keeps of `value` under a structural schema: unknown object fields are dropped, unless
-    ``x-kubernetes-preserve-unknown-fields``; ``additionalProperties`` and ``items`` apply to every entry."""
-    if schema.get("x-kubernetes-preserve-unknown-fields"):
-        return value
+    ``x-kubernetes-preserve-unknown-fields`` (then they are kept, and the declared ones still pruned by their own
+    schemas, as the API server does); ``additionalProperties`` and ``items`` apply to every entry."""
+    keep_unknown = bool(schema.get("x-kubernetes-preserve-unknown-fields"))
     if isinstance(value, dict):
         props = schema.get("properties")
         extra = schema.get("additionalProperties")
         if props is None and not isinstance(extra, dict):
-            return value if schema.get("type") != "object" else {}
+            return value if keep_unknown or schema.get("type") != "object" else {}
         out = {}
         for key, item in value.items():
             if props is not None and key in props:
                 out[key] = prune(item, props[key])
             elif isinstance(extra, dict):
                 out[key] = prune(item, extra)
+            elif keep_unknown:
+                out[key] = item
         return out
+    if keep_unknown:
+        return value
     if isinstance(value, list) and isinstance(schema.get("items"), dict):
         return [prune(item, schema["items"]) for item in value]
     return value

@@ -61,9 +61,10 @@ class ScalerSettings:
 
 
 class ColdPath(Protocol):
-    """Capacity that is not in the warm pool (the Kubernetes actuator, with its issue, patches the target's
+    """Capacity that is not in the warm pool (the Kubernetes actuator, kube/coldpath.py, patches the target's
     scale subresource). `replicas` is how many replicas the warm pool could not provide right now, beyond those
-    serving or activating — not a total; the actuator adds it to what it already runs."""
+    serving or activating. The replicas the target already runs count towards them: the actuator raises the
+    target to `replicas` when it runs fewer (a Deployment already at 3 covers a request for 1), never by them."""
 
     async def scale(self, record: ScalerRecord, replicas: int, reason: str) -> None: ...
 

@@ -142,3 +142,29 @@ async def test_with_crds_a_custom_resource_loses_the_fields_its_schema_does_not_
         "scaledobjects", NS, "qwen", {"status": {"desiredReplicas": 2, "invented": {"x": 1}}}, subresource="status"
     )
     assert api.get("scaledobjects", NS, "qwen")["status"] == {"desiredReplicas": 2}
+
+
+def test_a_node_that_preserves_unknown_fields_keeps_them_and_prunes_its_declared_ones() -> None:
+    from tests.k8s_api_double import prune
+
+    schema = {
+        "type": "object",
+        "x-kubernetes-preserve-unknown-fields": True,
+        "properties": {
+            "model": {"type": "string"},
+            "inner": {"type": "object", "properties": {"a": {"type": "string"}}},
+        },
+    }
+    value = {"model": "qwen", "targetQueueDepht": "4", "inner": {"a": "x", "b": "pruned"}}
+    assert prune(value, schema) == {"model": "qwen", "targetQueueDepht": "4", "inner": {"a": "x"}}
+    assert prune({"anything": [1]}, {"x-kubernetes-preserve-unknown-fields": True}) == {"anything": [1]}
+    # The shipped CRD: trigger metadata keeps a typo for the operator to refuse; a typo beside it in spec is dropped.
+    api = K8sApiDouble(prune_with_crds=True)
+    trigger = {"type": "gateway-queue", "metadata": {"model": "qwen", "targetQueueDepht": "4"}}
+    body = {
+        "metadata": {"name": "qwen"},
+        "spec": {"scaleTargetRef": {"name": "qwen"}, "typo": 1, "triggers": [trigger]},
+    }
+    api.create("scaledobjects", NS, body)
+    spec = api.get("scaledobjects", NS, "qwen")["spec"]
+    assert "typo" not in spec and spec["triggers"][0]["metadata"] == {"model": "qwen", "targetQueueDepht": "4"}

@@ -597,7 +597,7 @@ async def test_an_invalid_edit_keeps_the_status_of_the_record_in_force(running: 
     assert (status.get("desiredReplicas"), status.get("readyReplicas")) == (2, 2), status
 
 
-async def test_a_missing_or_unsupported_scale_target_is_not_ready_and_says_so(running: Running) -> None:
+async def test_a_missing_scale_target_is_not_ready_and_says_so(running: Running) -> None:
     # Published (warm slots serve without the workload) but not Ready, as KEDA keeps such an object, with an Event.
     running.api.create(SO, NS, scaled_object("ghost", model="ghost", target="nowhere"))
     cond = await running.wait_condition("ghost", "Ready", "False", "ScaleTargetNotFound")
@@ -607,13 +607,7 @@ async def test_a_missing_or_unsupported_scale_target_is_not_ready_and_says_so(ru
     # The workload comes: Ready within a status round.
     running.api.create("deployments", NS, {"metadata": {"name": "nowhere", "namespace": NS}, "spec": {"replicas": 1}})
     await running.wait_condition("ghost", "Ready", "True", "ScalerPublished")
-
-    pod = scaled_object("pod", model="pod", target="p")
-    pod["spec"]["scaleTargetRef"] = {"apiVersion": "v1", "kind": "Pod", "name": "p"}
-    running.api.create(SO, NS, pod)
-    cond = await running.wait_condition("pod", "Ready", "False", "ScaleTargetUnsupported")
-    assert "kind Pod" in cond["message"], cond["message"]
-    await running.api.wait_for(lambda: running.events("pod", "ScaleTargetUnsupported"), what="a Warning Event")
+    # A kind other than a Deployment or StatefulSet is refused outright: tests/kube/test_operator_keda.py.
 
 
 async def test_deleting_a_never_published_scaledobject_does_not_wait_for_slots(running: Running) -> None:

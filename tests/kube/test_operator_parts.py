@@ -398,13 +398,13 @@ async def test_the_cold_path_patches_the_scale_subresource_as_an_hpa_once_per_re
 ) -> None:
     async with autoscaler(nats_server.url), operator(k8s_api, nc) as running:
         running.api.create("deployments", NS, deployment(replicas=1))
-        so = scaled_object(size=0, max_replicas=3)
-        so["spec"]["minReplicaCount"] = 2  # the autoscaler wants 2 at once, and the pool has none
+        so = scaled_object(size=0, max_replicas=5)
+        so["spec"]["minReplicaCount"] = 3  # the autoscaler wants 3 at once, and the pool has none
         running.api.create(SO, NS, so)
         await running.api.wait_for(lambda: scale_writes(running.api), 15, "a scale patch")
         [write] = scale_writes(running.api)
         assert (write.method, write.path) == ("PATCH", f"/apis/apps/v1/namespaces/{NS}/deployments/qwen/scale")
-        assert write.body == {"spec": {"replicas": 3}}  # 1 + 2
+        assert write.body == {"spec": {"replicas": 3}}  # the 1 running counts: raised to 3, not by 3
         assert running.api.get("deployments", NS, "qwen")["spec"]["replicas"] == 3
         status = running.api.get(SO, NS, "qwen")["status"]
         assert status["originalReplicaCount"] == 1
@@ -431,18 +431,24 @@ async def test_cold_path_requests_are_idempotent_across_replicas_and_capped(k8s_
         running.api.patch(SO, NS, "qwen", {"spec": {"scaleTargetRef": {"kind": "StatefulSet"}}})
         body = await running.api.wait_for(lambda: _published(running), 10, "the ScaledObject published")
         cold = running.ctx.extra["coldpath"]
-        assert await cold.request(body, 2) == 4
-        assert await cold.request(body, 2) is None  # the same request again (the status row after the event)
+        assert await cold.request(body, 2) is None  # the 2 it runs cover it: nothing written
+        await running.api.wait_for(
+            lambda: running_events(running.api, "ColdPathCovered"), 10, "a ColdPathCovered Event"
+        )
+        assert await cold.request(body, 4) == 4
+        assert await cold.request(body, 4) is None  # the same request again (the status row after the event)
         # A new leader remembers nothing but the status: the same request is still served already.
         fresh = coldpath.ColdPath(running.ctx)
-        assert await fresh.request(body, 2) is None
-        assert await fresh.request(body, 9) == 6  # more within the episode: from 2 + 9, capped at 6
+        assert await fresh.request(body, 4) is None
+        assert await fresh.request(body, 9) == 6  # more within the episode: to 9, capped at 6
         writes = scale_writes(running.api)
         assert [(w.path, w.body) for w in writes] == [
             (f"/apis/apps/v1/namespaces/{NS}/statefulsets/qwen/scale", {"spec": {"replicas": 4}}),
             (f"/apis/apps/v1/namespaces/{NS}/statefulsets/qwen/scale", {"spec": {"replicas": 6}}),
         ]
-        assert running.api.get(SO, NS, "qwen")["status"]["originalReplicaCount"] == 2  # before the first change
+        status = running.api.get(SO, NS, "qwen")["status"]
+        assert status["originalReplicaCount"] == 2  # before the first change
+        assert status[coldpath.COLD_PATH_STATUS]["fromReplicas"] == 2
         assert await fresh.request(body, 12) is None  # at the cap: nothing to add
         await running.api.wait_for(lambda: running_events(running.api, "ColdPathAtMax"), 10, "a ColdPathAtMax Event")
 
@@ -457,9 +463,10 @@ def _published(running: Running) -> dict[str, Any] | None:
 @pytest.mark.parametrize(
     ("current", "needed", "cap", "episode", "to"),
     [
-        (1, 2, 10, None, 3),
-        (3, 2, 10, coldpath.Episode(2, 1, 3), 3),  # the same request: no change
-        (3, 4, 10, coldpath.Episode(2, 1, 3), 5),  # a larger one within the episode
+        (1, 2, 10, None, 2),  # the target's replica counts: raised to 2, not by 2
+        (3, 1, 10, None, 3),  # covered by what it runs: no change (a Deployment at 3, created without demand)
+        (2, 2, 10, coldpath.Episode(2, 1, 2), 2),  # the same request: no change
+        (2, 4, 10, coldpath.Episode(2, 1, 2), 4),  # a larger one within the episode
         (1, 20, 10, None, 10),  # capped
         (12, 2, 10, None, 12),  # above the cap already: never scaled down
     ],
@@ -468,14 +475,13 @@ def test_scale_to(current: int, needed: int, cap: int, episode: coldpath.Episode
     assert coldpath.scale_to(current, needed, cap, episode)[0] == to
 
 
-def test_a_new_cold_path_episode_counts_from_the_original_replicas_not_the_last_episodes() -> None:
-    # originalReplicaCount 1; an earlier episode took the workload to 4 and ended. Another shortfall of 2 needs
-    # 1 + 2 = 3 replicas: the 4 there already cover it (it climbed to 6 before).
-    to, episode = coldpath.scale_to(4, 2, 10, None, original=1)
-    assert to == 4 and episode.from_replicas == 1
-    # A larger one raises to original + needed; never below what is there.
-    assert coldpath.scale_to(4, 5, 10, None, original=1)[0] == 6
-    assert coldpath.scale_to(4, 5, 5, None, original=1)[0] == 5
+def test_successive_cold_path_episodes_do_not_stack() -> None:
+    # An earlier episode took the workload to 4 and ended. Another shortfall of 2: the 4 cover it (it climbed
+    # 1 -> 4 -> 6 -> 8 when each shortfall was added on top). A larger one raises to it; never below what runs.
+    to, episode = coldpath.scale_to(4, 2, 10, None)
+    assert to == 4 and episode.from_replicas == 4
+    assert coldpath.scale_to(4, 5, 10, None)[0] == 5
+    assert coldpath.scale_to(4, 7, 5, None)[0] == 5
 
 
 # --- `pulsescale operator`, a real process ------------------------------------------------------------------------

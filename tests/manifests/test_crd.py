@@ -44,6 +44,8 @@ VALIDATOR_ONLY: list[tuple[str, str]] = [
     ("scale-up rate limits", "not a CEL rule yet: the validator's refusal of HPA scaleUp policies (semantic mapping)"),
     ("over the limit", "the per-model replica limit is the autoscaler's setting ($PULSESCALE_MAX_REPLICAS)"),
     ("-replicas", "paused-replicas is an annotation (see above)"),
+    ("].metadata.", "the CRD keeps unknown trigger metadata keys (KEDA's is a string map) for the operator to refuse"),
+    ("scalingModifiers", "declared in the CRD (KEDA's shape) so it reaches the operator, which refuses it with why"),
     (
         "one ScaledObject per model",
         "two objects: the API server validates one at a time (the operator refuses the second as a duplicate target)",
@@ -272,6 +274,17 @@ TRIGGER = {"type": "gateway-queue", "metadata": {"model": "qwen"}}
 REFUSED_BY_BOTH: dict[str, tuple[dict[str, Any], str]] = {
     "min over max": (_minimal(minReplicaCount=5, maxReplicaCount=2), "minReplicaCount"),
     "idle not under min": (_minimal(minReplicaCount=2, idleReplicaCount=2), "idleReplicaCount"),
+    # KEDA's webhook: a minReplicaCount of 0 counts 1, an unset one 0.
+    "idle over a min of zero": (_minimal(minReplicaCount=0, idleReplicaCount=3), "MinReplicaCount=1"),
+    "idle without min": (_minimal(idleReplicaCount=0), "MinReplicaCount=0"),
+    "an Argo Rollout target": (
+        _minimal(scaleTargetRef={"apiVersion": "argoproj.io/v1alpha1", "kind": "Rollout", "name": "qwen"}),
+        "scaleTargetRef.kind",
+    ),
+    "an old Deployment API": (
+        _minimal(scaleTargetRef={"apiVersion": "extensions/v1beta1", "kind": "Deployment", "name": "qwen"}),
+        "scaleTargetRef.apiVersion",
+    ),
     "no triggers": (_minimal(triggers=[]), "trigger"),
     "duplicate trigger names": (
         _minimal(triggers=[{**TRIGGER, "name": "a"}, {**TRIGGER, "name": "a"}]),
@@ -308,6 +321,27 @@ def test_keda_string_numbers_and_null_are_admitted_by_both() -> None:
         doc = _minimal(triggers=[{**TRIGGER, "metadata": {"model": "qwen", **meta}}], idleReplicaCount=None)
         assert api_server_admits(copy.deepcopy(doc)) is None, meta
         assert validator_admits(copy.deepcopy(doc)) is None, meta
+
+
+def test_idle_zero_with_min_zero_is_admitted_by_both_as_by_kedas_webhook() -> None:
+    doc = _minimal(minReplicaCount=0, idleReplicaCount=0)
+    assert api_server_admits(copy.deepcopy(doc)) is None
+    assert validator_admits(copy.deepcopy(doc)) is None
+
+
+def test_unknown_trigger_metadata_and_scaling_modifiers_are_kept_by_the_crd_for_the_validator() -> None:
+    """A non-strict client's typo in trigger metadata, or KEDA's scalingModifiers, survives the API server's pruning
+    (tests/k8s_api_double.py `prune`, as the API server does it) and is then refused by the validator."""
+    from tests.k8s_api_double import prune
+
+    typo = _minimal(triggers=[{**TRIGGER, "metadata": {"model": "qwen", "targetQueueDepht": "4"}}])
+    modifiers = _minimal(advanced={"scalingModifiers": {"formula": "a + b", "target": "2"}})
+    for doc, field in ((typo, "spec.triggers[0].metadata.targetQueueDepht"), (modifiers, "scalingModifiers")):
+        kept = {**doc, "spec": prune(copy.deepcopy(doc), _schema())["spec"]}  # metadata is the API server's own
+        assert kept == doc
+        assert api_server_admits(copy.deepcopy(doc)) is None
+        message = validator_admits(kept)
+        assert message is not None and field in message, message
 
 
 def test_the_same_model_with_idle_zero_and_min_one_is_admitted() -> None:
@@ -433,6 +467,11 @@ REFUSAL_CASES: dict[str, dict[str, Any]] = {
     ),
     "spec.triggers": _minimal(triggers=[TRIGGER] * (crd.MAX_TRIGGERS + 1)),
     "spec.triggers[].metadata.model": {},  # two objects of one model: tested in test_scaledobject (one apply)
+    "spec.triggers[].metadata": _minimal(triggers=[{**TRIGGER, "metadata": {"model": "qwen", "queueLength": "4"}}]),
+    "spec.scaleTargetRef.kind": _minimal(
+        scaleTargetRef={"apiVersion": "argoproj.io/v1alpha1", "kind": "Rollout", "name": "qwen"}
+    ),
+    "spec.idleReplicaCount": _minimal(minReplicaCount=0, idleReplicaCount=3),
 }
 
 

@@ -38,27 +38,29 @@ def _refusal(doc: object, **kwargs: int) -> str:
 # --- replica limits -------------------------------------------------------------------------------------------------
 
 
-def test_an_idle_count_over_the_limit_is_refused_naming_idle_replica_count() -> None:
-    """With ``minReplicaCount: 0`` the spec admits any ``idleReplicaCount`` (KEDA's idle < min only binds above 0),
-    so the per-model limit is what refuses a typo there, and it names that field (mutants renaming it)."""
+def test_an_idle_count_is_refused_by_kedas_rule_before_any_limit() -> None:
+    """KEDA's webhook binds idle below the minimum (a minimum of 0 counting 1), and the minimum is within the
+    per-model limit, so an idle count is never over the limit on its own: ``idleReplicaCount: 1001`` with
+    ``minReplicaCount: 0`` is refused in KEDA's words (it used to pass and reach the limit check)."""
     assert _refusal(_spec(minReplicaCount=0, idleReplicaCount=1001)) == (
-        "spec.idleReplicaCount: 1001 is over the limit of 1000 replicas per model; raise it with --max-replicas N "
-        "or $PULSESCALE_MAX_REPLICAS (and the autoscaler's --max-replicas) if you mean it"
+        "spec.idleReplicaCount: IdleReplicaCount=1001 must be less than MinReplicaCount=1, as KEDA's admission webhook "
+        "says: KEDA's webhook reads minReplicaCount 0 as the HPA's least, 1: with 0 only idleReplicaCount 0 is admitted"
     )
-    assert _refusal(_spec(minReplicaCount=0, idleReplicaCount=9), max_replicas=8).startswith(
-        "spec.idleReplicaCount: 9 is over the limit of 8 replicas per model"
+    assert _refusal(_spec(minReplicaCount=9, maxReplicaCount=9, idleReplicaCount=8), max_replicas=8).startswith(
+        "spec.maxReplicaCount: 9 is over the limit of 8 replicas per model"
     )
-    rec = scaledobject.from_manifest(_spec(minReplicaCount=0, idleReplicaCount=8), max_replicas=8)
-    assert (rec.spec.min_replica_count, rec.spec.idle_replica_count, rec.spec.max_replica_count) == (0, 8, 4)
+    rec = scaledobject.from_manifest(_spec(minReplicaCount=8, maxReplicaCount=8, idleReplicaCount=7), max_replicas=8)
+    assert (rec.spec.min_replica_count, rec.spec.idle_replica_count, rec.spec.max_replica_count) == (8, 7, 8)
 
 
 def test_capped_keeps_the_idle_count_of_a_model_whose_minimum_is_zero() -> None:
     """`capped` lowers ``idleReplicaCount`` below a cut minimum only when that minimum is above 0 (the spec's own
-    rule); with ``minReplicaCount: 0`` the idle count is kept, never made negative (mutant ``lo >= 0``)."""
-    rec = scaledobject.from_manifest(_spec(minReplicaCount=0, maxReplicaCount=40, idleReplicaCount=3))
+    rule); with ``minReplicaCount: 0`` (idle 0, the one KEDA admits there) it is kept, never made negative (mutant
+    ``lo >= 0``)."""
+    rec = scaledobject.from_manifest(_spec(minReplicaCount=0, maxReplicaCount=40, idleReplicaCount=0))
     cut, what = scaledobject.capped(rec, 10)
     spec = cut.spec
-    assert (spec.min_replica_count, spec.idle_replica_count, spec.max_replica_count) == (0, 3, 10)
+    assert (spec.min_replica_count, spec.idle_replica_count, spec.max_replica_count) == (0, 0, 10)
     assert what == (
         "replicas 0..40 over the limit of 10 per model; acting on 0..10 (raise the limit with --max-replicas or "
         "$PULSESCALE_MAX_REPLICAS)"
@@ -109,11 +111,11 @@ def test_an_alias_to_an_enclosing_mapping_reads_as_safeloader_reads_it() -> None
     """The strict loader is SafeLoader plus the duplicate-key check: it builds mappings lazily as SafeLoader does,
     so an alias to an enclosing mapping (in metadata the reader ignores) reads, where deep construction refuses it
     as an "unconstructable recursive node" (mutant ``deep=True``)."""
-    text = GOOD.replace("  name: qwen\n", "  name: qwen\n  labels: &l {self: *l}\n")
+    text = GOOD.replace("  name: qwen\n", "  name: qwen\n  managedFields: &l {self: *l}\n")
     [m] = scaledobject.load_documents(text, "x.yaml")
     assert (m.record.key, m.record.spec.model, m.record.spec.max_replica_count) == ("default.qwen", "qwen", 4)
     loaded = yaml.load(text, Loader=yaml.SafeLoader)  # SafeLoader: the reference
-    assert loaded["metadata"]["labels"]["self"] is loaded["metadata"]["labels"]
+    assert loaded["metadata"]["managedFields"]["self"] is loaded["metadata"]["managedFields"]
 
 
 # --- files ----------------------------------------------------------------------------------------------------------
