@@ -19,6 +19,7 @@ from autoscaler.decide.policy import (
     _flat_after,
     _fresh,
     _lows_window,
+    _recommendation_window,
     _replicas,
     _scale,
     cooling_s,
@@ -499,3 +500,31 @@ def test_rates_without_a_service_time_recommend_on_the_stable_mean() -> None:
     assert not d.panic and st.need is not None and st.need.service_s is None
     assert d.stable_demand is not None and d.stable_demand < 10.0
     assert st.rec == math.ceil(d.stable_demand / 4.0 - 1e-9) < 10
+
+
+def test_fresh_in_the_initial_cooldown_runs_the_normal_rules_with_their_lead_time_and_clock() -> None:
+    """Inactive inside initialCooldownPeriod: `_scale` runs as outside it, with the lead time (an up step's reason
+    quotes it) and the clock (the period's steps are counted from now)."""
+    spec = PolicySpec.of(make_spec(min_replica_count=0))
+    now = T0 + 1000.0
+    up = _fresh(spec, _reading(0.0, 0.0), 7, 7, _state(spec, desired=5), None, 2.0, now, 0.5, scale_in(spec.keda, 2.0))
+    assert up == (7, "normal", "up 5 -> 7: forecast 0 in 2 s / target 4; idle at 0 in 0.5 s (initialCooldownPeriod)")
+    stepped = _state(spec, desired=5, scale_downs=((now - 10.0, 1),))  # the period began at 6: 50 % keeps 3
+    down = _fresh(spec, _reading(0.0, 0.0), 0, 0, stepped, None, 2.0, now, 0.5, scale_in(spec.keda, 2.0))
+    assert down[:2] == (3, "normal")
+
+
+def test_a_rise_outside_panic_waits_for_the_lowest_recommendation_of_the_panic_window() -> None:
+    """On rates, outside panic, the count goes up only to the lowest recommendation of the last panic window (its
+    negated peak in `lows`): one replica's recommendation a second ago holds a count of 1 where the rates now ask
+    for more; the decision records the new one, and the window still says 1."""
+    st, now = _learnt()
+    assert st.rec >= 3  # ~7.4 req/s x 2 s / 4 target
+    lows = _lows_window(SPEC).record(now - 1.0, -1)
+    recs = _recommendation_window(SPEC)
+    low = dataclasses.replace(st, desired=1, lows=lows, recommendations=recs, hold_replicas=None)
+    d, after = decide(SPEC, Observation(demand=20.0, ready=5, lead_time_s=0.5, queued=0.0, arrival_rate=10.0,
+                                        completion_rate=10.0), low, now + 0.1)  # fmt: skip
+    assert (d.desired, d.mode) == (1, "normal")
+    assert d.reason.startswith("steady at 1: need "), d.reason
+    assert after.lows is not None and after.lows.peak(now + 0.1, 6.0) == -1
