@@ -26,6 +26,7 @@ PACKAGES = (
     "kube",
     "pulsescale",
     "bridge",
+    "integrations",
 )
 MAX_LINES = 600
 MAX_METHODS = 25
