@@ -112,3 +112,31 @@ def test_repeat_leaves_what_deciding_again_leaves(keda: ScaledObjectSpec, demand
     assert repeated.need.service_s == pytest.approx(decided.need.service_s)
     assert repeated.need.arrivals.mean(later, 6.0) == pytest.approx(decided.need.arrivals.mean(later, 6.0))
     assert repeated.need.completions.mean(later, 6.0) == pytest.approx(decided.need.completions.mean(later, 6.0))
+
+
+def test_a_one_second_initial_cooldown_is_a_time_event_too() -> None:
+    spec, state = _state({"initial_cooldown_period": 1}, desired=3)
+    assert settling.time_events(spec, state, T0 - 0.5, 9.0) == (T0 + 0.5,)
+
+
+def test_repeat_carries_the_panic_times_the_hold_and_the_lows_by_value() -> None:
+    """Fixed values: the panic window's times kept, the restart hold kept while the stable window is not yet seen
+    and dropped once it is, the lows window recording the last recommendation, and no rates' ready count from a
+    state that had none (0, not 1)."""
+    spec = PolicySpec.of(make_spec())  # stable window 60 s
+    base = policy.initial_state(spec, now=T0, current_replicas=3)
+    window = base.pulse.window.record(T0 + 1.0, 8.0)  # demand seen since T0 + 1
+    lows = policy._lows_window(spec).record(T0 + 1.0, -5)
+    state = dataclasses.replace(
+        base,
+        pulse=detector.PulseState(window, panic=True, panic_since=T0 + 1.5, panic_condition_at=T0 + 2.0),
+        hold_replicas=3, rec=2, held=2, lows=lows, need=None,
+    )  # fmt: skip
+    decision = policy.Decision(desired=3, reason="", panic=True, mode="panic")
+    soon = settling.repeat(spec, state, decision, T0 + 10.0, 8.0, queued=0.0, arrival_rate=4.0, completion_rate=4.0)
+    assert (soon.pulse.panic, soon.pulse.panic_since, soon.pulse.panic_condition_at) == (True, T0 + 1.5, T0 + 2.0)
+    assert soon.hold_replicas == 3  # 9 s of the 60 s window seen
+    assert soon.lows is not None and soon.lows.peak(T0 + 10.0, 6.0) == -2  # the last recommendation, the lowest now
+    assert soon.need is not None and soon.need.ready == 0
+    later = settling.repeat(spec, state, decision, T0 + 61.0, 8.0)
+    assert later.hold_replicas is None  # a whole stable window seen: the hold is gone
