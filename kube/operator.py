@@ -47,10 +47,13 @@ What it does with a ScaledObject (`ScaledObjects`):
   Fallback and Paused flips become Events.
 - Events: ``pulse.events.>`` (scale.decision, pool.exhausted, cold.start) become Events on every ScaledObject of the
   model, aggregated and rate-limited (kube/events.py).
+- the mirror (contract revision 13): whatever the verdict, each status written (or found unchanged) is copied
+  into KV `pulse_objects` as the object's `ObjectStatus` when it changed (kube/records.py `ObjectMirror`), and
+  deleted when the finalizer is done, so ``pulsescale get so`` says what the CR says, unpublished objects included.
 
 `ScaledObjects` holds the handlers, the verdict and the loops; it composes `Records` (kube/records.py: the records
-in `pulse_scalers` and the held slots in `pulse_slots`) and `StatusWriter` (kube/statuswriter.py: the autoscaler's
-rows and the status subresource).
+in `pulse_scalers` and the held slots in `pulse_slots`), `ObjectMirror` (kube/records.py: `pulse_objects`) and
+`StatusWriter` (kube/statuswriter.py: the autoscaler's rows and the status subresource, which it mirrors).
 """
 
 from __future__ import annotations
@@ -73,7 +76,8 @@ from kube import aio
 from kube import status as status_mod
 from kube.context import FIELD_MANAGER, OperatorContext
 from kube.events import EventRecorder, ObjectRef
-from kube.records import HELD_SLOT_STATES, ModelOwners, ModelOwnersUnavailable, Records, record_key
+from kube.records import HELD_SLOT_STATES, ModelOwners, ModelOwnersUnavailable, ObjectMirror, Records, record_key
+from kube.status import model_of
 from kube.statuswriter import StatusWriter
 from manifests import scaledobject
 from manifests.crdtypes import GROUP, PLURAL, VERSION
@@ -166,8 +170,10 @@ class ScaledObjects:
         """The records in `pulse_scalers` and the held slots in `pulse_slots` (kube/records.py)."""
         self.owners = ModelOwners(ctx)
         """Which namespace owns which model (kube/records.py)."""
-        self.status = StatusWriter(ctx, self.recorder)
-        """The autoscaler's rows and the status subresource (kube/statuswriter.py)."""
+        self.mirror = ObjectMirror(ctx)
+        """Each object's conditions in `pulse_objects`, for `pulsescale get so` (kube/records.py)."""
+        self.status = StatusWriter(ctx, self.recorder, self.mirror)
+        """The autoscaler's rows and the status subresource, mirrored (kube/statuswriter.py)."""
         self.judging = asyncio.Lock()
         """Held by `reconcile` from the conflict checks to the publish: a target or a model goes to one object."""
 
@@ -429,13 +435,18 @@ class ScaledObjects:
                     "go (check the autoscaler: `pulsescale pool`)",
                 )  # fmt: skip
         await self._restore_replicas(plain, ref)
-        self.known.pop(key, None)
-        self.status.rows.pop(key, None)
+        async with known.lock:  # a status round waiting on the lock finds it gone and mirrors nothing after this
+            self.known.pop(key, None)
+            self.status.rows.pop(key, None)
+            await self.mirror.delete(key)  # the finalizer goes next: the CR and its mirror go together
 
     async def on_event(self, body: kopf.Body, type: str | None, **_: Any) -> None:
         if type == "DELETED":
             meta = body.get("metadata", {})
-            self.known.pop(record_key(meta.get("namespace", ""), meta.get("name", "")), None)
+            key = record_key(meta.get("namespace", ""), meta.get("name", ""))
+            self.known.pop(key, None)
+            if self.mirror.wrote(key):  # gone without our delete handler (its finalizer removed by hand)
+                await self.mirror.delete(key)
 
     async def _restore_replicas(self, body: dict[str, Any], ref: ObjectRef) -> None:
         spec = body.get("spec") or {}
@@ -489,7 +500,8 @@ class ScaledObjects:
             if known.verdict.reason == "Deleting" or key not in self.known:
                 continue
             async with known.lock:
-                await self.status.write(known)
+                if self.known.get(key) is known:  # not deleted while this round waited for the lock
+                    await self.status.write(known)
 
     async def on_nats_event(self, event: protocol.Event) -> None:
         posted = EVENT_TYPES_POSTED.get(event.type)
@@ -563,15 +575,3 @@ def _one_way_pause(record: protocol.ScalerRecord) -> str:
 def _plain(body: Any) -> dict[str, Any]:
     """A kopf Body (a read-only view) as a plain dict."""
     return msgspec.json.decode(msgspec.json.encode(dict(body)))  # type: ignore[no-any-return]
-
-
-def model_of(body: Any) -> str | None:
-    """The model a ScaledObject body names (first trigger's ``metadata.model``), None if it names none. Reads any
-    shape without raising: a body here may never have passed the validator (a list for ``metadata``, a string for
-    ``triggers``), and a bug on one object must not stop the loops for every other one."""
-    spec = body.get("spec") if isinstance(body, dict) else None
-    triggers = spec.get("triggers") if isinstance(spec, dict) else None
-    first = triggers[0] if isinstance(triggers, list) and triggers else None
-    metadata = first.get("metadata") if isinstance(first, dict) else None
-    model = metadata.get("model") if isinstance(metadata, dict) else None
-    return model if isinstance(model, str) else None

@@ -1,5 +1,6 @@
 """The operator's records: the ScaledObjects' records in `pulse_scalers`, the slots in `pulse_slots` a deleted one
-waits for, and which namespace owns which model (`ModelOwners`, a ConfigMap in the operator's own namespace).
+waits for, which namespace owns which model (`ModelOwners`, a ConfigMap in the operator's own namespace), and the
+copy of each CR's conditions in `pulse_objects` (`ObjectMirror`, contract revision 13).
 
 `Records` is the only code of the operator that touches either bucket: it reads a record (an unreadable one is
 absent), publishes one, withdraws one (a delete marker the autoscaler's watch sees), finds another published record
@@ -23,11 +24,16 @@ namespaced, written by tenants. `ModelOwners` is the rule that keeps a tenant fr
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any, Final
 
+import msgspec
+import nats.errors
 import nats.js.errors
 import urllib3.exceptions
 from kubernetes.client.exceptions import ApiException
+from nats.js.kv import KeyValue
 
 from kube.context import OperatorContext
 from warmpool import protocol
@@ -37,7 +43,10 @@ __all__ = [
     "HELD_SLOT_STATES",
     "MODEL_OWNERS_CONFIGMAP",
     "ModelOwners",
+    "MIRROR_RETRY_S",
+    "MIRROR_TIMEOUT_S",
     "ModelOwnersUnavailable",
+    "ObjectMirror",
     "Records",
     "record_key",
 ]
@@ -47,6 +56,14 @@ HELD_SLOT_STATES: Final = frozenset({"claimed", "activating", "ready", "releasin
 MODEL_OWNERS_CONFIGMAP: Final = "pulsescale-model-owners"
 """The ConfigMap of model owners; its Role in deploy/ names it (``resourceNames``), so it is not a flag."""
 CLAIM_TRIES: Final = 5  # compare-and-set rounds of one claim before giving up (each loss is another writer's win)
+MIRROR_TIMEOUT_S: Final = 2.0
+"""How long one write to `pulse_objects` may take: the mirror is written inside the status round, which must not
+stall on it (a refused publish is never answered, it times out)."""
+MIRROR_RETRY_S: Final = 30.0
+"""After `pulse_objects` could not be opened or written (absent until an autoscaler of revision 13 creates it; an
+authorization rendered before revision 13), how long the operator leaves it before trying again."""
+
+log = logging.getLogger("pulsescale.operator")
 
 
 class ModelOwnersUnavailable(PulsescaleError):
@@ -228,3 +245,84 @@ class ModelOwners:
             f"could not record the owner of model {model} in ConfigMap {self.where}: it changed under each of "
             f"{CLAIM_TRIES} tries"
         )
+
+
+class ObjectMirror:
+    """`pulse_objects` (contract revision 13): each ScaledObject's `protocol.ObjectStatus`, written with its status
+    (kube/statuswriter.py) when its content changed since this operator last wrote it, deleted with the CR.
+
+    The mirror is for people (``pulsescale get so``), so it never holds the operator up: a bucket that does not
+    exist yet, or that this NATS user may not write, is said once and left for `MIRROR_RETRY_S`; the CRs are
+    written as before meanwhile, and the next round after it opens writes every object again."""
+
+    def __init__(self, ctx: OperatorContext) -> None:
+        self.ctx = ctx
+        self._kv: KeyValue | None = None
+        self._retry_at = 0.0  # time.monotonic() before which the bucket is not tried again
+        self._written: dict[str, bytes] = {}
+        """Key -> the content last written (`updated_at` aside): an unchanged status writes nothing."""
+        self._said = False
+        self.retry_s = MIRROR_RETRY_S
+
+    def wrote(self, key: str) -> bool:
+        """Whether this operator wrote `key` and has not deleted it since."""
+        return key in self._written
+
+    async def write(self, record: protocol.ObjectStatus) -> None:
+        content = protocol.encode(msgspec.structs.replace(record, updated_at=0.0))
+        if self._written.get(record.key) == content:
+            return
+        kv = await self._bucket()
+        if kv is None:
+            return
+        try:
+            await kv.put(record.key, protocol.encode(record))
+        except (nats.errors.Error, TimeoutError) as err:
+            self._unavailable(f"cannot be written ({_said(err)})")
+            return
+        if self._said:
+            log.info("%s is written again", protocol.OBJECTS_BUCKET)
+            self._said = False
+        self._written[record.key] = content
+
+    async def delete(self, key: str) -> None:
+        """Removes `key` (a delete marker). A bucket out of reach leaves it: `pulsescale get so` then lists the
+        object as it last was, until the key is written or deleted again."""
+        self._written.pop(key, None)
+        kv = await self._bucket()
+        if kv is None:
+            return
+        try:
+            await kv.delete(key)
+        except (nats.errors.Error, TimeoutError) as err:
+            self._unavailable(f"cannot be written ({_said(err)}); {key} stays listed as it was")
+
+    async def _bucket(self) -> KeyValue | None:
+        if self._kv is not None:
+            return self._kv
+        if time.monotonic() < self._retry_at:
+            return None
+        try:
+            self._kv = await self.ctx.nc.jetstream(timeout=MIRROR_TIMEOUT_S).key_value(protocol.OBJECTS_BUCKET)
+        except nats.js.errors.BucketNotFoundError:
+            self._unavailable("does not exist: an autoscaler of contract revision 13 or later creates it")
+        except (nats.errors.Error, TimeoutError) as err:
+            self._unavailable(f"cannot be opened ({_said(err)})")
+        return self._kv
+
+    def _unavailable(self, why: str) -> None:
+        self._kv = None
+        self._retry_at = time.monotonic() + self.retry_s
+        self._written.clear()  # whatever it held may not be there now: write each object again once it opens
+        say = log.debug if self._said else log.warning
+        say(
+            "bucket %s %s; `pulsescale get so` may not say what the CRs say until it can be written (the "
+            "operator's NATS user needs the grants of revision 13: `pulsescale nats --print-authorization`); trying "
+            "again in %.0f s",
+            protocol.OBJECTS_BUCKET, why, self.retry_s,
+        )  # fmt: skip
+        self._said = True
+
+
+def _said(err: BaseException) -> str:
+    return str(err) or type(err).__name__

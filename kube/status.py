@@ -13,11 +13,14 @@ Pure (no I/O): `compose` builds an `manifests.crdtypes.ScaledObjectStatus` from
 
 `body_of` turns it into the JSON body of a merge patch of the status subresource; the operator patches only when
 that body differs from the object's current status (`differs`), so a quiet ScaledObject costs no API writes.
+`mirror_of` turns the same composed status into the object's `protocol.ObjectStatus` (contract revision 13), the
+copy in KV `pulse_objects` that ``pulsescale get so`` reads: what the CR says, published or not.
 """
 
 from __future__ import annotations
 
 import datetime
+import re
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -43,7 +46,9 @@ __all__ = [
     "body_of",
     "compose",
     "differs",
+    "mirror_of",
     "mode_changes",
+    "model_of",
     "rfc3339",
 ]
 
@@ -287,3 +292,89 @@ def mode_changes(before: dict[str, Any] | None, after: dict[str, Any]) -> list[M
             event_type, reason = _CHANGE_EVENTS[(kind, status)]
             out.append(ModeChange(kind, status, event_type, reason, cond.get("message") or reason))
     return out
+
+
+# --- the mirror in pulse_objects (contract revision 13) ----------------------------------------------------------
+
+_TARGET: Final = re.compile(protocol.TARGET_PATTERN)
+_MODEL: Final = re.compile(protocol.NAME_PATTERN)
+_LABEL_KEY: Final = re.compile(protocol.LABEL_KEY_PATTERN)
+_LABEL_VALUE: Final = re.compile(protocol.LABEL_VALUE_PATTERN)
+_REASON: Final = re.compile(r"[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?")
+_MESSAGE_CHARS: Final = 4096  # `protocol.Text`: a longer message is cut, marked with an ellipsis
+
+
+def model_of(body: Any) -> str | None:
+    """The model a ScaledObject body names (first trigger's ``metadata.model``), None if it names none. Reads any
+    shape without raising: a body here may never have passed the validator (a list for ``metadata``, a string for
+    ``triggers``), and a bug on one object must not stop the loops for every other one."""
+    spec = body.get("spec") if isinstance(body, dict) else None
+    triggers = spec.get("triggers") if isinstance(spec, dict) else None
+    first = triggers[0] if isinstance(triggers, list) and triggers else None
+    metadata = first.get("metadata") if isinstance(first, dict) else None
+    model = metadata.get("model") if isinstance(metadata, dict) else None
+    return model if isinstance(model, str) else None
+
+
+def _time(text: Any) -> float | None:
+    if not isinstance(text, str):
+        return None
+    try:
+        return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _labels(value: Any) -> dict[str, str]:
+    """The labels as the contract carries them; none where they do not fit (more than `protocol.MAX_LABELS`: the
+    validator refuses such an object, and a cut set would match other selectors than the CR's)."""
+    if not isinstance(value, dict) or len(value) > protocol.MAX_LABELS:
+        return {}
+    fits = all(
+        isinstance(k, str) and isinstance(v, str) and len(k) <= 317 and len(v) <= 63
+        and _LABEL_KEY.match(k) and _LABEL_VALUE.match(v)
+        for k, v in value.items()
+    )  # fmt: skip
+    return dict(value) if fits else {}
+
+
+def _mirrored(c: Condition) -> protocol.ObjectCondition:
+    message = c.message if len(c.message) <= _MESSAGE_CHARS else c.message[: _MESSAGE_CHARS - 1] + "\u2026"
+    reason = c.reason if len(c.reason) <= protocol.MAX_CONDITION_REASON and _REASON.fullmatch(c.reason) else ""
+    return protocol.ObjectCondition(
+        type=c.type, status=c.status, reason=reason, message=message, since=_time(c.last_transition_time)
+    )
+
+
+def mirror_of(
+    body: dict[str, Any], composed: ScaledObjectStatus, *, published: bool, now: float
+) -> protocol.ObjectStatus:
+    """The object's `protocol.ObjectStatus`: the conditions just composed for its status (what the CR carries once
+    patched), whether its record is in force (`published`), and what can be read of its spec and metadata; a field
+    that does not fit the contract is left out (None, or no labels), never guessed. Raises `BadMessage` when the
+    object itself cannot be named in it (not a Kubernetes name: never from a real API server)."""
+    meta = body.get("metadata") or {}
+    spec: dict[str, Any] = body["spec"] if isinstance(body.get("spec"), dict) else {}
+    ref: dict[str, Any] = spec["scaleTargetRef"] if isinstance(spec.get("scaleTargetRef"), dict) else {}
+    target = f"{ref.get('kind') or 'Deployment'}/{ref.get('name')}" if isinstance(ref.get("name"), str) else None
+    model = model_of(body)
+    record = protocol.ObjectStatus(
+        namespace=str(meta.get("namespace", "")),
+        name=str(meta.get("name", "")),
+        published=published,
+        conditions=[_mirrored(c) for c in composed.conditions or []],
+        model=model if model is not None and _MODEL.match(model) else None,
+        target=target if target is not None and len(target) <= 317 and _TARGET.match(target) else None,
+        min_replicas=_count(spec.get("minReplicaCount")),
+        max_replicas=_count(spec.get("maxReplicaCount")),
+        labels=_labels(meta.get("labels")),
+        generation=composed.observed_generation,
+        created_at=_time(meta.get("creationTimestamp")),
+        updated_at=now,
+    )
+    # Built from a body the validator may have refused: checked as a reader will check it, before it is written.
+    return protocol.decode(protocol.encode(record), protocol.ObjectStatus)

@@ -5,6 +5,8 @@ answer keeps the last rows). `StatusWriter.write` composes one object's status f
 row (kube/status.py) and patches the status subresource only when that differs from what the object carries; after
 `SILENT_ROUNDS` unanswered rounds Active and Fallback become Unknown. Active, Fallback and Paused flips become
 Events. The rounds themselves, and which objects are written, are the handlers' (`kube.operator.ScaledObjects`).
+Each object's composed status is then mirrored into KV `pulse_objects` (`kube.records.ObjectMirror`, contract
+revision 13): the same conditions, no further API call, written only when they changed.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from kubernetes.client.exceptions import ApiException
 from kube import status as status_mod
 from kube.context import OperatorContext
 from kube.events import EventRecorder, ObjectRef
-from kube.records import record_key
+from kube.records import ObjectMirror, record_key
 from manifests.crdtypes import GROUP, PLURAL, VERSION
 from warmpool import protocol
 from warmpool.errors import BadMessage
@@ -46,9 +48,12 @@ class StatusWriter:
     """The autoscaler's rows and the status subresource of one `OperatorContext`'s ScaledObjects; mode flips are
     Events through `recorder`."""
 
-    def __init__(self, ctx: OperatorContext, recorder: EventRecorder) -> None:
+    def __init__(self, ctx: OperatorContext, recorder: EventRecorder, mirror: ObjectMirror | None = None) -> None:
         self.ctx = ctx
         self.recorder = recorder
+        self.mirror = mirror
+        """Where each written status is copied for `pulsescale get so` (None: nowhere)."""
+        self._unmirrorable: set[str] = set()  # keys said once not to fit the mirror
         self.rows: dict[str, protocol.StatusRow] = {}
         self.rows_at: float | None = None  # when the autoscaler last answered `status`
 
@@ -89,14 +94,32 @@ class StatusWriter:
         )  # fmt: skip
         current = body.get("status") or {}
         patch = status_mod.body_of(composed, current)
-        if not status_mod.differs(patch, current):
-            return
-        updated = await self._patch_status(meta["namespace"], meta["name"], patch)
-        if updated is not None:
+        if status_mod.differs(patch, current):
+            updated = await self._patch_status(meta["namespace"], meta["name"], patch)
+            if updated is None:
+                return  # gone meanwhile: its delete removes the mirror
             known.body = updated
             ref = ObjectRef.of(updated)
             for change in status_mod.mode_changes(current, updated.get("status") or {}):
                 await self.recorder.record(ref, change.event_type, change.reason, change.message)  # type: ignore[arg-type]
+        await self._mirror(known.body, composed, published=in_force, now=now)
+
+    async def _mirror(
+        self, body: dict[str, Any], composed: status_mod.ScaledObjectStatus, *, published: bool, now: float
+    ) -> None:
+        """Copies the status just written (or found already there) into `pulse_objects`; `published`: the object's
+        record is in force (ready, or an earlier valid record runs on)."""
+        if self.mirror is None:
+            return
+        try:
+            record = status_mod.mirror_of(body, composed, published=published, now=now)
+        except BadMessage as err:
+            key = record_key(body["metadata"]["namespace"], body["metadata"]["name"])
+            if key not in self._unmirrorable:  # never from a real API server: say it once, not every round
+                log.warning("%s: not mirrored to %s: %s", key, protocol.OBJECTS_BUCKET, err)
+                self._unmirrorable.add(key)
+            return
+        await self.mirror.write(record)
 
     async def _patch_status(self, namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any] | None:
         try:

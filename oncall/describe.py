@@ -1,10 +1,12 @@
 """`pulsescale describe KIND NAME`: one ScaledObject, slot or model in detail, as kubectl describes a resource.
 
-Read as `get` reads them (`oncall.get`): a ScaledObject from KV `pulse_scalers` joined with the autoscaler's
-status row (every field, conditions, notes, pause state, override, schedules and the last decisions with their
-times), a slot from the ``pool`` reply, a model from the ``status`` rows. ``-o json|yaml`` prints the object
-itself: a ScaledObject as its manifest (what ``get so NAME -o`` prints). Exit codes as the on-call verbs
-(`oncall.client`): 1 when the object is not found, 3/4 when the autoscaler does not answer a read that needs it.
+Read as `get` reads them (`oncall.get`): a ScaledObject from KV `pulse_scalers` and what its CR says (KV
+`pulse_objects`, contract revision 13: its conditions with their reasons and messages, also for one the operator
+refused and never published) joined with the autoscaler's status row (every field, conditions, notes, pause
+state, override, schedules and the last decisions with their times), a slot from the ``pool`` reply, a model from
+the ``status`` rows. ``-o json|yaml`` prints the object itself: a ScaledObject as its manifest (what ``get so NAME
+-o`` prints). Exit codes as the on-call verbs (`oncall.client`): 1 when the object is not found, 3/4 when the
+autoscaler does not answer a read that needs it.
 """
 
 from __future__ import annotations
@@ -21,13 +23,13 @@ from manifests import scaledobject
 from oncall.client import EXIT_REFUSED, CommandFailed, parser, run_reads
 from oncall.get import (
     Conditions,
-    created,
+    ScaledObjectView,
     drop_none,
     kind_arg,
     manifest,
     pause_annotations,
     read_pool,
-    read_scalers,
+    read_scaledobjects,
     read_status,
     row_for,
     tf,
@@ -36,7 +38,7 @@ from oncall.verbs import schedule_lines
 from warmpool import durations
 from warmpool import output as out
 from warmpool.output import replicas_text
-from warmpool.protocol import PoolSlot, ScalerRecord, StatusRow
+from warmpool.protocol import ObjectStatus, PoolSlot, ScalerRecord, StatusRow
 
 __all__ = [
     "KEDA_PAUSED",
@@ -103,7 +105,45 @@ def _pause_text(rec: ScalerRecord, row: StatusRow | None) -> list[tuple[str, Any
     ]
 
 
-def describe_scaledobject(rec: ScalerRecord, row: StatusRow | None, status_known: bool, now: float) -> str:
+def _cr_lines(cr: ObjectStatus, now: float) -> list[str]:
+    """The CR's conditions as the operator wrote them (revision 13), with their reasons and messages."""
+    head = f"Conditions (the CR's, generation {cr.generation if cr.generation is not None else '?'}, mirrored "
+    table = out.table(
+        ["TYPE", "STATUS", "REASON", "AGE", "MESSAGE"],
+        [[c.type, c.status, c.reason or "-", "-" if c.since is None else durations.age(now - c.since),
+          c.message.replace("\n", " ") or "-"] for c in cr.conditions],
+    )  # fmt: skip
+    return [head + f"{_when(cr.updated_at, now)}):", *("  " + line for line in table.splitlines())]
+
+
+def _unpublished(cr: ObjectStatus, now: float) -> str:
+    """An object the operator never published: what it could read of the CR, and why (its conditions)."""
+    ready = cr.condition("Ready")
+    lines = _fields(
+        [
+            ("Name", cr.name),
+            ("Namespace", cr.namespace),
+            ("Model", cr.model),
+            ("Target", cr.target),
+            ("Replicas", f"min {cr.min_replicas if cr.min_replicas is not None else '<none>'}, max "
+                         f"{cr.max_replicas if cr.max_replicas is not None else '<none>'}"),
+            ("Created", _when(cr.created_at, now)),
+            ("Labels", ", ".join(f"{k}={v}" for k, v in cr.labels.items()) or None),
+            ("Published", f"no ({ready.reason if ready and ready.reason else 'see the conditions'}): nothing "
+                          "scales it; the Ready message says why and what to do"),
+        ]
+    )  # fmt: skip
+    return "\n".join(lines + _cr_lines(cr, now))
+
+
+def describe_scaledobject(
+    rec: ScalerRecord | ScaledObjectView, row: StatusRow | None, status_known: bool, now: float
+) -> str:
+    view = rec if isinstance(rec, ScaledObjectView) else ScaledObjectView.of(rec, None)
+    if view.record is None:
+        assert view.cr is not None
+        return _unpublished(view.cr, now)
+    rec = view.record
     s = rec.spec
     t = s.scale_target_ref
     annotations = pause_annotations(rec)
@@ -113,9 +153,10 @@ def describe_scaledobject(rec: ScalerRecord, row: StatusRow | None, status_known
             ("Namespace", rec.namespace),
             ("Model", s.model),
             ("Target", f"{t.kind}/{t.name} ({t.api_version})"),
-            ("Created", _when(created(rec), now)),
+            ("Created", _when(view.created, now)),
             ("Updated", _when(rec.updated_at or None, now)),
             ("Generation", rec.generation),
+            ("Labels", ", ".join(f"{k}={v}" for k, v in view.labels.items()) or None),
             ("Annotations", ", ".join(f"{k}: {v}" for k, v in annotations.items()) or None),
             *_pause_text(rec, row),
         ]
@@ -123,15 +164,18 @@ def describe_scaledobject(rec: ScalerRecord, row: StatusRow | None, status_known
     spec_yaml = out.dump(drop_none(msgspec.to_builtins(s)), "yaml")
     lines += ["Spec:", *("  " + line for line in spec_yaml.splitlines())]
     lines += ["Notes:", *(f"  - {n}" for n in rec.notes)] if rec.notes else ["Notes:        <none>"]
-    c = Conditions.of(rec, row, status_known, now)
-    lines.append("Conditions:")
-    conditions = [
-        ["Ready", tf(c.ready)],
-        ["Active", tf(c.active)],
-        ["Fallback", tf(c.fallback)],
-        ["Paused", tf(c.paused)],
-    ]
-    lines += ["  " + line for line in out.table(["TYPE", "STATUS"], conditions).splitlines()]
+    if view.cr is not None:
+        lines += _cr_lines(view.cr, now)
+    else:
+        c = Conditions.of(rec, row, status_known, now)
+        lines.append("Conditions:")
+        conditions = [
+            ["Ready", tf(c.ready)],
+            ["Active", tf(c.active)],
+            ["Fallback", tf(c.fallback)],
+            ["Paused", tf(c.paused)],
+        ]
+        lines += ["  " + line for line in out.table(["TYPE", "STATUS"], conditions).splitlines()]
     if not status_known:
         lines.append("Status:       unknown (no autoscaler answered the status request)")
         return "\n".join(lines)
@@ -207,20 +251,20 @@ async def _describe(nc: Client, args: argparse.Namespace) -> int:
     fmt = out.machine(args)
     if args.kind == "scaledobject":
         key = f"{args.namespace}.{args.name}"
-        records = [r for r in await read_scalers(nc) if r.key == key]
-        if not records:
+        views = [v for v in await read_scaledobjects(nc) if v.key == key]
+        if not views:
             raise CommandFailed(
                 f'scaledobject "{args.name}" not found in namespace {args.namespace} (`pulsescale get so -A` lists '
                 "them)",
                 EXIT_REFUSED,
             )
         rows = await read_status(nc, args, required=False)
-        rec = records[0]
-        row = row_for(rec, rows or [])
+        view = views[0]
+        row = row_for(view, rows or [])
         if fmt is not None:
-            print(out.dump(manifest(rec, row, rows is not None, now), fmt))
+            print(out.dump(manifest(view, row, rows is not None, now), fmt))
         else:
-            print(describe_scaledobject(rec, row, rows is not None, now))
+            print(describe_scaledobject(view, row, rows is not None, now))
     elif args.kind == "slot":
         pool = await read_pool(nc, args)
         slots = [s for s in pool.slots if s.key == args.name]

@@ -2,11 +2,12 @@
 
 Where each kind comes from:
 
-- **scaledobjects** (``so``): the records in KV `pulse_scalers` (what the operator or `apply` wrote; the on-call
-  NATS user may read the bucket since contract revision 5), joined with the autoscaler's ``status`` rows by
-  `StatusRow.key` (by the model for an autoscaler that does not fill the key yet). The table has KEDA's
-  ``kubectl get so`` columns; READY, ACTIVE and FALLBACK read ``Unknown`` when no autoscaler answers (the records
-  are still listed: they are read from the bucket, not from the autoscaler).
+- **scaledobjects** (``so``): the records in KV `pulse_scalers` (what the operator or `apply` wrote) and what the
+  CRs say, KV `pulse_objects` (the operator's copy of each CR's conditions, published or not; revision 13), joined
+  with the autoscaler's ``status`` rows by `StatusRow.key` (by the model for an autoscaler without the key). The
+  table has KEDA's ``kubectl get so`` columns. A mirrored object shows its CR's conditions (one never published:
+  READY False, its reason in ``-o wide``); another (`apply` with no operator, or before revision 13) is Ready when
+  the autoscaler runs it, READY, ACTIVE and FALLBACK ``Unknown`` when none answers (it is listed all the same).
 - **slots**: the ``pool`` command's reply (the autoscaler's view: agent freshness, drains).
 - **models**: the ``status`` command's rows.
 
@@ -24,9 +25,9 @@ import argparse
 import asyncio
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import msgspec
 import nats.js.errors
@@ -38,7 +39,16 @@ from oncall.client import EXIT_REFUSED, CommandFailed, parser, request, run_read
 from warmpool import buckets, durations, protocol
 from warmpool import output as out
 from warmpool.errors import BadMessage
-from warmpool.protocol import PoolCommand, PoolReply, PoolSlot, ScalerRecord, StatusCommand, StatusReply, StatusRow
+from warmpool.protocol import (
+    ObjectStatus,
+    PoolCommand,
+    PoolReply,
+    PoolSlot,
+    ScalerRecord,
+    StatusCommand,
+    StatusReply,
+    StatusRow,
+)
 
 __all__ = [
     "ACTIVE_WITHIN_S",
@@ -46,6 +56,7 @@ __all__ = [
     "KINDS",
     "KV_TIMEOUT_S",
     "Conditions",
+    "ScaledObjectView",
     "created",
     "drop_none",
     "get",
@@ -54,7 +65,8 @@ __all__ = [
     "model_rows",
     "pause_annotations",
     "read_pool",
-    "read_scalers",
+    "read_records",
+    "read_scaledobjects",
     "read_status",
     "row_for",
     "scaledobject_rows",
@@ -89,16 +101,20 @@ KV_TIMEOUT_S: Final = 5.0
 # --- reading -------------------------------------------------------------------------------------------------------
 
 
-async def read_scalers(nc: Client) -> list[ScalerRecord]:
-    """Every readable record of `pulse_scalers`, by key; an unreadable one is skipped and said on stderr."""
+Rec = TypeVar("Rec", ScalerRecord, ObjectStatus)
+
+
+async def read_records(nc: Client, bucket: str, kind: type[Rec]) -> list[Rec]:
+    """Every readable record of `bucket` (`pulse_scalers`; `pulse_objects`, what the CRs say, since revision 13),
+    by key; none while it does not exist (the autoscaler creates it; `pulse_scalers`: or the first apply). An
+    unreadable one is skipped and said on stderr."""
     js = nc.jetstream(timeout=KV_TIMEOUT_S)
     try:
-        kv = await js.key_value(protocol.SCALERS_BUCKET)
+        kv = await js.key_value(bucket)
     except nats.js.errors.BucketNotFoundError:
-        return []  # nothing applied yet: the autoscaler or the first apply creates it
-    keys = await buckets.list_keys(js, protocol.SCALERS_BUCKET)
+        return []
     records = []
-    for key in sorted(keys):
+    for key in await buckets.list_keys(js, bucket):
         try:
             entry = await kv.get(key)
         except nats.js.errors.KeyNotFoundError:
@@ -106,10 +122,56 @@ async def read_scalers(nc: Client) -> list[ScalerRecord]:
         if entry.value is None:
             continue
         try:
-            records.append(protocol.decode(entry.value, ScalerRecord))
+            records.append(protocol.decode(entry.value, kind))
         except BadMessage as err:
-            print(f"warning: {protocol.SCALERS_BUCKET} {key}: unreadable record skipped ({err})", file=sys.stderr)
+            print(f"warning: {bucket} {key}: unreadable record skipped ({err})", file=sys.stderr)
     return records
+
+
+@dataclass(frozen=True)
+class ScaledObjectView:
+    """One ScaledObject as `get` and `describe` show it: its record in `pulse_scalers` (None: not published) and
+    what its CR says in `pulse_objects` (`cr`; None: no operator mirrors it), at least one of them."""
+
+    namespace: str
+    name: str
+    record: ScalerRecord | None
+    cr: ObjectStatus | None = None
+
+    @staticmethod
+    def of(record: ScalerRecord | None, cr: ObjectStatus | None) -> ScaledObjectView:
+        either = record or cr
+        assert either is not None
+        return ScaledObjectView(either.namespace, either.name, record, cr)
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}.{self.name}"
+
+    @property
+    def labels(self) -> Mapping[str, str]:
+        """The CR's labels where it is mirrored (what kubectl selects on; the operator does not republish a record
+        for a label edit alone), else the record's."""
+        return self.cr.labels if self.cr is not None else self.record.labels if self.record is not None else {}
+
+    @property
+    def created(self) -> float:
+        if self.record is not None:
+            return created(self.record)
+        cr = self.cr  # never published: the CR's creationTimestamp
+        return 0.0 if cr is None else cr.created_at if cr.created_at is not None else cr.updated_at
+
+    @property
+    def model(self) -> str | None:
+        return self.record.spec.model if self.record is not None else self.cr.model if self.cr is not None else None
+
+
+async def read_scaledobjects(nc: Client) -> list[ScaledObjectView]:
+    """The union of `pulse_scalers` and `pulse_objects`, by namespace and name (as kubectl's -A sorts)."""
+    records = {r.key: r for r in await read_records(nc, protocol.SCALERS_BUCKET, ScalerRecord)}
+    crs = {o.key: o for o in await read_records(nc, protocol.OBJECTS_BUCKET, ObjectStatus)}
+    views = [ScaledObjectView.of(records.get(k), crs.get(k)) for k in records.keys() | crs.keys()]
+    return sorted(views, key=lambda v: (v.namespace, v.name))
 
 
 async def read_status(nc: Client, args: argparse.Namespace, *, required: bool) -> list[StatusRow] | None:
@@ -130,15 +192,15 @@ async def read_pool(nc: Client, args: argparse.Namespace) -> PoolReply:
     return await request(nc, "pool", lambda **e: PoolCommand(**e), PoolReply, args)
 
 
-def row_for(rec: ScalerRecord, rows: Sequence[StatusRow]) -> StatusRow | None:
-    """The status row of a ScaledObject: by key, else (an autoscaler before revision 5's key) by model."""
+def row_for(rec: ScalerRecord | ScaledObjectView, rows: Sequence[StatusRow]) -> StatusRow | None:
+    """The status row of a ScaledObject: by key, else (an autoscaler before revision 5's key) by model; an object
+    never published has none (its model's row is another object's)."""
     for r in rows:
         if r.key == rec.key:
             return r
-    for r in rows:
-        if r.key is None and r.model == rec.spec.model:
-            return r
-    return None
+    record = rec.record if isinstance(rec, ScaledObjectView) else rec
+    model = record.spec.model if record is not None else None
+    return next((r for r in rows if model is not None and r.key is None and r.model == model), None)
 
 
 # --- ScaledObjects --------------------------------------------------------------------------------------------
@@ -153,52 +215,78 @@ def _active(row: StatusRow, now: float) -> bool:
     return crdtypes.scaler_active(row.last_active_at, now, ACTIVE_WITHIN_S)
 
 
+_STATUS: Final = {"True": True, "False": False}
+
+
 @dataclass(frozen=True)
 class Conditions:
-    """KEDA's four conditions of one ScaledObject; None = Unknown (no autoscaler answered)."""
+    """KEDA's four conditions of one ScaledObject; None = Unknown (no autoscaler answered, or so says the CR)."""
 
     ready: bool | None
     active: bool | None
     fallback: bool | None
-    paused: bool
+    paused: bool | None
+    ready_reason: str = ""
+    ready_message: str = ""
 
     @staticmethod
     def of(rec: ScalerRecord, row: StatusRow | None, status_known: bool, now: float) -> Conditions:
+        """Without the CR's word (no mirror): Ready is "the autoscaler runs it"."""
         paused = rec.paused or rec.paused_scale_in or rec.paused_scale_out or (row is not None and row.paused)
         if not status_known:
-            return Conditions(None, None, None, paused)
+            return Conditions(None, None, None, paused, "Unknown", "no autoscaler answered the status request")
         if row is None:
-            return Conditions(False, False, False, paused)
-        return Conditions(True, _active(row, now), row.fallback, paused)
+            return Conditions(False, False, False, paused, "NotRunning", "the autoscaler has no row for it")
+        return Conditions(True, _active(row, now), row.fallback, paused, "AutoscalerRunsIt", "the autoscaler scales it")
+
+    @staticmethod
+    def of_view(view: ScaledObjectView, row: StatusRow | None, status_known: bool, now: float) -> Conditions:
+        """As the CR says where the operator mirrors it (revision 13), else `of`."""
+        if view.cr is None:
+            assert view.record is not None
+            return Conditions.of(view.record, row, status_known, now)
+        c = {k: view.cr.condition(k) for k in ("Ready", "Active", "Fallback", "Paused")}
+        status = {k: None if v is None else _STATUS.get(v.status) for k, v in c.items()}
+        ready = c["Ready"]
+        return Conditions(status["Ready"], status["Active"], status["Fallback"], status["Paused"],
+                          ready.reason if ready else "", ready.message if ready else "")  # fmt: skip
 
 
 def created(rec: ScalerRecord) -> float:
     return rec.created_at if rec.created_at is not None else rec.updated_at
 
 
+def _spec_cells(view: ScaledObjectView) -> list[str]:
+    """TARGET, MIN, MAX: of the record in force, else as far as the operator could read the CR."""
+    if view.record is not None:
+        s = view.record.spec
+        return [f"{s.scale_target_ref.kind}/{s.scale_target_ref.name}", str(s.min_replica_count),
+                str(s.max_replica_count)]  # fmt: skip
+    cr = view.cr
+    assert cr is not None
+    return [cr.target or "-", *("-" if n is None else str(n) for n in (cr.min_replicas, cr.max_replicas))]
+
+
 def scaledobject_rows(
-    records: Sequence[ScalerRecord], rows: Sequence[StatusRow] | None, now: float, *, wide: bool, namespaces: bool
+    views: Sequence[ScaledObjectView], rows: Sequence[StatusRow] | None, now: float, *, wide: bool, namespaces: bool
 ) -> tuple[list[str], list[list[str]]]:
-    """The table of `get so`: KEDA's columns (``kubectl get so``); wide adds MODEL, DESIRED, WARM, MODE."""
+    """The table of `get so`: KEDA's columns (``kubectl get so``); wide adds MODEL, DESIRED, WARM, MODE and REASON
+    (the Ready condition's: why an unpublished object is not running)."""
     header = ["NAME", "TARGET", "MIN", "MAX", "READY", "ACTIVE", "FALLBACK", "PAUSED", "AGE"]
     if wide:
-        header += ["MODEL", "DESIRED", "WARM", "MODE"]
+        header += ["MODEL", "DESIRED", "WARM", "MODE", "REASON"]
     if namespaces:
         header = ["NAMESPACE", *header]
     table = []
-    for rec in records:
-        row = row_for(rec, rows or [])
-        c = Conditions.of(rec, row, rows is not None, now)
-        s = rec.spec
-        cells = [rec.name, f"{s.scale_target_ref.kind}/{s.scale_target_ref.name}", str(s.min_replica_count)]
-        cells += [str(s.max_replica_count), tf(c.ready), tf(c.active), tf(c.fallback), tf(c.paused)]
-        cells.append(durations.age(now - created(rec)))
+    for view in views:
+        row = row_for(view, rows or [])
+        c = Conditions.of_view(view, row, rows is not None, now)
+        cells = [view.name, *_spec_cells(view), tf(c.ready), tf(c.active), tf(c.fallback), tf(c.paused)]
+        cells.append(durations.age(now - view.created))
         if wide:
-            if row is not None:
-                cells += [s.model, str(row.desired), str(row.warm), row.mode]
-            else:
-                cells += [s.model, "-", "-", "-"]
-        table.append([rec.namespace, *cells] if namespaces else cells)
+            counts = [str(row.desired), str(row.warm), row.mode] if row is not None else ["-", "-", "-"]
+            cells += [view.model or "-", *counts, c.ready_reason or "-"]
+        table.append([view.namespace, *cells] if namespaces else cells)
     return header, table
 
 
@@ -229,35 +317,44 @@ def _condition(kind: str, value: bool | None, reason: str, message: str) -> dict
     return {"type": kind, "status": tf(value), "reason": reason, "message": message}
 
 
-def manifest(rec: ScalerRecord, row: StatusRow | None, status_known: bool, now: float) -> dict[str, Any]:
+def _conditions(view: ScaledObjectView, row: StatusRow | None, status_known: bool, now: float) -> list[Any]:
+    if view.cr is not None:  # as the CR has them (revision 13)
+        return [
+            {"type": c.type, "status": c.status, "reason": c.reason, "message": c.message,
+             "lastTransitionTime": durations.rfc3339(c.since)}
+            for c in view.cr.conditions
+        ]  # fmt: skip
+    c = Conditions.of_view(view, row, status_known, now)
+    return [
+        _condition("Ready", c.ready, c.ready_reason, c.ready_message),
+        _condition("Active", c.active, "DemandAboveActivation" if c.active else "NoDemand", ""),
+        _condition("Fallback", c.fallback, "MetricsStale" if c.fallback else "MetricsFresh", ""),
+        _condition("Paused", c.paused, "Annotation" if c.paused else "NotPaused", ""),
+    ]
+
+
+def manifest(
+    rec: ScalerRecord | ScaledObjectView, row: StatusRow | None, status_known: bool, now: float
+) -> dict[str, Any]:
     """A ScaledObject as ``-o json|yaml`` prints it: apiVersion, kind, metadata, spec (camelCase, defaults
-    filled in, nulls left out) and status (conditions, replica counts, last times in RFC 3339, decisions)."""
-    meta: dict[str, Any] = {
-        "name": rec.name,
-        "namespace": rec.namespace,
-        "generation": rec.generation,
-        "creationTimestamp": durations.rfc3339(created(rec)),
-    }
-    if rec.labels:
-        meta["labels"] = dict(rec.labels)
-    annotations = pause_annotations(rec)
+    filled in, nulls left out) and status (conditions, replica counts, last times in RFC 3339, decisions). An
+    object never published has no spec here (only its CR holds it): applied back, it is refused, not guessed."""
+    view = rec if isinstance(rec, ScaledObjectView) else ScaledObjectView.of(rec, None)
+    record, cr = view.record, view.cr
+    generation = record.generation if record is not None else cr.generation if cr is not None else None
+    meta: dict[str, Any] = {"name": view.name, "namespace": view.namespace}
+    if generation is not None:
+        meta["generation"] = generation
+    meta["creationTimestamp"] = durations.rfc3339(view.created)
+    if view.labels:
+        meta["labels"] = dict(view.labels)
+    annotations = pause_annotations(record) if record is not None else {}
     if annotations:
         meta["annotations"] = annotations
-    c = Conditions.of(rec, row, status_known, now)
-    if c.ready is None:
-        ready_reason, ready_message = "Unknown", "no autoscaler answered the status request"
-    elif c.ready:
-        ready_reason, ready_message = "AutoscalerRunsIt", "the autoscaler scales it"
-    else:
-        ready_reason, ready_message = "NotRunning", "the autoscaler has no row for it"
     status: dict[str, Any] = {
-        "conditions": [
-            _condition("Ready", c.ready, ready_reason, ready_message),
-            _condition("Active", c.active, "DemandAboveActivation" if c.active else "NoDemand", ""),
-            _condition("Fallback", c.fallback, "MetricsStale" if c.fallback else "MetricsFresh", ""),
-            _condition("Paused", c.paused, "Annotation" if c.paused else "NotPaused", ""),
-        ],
-        "notes": list(rec.notes),
+        "conditions": _conditions(view, row, status_known, now),
+        "observedGeneration": cr.generation if cr is not None else None,
+        "notes": list(record.notes) if record is not None else None,
     }
     if row is not None:
         status.update(
@@ -276,13 +373,11 @@ def manifest(rec: ScalerRecord, row: StatusRow | None, status_known: bool, now: 
                 for d in row.decisions
             ],
         )
-    return {
-        "apiVersion": scaledobject.API_VERSION,
-        "kind": scaledobject.KIND,
-        "metadata": meta,
-        "spec": drop_none(msgspec.to_builtins(rec.spec)),
-        "status": drop_none(status),
-    }
+    obj: dict[str, Any] = {"apiVersion": scaledobject.API_VERSION, "kind": scaledobject.KIND, "metadata": meta}
+    if record is not None:
+        obj["spec"] = drop_none(msgspec.to_builtins(record.spec))
+    obj["status"] = drop_none(status)
+    return obj
 
 
 def _as_list(items: list[Any]) -> dict[str, Any]:
@@ -356,24 +451,24 @@ class _View:
 async def _read_view(nc: Client, kind: str, args: argparse.Namespace, now: float) -> _View:
     wide = args.output == "wide"
     if kind == "scaledobject":
-        records = await read_scalers(nc)
+        views = await read_scaledobjects(nc)
         if not args.all_namespaces:
-            records = [r for r in records if r.namespace == args.namespace]
+            views = [v for v in views if v.namespace == args.namespace]
         if args.name:
-            records = [r for r in records if r.name == args.name]
+            views = [v for v in views if v.name == args.name]
         if args.selector:
             selected = labels.parse_selector(args.selector)
-            records = [r for r in records if selected(r.labels)]
-        rows = await read_status(nc, args, required=False) if records else []
-        header, table = scaledobject_rows(records, rows, now, wide=wide, namespaces=args.all_namespaces)
+            views = [v for v in views if selected(v.labels)]
+        rows = await read_status(nc, args, required=False) if views else []
+        header, table = scaledobject_rows(views, rows, now, wide=wide, namespaces=args.all_namespaces)
         items = []
-        for rec, cells in zip(records, table, strict=True):
-            row = row_for(rec, rows or [])
-            obj = manifest(rec, row, rows is not None, now)
+        for view, cells in zip(views, table, strict=True):
+            row = row_for(view, rows or [])
+            obj = manifest(view, row, rows is not None, now)
             # AGE ticks every second: a row is "changed" for -w when anything but its age changed.
             age_at = header.index("AGE")
             same = tuple(c for i, c in enumerate(cells) if i != age_at)
-            items.append((rec.key, same, cells, obj))
+            items.append((view.key, same, cells, obj))
         return _View(header, items)
     if kind == "slot":
         pool = await read_pool(nc, args)
@@ -452,8 +547,8 @@ async def _get(nc: Client, kind: str, args: argparse.Namespace) -> int:
 def _get_parser(prog: str) -> argparse.ArgumentParser:
     p = parser(
         prog,
-        "List ScaledObjects (from pulse_scalers, with the autoscaler's status), slots (the warm pool) or models "
-        "(the autoscaler's status), as kubectl get does.",
+        "List ScaledObjects (from pulse_scalers and what their CRs say in pulse_objects, with the autoscaler's "
+        "status), slots (the warm pool) or models (the autoscaler's status), as kubectl get does.",
         output_extra=("wide", "name"),
         by=False,
         templates=True,

@@ -75,6 +75,7 @@ _HISTORY = {
     protocol.SCALERS_BUCKET: 5,
     protocol.LEASES_BUCKET: 1,
     protocol.ASSIGNMENTS_BUCKET: 5,  # as pulse_scalers: who assigned what before, for the record
+    protocol.OBJECTS_BUCKET: 1,  # revision 13: a copy of the CRs' status; its history is the CR's Events
 }
 ALL_BUCKETS = protocol.BUCKETS
 

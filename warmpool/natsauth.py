@@ -30,7 +30,8 @@ lets the autoscaler, and only it, publish and subscribe ``pulse.autoscaler.>``: 
 on-call commands of the models they own and ask each other for status rows there. 11 (agents bound to their
 models) adds `pulse_assignments`: the operator writes it (``pulsescale assign``), the agents and the gateway only
 read it (the gateway routes by it), the autoscaler (which reads every bucket and writes none of it) checks claims
-against it.
+against it. 13 (what the CR says) adds `pulse_objects`: the operator writes each ScaledObject CR's conditions there,
+on-call reads them (``pulsescale get so``); the autoscaler creates it and only may read it, as every bucket.
 
 Replies: each user receives on its own inbox, ``_INBOX.<user>.>`` (`connect` sets nats-py's inbox prefix from the
 user name), so no role can read another's replies; a role that answers requests (agents, the autoscaler's
@@ -184,7 +185,8 @@ def permissions(role: Role, node: str | None = None) -> Permissions:
         # Revision 5: it also reads the slots (standby pods follow their slot; the finalizer waits for releases),
         # asks the autoscaler for `status` (the status subresource) and reads events (Kubernetes Events, the cold
         # path). It may not send any other on-call command. Revision 11: it assigns nodes their models
-        # (`pulse_assignments`), as it declares the models themselves.
+        # (`pulse_assignments`), as it declares the models themselves. Revision 13: it mirrors each CR's conditions
+        # into `pulse_objects` (opening the bucket is a read), the one writer there.
         return Permissions(
             publish=(
                 *_kv_read(protocol.SCALERS_BUCKET),
@@ -192,14 +194,18 @@ def permissions(role: Role, node: str | None = None) -> Permissions:
                 *_kv_read(protocol.SLOTS_BUCKET),
                 *_kv_read(protocol.ASSIGNMENTS_BUCKET),
                 *_kv_write(protocol.ASSIGNMENTS_BUCKET),
+                *_kv_read(protocol.OBJECTS_BUCKET),
+                *_kv_write(protocol.OBJECTS_BUCKET),
                 protocol.cmd_subject("status"),
             ),
             subscribe=(events, replies),
         )
     if role == "oncall":
-        # Revision 5: reads the ScaledObjects (`pulsescale get scaledobjects`); writes nothing.
+        # Revision 5: reads the ScaledObjects (`pulsescale get scaledobjects`); writes nothing. Revision 13: and
+        # what their CRs say (`pulse_objects`), so `get` agrees with the CRs' conditions without Kubernetes access.
         return Permissions(
-            publish=(f"{protocol.CMD_PREFIX}>", *_kv_read(protocol.SCALERS_BUCKET)), subscribe=(replies,)
+            publish=(f"{protocol.CMD_PREFIX}>", *_kv_read(protocol.SCALERS_BUCKET), *_kv_read(protocol.OBJECTS_BUCKET)),
+            subscribe=(replies,),
         )
     raise ValueError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
 

@@ -130,7 +130,8 @@ def api_client(api: K8sApiDouble) -> k8s.ApiClient:
 @contextlib.asynccontextmanager
 async def operator(api: K8sApiDouble, nc: Client, *, create: bool = True, **settings: Any) -> AsyncIterator[Running]:
     if create:  # as the autoscaler does; the operator's own NATS user may not create buckets
-        await ensure_buckets(nc.jetstream(), names=[protocol.SCALERS_BUCKET, protocol.SLOTS_BUCKET])
+        names = [protocol.SCALERS_BUCKET, protocol.SLOTS_BUCKET, protocol.OBJECTS_BUCKET]
+        await ensure_buckets(nc.jetstream(), names=names)
     buckets = await open_buckets(nc)
     api.prune_with_crds()  # what the operator writes must survive the CRD's schema, as on a cluster
     for target in settings.pop("targets", TARGETS):  # a missing scale target makes Ready=False ScaleTargetNotFound

@@ -116,11 +116,13 @@ async def test_apply_a_directory_then_get_scaledobjects(cli, service: CommandSer
     code, out, _ = await cli("get", "so", "-A", "-o", "wide")
     rows = [line.split() for line in out.splitlines()]
     assert rows[0] == ["NAMESPACE", "NAME", "TARGET", "MIN", "MAX", "READY", "ACTIVE", "FALLBACK", "PAUSED", "AGE",
-                       "MODEL", "DESIRED", "WARM", "MODE"]  # fmt: skip
+                       "MODEL", "DESIRED", "WARM", "MODE", "REASON"]  # fmt: skip
     # mistral has no status row: the autoscaler does not run it (no ScaledObject of its model in the double).
-    # Sorted by namespace, then name, as kubectl's -A.
-    assert rows[2][:2] == ["default", "qwen"] and rows[2][10:] == ["qwen", "1", "2", "stable"]
-    assert rows[3][:2] == ["prod", "mistral"] and rows[3][5] == "False" and rows[3][10:] == ["mistral", "-", "-", "-"]
+    # Sorted by namespace, then name, as kubectl's -A. No operator mirrors these (apply wrote them): READY and its
+    # REASON say whether the autoscaler runs the object.
+    assert rows[2][:2] == ["default", "qwen"] and rows[2][10:] == ["qwen", "1", "2", "stable", "AutoscalerRunsIt"]
+    assert rows[3][:2] == ["prod", "mistral"] and rows[3][5] == "False"
+    assert rows[3][10:] == ["mistral", "-", "-", "-", "NotRunning"]
 
     code, out, _ = await cli("get", "so", "-n", "prod", "-o", "name")
     assert (code, out) == (0, "scaledobject.pulsescale.io/mistral\n")

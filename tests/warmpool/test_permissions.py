@@ -278,6 +278,11 @@ def subscribe(subject: str) -> Callable[[Client], Awaitable[object]]:
         ("agent-n1", kv_put(protocol.ASSIGNMENTS_BUCKET, "n1"), "publish", "$KV.pulse_assignments.n1"),
         ("autoscaler", kv_put(protocol.ASSIGNMENTS_BUCKET, "n1"), "publish", "$KV.pulse_assignments.n1"),
         ("oncall", kv_put(protocol.ASSIGNMENTS_BUCKET, "n1"), "publish", "$KV.pulse_assignments.n1"),
+        # Revision 13: what the CRs say is the operator's to write; on-call reads it, nobody else writes it.
+        ("oncall", kv_put(protocol.OBJECTS_BUCKET, "test.tiny"), "publish", "$KV.pulse_objects.test.tiny"),
+        ("autoscaler", kv_put(protocol.OBJECTS_BUCKET, "test.tiny"), "publish", "$KV.pulse_objects.test.tiny"),
+        ("agent-n1", kv_put(protocol.OBJECTS_BUCKET, "test.tiny"), "publish", "$KV.pulse_objects.test.tiny"),
+        ("gateway", kv_put(protocol.OBJECTS_BUCKET, "test.tiny"), "publish", "$KV.pulse_objects.test.tiny"),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )
@@ -526,3 +531,60 @@ def delete_assignment(node: str) -> Callable[[Client], Awaitable[object]]:
         await nc.flush()
 
     return work
+
+
+# --- revision 13: the shipped authorization lets on-call read what the CRs say, and only the operator write it -----
+
+
+async def test_the_shipped_authorization_lets_oncall_read_the_crs_conditions_and_only_the_operator_write_them(
+    tmp_path: Path,
+) -> None:
+    """deploy/base/nats/configmap.yaml's auth.conf on a real nats-server (passwords filled in as in the revision 11
+    test): the operator writes an `ObjectStatus` into `pulse_objects` and deletes it; on-call reads it (what
+    `pulsescale get so` does) and is refused writing or deleting it."""
+    from tests.manifests.test_manifests import nats_config
+
+    filled = r'{user: "\1", password: "pw-\1",'
+    auth = re.sub(r'\{user: "([^"]+)", password: \$\w+,', filled, nats_config()["auth.conf"])
+    server = NatsServer(tmp_path / "nats", extra_config=auth)
+    key = "inference.broken"
+    record = protocol.ObjectStatus(
+        namespace="inference", name="broken", published=False, updated_at=1.0,
+        conditions=[protocol.ObjectCondition(type="Ready", status="False", reason="InvalidSpec", message="bad")],
+    )  # fmt: skip
+
+    def options(user: str) -> connect.NatsOptions:
+        return connect.NatsOptions(servers=(server.url,), user=user, password=f"pw-{user}", name=f"test-{user}")
+
+    async def buckets(nc: Client) -> None:
+        await ensure_buckets(nc.jetstream(timeout=5.0), harden=True)
+
+    async def write(nc: Client) -> None:
+        kv = await nc.jetstream(timeout=5.0).key_value(protocol.OBJECTS_BUCKET)
+        await kv.put(key, protocol.encode(record))
+
+    async def remove(nc: Client) -> None:
+        kv = await nc.jetstream(timeout=5.0).key_value(protocol.OBJECTS_BUCKET)
+        await kv.delete(key)
+
+    async def read(nc: Client) -> list[protocol.ObjectStatus]:
+        from oncall.get import read_records
+
+        return await read_records(nc, protocol.OBJECTS_BUCKET, protocol.ObjectStatus)
+
+    async def delete_marker(nc: Client) -> None:
+        await nc.publish(f"$KV.{protocol.OBJECTS_BUCKET}.{key}", b"", headers={"KV-Operation": "DEL"})
+        await nc.flush()
+
+    with server:
+        await connect.run_client(options("autoscaler"), buckets)  # only the autoscaler creates the buckets
+        await connect.run_client(options("operator"), write)
+        assert await connect.run_client(options("oncall"), read) == [record]
+        subject = f"$KV.{protocol.OBJECTS_BUCKET}.{key}"
+        for work in (kv_put(protocol.OBJECTS_BUCKET, key), delete_marker):
+            with pytest.raises(PermissionDenied) as refused:
+                await connect.run_client(options("oncall"), work)
+            assert (refused.value.operation, refused.value.subject) == ("publish", subject)
+        assert await connect.run_client(options("oncall"), read) == [record]
+        await connect.run_client(options("operator"), remove)
+        assert await connect.run_client(options("oncall"), read) == []

@@ -297,3 +297,45 @@ def test_the_face_exports_every_name_of_its_parts() -> None:
         for name in part.__all__:
             assert getattr(protocol, name) is getattr(part, name), f"{part.__name__}.{name}"
     assert not hasattr(protocol, "RequestLedger") and not hasattr(protocol, "admit")
+
+
+# --- revision 13: what a ScaledObject CR says (pulse_objects) --------------------------------------------------------
+
+
+def _object_status(**changes: object) -> bytes:
+    d: dict[str, object] = {
+        "v": 1, "namespace": "inference", "name": "qwen.v2", "published": False,
+        "conditions": [{"type": "Ready", "status": "False", "reason": "InvalidSpec", "message": "m", "since": 1.0}],
+        "labels": {"team": "chat"}, "updated_at": 2.0, "a_later_field": True,
+    }  # fmt: skip
+    d.update(changes)
+    return json.dumps(d).encode()
+
+
+def test_an_object_status_names_a_kubernetes_object_and_bounds_what_it_carries() -> None:
+    """A CR's name may have dots (a DNS subdomain; the namespace has none, so the key still splits); a condition
+    type a newer operator adds still reads; reasons are metav1's words, messages and lists are bounded."""
+    rec = protocol.decode(_object_status(), protocol.ObjectStatus)
+    assert rec.key == "inference.qwen.v2" and rec.condition("Ready") is not None and rec.condition("Active") is None
+    more = [{"type": "Ready", "status": "True"}, {"type": "Scaling", "status": "Unknown"}]
+    assert len(protocol.decode(_object_status(conditions=more), protocol.ObjectStatus).conditions) == 2
+    target = protocol.decode(_object_status(target="StatefulSet/db-0"), protocol.ObjectStatus).target
+    assert target == "StatefulSet/db-0"
+    bad = [
+        ("bad_name", {"name": "Qwen"}),
+        ("bad_value", {"name": "x" * 254}),
+        ("bad_name", {"namespace": "a.b"}),
+        ("bad_name", {"target": "qwen"}),
+        ("bad_name", {"conditions": [{"type": "Ready", "status": "False", "reason": "not a word"}]}),
+        ("bad_value", {"conditions": [{"type": "Ready", "status": "Maybe"}]}),
+        ("bad_value", {"conditions": [{"type": "Ready", "status": "True"}, {"type": "Ready", "status": "False"}]}),
+        ("bad_value", {"conditions": [{"type": f"T{i}", "status": "True"} for i in range(9)]}),
+        ("bad_value", {"conditions": [{"type": "Ready", "status": "True", "message": "x" * 4097}]}),
+        ("bad_value", {"labels": {f"k{i}": "v" for i in range(protocol.MAX_LABELS + 1)}}),
+        ("negative", {"min_replicas": -1}),
+    ]
+    for reason, change in bad:
+        with pytest.raises(BadMessage) as err:
+            protocol.decode(_object_status(**change), protocol.ObjectStatus)
+        assert err.value.reason == reason, (change, err.value)
+    assert protocol.OBJECTS_BUCKET in protocol.BUCKETS and protocol.CONTRACT_REVISION >= 13

@@ -10,7 +10,8 @@ Its parts, each spelled in one place:
 - `warmpool.protocol.names`: subjects, bucket names, KV key spelling, limits, `REASONS` and `ERROR_CODES`.
 - `warmpool.protocol.base`: the field types and the `Message`/`Request` bases.
 - `warmpool.protocol.messages`: samples, on-call commands, agent requests, events and audit records.
-- `warmpool.protocol.records`: the KV records (slots, agent leases, scalers, leases, overrides, schedules, replicas).
+- `warmpool.protocol.records`: the KV records (slots, agent leases, scalers, CRs' status, leases, overrides, schedules,
+  replicas).
 - `warmpool.protocol.scaledobject`: the ScaledObject wire type (`ScaledObjectSpec`) and its parts.
 - `warmpool.protocol.replies`: command and agent replies, and the status rows they carry.
 - `warmpool.protocol.codec`: `encode`/`decode`, the decoder cache, the request freshness check.
@@ -91,6 +92,16 @@ Revisions of v1 (each only adds fields or tightens a request only our own autosc
   A list over `MAX_MODELS_PER_NODE` is refused ``bad_value``. Nothing else changes shape.
 - revision 12 (labels): `ScalerRecord` adds `labels` (the ScaledObject's ``metadata.labels``, Kubernetes' key and
   value syntax, at most `MAX_LABELS`; default empty), for ``pulsescale get -l``. Nothing acts on them.
+- revision 13 (what the CR says): a new bucket, `pulse_objects` (`OBJECTS_BUCKET`), holds an `ObjectStatus` under
+  ``<namespace>.<name>`` for every ScaledObject CR the operator sees, published or not: `namespace`, `name` (a
+  Kubernetes name, `OBJECT_NAME_PATTERN`: dotted names too), `published`, `conditions` (`ObjectCondition`: `type`,
+  `status`, `reason`, `message`, `since`; as the operator wrote them to the CR, at most `MAX_OBJECT_CONDITIONS`),
+  and what it could read of the spec (`model`, `target` as ``Kind/name``, `min_replicas`, `max_replicas`), `labels`,
+  `generation`, `created_at`, `updated_at`. The operator's user writes it with the CR's status and deletes it when
+  the CR goes; on-call may only read it; the autoscaler creates the bucket and reads nothing of it. ``pulsescale
+  get so`` takes READY, ACTIVE, FALLBACK and PAUSED of an object from it, and lists the unpublished ones with their
+  reason; an object without one (`pulsescale apply` with no operator, an operator or autoscaler before revision 13)
+  is shown as before. Nothing else changes shape.
 
 Pure: no I/O, no NATS import; `now` is passed in where time matters.
 """
@@ -156,10 +167,12 @@ from warmpool.protocol.names import (
     LEADER_LEASE_KEY,
     LEASES_BUCKET,
     MAX_CLOCK_SKEW_S,
+    MAX_CONDITION_REASON,
     MAX_LABELS,
     MAX_LEASE_S,
     MAX_MESSAGE_BYTES,
     MAX_MODELS_PER_NODE,
+    MAX_OBJECT_CONDITIONS,
     MAX_OVERRIDE_S,
     MAX_REPLICAS_ENV,
     MAX_REQUEST_TTL_S,
@@ -168,6 +181,8 @@ from warmpool.protocol.names import (
     MAX_SLOTS_PER_NODE,
     MAX_TRUSTED_SKEW_S,
     NAME_PATTERN,
+    OBJECT_NAME_PATTERN,
+    OBJECTS_BUCKET,
     OVERRIDE_KEY_PREFIX,
     QUEUE_PREFIX,
     QUEUE_WILDCARD,
@@ -180,6 +195,7 @@ from warmpool.protocol.names import (
     SHARDS,
     SLOT_STATES,
     SLOTS_BUCKET,
+    TARGET_PATTERN,
     VERSION,
     EngineMode,
     ErrorCode,
@@ -205,6 +221,8 @@ from warmpool.protocol.records import (
     AgentLease,
     LeaderLease,
     NodeAssignment,
+    ObjectCondition,
+    ObjectStatus,
     OnCallSchedule,
     Override,
     OverrideRecord,
@@ -296,6 +314,11 @@ __all__ = [
     "LABEL_VALUE_PATTERN",
     "MAX_LABELS",
     "MAX_MODELS_PER_NODE",
+    "MAX_CONDITION_REASON",
+    "MAX_OBJECT_CONDITIONS",
+    "OBJECTS_BUCKET",
+    "OBJECT_NAME_PATTERN",
+    "TARGET_PATTERN",
     "MAX_REQUEST_TTL_S",
     "MAX_SLOTS_PER_NODE",
     "NAME_PATTERN",
@@ -319,6 +342,8 @@ __all__ = [
     "EventType",
     "LeaderLease",
     "NodeAssignment",
+    "ObjectCondition",
+    "ObjectStatus",
     "Override",
     "OverrideRecord",
     "OverrideReply",
@@ -416,5 +441,5 @@ __all__ = [
     "TypedReply",
 ]
 
-CONTRACT_REVISION: Final = 12
+CONTRACT_REVISION: Final = 13
 """Revision of wire contract v1 this code speaks (see the module doc for what each revision changed)."""

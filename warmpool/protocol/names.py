@@ -45,7 +45,11 @@ __all__ = [
     "MAX_SCHEDULE_S",
     "MAX_SLOTS_PER_NODE",
     "MAX_TRUSTED_SKEW_S",
+    "MAX_CONDITION_REASON",
+    "MAX_OBJECT_CONDITIONS",
     "NAME_PATTERN",
+    "OBJECTS_BUCKET",
+    "OBJECT_NAME_PATTERN",
     "OVERRIDE_KEY_PREFIX",
     "QUEUE_PREFIX",
     "QUEUE_WILDCARD",
@@ -58,6 +62,7 @@ __all__ = [
     "SHARD_KEY_PREFIX",
     "SLOTS_BUCKET",
     "SLOT_STATES",
+    "TARGET_PATTERN",
     "VERSION",
     "EngineMode",
     "ErrorCode",
@@ -103,6 +108,17 @@ LABEL_KEY_PATTERN: Final = (
 """A Kubernetes label key: an optional DNS-subdomain prefix and ``/``, then a name of at most 63 characters."""
 LABEL_VALUE_PATTERN: Final = r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$"
 """A Kubernetes label value: empty, or at most 63 characters as a label name."""
+OBJECT_NAME_PATTERN: Final = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+"""Revision 13: a Kubernetes object name (a DNS subdomain, at most 253 characters), as an `ObjectStatus` names its
+ScaledObject: the mirror lists CRs the validator refused, dotted names included (a namespace has no dot, so the
+key ``<namespace>.<name>`` still splits at its first dot)."""
+TARGET_PATTERN: Final = r"^[A-Za-z][A-Za-z0-9]{0,62}/[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"
+"""Revision 13: a scale target as ``Kind/name`` (``Deployment/qwen``), as `ObjectStatus.target` spells it."""
+MAX_OBJECT_CONDITIONS: Final = 8
+"""Revision 13: the most conditions an `ObjectStatus` carries: the CR has four (Ready, Active, Fallback, Paused);
+room for a few more from a newer operator, not for a list that grows."""
+MAX_CONDITION_REASON: Final = 1024
+"""Revision 13: the longest condition reason, as Kubernetes bounds ``metav1.Condition.reason``."""
 MAX_CLOCK_SKEW_S: Final = 5.0
 """A heartbeat dated more than this ahead of the reader's clock is not fresh: a future-dated lease is a clock fault
 or a forgery, never a reason to trust a node for longer."""
@@ -137,7 +153,11 @@ LEASES_BUCKET: Final = "pulse_leases"
 ASSIGNMENTS_BUCKET: Final = "pulse_assignments"
 """Revision 11: ``<node>`` -> `NodeAssignment`, the models that node may offer. Written by the operator's user (as
 `pulse_scalers`), only read by the agents: a node's own agent cannot widen what it may serve."""
-BUCKETS: Final = (SLOTS_BUCKET, AGENTS_BUCKET, SCALERS_BUCKET, LEASES_BUCKET, ASSIGNMENTS_BUCKET)
+OBJECTS_BUCKET: Final = "pulse_objects"
+"""Revision 13: ``<namespace>.<name>`` -> `ObjectStatus`, every ScaledObject CR the operator sees, published or not,
+with the conditions it wrote to the CR. Written by the operator's user only, read by on-call (``pulsescale get so``
+shows what the CR says without Kubernetes credentials); nothing acts on it."""
+BUCKETS: Final = (SLOTS_BUCKET, AGENTS_BUCKET, SCALERS_BUCKET, LEASES_BUCKET, ASSIGNMENTS_BUCKET, OBJECTS_BUCKET)
 """Every bucket of the registry."""
 
 CMD_VERBS: Final = ("scale", "pause", "resume", "status", "pool", "drain", "undrain", "schedule")

@@ -4,6 +4,8 @@
 - `pulse_agents`: `AgentLease` under ``<node>``.
 - `pulse_assignments`: `NodeAssignment` under ``<node>`` (revision 11).
 - `pulse_scalers`: `ScalerRecord` (a `ScaledObjectSpec`) under ``<namespace>.<name>``.
+- `pulse_objects`: `ObjectStatus` (a ScaledObject CR and the conditions on it) under ``<namespace>.<name>``
+  (revision 13).
 - `pulse_leases`: `LeaderLease` (the leader and each shard), `ReplicaRecord`, `OverrideRecord` (an `Override`) and
   `ScheduleRecord` (`OnCallSchedule`s); their keys are spelled in `warmpool.protocol.names`.
 
@@ -16,6 +18,7 @@ Pure: no I/O.
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal
 
 import msgspec
@@ -26,12 +29,16 @@ from warmpool.protocol.names import (
     LABEL_KEY_PATTERN,
     LABEL_VALUE_PATTERN,
     MAX_CLOCK_SKEW_S,
+    MAX_CONDITION_REASON,
     MAX_LABELS,
     MAX_LEASE_S,
     MAX_MODELS_PER_NODE,
+    MAX_OBJECT_CONDITIONS,
     MAX_SCHEDULES,
     MAX_SLOTS_PER_NODE,
+    OBJECT_NAME_PATTERN,
     SHARDS,
+    TARGET_PATTERN,
     EngineMode,
     SlotState,
 )
@@ -39,11 +46,17 @@ from warmpool.protocol.scaledobject import ScaledObjectSpec, Schedule, check_sch
 
 LabelKey = Annotated[str, msgspec.Meta(pattern=LABEL_KEY_PATTERN, max_length=317)]  # 253 prefix + / + 63
 LabelValue = Annotated[str, msgspec.Meta(pattern=LABEL_VALUE_PATTERN, max_length=63)]
+ObjectName = Annotated[str, msgspec.Meta(pattern=OBJECT_NAME_PATTERN, max_length=253)]
+ConditionReason = Annotated[
+    str, msgspec.Meta(pattern=r"^([A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?)?$", max_length=MAX_CONDITION_REASON)
+]  # metav1.Condition's reason, or empty
 
 __all__ = [
     "AgentLease",
     "LeaderLease",
     "NodeAssignment",
+    "ObjectCondition",
+    "ObjectStatus",
     "OnCallSchedule",
     "Override",
     "OverrideRecord",
@@ -182,6 +195,69 @@ class ScalerRecord(Message, kw_only=True):
     @property
     def key(self) -> str:
         return f"{self.namespace}.{self.name}"
+
+
+class ObjectCondition(msgspec.Struct, kw_only=True, frozen=True):
+    """Revision 13: one condition of a ScaledObject CR's status as the operator wrote it (``metav1.Condition``).
+
+    `type` is a name, not a closed list, so a newer operator's condition does not make the record unreadable."""
+
+    type: Annotated[str, msgspec.Meta(pattern=r"^[A-Z][A-Za-z0-9]{0,63}$")]
+    status: Literal["True", "False", "Unknown"]
+    reason: ConditionReason = ""
+    message: Text = ""
+    """As on the CR, cut to `Text`'s 4096 characters (the operator's own messages are far shorter)."""
+    since: float | None = None
+    """``lastTransitionTime``, Unix s."""
+
+
+class ObjectStatus(Message, kw_only=True):
+    """Revision 13: the value under ``<namespace>.<name>`` in `pulse_objects`: a ScaledObject CR as the operator
+    saw it, published or not, and the conditions it wrote to the CR's status.
+
+    The operator writes it with the CR's status (the same conditions, no further API calls) and deletes it when the
+    CR goes, after its finalizer; ``pulsescale get so`` reads it so that it says what the CR says, and lists the
+    objects the operator refused (`published` False), with their reason. What the spec says is only as far as the
+    operator could read it (None: absent or unreadable): the spec in force is the `ScalerRecord`'s."""
+
+    namespace: Name
+    name: ObjectName
+    published: bool = False
+    """Its `ScalerRecord` is in `pulse_scalers` (in force, even where Ready is False: a refused edit, a missing
+    target)."""
+    conditions: Annotated[list[ObjectCondition], msgspec.Meta(max_length=MAX_OBJECT_CONDITIONS)] = []
+    model: Name | None = None
+    target: Annotated[str, msgspec.Meta(pattern=TARGET_PATTERN, max_length=317)] | None = None
+    """``Kind/name`` of ``spec.scaleTargetRef`` (the kind Deployment where it names none)."""
+    min_replicas: Count | None = None
+    max_replicas: Count | None = None
+    labels: dict[LabelKey, LabelValue] = {}
+    """The CR's ``metadata.labels`` (empty where they are more than `MAX_LABELS`: such an object is refused)."""
+    generation: Count | None = None
+    """The CR's ``metadata.generation`` the conditions were written for (``observedGeneration``)."""
+    created_at: float | None = None
+    """The CR's creationTimestamp, Unix s."""
+    updated_at: float = 0.0
+    """When the operator wrote this content, Unix s."""
+
+    def _validate(self) -> None:
+        _finite(self, "created_at", "updated_at")
+        if len(self.labels) > MAX_LABELS:
+            raise ValueError(f"[bad_value] `labels` has {len(self.labels)} entries, more than {MAX_LABELS}")
+        types = [c.type for c in self.conditions]
+        if len(set(types)) != len(types):
+            raise ValueError("[bad_value] `conditions` names a type twice")
+        for c in self.conditions:
+            if c.since is not None and not math.isfinite(c.since):
+                raise ValueError("[non_finite] `conditions[].since` must be a finite number")
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}.{self.name}"
+
+    def condition(self, kind: str) -> ObjectCondition | None:
+        """The condition of type `kind`, None when the CR has none."""
+        return next((c for c in self.conditions if c.type == kind), None)
 
 
 # --- leader lease and overrides (KV pulse_leases) -------------------------------------------------------------
