@@ -318,6 +318,6 @@ def same_content(a: ScalerRecord, b: ScalerRecord) -> bool:
 
     def content(r: ScalerRecord) -> tuple[Any, ...]:
         return (r.namespace, r.name, r.spec, r.paused, r.paused_replicas, r.paused_scale_in, r.paused_scale_out,
-                r.notes)  # fmt: skip
+                r.notes, r.labels)  # fmt: skip  (labels: `get -l` reads them from the record)
 
     return content(a) == content(b)

@@ -468,6 +468,8 @@ def test_same_content_sees_the_new_fields() -> None:
     assert not scaledobject.same_content(plain, _annotated({"autoscaling.keda.sh/paused-scale-in": "true"}))
     [noted] = load(GOOD.replace("  triggers:\n", "  pollingInterval: 30\n  triggers:\n"))
     assert not scaledobject.same_content(plain, noted)
+    [labelled] = load(GOOD.replace("  name: qwen\n", "  name: qwen\n  labels: {team: a}\n"))
+    assert not scaledobject.same_content(plain, labelled)  # a label-only edit is written: `get -l` reads them
 
 
 # --- CR bodies from the API server -----------------------------------------------------------------------------------
