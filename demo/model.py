@@ -85,7 +85,8 @@ class DemoModel:
         read (the run's work directory is root's, 0700)."""
 
     async def make(self) -> Path:
-        """The generated tiny model, with `token_ms` in its config (the emulated accelerator time per token)."""
+        """The generated tiny model, with `token_ms` in its config (the emulated accelerator time per token) and,
+        for ``--source vllm-metrics``, room for the queue its engine holds (`DemoSettings.engine_connections`)."""
         if self.s.engine == "vllm":
             user, why = _engine_user()
             self.engine_user, self.vllm_args = user, _vllm_args(self.s)
@@ -110,7 +111,10 @@ class DemoModel:
                 for d in (out, *out.rglob("*")):  # the server reads --model as its engine user
                     os.chmod(d, 0o755 if d.is_dir() else 0o644)
                 return
-            tinymodel.make_tiny(out, self.s.model_bytes, extra_config={"token_ms": self.s.token_ms})
+            extra: dict[str, object] = {"token_ms": self.s.token_ms}
+            if self.s.source == "vllm-metrics":  # the engine holds its queue, as vLLM does (`engine_queue`)
+                extra["max_connections"] = self.s.engine_connections
+            tinymodel.make_tiny(out, self.s.model_bytes, extra_config=extra)
 
         await self._in_thread(make)
         return out

@@ -1,8 +1,9 @@
 """What a run records as it goes, each stream from where it happens (`demo.report` combines them): the gateway's
-queue samples, the autoscaler's events, the slot registry counted every tick, the phases and what the demo said; and
-the live view's `Snapshot`, filled in from them every tick. `disk_reads` reads the host's disk counter (the run reads
-it at the pulse's start and end); `gateway_counters` reads the gateway's own answer counters from its ``/metrics``
-once the load has drained.
+queue samples (or, with ``--source vllm-metrics``, the bridge's), the autoscaler's events, the slot registry counted
+every tick, the phases and what the demo said; and the live view's `Snapshot`, filled in from them every tick.
+`disk_reads` reads the host's disk counter (the run reads it at the pulse's start and end); `gateway_counters` reads
+the gateway's own answer counters from its ``/metrics`` once the load has drained, and `bridge_counters` the
+bridge's.
 """
 
 from __future__ import annotations
@@ -27,7 +28,15 @@ from warmpool.errors import BadMessage
 from warmpool.protocol import Event, QueueSample
 from warmpool.registry import KvSlotStore
 
-__all__ = ["ACTIVATING_STATES", "Recorder", "disk_reads", "gateway_counters", "parse_gateway_metrics"]
+__all__ = [
+    "ACTIVATING_STATES",
+    "Recorder",
+    "bridge_counters",
+    "disk_reads",
+    "gateway_counters",
+    "parse_bridge_metrics",
+    "parse_gateway_metrics",
+]
 
 ACTIVATING_STATES = frozenset({"claimed", "activating"})
 
@@ -69,8 +78,28 @@ def parse_gateway_metrics(text: str, model: str) -> dict[str, Any]:
     return {"responses_by_status": dict(sorted(statuses.items())), "request_seconds": hist}
 
 
-async def gateway_counters(url: str, model: str) -> dict[str, Any] | None:
-    """`parse_gateway_metrics` of the gateway at `url`; None (the report says so) when it cannot be read."""
+def parse_bridge_metrics(text: str, model: str) -> dict[str, Any]:
+    """From the bridge's Prometheus text: `model`'s samples published and the times they stopped (a source failed
+    or went stale), its reads and its bad input by reason, summed over the sources it reads at the end (a slot's
+    series go with the slot)."""
+    out: dict[str, Any] = {"samples_published": 0, "samples_stopped": 0, "reads": 0, "errors_by_reason": {}}
+    errors: dict[str, int] = out["errors_by_reason"]
+    for family in text_string_to_metric_families(text):
+        for smp in family.samples:
+            if smp.name == "pulsescale_bridge_samples_published_total" and smp.labels.get("model") == model:
+                out["samples_published"] = int(smp.value)
+            elif smp.name == "pulsescale_bridge_samples_stopped_total" and smp.labels.get("model") == model:
+                out["samples_stopped"] = int(smp.value)
+            elif smp.name == "pulsescale_bridge_reads_total":
+                out["reads"] += int(smp.value)
+            elif smp.name == "pulsescale_bridge_errors_total" and smp.value:
+                reason = smp.labels["reason"]
+                errors[reason] = errors.get(reason, 0) + int(smp.value)
+    out["errors_by_reason"] = dict(sorted(errors.items()))
+    return out
+
+
+async def _metrics_text(url: str) -> str | None:
     try:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as session,
@@ -78,10 +107,21 @@ async def gateway_counters(url: str, model: str) -> dict[str, Any] | None:
         ):
             if r.status != 200:
                 return None
-            text = await r.text()
+            return await r.text()
     except (aiohttp.ClientError, OSError):
         return None
-    return parse_gateway_metrics(text, model)
+
+
+async def gateway_counters(url: str, model: str) -> dict[str, Any] | None:
+    """`parse_gateway_metrics` of the gateway at `url`; None (the report says so) when it cannot be read."""
+    text = await _metrics_text(url)
+    return None if text is None else parse_gateway_metrics(text, model)
+
+
+async def bridge_counters(url: str, model: str) -> dict[str, Any] | None:
+    """`parse_bridge_metrics` of the bridge at `url`; None when it cannot be read."""
+    text = await _metrics_text(url)
+    return None if text is None else parse_bridge_metrics(text, model)
 
 
 class Recorder:
@@ -188,12 +228,19 @@ class Recorder:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.tick_s)
 
-    async def settle_samples(self, runner: load_mod.LoadRun) -> None:
-        """Wait (briefly) for the gateway sample that counts every request the load sent."""
+    async def settle_samples(self, runner: load_mod.LoadRun, *, counted: bool = True) -> None:
+        """Wait (briefly) for the gateway sample that counts every request the load sent. `counted` False: the
+        samples are the bridge's, whose counters are the engines' (readiness checks and the calibration too), so
+        only an empty queue is waited for."""
         sent = runner.totals().get("sent", 0)
         deadline = time.monotonic() + 3
         while time.monotonic() < deadline:
             last = self.samples[-1] if self.samples else None
-            if last is not None and last.arrivals_total >= sent and last.queue_depth == 0 and last.inflight == 0:
+            if (
+                last is not None
+                and (last.arrivals_total >= sent or not counted)
+                and last.queue_depth == 0
+                and last.inflight == 0
+            ):
                 return
             await asyncio.sleep(0.05)

@@ -5,7 +5,8 @@ combines them:
 
 - the load generator's requests, each with its send and end time and its HTTP status (or why none), and the
   per-second counts made from them (sent, 200s, 504s, other errors, latency percentiles, 200s by completion);
-- the gateway's `QueueSample`s on ``pulse.queue.<model>`` (queue depth, in flight, its counters);
+- the `QueueSample`s on ``pulse.queue.<model>`` (queue depth, in flight, the counters): the gateway's, or with
+  ``--source vllm-metrics`` the bridge's (`RunRecord.bridge_id`), read from the engines;
 - the autoscaler's events on ``pulse.events.<model>`` (``slot.claimed``/``slot.ready`` with the agent's stage
   timings, ``cold.start``, ``scale.decision``...);
 - the slot registry, sampled every tick (replicas ready / activating / warm);
@@ -18,6 +19,7 @@ Every figure in the report is computed from those records (a test recomputes the
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -36,6 +38,8 @@ __all__ = [
     "Tick",
     "activations",
     "build_report",
+    "demand_section",
+    "first_claim_after",
     "ready_count_at",
     "time_to_capacity",
 ]
@@ -138,6 +142,11 @@ class RunRecord:
     gateway_metrics: dict[str, Any] | None = None
     """The gateway's own counters scraped from its ``/metrics`` after the drain (`demo.recorder.gateway_counters`):
     ``responses_by_status`` and the ``request_seconds`` histogram; None when it could not be read."""
+    bridge_id: str | None = None
+    """``--source vllm-metrics``: the bridge's gateway id, which tells its samples from the gateway's."""
+    bridge_metrics: dict[str, Any] | None = None
+    """The bridge's own counters after the drain (`demo.recorder.bridge_counters`); None without a bridge or when
+    they could not be read."""
     rootfs: dict[str, Any] | None = None
     """The rootfs stage (`demo.image`): ``mode``, ``mounted``, and when mounted its ``digest``, sizes, build, mount
     and warm times and the page-cache residency and slots on the image at the pulse's start and end; when not, the
@@ -212,6 +221,31 @@ def time_to_capacity(events: Iterable[Event], pulse_start: float, needed: int) -
     return None
 
 
+def first_claim_after(events: Iterable[Event], at: float) -> float | None:
+    """Seconds from `at` to the first ``slot.claimed`` at or after it (the autoscaler's first reaction to the pulse,
+    before any engine's part); None when nothing was claimed."""
+    claims = [e.ts for e in events if e.type == "slot.claimed" and e.ts >= at]
+    return min(claims) - at if claims else None
+
+
+def demand_section(rec: RunRecord, source: str, scrape_every_s: float | None) -> dict[str, Any]:
+    """Who published the demand the autoscaler scaled on: the source, its publisher, its samples and the longest
+    silence between two of them while the load ran (past the autoscaler's 1 s, its demand was stale), and the
+    bridge's own counters."""
+    mine = [s for s in rec.samples if rec.bridge_id is None or s.gateway == rec.bridge_id]
+    end = rec.offered_end if rec.offered_end is not None else rec.load_end
+    ts = sorted(s.ts for s in mine if rec.load_start <= s.ts <= end)
+    gap = max((b - a for a, b in itertools.pairwise(ts)), default=None)
+    return {
+        "source": source,
+        "publisher": mine[-1].gateway if mine else None,
+        "samples": len(mine),
+        "longest_gap_s": None if gap is None else round(gap, 3),
+        "scrape_every_s": scrape_every_s,
+        "bridge": rec.bridge_metrics,
+    }
+
+
 def needed_replicas(pulse_rps: float, service_s: float) -> int:
     """Replicas the pulse needs: its rate times one replica's service time (Little's law at full use), at least
     one. Not capped at the fleet: a pulse bigger than the fleet says so."""
@@ -238,7 +272,11 @@ def build_report(rec: RunRecord, config: dict[str, Any], *, pulse_rps: float, ti
     if rec.load_totals:
         sent, ok = rec.load_totals.get("sent", sent), rec.load_totals.get("ok", ok)
         timeouts, errors = rec.load_totals.get("timeouts", timeouts), rec.load_totals.get("errors", errors)
-    last = rec.samples[-1] if rec.samples else None
+    # The gateway's own samples (with a bridge as the source, the gateway publishes none: only its /metrics).
+    gateway_samples = [s for s in rec.samples if rec.bridge_id is None or s.gateway != rec.bridge_id]
+    last = gateway_samples[-1] if gateway_samples else None
+    bridged = rec.bridge_id is not None
+    first_claim = first_claim_after(rec.events, rec.pulse_start)
     by_type: dict[str, int] = {}
     for e in rec.events:
         by_type[e.type] = by_type.get(e.type, 0) + 1
@@ -263,6 +301,10 @@ def build_report(rec: RunRecord, config: dict[str, Any], *, pulse_rps: float, ti
         "timeouts_during_pulse": sum(s.timeouts for s in rec.seconds if _in(s.t, p0, p1)),
         "needed_replicas": needed,
         "time_to_capacity_s": None if ttc is None else round(ttc, 3),
+        "first_claim_after_pulse_s": None if first_claim is None else round(first_claim, 3),
+        "demand": demand_section(
+            rec, str(config.get("source", "gateway")), config.get("bridge_scrape_every_s") if bridged else None
+        ),
         "activations": [
             {
                 "node": a.node,
@@ -295,14 +337,14 @@ def build_report(rec: RunRecord, config: dict[str, Any], *, pulse_rps: float, ti
             "end_s": round(rec.pulse_end - rec.load_start, 3),
             "rps": round(pulse_rps, 2),
         },
-        "gateway": None
+        "gateway": ({"gateway": None, "samples": 0, "metrics": rec.gateway_metrics} if bridged else None)
         if last is None
         else {
             "gateway": last.gateway,
             "arrivals_total": last.arrivals_total,
             "completions_total": last.completions_total,
             "timeouts_total": last.timeouts_total,
-            "samples": len(rec.samples),
+            "samples": len(gateway_samples),
             # Its /metrics (None: not read): every answer it gave by status, and its arrival -> answer histogram.
             "metrics": rec.gateway_metrics,
         },

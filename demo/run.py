@@ -9,8 +9,10 @@ One run, in phases (each shown live and recorded):
    said once.
 2. **staging**: the autoscaler (a ``pulsescale autoscaler`` process), the node agents of the warm pool (one
    ``pulsescale agent`` process per node: they stage the weights into /dev/shm, fork their engines' zygotes and
-   offer their slots) and the reference gateway (``pulsescale gateway``). The autoscaler activates the base
-   replicas as soon as slots are warm. A progress bar counts slots until the pool is warm.
+   offer their slots) and the reference gateway (``pulsescale gateway``); with ``--source vllm-metrics`` the gateway
+   publishes no samples and ``pulsescale bridge --slots``, started once the calibration is done, reads every ready
+   engine's /metrics instead. The autoscaler activates the base replicas as soon as slots are warm. A progress bar
+   counts slots until the pool is warm.
 3. **calibrating**: sequential requests through the gateway measure one replica's service time, which sets the
    replicas the pulse needs.
 4. **base / pulse / after**: the load generator's open-loop load: the base rate, then the pulse (a multiple of the
@@ -58,9 +60,9 @@ from demo import load as load_mod
 from demo import report as report_mod
 from demo import table as table_mod
 from demo.errors import DemoError
-from demo.fleet import Fleet
+from demo.fleet import HEALTHY_WITHIN_S, Fleet
 from demo.model import DemoModel
-from demo.recorder import Recorder, disk_reads, gateway_counters
+from demo.recorder import Recorder, bridge_counters, disk_reads, gateway_counters
 from demo.rootfs_stage import DemoRootfs, unmount_under
 from demo.settings import MODEL, DemoSettings
 from demo.view import View
@@ -108,6 +110,8 @@ class Demo:
         self.nc: Client | None = None
         self.store: KvSlotStore | None = None
         self.gateway_url = ""
+        self.bridge_url: str | None = None
+        """``--source vllm-metrics``: the bridge's /healthz and /metrics."""
         self.on_nats = on_nats
         self.pulse_rps = settings.pulse_rps
         """The pulse's rate: nominal until a replica's service time is measured (`DemoSettings.pulse_rps_for`)."""
@@ -235,6 +239,21 @@ class Demo:
                 took.append(time.perf_counter() - t0)
         return statistics.median(took[2:])  # the first requests open the connection
 
+    async def _start_bridge(self, url: str) -> None:
+        """``--source vllm-metrics``: the bridge, after the calibration (whose requests the engines count: the
+        bridge would show them to the autoscaler as a burst from nothing, which the gateway's samples never do), and
+        its first sample before the load."""
+        self.bridge_url = await self.fleet.start_bridge(url)
+        deadline = time.monotonic() + HEALTHY_WITHIN_S
+        while not any(x.gateway == self.fleet.bridge_id for x in self.recorder.samples):
+            self.fleet.check_children()
+            if time.monotonic() > deadline:
+                raise DemoError(
+                    f"the bridge published no sample within {HEALTHY_WITHIN_S:g} s of its start; log: "
+                    f"{self.workdir}/logs/bridge.log"
+                )
+            await asyncio.sleep(0.05)
+
     # --- the run --------------------------------------------------------------------------------------------------
 
     async def run(self) -> DemoResult:
@@ -262,6 +281,8 @@ class Demo:
             await self._wait_warm(lambda: scalers.put(rec.key, protocol.encode(rec)))
             await self.rootfs.ask_agents(self.nc, self.fleet.warm_nodes)
             service_s = await self._calibrate()
+            if s.source == "vllm-metrics":
+                await self._start_bridge(url)
             self.pulse_rps = s.pulse_rps_for(service_s)
             needed = report_mod.needed_replicas(self.pulse_rps, service_s)
             self.recorder.snap.needed = needed
@@ -318,8 +339,9 @@ class Demo:
             self.recorder.phase("draining")
             await asyncio.wait_for(task, s.drain_s + s.request_timeout_s + 5)
             load_end = time.time()
-            await self.recorder.settle_samples(runner)
+            await self.recorder.settle_samples(runner, counted=self.bridge_url is None)
             gateway_metrics = await gateway_counters(self.gateway_url, MODEL)
+            bridge_metrics = None if self.bridge_url is None else await bridge_counters(self.bridge_url, MODEL)
             assert runner.started_at is not None
             # The generator's own t=0 (a few ms after ours): the per-second series and the pulse are timed from it.
             load_start = runner.started_at
@@ -348,6 +370,8 @@ class Demo:
             requests=list(runner.requests),
             offered_end=load_start + shape.duration_s,
             gateway_metrics=gateway_metrics,
+            bridge_id=self.fleet.bridge_id if self.bridge_url is not None else None,
+            bridge_metrics=bridge_metrics,
         )
         await self.rootfs.stop_keeper()
         rec.rootfs = dict(self.rootfs.report)

@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-__all__ = ["DemoSettings", "MODEL", "parse_pulse"]
+__all__ = ["DemoSettings", "MODEL", "SOURCES", "parse_pulse"]
 
 MODEL: Final = "tiny"
 """The model's name in the registry, on subjects and in the gateway's routes."""
+SOURCES: Final = ("gateway", "vllm-metrics")
+"""Where the autoscaler's demand comes from (`DemoSettings.source`)."""
 
 
 def parse_pulse(text: str) -> float:
@@ -88,6 +90,20 @@ class DemoSettings:
     """Size of the generated tiny model: staged per node into /dev/shm, so the fleet holds `nodes` copies."""
     engine: str = "local"
     """Engine of every slot: ``local`` (forked numpy engine) or ``vllm`` (needs the vLLM extra)."""
+    source: str = "gateway"
+    """Where the autoscaler's demand comes from: ``gateway`` (the reference gateway publishes its queue on NATS, the
+    push path) or ``vllm-metrics`` (the gateway publishes nothing; ``pulsescale bridge --slots`` reads every ready
+    engine's vLLM /metrics and publishes instead, as for a gateway that cannot push). Both engines serve that page."""
+    bridge_scrape_every_s: float = 0.25
+    """``vllm-metrics``: the bridge's ``--scrape-every``. Its own default, so the run shows what the bridge costs as
+    shipped."""
+    engine_queue: int = 1000
+    """``vllm-metrics``: requests the gateway sends one replica at once (its ``--endpoint-concurrency``). The bridge
+    sees only what is in an engine, so the queue must be there, as in front of vLLM, which takes every request it
+    is sent and queues it itself. A gateway that holds requests back hides them from the bridge: the autoscaler sizes
+    by the arrival rate, and the bridge counts only the arrivals the engines get (at 16 per replica, one run here
+    took 2.95 s to capacity against 0.83 s on the push path). 1000: the gateway holds back nothing of the default
+    pulse, whose backlog stays in the low hundreds."""
     vllm_args: str = "--max-model-len 256 --enforce-eager"
     """``--engine vllm``: the server's extra arguments. The tiny model's context (512 positions) would make vLLM
     size its KV cache and warm-up for more than a demo asks; eager mode skips CUDA-graph capture (the article's
@@ -140,8 +156,18 @@ class DemoSettings:
             raise ValueError("--image: auto, none, or a directory or image tarball")
         if self.engine not in ("local", "vllm"):
             raise ValueError(f"--engine {self.engine!r}: local or vllm")
+        if self.source not in SOURCES:
+            raise ValueError(f"--source {self.source!r}: {' or '.join(SOURCES)}")
+        if not 0 < self.bridge_scrape_every_s <= 1 or not 1 <= self.engine_queue <= 4000:
+            raise ValueError("bridge_scrape_every_s must be in (0, 1] s and engine_queue in [1, 4000]")
 
     # --- derived figures ----------------------------------------------------------------------------------------
+
+    @property
+    def engine_connections(self) -> int:
+        """``vllm-metrics``: the local engine's connections (its config's ``max_connections``): the gateway's
+        `engine_queue` and room for the readiness check, the agent's probes and the bridge's scrapes."""
+        return self.engine_queue + 32
 
     @property
     def fleet_slots(self) -> int:

@@ -1,16 +1,23 @@
 """The table a run ends with (headless runs, logs and the live view alike): the article's load test with a column of
 this run's figures, what the pulse cost (latency, every answer other than 200, replica-seconds against the needed
-ones, the base, the cold path's asks, the steps after the pulse) and each activation's stages. Pure: it reads
-report.json (`demo.report.build_report`) only.
+ones, the base, the cold path's asks, the steps after the pulse) and each activation's stages; and for
+``--source both`` the two runs side by side (`comparison`, `compare_table`). Pure: it reads report.json
+(`demo.report.build_report`) only.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 from demo.report import ARTICLE, STAGES
 
-__all__ = ["article_table", "cost_rows"]
+__all__ = ["COMPARED_HOW", "article_table", "compare_table", "comparison", "cost_rows"]
+
+COMPARED_HOW: Final = (
+    "two runs of the same settings, one after the other on this machine, each from a fresh fleet (nats-server, "
+    "autoscaler, agents, gateway); they differ only in where the autoscaler's demand comes from, and in a run's "
+    "own noise"
+)
 
 
 def _fmt_s(v: float | None) -> str:
@@ -84,7 +91,9 @@ def article_table(report: dict[str, Any]) -> str:
         ),
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    source = _source_line(report)
     lines = [
+        *([source] if source else []),
         f"pulsescale demo: {cfg['nodes']} nodes x {cfg['slots_per_node']} slots, pool {cfg['pool_size']}, "
         f"base {cfg['base_rps']:g} req/s on {cfg['base_replicas']} replicas, pulse {cfg['pulse'] * 100:.0f} % "
         f"= {report['pulse']['rps']:g} req/s for {cfg['pulse_s']:g} s, needs {needed} replicas "
@@ -190,3 +199,85 @@ def cost_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         ),
     ]
     return rows
+
+
+def _source_line(report: dict[str, Any]) -> str | None:
+    """What the autoscaler scaled on, for a run not on the gateway's samples (the default says nothing)."""
+    demand = report.get("demand") or {}
+    if demand.get("source", "gateway") == "gateway":
+        return None
+    bridge = demand.get("bridge") or {}
+    errors = bridge.get("errors_by_reason") or {}
+    gap = demand.get("longest_gap_s")
+    return (
+        f"demand from {demand['source']}: pulsescale bridge read every ready engine's /metrics every "
+        f"{demand.get('scrape_every_s') or 0:g} s and published {demand['samples']:,} samples (the gateway none); "
+        f"longest silence {'-' if gap is None else f'{gap:.2f} s'}, samples stopped "
+        f"{bridge.get('samples_stopped', '-')} time(s), bad reads "
+        + (", ".join(f"{k} x{n}" for k, n in errors.items()) or "none")
+    )
+
+
+def _run_figures(report: dict[str, Any]) -> dict[str, Any]:
+    lat = report["latency_ms"]["pulse"]
+    return {
+        "time_to_capacity_s": report["time_to_capacity_s"],
+        "first_claim_after_pulse_s": report.get("first_claim_after_pulse_s"),
+        "needed_replicas": report["needed_replicas"],
+        "requests": report["requests"],
+        "timeouts": report["timeouts"],
+        "timeouts_during_pulse": report["timeouts_during_pulse"],
+        "non_200": report["non_200"],
+        "latency_pulse_ms": {k: lat[k] for k in ("p50", "p99", "max")},
+        "peak_queue_depth": report["peak_queue_depth"],
+        "demand_samples": (report.get("demand") or {}).get("samples"),
+    }
+
+
+def _p50_p99(lat: dict[str, Any]) -> str:
+    return f"p50 {_fmt_lat(lat['p50'])}, p99 {_fmt_lat(lat['p99'])}"
+
+
+def comparison(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """compare.json: each source's figures (its own report.json beside it) and the differences of the second from
+    the first, in the order run."""
+    runs = {source: _run_figures(r) for source, r in reports.items()}
+    diff: dict[str, float | None] = {}
+    if len(runs) == 2:
+        a, b = runs.values()
+        for key in ("time_to_capacity_s", "first_claim_after_pulse_s"):
+            diff[key] = None if a[key] is None or b[key] is None else round(b[key] - a[key], 3)
+    return {"how": COMPARED_HOW, "runs": runs, "difference": diff, "reports": {s: f"{s}/report.json" for s in runs}}
+
+
+def compare_table(compared: dict[str, Any]) -> str:
+    """The runs of `comparison` side by side."""
+    runs: dict[str, dict[str, Any]] = compared["runs"]
+    names = {"gateway": "gateway (push)", "vllm-metrics": "vllm-metrics (bridge)"}
+
+    def row(what: str, cell: Any) -> tuple[str, ...]:
+        return (what, *(cell(f) for f in runs.values()))
+
+    rows = [
+        ("demand source", *(names.get(s, s) for s in runs)),
+        row("time to capacity", lambda f: _fmt_s(f["time_to_capacity_s"]) + f" ({f['needed_replicas']} replicas)"),
+        row("first claim after the pulse start", lambda f: _fmt_s(f["first_claim_after_pulse_s"])),
+        row("504s (during the pulse)", lambda f: f"{f['timeouts']:,} ({f['timeouts_during_pulse']:,})"),
+        row("answers other than 200", lambda f: f"{f['non_200']:,} of {f['requests']:,}"),
+        row("request latency in the pulse", lambda f: _p50_p99(f["latency_pulse_ms"])),
+        row("deepest queue the autoscaler saw", lambda f: str(f["peak_queue_depth"])),
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [f"demand sources side by side: {compared['how']}", ""]
+    for i, r in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    diff = compared["difference"]
+    if diff.get("time_to_capacity_s") is not None or diff.get("first_claim_after_pulse_s") is not None:
+        later = ", ".join(
+            f"{k.removesuffix('_s').replace('_', ' ')} {v:+.2f} s" for k, v in diff.items() if v is not None
+        )
+        first, second = runs
+        lines += ["", f"{second} against {first}: {later}"]
+    return "\n".join(lines)

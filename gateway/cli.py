@@ -156,6 +156,12 @@ def run_gateway(argv: list[str], prog: str) -> int:
         help=f"an idle kept-alive connection is closed this long after its last answer [{d.keepalive_timeout_s:g}s]",
     )
     p.add_argument("--gateway-id", help="name in the queue samples [gw-<host>-<pid>-<random>]")
+    p.add_argument(
+        "--no-samples",
+        action="store_true",
+        help="publish no queue samples: another publisher (pulsescale bridge, reading the engines) gives the "
+        "autoscaler these models' demand, which would otherwise count twice [off: publish]",
+    )
     daemonstart.add_log_level_argument(p)
     args = p.parse_args(argv)
     if args.gateway_id is not None and not 0 < len(args.gateway_id) <= 128:
@@ -182,6 +188,7 @@ def run_gateway(argv: list[str], prog: str) -> int:
         models=args.models,
         require_assignment=args.require_assignment,
         **({"gateway_id": args.gateway_id} if args.gateway_id else {}),
+        publish_samples=not args.no_samples,
     )
     try:
         settings.check()

@@ -170,9 +170,10 @@ class Gateway:
         _check_file_limit(s.max_connections * (2 if separate else 1))
         self._tasks = [
             asyncio.create_task(self.routes.run(self._stop), name="gateway-routes"),
-            asyncio.create_task(self.publisher.run(self._stop), name="gateway-publisher"),
             asyncio.create_task(self._sweep(), name="gateway-sweep"),
         ]
+        if s.publish_samples:  # off: another publisher gives these models' demand (`GatewaySettings`)
+            self._tasks.append(asyncio.create_task(self.publisher.run(self._stop), name="gateway-publisher"))
         if self.scalers is not None:
             self._tasks.append(asyncio.create_task(self.scalers.run(self._stop), name="gateway-scalers"))
         log.info(

@@ -79,6 +79,10 @@ class GatewaySettings:
     waiting request holds one, so this must exceed the requests that wait at once; the process needs about two
     file descriptors per connection (the client's and the upstream's)."""
     gateway_id: str = field(default_factory=default_gateway_id)
+    publish_samples: bool = True
+    """Publish the queue samples (`gateway.publisher`). Off (``--no-samples``) only when something else publishes
+    these models' demand, such as ``pulsescale bridge`` reading the engines: the autoscaler adds every gateway's
+    demand up, so both publishing would count each request twice."""
     sample_every_s: float = 0.1
     """The contract's sample period (`warmpool.protocol.QueueSample`: every <= 100 ms)."""
     sample_min_gap_s: float = 0.01

@@ -9,6 +9,11 @@ adds ``tanh(expert @ x)``; the head maps back to byte logits, and greedy decodin
 Only the chosen experts are read per token (a mixture of experts, as in real MoE models), so a token costs the
 same for a 1 MB and a 10 GB model.
 
+``GET /metrics`` is a Prometheus page in vLLM's format with vLLM's three scheduler series (`RequestBook`), so the
+local engine stands in for vLLM wherever its metrics are read (``pulsescale bridge --slots``): a request is
+*waiting* from when its body is read until it holds the model lock, *running* while it holds it (its text made and
+the emulated accelerator time slept), and counted in ``vllm:request_success_total{finished_reason}`` as it lets go.
+
 This module is imported by the zygote before it forks (numpy and the HTTP server are the heavy imports) and
 runs in the forked engine process; the agent never imports it.
 """
@@ -32,13 +37,17 @@ import numpy as np
 
 from nodeagent import modelformat
 
-__all__ = ["EngineServer", "LocalBoot", "TinyMoE", "check_model", "prepare", "read_config"]
+__all__ = ["EngineServer", "LocalBoot", "RequestBook", "TinyMoE", "check_model", "prepare", "read_config"]
 
 MAX_BODY_BYTES: Final = 1 * 2**20
 MAX_CONNECTIONS: Final = 32
 """Connections an engine serves at once, one thread each. Forward passes run one at a time (the model lock), so
 more threads would only queue; beyond it the oldest connection still waiting for its request is closed to make
-room, and with none waiting the new one is answered 503 and closed."""
+room, and with none waiting the new one is answered 503 and closed. A model's config may raise it
+(``max_connections``, up to `MAX_CONNECTIONS_LIMIT`) for an engine that is to hold its queue itself, as vLLM does
+(the demo's ``--source vllm-metrics``)."""
+MAX_CONNECTIONS_LIMIT: Final = 4096
+"""Bound of ``max_connections`` in a model's config: a thread each, well inside a process's limits."""
 READ_TIMEOUT_S: Final = 10.0
 """A connection silent this long (reading a request, between keep-alive requests, or not reading our reply) is
 closed: a client that connects and sends nothing cannot hold a thread. The readiness check and the gateway send
@@ -50,6 +59,12 @@ MAX_TOKENS_LIMIT: Final = 4096
 MAX_TOKEN_MS: Final = 1000
 """Bound of `token_ms` in a model's config: a second per token is already no model anyone serves."""
 CONTEXT_BYTES: Final = 512  # decay**512 underflows any float32 contribution: older bytes cannot matter
+METRICS_CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
+"""The Prometheus text format's content type, as vLLM's /metrics (prometheus_client) answers it."""
+FINISH_REASONS: Final = ("stop", "length", "abort", "error", "repetition")
+"""vLLM's ``finished_reason`` label values (its ``FinishReason``), each present from the start as vLLM's are. This
+engine finishes requests with ``stop`` or ``length`` only: it does not notice a client that went away before its
+answer (the text is generated and counted, the write then fails), so it never counts ``abort``."""
 _PRINTABLE: Final = np.arange(256)
 _MASK: Final = np.where((_PRINTABLE >= 32) & (_PRINTABLE < 127), 0.0, -np.inf).astype(np.float32)
 
@@ -75,6 +90,11 @@ def read_config_file(path: Path) -> dict[str, Any]:
     token_ms = cfg.get("token_ms", 0)
     if isinstance(token_ms, bool) or not isinstance(token_ms, int | float) or not 0 <= token_ms <= MAX_TOKEN_MS:
         raise ValueError(f"{modelformat.CONFIG_FILE}: `token_ms` must be a number of ms in [0, {MAX_TOKEN_MS}]")
+    conns = cfg.get("max_connections", MAX_CONNECTIONS)
+    if isinstance(conns, bool) or not isinstance(conns, int) or not 1 <= conns <= MAX_CONNECTIONS_LIMIT:
+        raise ValueError(
+            f"{modelformat.CONFIG_FILE}: `max_connections` must be an integer in [1, {MAX_CONNECTIONS_LIMIT}]"
+        )
     return cfg
 
 
@@ -146,6 +166,55 @@ class TinyMoE:
         return bytes(out), "length"
 
 
+class RequestBook:
+    """The engine's requests as vLLM's scheduler counts them (module doc), thread-safe: each connection has its
+    thread. `page` renders them as vLLM's /metrics does (prometheus_client's text format, labels sorted)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.waiting = 0
+        self.running = 0
+        self.finished: dict[str, int] = dict.fromkeys(FINISH_REASONS, 0)
+
+    def arrived(self) -> None:
+        with self._lock:
+            self.waiting += 1
+
+    def started(self) -> None:
+        """It holds the model lock (was waiting)."""
+        with self._lock:
+            self.waiting -= 1
+            self.running += 1
+
+    def finished_one(self, finish: str | None) -> None:
+        """It is done with the model: `finish`ed (its reason), or None, failed before its text was made (not a
+        success: vLLM counts ``error`` only for its own retryable failures)."""
+        with self._lock:
+            self.running -= 1
+            if finish is not None:
+                self.finished[finish] = self.finished.get(finish, 0) + 1
+
+    def page(self, model_name: str) -> bytes:
+        with self._lock:
+            waiting, running, finished = self.waiting, self.running, dict(self.finished)
+        name = model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+        labels = f'engine="0",model_name="{name}"'
+        lines = [
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{{{labels}}} {float(running)}",
+            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting{{{labels}}} {float(waiting)}",
+            "# HELP vllm:request_success_total Count of successfully processed requests.",
+            "# TYPE vllm:request_success_total counter",
+        ]
+        for reason, n in finished.items():
+            lines.append(f'vllm:request_success_total{{engine="0",finished_reason="{reason}",model_name="{name}"}} '
+                         f"{float(n)}")  # fmt: skip
+        return ("\n".join(lines) + "\n").encode()
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive: the readiness check sends two requests on one connection
     server: EngineServer
@@ -190,6 +259,13 @@ class _Handler(BaseHTTPRequestHandler):
                 self._error(503, "engine is not healthy (fault injected)", "server_error")
             else:
                 self._send(200, {"status": "ok"})
+        elif self.path == "/metrics":
+            data = self.server.book.page(self.server.model_name)
+            self.send_response(200)
+            self.send_header("Content-Type", METRICS_CONTENT_TYPE)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
         elif self.path == "/v1/models":
             model = {"id": self.server.model_name, "object": "model", "created": 0, "owned_by": "pulsescale"}
             self._send(200, {"object": "list", "data": [model]})
@@ -227,10 +303,17 @@ class _Handler(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(data)
             return
+        book = self.server.book
+        book.arrived()
         with self.server.lock:  # one forward pass at a time: numpy already uses the cores for each
-            text, finish = self.server.model.generate(prompt, max_tokens, stop)
-            if self.server.model.token_s:
-                time.sleep(len(text) * self.server.model.token_s)  # the emulated accelerator is busy meanwhile
+            book.started()
+            finish: str | None = None
+            try:
+                text, finish = self.server.model.generate(prompt, max_tokens, stop)
+                if self.server.model.token_s:
+                    time.sleep(len(text) * self.server.model.token_s)  # the emulated accelerator is busy meanwhile
+            finally:
+                book.finished_one(finish)  # under the lock: never two running at once, even for a moment
         out = text.decode("ascii", errors="replace")
         self._send(
             200,
@@ -292,6 +375,8 @@ class EngineServer(ThreadingHTTPServer):
         self.unhealthy = unhealthy
         self.bad_reply = bad_reply
         self.lock = threading.Lock()
+        self.book = RequestBook()
+        """Its requests, as vLLM counts them (``GET /metrics``)."""
         self.max_connections = max_connections
         self.read_timeout_s = read_timeout_s
         self._conns: dict[socket.socket, bool] = {}
@@ -403,7 +488,13 @@ class LocalBoot:
     def boot(self, weights: Any, host: str, port: int, fault: str | None) -> EngineServer:
         model = TinyMoE(self.cfg, weights.tensors)
         return EngineServer(
-            model, self.model_name, host, port, unhealthy=fault == "unhealthy", bad_reply=fault == "badreply"
+            model,
+            self.model_name,
+            host,
+            port,
+            unhealthy=fault == "unhealthy",
+            bad_reply=fault == "badreply",
+            max_connections=int(self.cfg.get("max_connections", MAX_CONNECTIONS)),
         )
 
 
