@@ -448,7 +448,7 @@ async def test_an_orphan_is_judged_by_how_long_we_saw_it_not_by_the_agents_clock
             orphan = await skewed.advance(orphan, "ready", endpoint="http://lost:1")
             assert abs(orphan.record.updated_at - time.time() - agent_ahead_s) < 5
             seen = time.monotonic()
-            await wait_for(lambda: scaler.fleet.by_model["m"].scaler.held.get("m.node-0.s0") is not None, 10,
+            await wait_for(lambda: scaler.fleet.by_model["m"].scaler.held.get("m.node-0.s0") is not None, 30,
                            "the leader to adopt the orphan")  # fmt: skip
             # Not before two deadlines (1 s) of seeing it stand: as old as its clock says (behind) is not enough.
             assert time.monotonic() - seen >= 0.9
