@@ -194,14 +194,20 @@ async def test_an_unchanged_spec_writes_nothing_and_a_changed_one_republishes(ru
     await running.wait_record(f"{NS}.qwen", lambda r: r is not None)
     await running.wait_condition("qwen", "Ready", "True")
     first = await revision(running, f"{NS}.qwen")
-    # A label is part of what kopf diffs (an update fires), but not of the record: nothing is written.
-    running.api.patch(SO, NS, "qwen", {"metadata": {"labels": {"team": "inference"}}})
+    # An annotation the reader does not read is part of what kopf diffs (an update fires), but not of the record:
+    # nothing is written.
+    running.api.patch(SO, NS, "qwen", {"metadata": {"annotations": {"owner": "team-inference"}}})
     await running.api.wait_for(
         lambda: any(r.method == "PATCH" and r.name == "qwen" and r.subresource == ""
-                    for r in running.api.requests[-20:]), what="kopf to handle the label change",
+                    for r in running.api.requests[-20:]), what="kopf to handle the annotation change",
     )  # fmt: skip
     await asyncio.sleep(0.5)
     assert await revision(running, f"{NS}.qwen") == first
+    # A label is in the record since revision 12 (`pulsescale get -l` reads it): written.
+    running.api.patch(SO, NS, "qwen", {"metadata": {"labels": {"team": "inference"}}})
+    labelled = await running.wait_record(f"{NS}.qwen", lambda r: r is not None and r.labels == {"team": "inference"})
+    assert labelled is not None
+    first = await revision(running, f"{NS}.qwen")
     running.api.patch(SO, NS, "qwen", {"spec": {"maxReplicaCount": 6}})
     rec = await running.wait_record(f"{NS}.qwen", lambda r: r is not None and r.spec.max_replica_count == 6)
     assert rec is not None and rec.generation == 2  # the CR's metadata.generation
