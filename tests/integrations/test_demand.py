@@ -197,6 +197,9 @@ async def test_a_hook_called_on_another_thread_still_wakes_the_publisher(nats_se
     hook = DemandHook(_settings(nats_server.url, sample_every_s=30.0))  # no tick: only a change publishes
     assert hook.start()
     try:
+        # Connected first: a change while the link is still connecting is dropped (counted), and with no tick for
+        # 30 s nothing would carry it (on a loaded machine the connect took longer than the call).
+        await wait_for(lambda: hook.link.connected, 10, "the hook's NATS link")
         await asyncio.to_thread(hook.arrived, "a", "chat")
         await wait_for(lambda: seen and seen[-1].arrivals_total == 1, 5, "the change's sample")
     finally:
