@@ -17,7 +17,7 @@ from simulate.cli import BadActivations, load_activations
 from simulate.engine import Fixed, Load, Metrics, Service, Startup
 
 
-def pulsescale(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def pulsescale(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:  # catches hangs only
     return subprocess.run(
         [sys.executable, "-m", "pulsescale", *args], capture_output=True, text=True, timeout=timeout, check=False
     )
