@@ -21,8 +21,10 @@ import asyncio
 import contextlib
 import importlib.util
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -106,8 +108,10 @@ async def vllm_server(tmp: Path) -> AsyncIterator[str]:
                                                             str(SEQS))),
         {"model_path": str(model), "model_name": MODEL, "host": "127.0.0.1", "port": port},
     )  # fmt: skip
-    (tmp / "tmp").mkdir()
-    env = {**os.environ, **vllm.server_env(platform, sleep_mode=False), "TMPDIR": str(tmp / "tmp")}
+    # vLLM's temp files (its ZMQ sockets among them) in a short directory of their own: a socket path over 107
+    # characters is refused, and pytest's tmp_path under xdist (…/popen-gw1/test_…0/) already comes close.
+    short_tmp = Path(tempfile.mkdtemp(prefix="vb-"))
+    env = {**os.environ, **vllm.server_env(platform, sleep_mode=False), "TMPDIR": str(short_tmp)}
     started = time.time()
     log_path = tmp / "vllm.log"
     proc = _spawn(argv, env, log_path)
@@ -137,6 +141,7 @@ async def vllm_server(tmp: Path) -> AsyncIterator[str]:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(10)
         serverproc.sweep_shared_memory(os.geteuid(), started)
+        shutil.rmtree(short_tmp, ignore_errors=True)
         assert not left, f"vLLM processes outlived SIGTERM by 30 s: {left}"
 
 
