@@ -1,0 +1,413 @@
+"""Pinning tests for the pulse detector's details that the table and property tests leave loose (mutation survivors).
+
+Fixed inputs, hand-computed expectations: the edges of a window read off the newest bucket (after it, or after the
+clock stepped back), the least-squares line on both of its paths (running sums, one pass), the running aggregates
+kept through rewritten, late and non-finite buckets, carry and ``max`` combine, older versions and equality, and every
+field of `observe`'s reading and state on each of its branches.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import pytest
+
+from autoscaler.decide import detector
+from autoscaler.decide.detector import DetectorConfig, Pulse, PulseState, TimeWindow
+
+T0 = 1_700_000_000.0
+
+
+def _window(
+    records: list[tuple[float, float]],
+    *,
+    span_s: float = 6.0,
+    carry_s: float = 0.0,
+    combine: Literal["last", "max"] = "last",
+    read_span_s: float | None = None,
+) -> TimeWindow:
+    """Records (seconds after T0, value); with `read_span_s`, reads the window after each record (as `observe` does),
+    so the running aggregates are kept up to date rather than built at the first read."""
+    w = TimeWindow.empty(span_s, carry_s=carry_s, combine=combine)
+    for at_s, value in records:
+        w = w.record(T0 + at_s, value)
+        if read_span_s is not None:
+            w.mean(T0 + at_s, read_span_s)
+    return w
+
+
+def _observe(
+    cfg: DetectorConfig,
+    samples: list[tuple[float, float | None, int]],
+    *,
+    lead_s: float = 1.0,
+    state: PulseState | None = None,
+) -> tuple[list[Pulse], PulseState]:
+    """(seconds after T0, demand, ready) -> every reading, and the last state."""
+    state = detector.initial(cfg) if state is None else state
+    pulses = []
+    for at_s, demand, ready in samples:
+        pulse, state = detector.observe(cfg, state, now=T0 + at_s, demand=demand, ready=ready, lead_time_s=lead_s)
+        pulses.append(pulse)
+    return pulses, state
+
+
+# --- the window's shape -------------------------------------------------------------------------------------------
+
+
+def test_a_window_has_one_bucket_per_tenth_of_a_second_keeping_the_last_value() -> None:
+    """6 s is 60 buckets of 0.1 s (no spare one), 0.25 s rounds up to 3, 0.1 s wide up to 1200; "last" by default."""
+    w = TimeWindow.empty(6.0)
+    assert (w.n_buckets, w.bucket_s, w.span_s, w.carry_s, w.combine) == (60, 0.1, 6.0, 0.0, "last")
+    assert TimeWindow.empty(0.25).n_buckets == 3
+    tiny = TimeWindow.empty(0.05)  # never less than one bucket
+    assert (tiny.n_buckets, tiny.span_s) == (1, 0.1)
+    widest = TimeWindow.empty(119.95)  # 1200 buckets: still 0.1 s wide; only more would widen them
+    assert (widest.n_buckets, widest.bucket_s) == (1200, 0.1)
+    assert TimeWindow.empty(0.3).values.tolist() == [0.0, 0.0, 0.0]  # slots never written read as zero
+
+
+def test_first_ts_is_the_earliest_sample_recorded_even_when_it_came_late() -> None:
+    """`first_ts` is the earliest timestamp recorded, whatever order samples came in; an empty window has none."""
+    w = TimeWindow.empty(6.0)
+    assert w.first_ts is None
+    w = w.record(T0 + 1.0, 4.0)
+    assert w.first_ts == T0 + 1.0
+    w = w.record(T0 + 0.5, 3.0)  # late
+    assert w.first_ts == T0 + 0.5
+    w = w.record(T0 + 2.0, 5.0)
+    assert w.first_ts == T0 + 0.5
+
+
+# --- reading off the newest bucket (the general path) -------------------------------------------------------------
+
+
+def test_read_after_the_newest_bucket_the_window_ends_one_span_before_now() -> None:
+    """Read after the newest sample, ``(now - span, now]`` drops the bucket one span old and keeps the next one."""
+    w = _window([(0.0, 100.0), (0.1, 50.0)], span_s=12.0)
+    keys, values = w.select(T0 + 6.0, 6.0)
+    assert keys.tolist() == [w.key(T0 + 0.1)] and values.tolist() == [50.0]
+    assert w.peak(T0 + 6.0, 6.0) == 50.0
+    assert w.mean(T0 + 6.0, 6.0) == 50.0
+
+
+def test_after_the_clock_stepped_back_the_window_still_starts_one_span_before_now() -> None:
+    """Read at a time before the newest sample, the window is ``(now - span, now]``: nothing older, nothing newer."""
+    w = _window([(0.0, 100.0), (3.0, 4.0), (7.0, 1.0)], span_s=12.0)
+    keys, values = w.select(T0 + 6.5, 6.0)
+    assert keys.tolist() == [w.key(T0 + 3.0)] and values.tolist() == [4.0]
+    assert w.peak(T0 + 6.5, 6.0) == 4.0
+    assert w.mean(T0 + 6.5, 6.0) == 4.0
+
+
+# --- the least-squares line -----------------------------------------------------------------------------------------
+
+
+def test_the_trend_of_one_bucket_is_its_value_and_flat_on_both_paths() -> None:
+    """One bucket: the line is its value with slope 0, read at its own bucket or later."""
+    w = _window([(0.0, 8.0)])
+    assert w.trend(T0, 6.0) == (8.0, 0.0)
+    assert w.trend(T0 + 0.3, 6.0) == (8.0, 0.0)
+
+
+def test_the_trend_of_two_buckets_is_the_line_through_them() -> None:
+    """Two buckets 2 then 4, 0.1 s apart: slope 20/s; the level at their newest bucket is 4 and one bucket later 6."""
+    w = _window([(0.0, 2.0), (0.1, 4.0)])
+    assert w.trend(T0 + 0.1, 6.0) == pytest.approx((4.0, 20.0), rel=1e-12)
+    assert w.trend(T0 + 0.2, 6.0) == pytest.approx((6.0, 20.0), rel=1e-12)
+
+
+def test_a_trend_read_after_the_newest_bucket_extrapolates_to_now() -> None:
+    """1, 2, 3, 4 over 0.3 s (10/s): the level is 4 at the last bucket and 5 one bucket after it."""
+    w = _window([(0.0, 1.0), (0.1, 2.0), (0.2, 3.0), (0.3, 4.0)])
+    assert w.trend(T0 + 0.3, 0.6) == pytest.approx((4.0, 10.0), rel=1e-12)
+    assert w.trend(T0 + 0.4, 0.6) == pytest.approx((5.0, 10.0), rel=1e-12)
+
+
+def test_the_trend_kept_while_recording_is_the_fit_over_the_last_span() -> None:
+    """Read after every record (running sums slid along): the fit over the last 0.5 s only, at the newest bucket."""
+    values = [9.0] * 5 + [1.0, 5.0, 2.0, 8.0, 3.0]
+    w = _window([(i * 0.1, v) for i, v in enumerate(values)], span_s=0.5, read_span_s=0.5)
+    # 1, 5, 2, 8, 3 at -4 .. 0 buckets: mean 3.8, slope 0.7 per bucket (7/s), level 3.8 + 2 x 0.7 at the newest.
+    assert w.trend(T0 + 0.9, 0.5) == pytest.approx((5.2, 7.0), rel=1e-12)
+    assert w.trend(T0 + 0.95, 0.5) == pytest.approx((5.2, 7.0), rel=1e-12)  # the same bucket
+    assert w.mean(T0 + 0.9, 0.5) == pytest.approx(3.8, rel=1e-12)
+    assert w.peak(T0 + 0.9, 0.5) == 8.0
+    # One bucket later the oldest has left: 5, 2, 8, 3 at -4 .. -1 fit a flat line at their mean.
+    assert w.trend(T0 + 1.0, 0.5) == pytest.approx((4.5, 0.0), abs=1e-12)
+
+
+def test_the_trend_kept_while_recording_tracks_a_falling_then_rising_series() -> None:
+    """Each reading of a window read as it records equals the least-squares line over its last 0.4 s."""
+    series = [4.0, 1.0, 7.0, 3.0, 3.0, 9.0]
+    w = TimeWindow.empty(0.4)
+    got = []
+    for i, v in enumerate(series):
+        w = w.record(T0 + i * 0.1, v)
+        got.append(w.trend(T0 + i * 0.1, 0.4))
+    # By hand: (level at the newest bucket, slope per second) over the up to 4 newest buckets.
+    # e.g. 4, 1, 7, 3: mean 3.75 at -1.5 buckets, slope 1.5 / 5 = 0.3 per bucket (3/s), level 3.75 + 1.5 x 0.3.
+    want = [(4.0, 0.0), (1.0, -30.0), (5.5, 15.0), (4.2, 3.0), (3.8, 2.0), (6.4, 6.0)]
+    assert got == [pytest.approx(x, abs=1e-9) for x in want]
+
+
+# --- the running aggregates ----------------------------------------------------------------------------------------
+
+
+def test_rewriting_the_newest_bucket_updates_mean_peak_and_trend() -> None:
+    """Samples landing in the newest bucket replace its value, up or down, in every reading taken at that bucket."""
+    w = _window([(0.0, 2.0), (0.1, 4.0)], read_span_s=6.0)
+    w = w.record(T0 + 0.15, 10.0)  # the same bucket as 0.1, higher
+    assert (w.mean(T0 + 0.15, 6.0), w.peak(T0 + 0.15, 6.0)) == (6.0, 10.0)
+    assert w.trend(T0 + 0.15, 6.0) == pytest.approx((10.0, 80.0), rel=1e-12)
+    w = w.record(T0 + 0.17, 3.0)  # lower: the old peak must go
+    assert (w.mean(T0 + 0.17, 6.0), w.peak(T0 + 0.17, 6.0)) == (2.5, 3.0)
+    assert w.trend(T0 + 0.17, 6.0) == pytest.approx((3.0, 10.0), rel=1e-12)
+    w = w.record(T0 + 0.18, 5.0)
+    assert (w.mean(T0 + 0.18, 6.0), w.peak(T0 + 0.18, 6.0)) == (3.5, 5.0)
+    assert w.trend(T0 + 0.18, 6.0) == pytest.approx((5.0, 30.0), rel=1e-12)
+
+
+def test_a_late_sample_into_an_empty_bucket_counts_in_readings_taken_before_it() -> None:
+    """A late sample filling an empty bucket is seen by a window that was already being read."""
+    w = _window([(0.2, 5.0), (0.5, 7.0)], read_span_s=6.0)
+    assert w.mean(T0 + 0.5, 6.0) == 6.0
+    w = w.record(T0 + 0.3, 9.0)
+    assert (w.mean(T0 + 0.5, 6.0), w.peak(T0 + 0.5, 6.0)) == (7.0, 9.0)
+
+
+def test_a_late_max_into_an_old_bucket_reaches_only_the_spans_that_hold_it() -> None:
+    """A late higher recommendation raises its own bucket: a span that holds it sees it, a shorter one does not."""
+    w = _window([(i * 0.1, 1.0) for i in range(11)], combine="max", read_span_s=0.3)
+    w = w.record(T0, 99.0)  # bucket 0, far outside the last 0.3 s
+    assert (w.peak(T0 + 1.0, 0.3), w.mean(T0 + 1.0, 0.3)) == (1.0, 1.0)
+    assert w.peak(T0 + 1.0, 6.0) == 99.0
+    w = w.record(T0 + 0.9, 50.0)  # inside the last 0.3 s
+    assert w.peak(T0 + 1.0, 0.3) == 50.0
+    assert w.mean(T0 + 1.0, 0.3) == pytest.approx(52.0 / 3, rel=1e-12)
+
+
+def test_a_max_window_does_not_combine_with_a_value_from_an_earlier_lap() -> None:
+    """``max`` combines values of one bucket, never a new bucket with the slot's value from an earlier lap."""
+    w = _window([(0.0, 10.0), (0.3, 2.0)], span_s=0.3, combine="max")  # 3 slots: 0.3 reuses the slot of 0.0
+    assert w.peak(T0 + 0.3, 0.3) == 2.0
+    assert w.values.max() == 2.0
+
+
+def test_infinite_values_are_read_without_the_exact_sums() -> None:
+    """A non-finite value has no exact running sum: mean and peak read it anyway, before and after it arrives."""
+    w = _window([(0.0, 4.0)], read_span_s=6.0)
+    w = w.record(T0 + 0.1, math.inf)
+    assert w.peak(T0 + 0.1, 6.0) == math.inf
+    assert w.mean(T0 + 0.1, 6.0) == math.inf
+    fresh = _window([(0.0, 4.0), (0.1, math.inf)])  # never read before the infinity came
+    assert (fresh.peak(T0 + 0.1, 6.0), fresh.mean(T0 + 0.1, 6.0)) == (math.inf, math.inf)
+    first = _window([(0.0, math.inf)])  # the very first value of the window
+    assert (first.peak(T0, 6.0), first.mean(T0, 6.0)) == (math.inf, math.inf)
+
+
+def test_a_span_longer_than_the_ring_reads_only_what_the_ring_holds() -> None:
+    """Over 2 s of a 1 s window read as it records, mean and peak cover the ring's last 1 s, not buckets it lost."""
+    w = _window([(i * 0.1, float(i)) for i in range(20)], span_s=1.0, read_span_s=2.0)
+    assert w.mean(T0 + 1.9, 2.0) == pytest.approx(14.5, rel=1e-12)  # 10 .. 19
+    assert w.peak(T0 + 1.9, 2.0) == 19.0
+
+
+def test_a_bucket_exactly_one_span_old_leaves_the_running_aggregates() -> None:
+    """Read as it records, a 0.3 s window drops each bucket as the third one after it arrives."""
+    w = TimeWindow.empty(6.0)
+    got = []
+    for i, v in enumerate([9.0, 1.0, 2.0, 3.0, 0.5]):
+        w = w.record(T0 + i * 0.1, v)
+        got.append((w.peak(T0 + i * 0.1, 0.3), w.mean(T0 + i * 0.1, 0.3)))
+    assert got == [(9.0, 9.0), (9.0, 5.0), (9.0, 4.0), (3.0, 2.0), (3.0, pytest.approx(5.5 / 3, rel=1e-12))]
+
+
+# --- versions ------------------------------------------------------------------------------------------------------
+
+
+def test_an_older_version_reads_and_compares_as_it_did_before_the_newer_record() -> None:
+    """Recording leaves the older window as it was: its readings, its buckets and its equality."""
+    before = _window([(0.0, 1.0)])
+    after = before.record(T0 + 0.1, 9.0)
+    assert before.peak(T0, 6.0) == 1.0 and before.mean(T0, 6.0) == 1.0
+    assert before.trend(T0, 6.0) == (1.0, 0.0)
+    assert before == _window([(0.0, 1.0)])
+    assert after == _window([(0.0, 1.0), (0.1, 9.0)])
+    assert before != after
+    again = before.record(T0 + 0.1, 2.0)  # an older version recorded into again
+    assert again.mean(T0 + 0.1, 6.0) == 1.5 and after.mean(T0 + 0.1, 6.0) == 5.0
+
+
+def test_windows_are_equal_when_their_buckets_are() -> None:
+    """Equality compares buckets: the same records give equal windows, one different value does not."""
+    assert _window([(0.0, 1.0), (0.1, 2.0)]) == _window([(0.0, 1.0), (0.1, 2.0)])
+    assert _window([(0.0, 1.0), (0.1, 2.0)]) != _window([(0.0, 1.0), (0.1, 3.0)])
+
+
+# --- the panic condition --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("demand", "ready", "want"),
+    [
+        (0.0, 0, False),  # nothing ready, no demand above the activation depth (2)
+        (2.0, 0, False),  # at the activation depth: not above it
+        (2.5, 0, True),
+        (4.0, 1, False),  # one ready: 2 x 1 x 4 = 8 is the line
+        (8.0, 1, True),
+        (23.9, 3, False),  # 2 x 3 x 4 = 24
+        (24.0, 3, True),
+    ],
+)
+def test_the_panic_condition_is_a_multiple_of_capacity_or_above_activation_with_none_ready(
+    demand: float, ready: int, want: bool
+) -> None:
+    """Panic demand >= threshold x ready x target; with none ready, above the activation depth."""
+    cfg = DetectorConfig(panic_threshold=2.0, target_queue_depth=4.0, activation_queue_depth=2.0)
+    assert detector.panic_condition(cfg, demand, ready) is want
+
+
+# --- observe: every field of the reading ---------------------------------------------------------------------------
+
+
+def test_a_flat_fit_forecasts_its_level_even_below_the_current_demand() -> None:
+    """20, 10, 20 fit slope 0 exactly: the forecast is the level 50/3, under the current 20 (only a rise lifts it)."""
+    cfg = DetectorConfig(panic_window_s=0.4)
+    pulses, _ = _observe(cfg, [(0.0, 20.0, 3), (0.1, 10.0, 3), (0.2, 20.0, 3)])
+    assert pulses[-1] == Pulse(
+        fresh=True,
+        current=20.0,
+        stable_demand=50.0 / 3,
+        panic_demand=20.0,
+        forecast_demand=50.0 / 3,
+        slope_per_s=0.0,
+        capacity=12.0,
+        panic=False,
+        panic_condition=False,
+        entered_panic=False,
+        left_panic=False,
+    )
+
+
+def test_a_gentle_rise_forecasts_at_least_the_current_demand() -> None:
+    """0, 0, 0.125 (slope 0.625/s): the line one short lead ahead is below 0.125, so the forecast is the demand."""
+    cfg = DetectorConfig(panic_window_s=0.4)
+    pulses, _ = _observe(cfg, [(0.0, 0.0, 3), (0.1, 0.0, 3), (0.2, 0.125, 3)], lead_s=0.01)
+    assert pulses[-1].slope_per_s == pytest.approx(0.625, rel=1e-12)
+    assert pulses[-1].forecast_demand == 0.125
+
+
+def test_the_initial_state_is_out_of_panic_with_an_empty_window_shaped_by_the_config() -> None:
+    """`initial`: no panic, and an empty window over the longer of the two windows, carrying gaps by `carry_s`."""
+    state = detector.initial(DetectorConfig(stable_window_s=2.0, panic_window_s=3.0, carry_s=0.5))
+    assert (state.panic, state.panic_since, state.panic_condition_at) == (False, None, None)
+    w = state.window
+    assert (w.span_s, w.carry_s, w.combine, w.n_buckets, w.has_data, w.first_ts) == (3.0, 0.5, "last", 30, False, None)
+
+
+def test_capacity_is_ready_replicas_times_the_target_never_negative() -> None:
+    """capacity = max(ready, 0) x target queue depth (4 here)."""
+    cfg = DetectorConfig()
+    got = [_observe(cfg, [(0.0, 1.0, ready)])[0][-1].capacity for ready in (0, 3, -1)]
+    assert got == [0.0, 12.0, 0.0]
+
+
+def test_a_first_reading_without_demand_reads_nothing() -> None:
+    """No sample ever: no demand, no forecast, flat, nothing flagged."""
+    pulses, state = _observe(DetectorConfig(), [(0.0, None, 2)])
+    assert pulses[-1] == Pulse(False, None, None, None, None, 0.0, 8.0, False, False, False, False)
+    assert (state.panic, state.panic_since, state.panic_condition_at) == (False, None, None)
+    assert not state.window.has_data
+
+
+def test_a_blind_reading_in_the_last_samples_bucket_forecasts_its_level() -> None:
+    """Without demand, in the bucket of a lone sample of 7: forecast 7 (the level), panic demand 7."""
+    pulses, _ = _observe(DetectorConfig(), [(0.0, 7.0, 2), (0.05, None, 2)])
+    assert pulses[-1] == Pulse(False, None, 7.0, 7.0, 7.0, 0.0, 8.0, False, False, False, False)
+
+
+def test_a_blind_reading_after_a_short_history_forecasts_the_newest_level() -> None:
+    """Without demand, 0.4 s after 3 then 7 (too little history for a slope): the forecast is the newest value, 7."""
+    pulses, _ = _observe(DetectorConfig(), [(0.0, 3.0, 2), (0.1, 7.0, 2), (0.5, None, 2)])
+    assert pulses[-1] == Pulse(False, None, 5.0, 7.0, 7.0, 0.0, 8.0, False, False, False, False)
+
+
+def test_a_blind_reading_after_a_long_history_forecasts_the_line_to_now() -> None:
+    """Without demand, 0.1 s after a ramp of 1/s over 0.4 s of a 0.4 s panic window, the line read at now, ahead."""
+    cfg = DetectorConfig(panic_window_s=0.4, carry_s=0.0)
+    samples: list[tuple[float, float | None, int]] = [(i * 0.1, 1.0 + i * 0.1, 9) for i in range(5)]
+    pulses, _ = _observe(cfg, [*samples, (0.5, None, 9)], lead_s=2.0)
+    blind = pulses[-1]
+    # Buckets 0.2 .. 0.4 hold 1.2, 1.3, 1.4: at 0.5 the line reads 1.5, two seconds ahead 3.5.
+    assert blind.slope_per_s == pytest.approx(1.0, rel=1e-9)
+    assert blind.forecast_demand == pytest.approx(3.5, rel=1e-9)
+    assert (blind.panic_demand, blind.fresh, blind.current) == (1.4, False, None)
+
+
+def test_a_blind_reading_long_after_the_panic_window_has_no_panic_demand_or_forecast() -> None:
+    """Without demand, 10 s after the only sample: the panic window is empty, the stable one still holds it."""
+    pulses, _ = _observe(DetectorConfig(), [(0.0, 5.0, 2), (10.0, None, 2)])
+    assert pulses[-1] == Pulse(False, None, 5.0, None, None, 0.0, 8.0, False, False, False, False)
+
+
+def test_after_the_clock_stepped_back_a_short_history_forecasts_the_demand_just_seen() -> None:
+    """A sample for a bucket already filled (clock stepped back) keeps the bucket, but the level forecast is it."""
+    pulses, _ = _observe(DetectorConfig(), [(0.0, 5.0, 2), (0.1, 9.0, 2), (0.0, 20.0, 2)])
+    assert pulses[-1].forecast_demand == 20.0 and pulses[-1].current == 20.0
+    assert pulses[-1].panic_demand == 5.0  # only buckets up to now, and the filled one kept its value
+
+
+def test_a_blind_reading_in_panic_keeps_the_state_and_flags_nothing() -> None:
+    """Missing demand while in panic: the reading says panic, no condition, no entry or exit; the state is kept."""
+    cfg = DetectorConfig()
+    pulses, state = _observe(cfg, [(0.0, 24.0, 2), (0.1, None, 2)])
+    assert pulses[-1] == Pulse(False, None, 24.0, 24.0, 24.0, 0.0, 8.0, True, False, False, False)
+    assert (state.panic, state.panic_since, state.panic_condition_at) == (True, T0, T0)
+    assert state.window.last_key == state.window.key(T0)
+
+
+def test_entering_and_staying_in_panic_sets_the_state_exactly() -> None:
+    """Entering panic records when; a later condition moves only the condition time; a calm reading flags nothing."""
+    cfg = DetectorConfig()
+    pulses, state = _observe(cfg, [(0.0, 8.0, 2), (0.1, 24.0, 2)])
+    assert (pulses[0].panic, pulses[0].panic_condition, pulses[0].entered_panic, pulses[0].left_panic) == (
+        False, False, False, False)  # fmt: skip
+    assert (pulses[1].panic, pulses[1].panic_condition, pulses[1].entered_panic, pulses[1].left_panic) == (
+        True, True, True, False)  # fmt: skip
+    assert (state.panic, state.panic_since, state.panic_condition_at) == (True, T0 + 0.1, T0 + 0.1)
+    pulses, state = _observe(cfg, [(0.2, 30.0, 2), (0.3, 4.0, 50)], state=state)
+    assert pulses[0].entered_panic is False and pulses[0].left_panic is False
+    assert (pulses[1].panic, pulses[1].panic_condition, pulses[1].entered_panic, pulses[1].left_panic) == (
+        True, False, False, False)  # fmt: skip
+    assert (state.panic, state.panic_since, state.panic_condition_at) == (True, T0 + 0.1, T0 + 0.2)
+
+
+def test_calm_s_sets_how_long_panic_outlasts_its_condition() -> None:
+    """With calm_s 5, panic ends 5 s after the condition last held, not a stable window (60 s) after."""
+    cfg = DetectorConfig(calm_s=5.0)
+    pulses, state = _observe(cfg, [(0.0, 24.0, 2), (4.9, 4.0, 50), (5.0, 4.0, 50)])
+    assert [p.panic for p in pulses] == [True, True, False]
+    assert pulses[-1].left_panic is True
+    assert (state.panic, state.panic_since, state.panic_condition_at) == (False, None, T0)
+
+
+def test_a_panic_with_no_recorded_condition_time_ends_at_the_first_calm_reading() -> None:
+    """A state in panic without the time its condition last held (nothing to wait from) leaves at once."""
+    cfg = DetectorConfig()
+    start = PulseState(detector.initial(cfg).window, panic=True, panic_since=T0, panic_condition_at=None)
+    pulses, state = _observe(cfg, [(1.0, 1.0, 8)], state=start)
+    assert (pulses[0].panic, pulses[0].left_panic) == (False, True)
+    assert (state.panic, state.panic_since) == (False, None)
+
+
+def test_changing_only_the_carry_restarts_the_window_with_the_new_carry() -> None:
+    """A new carry_s (same windows) starts an empty window that carries gaps by the new limit."""
+    before = DetectorConfig(carry_s=0.0)
+    after = DetectorConfig(carry_s=1.0)
+    _, state = _observe(before, [(0.0, 100.0, 50)])
+    pulses, state = _observe(after, [(0.5, 4.0, 50), (1.0, 8.0, 50)], state=state)
+    assert state.window.carry_s == 1.0
+    assert pulses[0].stable_demand == 4.0  # the 100 went with the old window
+    assert pulses[1].stable_demand == pytest.approx((5 * 4.0 + 8.0) / 6, rel=1e-12)  # 4 carried over 0.6 .. 0.9
