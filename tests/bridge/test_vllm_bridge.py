@@ -2,12 +2,15 @@
 samples carry the waiting and running counts vLLM's own /metrics says, read by this test at the same moments.
 
 The counts are compared while they hold still: the server runs two sequences at once (``--max-num-seqs 2``) and six
-long generations are sent, so for seconds two run and four wait. The test reads /metrics itself (with the client
-library's parser, not the bridge's), waits, and reads it again; when both reads agree, counter included (nothing
-finished, nothing arrived: nothing moved between them), every sample the bridge published from a later scrape must
-say the same. A sample is from a scrape at most the bridge's staleness bound plus its read timeout old (past that
-the bridge publishes nothing), so the samples compared are those published that long after the first read. The same
-for the idle server before and after, and the bridge's counters then hold the six requests.
+long generations are sent, so for seconds two run and four wait. How long is "long" is measured first: one timed
+generation gives this machine's tokens per second, and each request then asks for enough tokens that a pair runs
+several times the comparison's window (a fixed count held still for ~3 s on a fast CI machine, too short a stretch).
+The test reads /metrics itself (with the client library's parser, not the bridge's), waits, and reads it again; when
+both reads agree, counter included (nothing finished, nothing arrived: nothing moved between them), every sample the
+bridge published from a later scrape must say the same. A sample is from a scrape at most the bridge's staleness
+bound plus its read timeout old (past that the bridge publishes nothing), so the samples compared are those
+published that long after the first read. The same for the idle server before and after, and the bridge's counters
+then hold the six requests.
 
 It skips, with the reason, when `import vllm` fails (as tests/nodeagent/test_vllm.py does); a vLLM server takes
 ~40-60 s to come up on two idle cores. The server runs in its own process group, which is stopped and checked gone
@@ -51,10 +54,18 @@ START_S = 300.0
 SEQS = 2
 """Sequences the server runs at once (``--max-num-seqs``): the others wait, which is what the test needs."""
 SENT = 6
-TOKENS = 3000
-"""Tokens each request generates (EOS ignored): seconds per pair of requests on a CPU, the steady stretch."""
-CONTEXT = 4096
-"""The model's and the server's context: room for `TOKENS` after the prompt."""
+STRETCH_S = 20.0
+"""How long each pair of requests should run (EOS ignored), the steady stretch: several comparison windows."""
+CONTEXT = 8192
+"""The model's and the server's context: room for the most tokens a request asks for, after the prompt."""
+MODEL_SHAPE = hfmodel.HfConfig(hidden=1024, heads=16, kv_heads=16, layers=8, intermediate=4096, max_position=CONTEXT)
+"""Bigger than the agent tests' model (~130 M parameters): each token costs the engine more, so fewer come out per
+second, and the API server, which detokenizes every one of them, keeps the time to answer /metrics (the tiny model's
+~700 tokens a second per sequence left /metrics unanswered for up to 99 s)."""
+MIN_TOKENS, MAX_TOKENS = 500, CONTEXT - 256
+READ_TIMEOUT_S, STALE_AFTER_S = 2.0, 3.0
+"""The bridge's read bound and staleness bound here: vLLM on two shared CPU cores answers /metrics slowly while it
+generates (over the 0.5 s default, which left the bridge blind for 24 s on CI)."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +100,16 @@ def _group_members(pgid: int) -> list[int]:
     return found
 
 
+def engine_cores() -> dict[str, str]:
+    """The engine's compute threads off one core (vLLM's CPU build binds them to the cores it is given): unbound, a
+    generating engine takes every core and its API server then answers /metrics in seconds, so the bridge (and this
+    test) read nothing while the counts are the most worth reading. A GPU node has cores to spare; two here do not."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return {}
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores[:-1]))}
+
+
 def _spawn(argv: tuple[str, ...], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
     """The server in its own session and process group, its output in `log_path`."""
     with open(log_path, "wb") as log:
@@ -100,7 +121,7 @@ async def vllm_server(tmp: Path) -> AsyncIterator[str]:
     """A real vLLM OpenAI server on the tiny model, its base URL; stopped as a group (SIGTERM, then SIGKILL) and
     checked gone, whatever happens."""
     model = tmp / "model"
-    hfmodel.make_tiny_hf(model, hfmodel.HfConfig(max_position=CONTEXT))
+    hfmodel.make_tiny_hf(model, MODEL_SHAPE)
     port = free_port()
     platform = vllm.detect_platform()
     argv = render(
@@ -111,7 +132,7 @@ async def vllm_server(tmp: Path) -> AsyncIterator[str]:
     # vLLM's temp files (its ZMQ sockets among them) in a short directory of their own: a socket path over 107
     # characters is refused, and pytest's tmp_path under xdist (…/popen-gw1/test_…0/) already comes close.
     short_tmp = Path(tempfile.mkdtemp(prefix="vb-"))
-    env = {**os.environ, **vllm.server_env(platform, sleep_mode=False), "TMPDIR": str(short_tmp)}
+    env = {**os.environ, **vllm.server_env(platform, sleep_mode=False), "TMPDIR": str(short_tmp), **engine_cores()}
     started = time.time()
     log_path = tmp / "vllm.log"
     proc = _spawn(argv, env, log_path)
@@ -145,6 +166,24 @@ async def vllm_server(tmp: Path) -> AsyncIterator[str]:
         assert not left, f"vLLM processes outlived SIGTERM by 30 s: {left}"
 
 
+async def tokens_for_stretch(session: aiohttp.ClientSession, url: str) -> int:
+    """How many tokens one request should generate for a pair to run `STRETCH_S` on this machine: a short warm-up
+    generation, then a timed one (the rate with one sequence; two at once are no faster each)."""
+
+    async def generate(tokens: int) -> float:
+        body = {"model": MODEL, "prompt": "The warm pool says", "max_tokens": tokens, "ignore_eos": True}
+        t0 = time.monotonic()
+        async with session.post(f"{url}/v1/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            assert int((await r.json())["usage"]["completion_tokens"]) == tokens
+        return time.monotonic() - t0
+
+    await generate(16)
+    probe = 256
+    rate = probe / await generate(probe)
+    return max(MIN_TOKENS, min(MAX_TOKENS, round(rate * STRETCH_S)))
+
+
 @contextlib.asynccontextmanager
 async def bridge_on(nats_url: str, url: str, samples: list[QueueSample]) -> AsyncIterator[BridgeSettings]:
     """The bridge in this process on its own NATS connection, reading `url`'s /metrics (by its ``model_name``, as
@@ -154,6 +193,8 @@ async def bridge_on(nats_url: str, url: str, samples: list[QueueSample]) -> Asyn
         gateway_id="test-bridge",
         port=0,
         targets=(Target.parse(url),),
+        timeout_s=READ_TIMEOUT_S,
+        stale_after_s=STALE_AFTER_S,
     )
     own: Client = await connect.connect(settings.nats)
     watcher: Client = await connect.connect(connect.NatsOptions(servers=(nats_url,), name="test-samples"))
@@ -199,40 +240,50 @@ async def test_the_bridge_on_a_real_vllm_publishes_the_waiting_and_running_its_m
     samples: list[QueueSample] = []
     async with (
         vllm_server(tmp_path) as url,
-        bridge_on(nats_server.url, url, samples) as settings,
         aiohttp.ClientSession() as session,
     ):
-        until = time.monotonic() + 60
-        while not samples:
-            assert time.monotonic() < until, "the bridge published nothing within 60 s of vLLM answering"
-            await asyncio.sleep(0.1)
-        idle, n_idle = await same_while_still(session, url, samples, settings, until=time.monotonic() + 60)
-        assert (idle.waiting, idle.running) == (0, 0), idle
-
-        body = {"model": MODEL, "prompt": "The warm pool says", "max_tokens": TOKENS, "ignore_eos": True}
-
-        async def complete() -> int:
-            async with session.post(f"{url}/v1/completions", json=body) as r:
-                assert r.status == 200, await r.text()
-                return int((await r.json())["usage"]["completion_tokens"])
-
-        calls = [asyncio.create_task(complete()) for _ in range(SENT)]
-        try:
-            until = time.monotonic() + 120
-            while (p := await read_page(session, url)).waiting + p.running + p.finished - idle.finished < SENT:
-                assert time.monotonic() < until, f"vLLM has not received the {SENT} requests: {p}"
-                await asyncio.sleep(0.05)
-            loaded, n_loaded = await same_while_still(session, url, samples, settings, until=time.monotonic() + 300)
-            assert loaded.running == SEQS and loaded.waiting > 0, loaded  # both counts in play, not zeros
-            assert await asyncio.gather(*calls) == [TOKENS] * SENT
-        finally:
-            for c in calls:
-                c.cancel()
-            await asyncio.gather(*calls, return_exceptions=True)
-
-        done, _ = await same_while_still(session, url, samples, settings, until=time.monotonic() + 60)
-        assert (done.waiting, done.running, done.finished - idle.finished) == (0, 0, SENT), done
-        # The bridge's counters from its first reading (the idle server): the six arrived and finished.
-        last = samples[-1]
-        assert (last.arrivals_total, last.completions_total) == (SENT, SENT), last
+        tokens = await tokens_for_stretch(session, url)  # before the bridge: its counters start after these two
+        async with bridge_on(nats_server.url, url, samples) as settings:
+            n_idle, n_loaded = await _compare(session, url, samples, settings, tokens)
     assert n_idle >= 5 and n_loaded >= 5
+
+
+async def _compare(
+    session: aiohttp.ClientSession, url: str, samples: list[QueueSample], settings: BridgeSettings, tokens: int
+) -> tuple[int, int]:
+    """Idle, loaded with `SENT` requests of `tokens` each, idle again: the bridge's samples against the page each
+    time; how many samples were compared idle and loaded."""
+    until = time.monotonic() + 60
+    while not samples:
+        assert time.monotonic() < until, "the bridge published nothing within 60 s of vLLM answering"
+        await asyncio.sleep(0.1)
+    idle, n_idle = await same_while_still(session, url, samples, settings, until=time.monotonic() + 60)
+    assert (idle.waiting, idle.running) == (0, 0), idle
+
+    body = {"model": MODEL, "prompt": "The warm pool says", "max_tokens": tokens, "ignore_eos": True}
+
+    async def complete() -> int:
+        async with session.post(f"{url}/v1/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            return int((await r.json())["usage"]["completion_tokens"])
+
+    calls = [asyncio.create_task(complete()) for _ in range(SENT)]
+    try:
+        until = time.monotonic() + 120
+        while (p := await read_page(session, url)).waiting + p.running + p.finished - idle.finished < SENT:
+            assert time.monotonic() < until, f"vLLM has not received the {SENT} requests: {p}"
+            await asyncio.sleep(0.05)
+        loaded, n_loaded = await same_while_still(session, url, samples, settings, until=time.monotonic() + 300)
+        assert loaded.running == SEQS and loaded.waiting > 0, loaded  # both counts in play, not zeros
+        assert await asyncio.gather(*calls) == [tokens] * SENT
+    finally:
+        for c in calls:
+            c.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
+
+    done, _ = await same_while_still(session, url, samples, settings, until=time.monotonic() + 60)
+    assert (done.waiting, done.running, done.finished - idle.finished) == (0, 0, SENT), done
+    # The bridge's counters from its first reading (the idle server): the six arrived and finished.
+    last = samples[-1]
+    assert (last.arrivals_total, last.completions_total) == (SENT, SENT), last
+    return n_idle, n_loaded
