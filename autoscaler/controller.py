@@ -151,6 +151,10 @@ class ModelController:
         self._timer = None
         self.evaluate(self.deps.clock())
 
+    def decided_since(self, at: float) -> bool:
+        """A decision was taken at or after `at` (by the controller's clock)."""
+        return self.decider.decision is not None and self.decider.decided_at >= at
+
     def evaluate(self, now: float) -> policy.Decision:
         """Decide on what is known now; publish a changed target and hand it to the scaler (leader only)."""
         ev = self.decider.decide(now, ready=self.scaler.ready)

@@ -18,10 +18,11 @@ them into the controllers (`autoscaler.intake`).
 Housekeeping, the drain and the callback each yield to the loop every `AutoscalerSettings.slice_s`. The
 ``pulsescale_slots`` gauges are kept from the slot view's events (`slotview.SlotCounts`), not a scan per tick.
 
-Its HTTP port (`autoscaler.endpoints`) serves ``/metrics`` (rendered in a thread), ``/healthz`` (liveness: 200
-while this replica holds a shard, has a live connection and current views, or has no connection at all: a NATS
-outage is not cured by restarting every replica) and ``/readyz`` (200 while connected, once the views are listed
-and the ScaledObjects followed; else 503 with the ``reason``).
+Its HTTP port (`autoscaler.endpoints`) serves ``/metrics`` (what changed since the last scrape rendered, on the
+loop in slices: `autoscaler.exposition`), ``/healthz`` (liveness: 200 while this replica holds a shard, has a live
+connection and current views, or has no connection at all: a NATS outage is not cured by restarting every
+replica) and ``/readyz`` (200 while connected, once the views are listed and the ScaledObjects followed; else 503
+with the ``reason``). The shard leases are renewed on a thread of their own (`autoscaler.shards.renewer`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import gc
 import logging
 import os
 import re
@@ -48,6 +48,7 @@ from nats.js.kv import KeyValue
 from autoscaler.commands import service as commands
 from autoscaler.controller import ColdPath, ControllerSettings, Deps, LocalColdPath, ModelController
 from autoscaler.endpoints import serve_http
+from autoscaler.gctending import GcTending
 from autoscaler.intake import SampleIntake, StandAside
 from autoscaler.metrics import AutoscalerMetrics
 from autoscaler.models import Models
@@ -55,12 +56,14 @@ from autoscaler.ownership import Ownership
 from autoscaler.retire import Retirement
 from autoscaler.shards.leader import LeaseSettings
 from autoscaler.shards.leases import ShardLeases, ShardSettings
+from autoscaler.shards.renewer import LeaseRenewer
 from autoscaler.slotview import SlotCounts as SlotCounts  # importable from here too
 from autoscaler.slotview import SlotEvents
 from autoscaler.stored.overrides import OVERRIDE_READS_AT_ONCE as OVERRIDE_READS_AT_ONCE  # importable from here too
 from autoscaler.stored.overrides import StoredOverrides
 from autoscaler.stored.schedules import StoredSchedules
 from autoscaler.subscriptions import SampleSubscriptions
+from autoscaler.warmup import warm_then_campaign
 from manifests import scaledobject
 from warmpool import connect, looplag, protocol
 from warmpool.errors import BadMessage
@@ -118,6 +121,9 @@ class AutoscalerSettings:
     slice_s: float = 0.002
     """The longest the sample callback, the drain and housekeeping run without yielding to the loop: the lease
     renewal and claims in flight wait at most about this long behind them."""
+    catch_up_s: float = 0.02
+    """The longest the sample callback runs without yielding while samples queue up for it in nats-py, which parses
+    a whole read per turn of the loop (~8 ms here): a `slice_s` per turn never caught up (`intake.Queued`)."""
     stand_aside_s: float = 0.05
     """The longest the sample drain and housekeeping wait, between two slices, for this process's claims started
     this recently (`scaler_book.ClaimsInFlight`) and for samples being taken (`intake.SampleIntake`): a claim's
@@ -132,6 +138,11 @@ class AutoscalerSettings:
     gc_full_every_s: float = 3600.0
     """How often the frozen objects are handed back and collected in full (one pause of ~100 ms at 1,000 models),
     so cyclic garbage frozen with the rest is reclaimed within this long, not leaked."""
+    warm_up_max_s: float = 30.0
+    """The longest a replica warms up before it campaigns for shards anyway (`autoscaler.warmup`)."""
+    renew_on_own_thread: bool = True
+    """Renew the shard leases on a thread, loop and connection of their own (`autoscaler.shards.renewer`): a busy
+    loop then delays decisions, never costs a lease (and a move of its models for nothing). Off: on this loop."""
     loop_lag: looplag.LagSettings = field(default_factory=looplag.LagSettings)
     """The loop-lag probe behind ``pulsescale_event_loop_lag_seconds`` and its warning (`warmpool.looplag`)."""
 
@@ -211,6 +222,7 @@ class Autoscaler:
             buffer_keys=settings.sample_buffer,
             slice_s=settings.slice_s,
             stand_aside_s=settings.stand_aside_s,
+            catch_up_s=settings.catch_up_s,
         )
         """The samples' way in (`autoscaler.intake`): the subscription's callback and the buffer's drain."""
         self.subscriptions = SampleSubscriptions(self.intake, self.fleet)
@@ -220,8 +232,8 @@ class Autoscaler:
         self._cut: dict[str, float] = {}  # ScaledObjects cut to max_replicas, by key: the version logged
         self.retirement = Retirement(nc, store, self.fleet, settings=settings.controller, clock=clock)
         """The slots of deleted ScaledObjects given back (`autoscaler.retire`)."""
-        self._gc_frozen_at = self._gc_full_at = time.monotonic()  # `_tend_gc`
-        self._gc_frozen_once = False
+        self.gc = GcTending()
+        """The cyclic collector's freezes and full collections (`autoscaler.gctending`), from housekeeping."""
         self._tick = 0  # housekeeping ticks, for the models' turns (`redecide_every_s`)
 
     @contextlib.contextmanager
@@ -417,27 +429,8 @@ class Autoscaler:
         finally:
             stopped.cancel()
 
-    def _tend_gc(self) -> None:
-        """`gc_freeze_every_s`: freeze the survivors of the young generations; once per `gc_full_every_s`,
-        unfreeze and collect everything."""
-        every = self.settings.gc_freeze_every_s
-        if every is None:
-            return
-        mono = time.monotonic()
-        if mono - self._gc_full_at >= self.settings.gc_full_every_s:
-            self._gc_full_at = self._gc_frozen_at = mono
-            gc.unfreeze()
-            gc.collect()
-            gc.freeze()
-        elif mono - self._gc_frozen_at >= every or (self.scalers_followed and not self._gc_frozen_once):
-            # ...and once as soon as the ScaledObjects are followed: the controllers are the bulk of it.
-            self._gc_frozen_once = self.scalers_followed
-            self._gc_frozen_at = mono
-            gc.collect(1)  # young cyclic garbage is collected, not frozen (a few ms)
-            gc.freeze()
-
     async def housekeeping_once(self) -> None:
-        self._tend_gc()
+        self.gc.tend(self.settings.gc_freeze_every_s, self.settings.gc_full_every_s, followed=self.scalers_followed)
         now = self.clock()
         turns = max(1, round(self.settings.redecide_every_s / self.settings.housekeeping_every_s))
         self._tick += 1
@@ -532,6 +525,10 @@ async def run(
         # Lease rounds on their own, shorter timeout: a broker that vanished must not hold a round for the default
         # 5 s (the fence ends our terms on time anyway, but re-taking them would wait).
         leases_kv = await nc.jetstream(timeout=lease.renew_every_s * 2).key_value(protocol.LEASES_BUCKET)
+        renewer = LeaseRenewer(settings.nats, kv_timeout_s=lease.renew_every_s * 2)
+        if settings.renew_on_own_thread:  # closed after the shards are resigned (`Autoscaler.shutdown`)
+            await renewer.start()
+            opened.push_async_callback(renewer.close)
         shards = scaler.fleet.shards = ShardLeases(
             leases_kv,
             settings.identity,
@@ -542,6 +539,8 @@ async def run(
             rejections=store.rejected,
             nc=nc,
             on_renewal=metrics.lease_renewal_seconds.observe,
+            on_slack=metrics.lease_renewal_slack.observe,
+            renewer=renewer,
         )
         if settings.metrics_port is not None:
             runner, scaler.metrics_port = await serve_http(scaler, settings.metrics_host, settings.metrics_port)
@@ -560,7 +559,13 @@ async def run(
             rejections=scaler.rejections,  # counted in pulsescale_rejected_messages_total{reason}
             settings=commands.CommandSettings(max_replicas=settings.max_replicas),
         )
-        campaign = asyncio.create_task(shards.campaign(stop), name="shards")
+        campaign = asyncio.create_task(
+            warm_then_campaign(
+                scaler.ready, shards.campaign, stop, gc=scaler.gc, freeze_every_s=settings.gc_freeze_every_s,
+                exposition=metrics.exposition, max_s=settings.warm_up_max_s,
+            ),
+            name="shards",
+        )  # fmt: skip
         tasks = [
             asyncio.create_task(scaler.scalers.run(), name="scalers-view"),
             asyncio.create_task(scaler.follow_scalers(stop), name="scalers"),

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from autoscaler.act.scaler import ClaimsInFlight
 from autoscaler.metrics import AutoscalerMetrics
@@ -27,11 +28,27 @@ from warmpool.errors import BadMessage
 from warmpool.protocol import QueueSample
 from warmpool.rejects import Rejections
 
-__all__ = ["INGEST_QUIET_S", "SampleIntake", "StandAside"]
+__all__ = ["BEHIND_MSGS", "INGEST_QUIET_S", "Queued", "SampleIntake", "StandAside"]
 
+BEHIND_MSGS: Final = 256
+"""Samples waiting in nats-py for one subscription past which its callback catches up (`Queued.behind`): a
+quarter of what one read of the socket brings at most, and a few milliseconds of work."""
 INGEST_QUIET_S: Final = 0.001
 """The sample callback silent this long: the burst it was taking is over (`SampleIntake._ingest_first`). Within a
 burst nats-py hands samples over microseconds apart; parsing its next read takes about a millisecond."""
+
+
+class Queued:
+    """One sample subscription's queue in nats-py, as its callback sees it (`SampleSubscriptions` binds `sub` once
+    subscribed): `behind` while more than `BEHIND_MSGS` samples wait there."""
+
+    __slots__ = ("sub",)
+
+    def __init__(self) -> None:
+        self.sub: Subscription | None = None
+
+    def behind(self) -> bool:
+        return self.sub is not None and self.sub.pending_msgs > BEHIND_MSGS
 
 
 @dataclass
@@ -56,6 +73,7 @@ class SampleIntake:
         buffer_keys: int,
         slice_s: float,
         stand_aside_s: float,
+        catch_up_s: float | None = None,
     ) -> None:
         self.models = models
         """The controllers by model, and whether this replica owns a model now (`Models.owns`)."""
@@ -69,23 +87,37 @@ class SampleIntake:
         """Logs the exception being handled and counts it (the daemon's `_internal_error`)."""
         self.slice_s = slice_s
         self.stand_aside_s = stand_aside_s
+        self.catch_up_s = slice_s if catch_up_s is None else catch_up_s
+        """The longest the callback runs without yielding while its subscription is behind (`Queued.behind`)."""
         self.samples = SampleBuffer(buffer_keys)
         """Samples decoded by `on_queue_msg`, waiting for `drain` (newest per gateway and model)."""
         self._waiting = asyncio.Event()
         self._taken_at = -math.inf  # perf_counter() of the callback's last call (`_ingest_first`)
         self._callback_until = 0.0  # perf_counter() past which the callback yields once
+        self._step_until = 0.0  # perf_counter() past which it yields even while behind (`catch_up_s`)
 
-    async def on_queue_msg(self, msg: Msg) -> None:
+    async def on_queue_msg(self, msg: Msg, queued: Queued | None = None) -> None:
         """The sample subscription's callback: decode, check, buffer. The controllers see the sample in `drain`,
-        one loop iteration later when the buffer was empty."""
-        self._taken_at = time.perf_counter()
-        claiming = self.take_sample(msg.subject, msg.data) or self.claims.recent(self.stand_aside_s)
-        if claiming or time.perf_counter() >= self._callback_until:
-            # nats-py runs this callback back to back while samples are queued: let the lease renewal, the
-            # claims in flight and the drain run, or a flood of samples would cost us the lease; and a claim this
-            # sample started goes out before the next sample.
-            await asyncio.sleep(0)
-            self._callback_until = time.perf_counter() + self.slice_s
+        one loop iteration later when the buffer was empty. `queued`: the subscription's own queue in nats-py
+        (`SampleSubscriptions` binds it), read for how far behind the callback is."""
+        self._taken_at = taken = time.perf_counter()  # one reading per sample: the slice's bound is a sample late
+        if not self.take_sample(msg.subject, msg.data):
+            if taken < self._callback_until:
+                return
+            if queued is not None and taken < self._step_until and queued.behind():
+                # Behind: nats-py parses a whole read (up to ~1,000 samples) per turn of the loop, and taking a
+                # slice's worth per turn a backlog once built only grew: a pulse's sample waited seconds behind it
+                # in a takeover's first seconds. Catch up, `catch_up_s` at most per turn of the loop.
+                self._callback_until = taken + self.slice_s
+                return
+        # Let the claims in flight and the drain run every slice, and a claim this sample started go out before
+        # the next sample. (Not after every sample while any claim is young, as before: one sample per turn of
+        # the loop, against a read's worth parsed per turn, built the same backlog; `bench decide
+        # --pulses-after 1.5` answered 78 of 100 pulses within 2 s.)
+        await asyncio.sleep(0)
+        now = time.perf_counter()
+        self._callback_until = now + self.slice_s
+        self._step_until = now + self.catch_up_s
 
     async def take_backlog(self, msgs: list[Msg]) -> None:
         """Samples nats-py had queued for a subscription `SampleSubscriptions` dropped (its shards moved), taken as the
@@ -99,22 +131,35 @@ class SampleIntake:
                 until = time.perf_counter() + self.slice_s
 
     def take_sample(self, subject: str, data: bytes) -> bool:
-        """The cheap part of a sample: decode and check it (rejections counted), then buffer it; a rising one
-        skips the buffer (`_rises`). A sample of a model another replica owns (a subscription's last messages
-        after its shard moved) is dropped undecoded. Returns whether the sample started a claim."""
-        if not self.models.owns(subject[len(protocol.QUEUE_PREFIX) :]):
+        """The cheap part of a sample: decode and check it (rejections counted), then buffer it. A sample of a model
+        another replica owns (a subscription's last messages after its shard moved) is dropped undecoded.
+
+        A sample its model would decide on at once (`ModelController.urgent`: demand above any the last decision
+        saw, a pulse's first sample) is folded in as it is taken, not behind the buffer: in a burst of steady
+        samples it waited for every key ahead of it. Its own key's older sample, when one waits, is dropped for it
+        (coalesced, as the drain would have): with every model's gateway speaking every 100 ms a pulse's key was
+        nearly always waiting, and a pulse waited for the drain to reach it, seconds in a takeover's first
+        seconds. Returns whether the sample started a claim."""
+        model = subject[len(protocol.QUEUE_PREFIX) :]
+        c = self.models.by_model.get(model)
+        # Its controller's own fence (its shard looked up once), not the model's shard hashed again per sample.
+        if not (c.deps.owns() if c is not None else self.models.owns(model)):
             self.metrics.sample("not_owned").inc()
             return False
         try:
             sample = protocol.decode(data, QueueSample)
-            if subject != protocol.QUEUE_PREFIX + sample.model:
+            if sample.model != model:
                 raise BadMessage("subject_mismatch", f"sample for {sample.model} published on {subject}")
         except BadMessage as err:
             self.metrics.sample("rejected").inc()
             self.rejections(err, source=subject)
             return False
-        if self._rises(sample):
-            return self.fold_sample(sample, self.clock())
+        if c is not None and c.urgent(sample):
+            if (sample.gateway, model) not in self.samples:
+                return self.fold_sample(sample, self.clock())
+            if self.samples.take(sample):  # its key's older sample waited: this one goes first, that one goes
+                self.metrics.sample("coalesced").inc()
+                return self.fold_sample(sample, self.clock())
         woken = not self.samples  # else the drain is due already, or busy with the buffer and sees this too
         put = self.samples.put(sample, self.clock())
         if put != "queued":
@@ -123,17 +168,9 @@ class SampleIntake:
             self._waiting.set()
         return False
 
-    def _rises(self, sample: QueueSample) -> bool:
-        """A sample its model would decide on at once (`ModelController.urgent`: demand above any the last decision
-        saw, a pulse's first sample) is folded in as it is taken, not behind the buffer: in a burst of steady
-        samples it waited for every key ahead of it. The rest, and one whose key already waits in the buffer (it
-        must not overtake the older sample), are buffered and coalesced as before."""
-        c = self.models.by_model.get(sample.model)
-        return c is not None and c.urgent(sample) and (sample.gateway, sample.model) not in self.samples
-
     async def drain(self) -> None:
         """Fold buffered samples into the controllers, oldest key first, yielding every `slice_s` of work.
-        Rising samples do not wait here (`_rises`); a sample that starts a claim ends the slice, so the claim
+        Rising samples do not wait here (`take_sample`); a sample that starts a claim ends the slice, so the claim
         goes out before the next sample is folded."""
         aside = StandAside()
         while True:
@@ -164,7 +201,7 @@ class SampleIntake:
 
     async def _ingest_first(self) -> bool:
         """Stand aside while samples are being taken, at most `stand_aside_s`: a pulse's sample behind them is only
-        seen (and skips the buffer, `_rises`) once they are taken, and the drain's slices between the callback's
+        seen (and skips the buffer, `take_sample`) once they are taken, and the drain's slices between the callback's
         doubled that wait in a burst. "Being taken": the callback ran within `INGEST_QUIET_S` (O(1); scanning
         nats-py's queue of each per-model subscription cost a replica of 1,000 models its CPU). What is taken
         meanwhile coalesces in the buffer."""

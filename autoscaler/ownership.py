@@ -126,7 +126,7 @@ class Ownership:
             todo = [(shard, model) for shard in sorted(batch) for model in sorted(self.models.by_shard.get(shard, ()))]
             todo += [(protocol.shard_of(m), m) for m in sorted(arrived) if protocol.shard_of(m) not in batch]
             # First adopt and start every model, so a sample arriving now acts; then the first decisions.
-            started: list[ModelController] = []
+            started: list[tuple[ModelController, float]] = []  # and when each started
             until = time.perf_counter() + self.slice_s
             for shard, model in todo:
                 if time.perf_counter() >= until:
@@ -151,12 +151,13 @@ class Ownership:
                         # Also none stored: deleted while another replica owned it.
                         schedules = stored_schedules.get(model, ())
                     c.take_over(self.store.records(model), override=override, schedules=schedules)
-                    started.append(c)
-            for c in started:
+                    started.append((c, self.clock()))
+            for c, began in started:
                 if time.perf_counter() >= until:
                     await asyncio.sleep(0)
                     until = time.perf_counter() + self.slice_s
-                if self.models.by_model.get(c.model) is c and c.deps.owns():
+                if self.models.by_model.get(c.model) is c and c.deps.owns() and not c.decided_since(began):
+                    # (Its first sample since it started, arriving meanwhile, may have decided it: not twice.)
                     with self.contained(f"the first decision of {c.model}"):
                         c.evaluate(self.clock())
             where = f"shard(s) {','.join(map(str, sorted(batch)))}" if batch else "shards already held"

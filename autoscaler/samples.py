@@ -55,18 +55,34 @@ class SampleBuffer:
     def put(self, sample: QueueSample, received_at: float) -> Put:
         """Buffer `sample` (received at `received_at`), keeping the newer one of its key."""
         key = (sample.gateway, sample.model)
-        old = self._items.get(key)
+        items = self._items
+        old = items.get(key)
         if old is not None:
             kept = old[0]
-            if (sample.ts, sample.seq) >= (kept.ts, kept.seq):
-                self._items[key] = (sample, received_at)
+            # (ts, seq) >= the kept one's, without the two tuples: this runs for most samples of a burst.
+            if sample.ts > kept.ts or (sample.ts == kept.ts and sample.seq >= kept.seq):
+                items[key] = (sample, received_at)
             return "coalesced"
         outcome: Put = "queued"
-        if len(self._items) >= self.capacity:
-            self._items.popitem(last=False)
+        if len(items) >= self.capacity:
+            items.popitem(last=False)
             outcome = "dropped"
-        self._items[key] = (sample, received_at)
+        items[key] = (sample, received_at)
         return outcome
+
+    def take(self, sample: QueueSample) -> bool:
+        """Take `sample`'s key out of the buffer for `sample` to be folded now (a pulse's, `intake`): True when
+        nothing buffered is newer by (ts, seq) (the buffered sample, older, is dropped: coalesced into it), False
+        when a newer one waits there (`sample` is a late packet; it stays out and the newer one in)."""
+        key = (sample.gateway, sample.model)
+        old = self._items.get(key)
+        if old is None:
+            return True
+        kept = old[0]
+        if sample.ts > kept.ts or (sample.ts == kept.ts and sample.seq >= kept.seq):
+            del self._items[key]
+            return True
+        return False
 
     def pop(self) -> tuple[QueueSample, float]:
         """The oldest key's sample and when it was received. Raises KeyError when empty."""

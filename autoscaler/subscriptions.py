@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 
 import nats.errors
@@ -17,7 +18,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from autoscaler.intake import SampleIntake
+from autoscaler.intake import Queued, SampleIntake
 from autoscaler.models import Models
 from warmpool import protocol
 
@@ -60,8 +61,11 @@ class SampleSubscriptions:
                     try:
                         # nats-py's own queue in front of the callback: generous, since a message it drops is
                         # counted nowhere of ours (the callback is cheap and coalesces into `samples`).
-                        subs[subject] = await nc.subscribe(
-                            subject, cb=self.intake.on_queue_msg, pending_msgs_limit=1_000_000
+                        queued = Queued()  # the callback reads its own queue's length (catching up)
+                        subs[subject] = queued.sub = await nc.subscribe(
+                            subject,
+                            cb=functools.partial(self.intake.on_queue_msg, queued=queued),
+                            pending_msgs_limit=1_000_000,
                         )
                     except nats.errors.Error as err:  # disconnected: try again shortly
                         log.warning("cannot subscribe to %s: %s", subject, err)

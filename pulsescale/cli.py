@@ -73,6 +73,7 @@ BENCHES: dict[str, Command] = {
     "claims": Command("warmpool.bench:claims", "claim latency p50/p99 and claims/s on a real nats-server", ""),
     "decide": Command("pulsescale.bench.decide:decide", "decision latency and ingest throughput", ""),
     "bridge": Command("pulsescale.bench.bridge:bridge", "the decision delay the bridge adds to the push path", ""),
+    "ingest": Command("pulsescale.bench.ingest:ingest", "sample ingest throughput next to a bare subscriber", ""),
     "activate": Command("nodeagent.bench:activate", "activation stage breakdown and loader GB/s", ""),
     "rootfs": Command(
         "nodeagent.bench_rootfs:bench", "an idle rootfs image's page-cache residency, warm vs locked", ""

@@ -122,6 +122,11 @@ class ModelDecider:
         return self.record.spec
 
     @property
+    def decided_at(self) -> float:
+        """When the last decision was taken (-inf: none yet)."""
+        return self._decided_at
+
+    @property
     def reason(self) -> str:
         return self.decision.reason if self.decision is not None else ""
 

@@ -17,7 +17,9 @@ shards that must move. Every round (`step`, every `renew_every_s`) a replica
    its own instead (`ShardTerms._keeper`: at once after the take, then every `renew_every_s`), and steps 2 and 3
    run beside the renewals, in a task of their own: a renewal waits for nothing but its own round trip, and the
    moves wait for no renewal. A lease may then be stamped up to a renewal interval after the record, so a dead
-   replica's record can lapse before its leases: the others look again when each lapses (`next_lapse`);
+   replica's record can lapse before its leases: the others look again when each lapses (`next_lapse`). With a
+   started `LeaseRenewer` (the daemon's) the keepers, and after its first write the record's, run on the renewer's
+   thread, loop and connection (`autoscaler.shards.renewer`), so a busy loop here delays neither;
 2. gives up each held shard now assigned to another live replica: `on_lost(shard)` first (the daemon stops
    acting for its models), then deletes the lease on its revision, so the new owner takes it on its next round;
 3. takes each shard assigned to it that is free, expired or unreadable (create, or compare-and-set on the revision
@@ -60,6 +62,7 @@ from nats.aio.client import Client
 from nats.js.kv import KeyValue
 
 from autoscaler.shards.assign import ShardAssignment, assign
+from autoscaler.shards.renewer import LeaseRenewer
 from autoscaler.shards.terms import NATS_ERRORS, CompatLeader, ShardSettings, ShardTerms, reap
 from warmpool import protocol
 from warmpool.errors import BadMessage
@@ -114,13 +117,18 @@ class ShardLeases:
         rejections: Rejections | None = None,
         nc: Client | None = None,
         on_renewal: Callable[[float], None] | None = None,
+        on_slack: Callable[[float], None] | None = None,
+        renewer: LeaseRenewer | None = None,
     ) -> None:
         """`clock` stamps and judges leases and records (wall time, shared with the other replicas); `monotonic`
         times this replica's own terms. `count_models` fills the record's `models` (ScaledObjects in our
         shards). `nc` is the connection `kv` uses (its reconnects re-list the view); by default kv's own.
         `on_renewal(seconds)` gets each shard renewal's time from its send to its answer, or to its failure (under
         `step`, from the round's start): next to the loop's lag it tells a slow broker from a busy process before
-        a lease is lost."""
+        a lease is lost. `on_slack(seconds)` gets, at each renewal that extends a term, what was left of the term
+        when its answer came (at 0 the shard is lost: how close the renewals run to losing it). `renewer`, when
+        given and started, renews the held shards on a thread, loop and connection of its own
+        (`autoscaler.shards.renewer`), so a busy loop here does not cost them."""
         protocol.replica_key(identity)  # refuses an identity that is not one key token
         if not 0 < shards <= protocol.SHARDS:
             raise ValueError(f"shards must be in (0, {protocol.SHARDS}], not {shards}")
@@ -132,18 +140,29 @@ class ShardLeases:
         self.on_lost = on_lost
         self.count_models = count_models
         self.on_renewal = on_renewal
+        self.on_slack = on_slack
         self.clock = clock
         self.monotonic = monotonic
         self.rejections = rejections or Rejections(log)
         self._nc: Client = nc if nc is not None else kv._js._nc
         self._started_at = clock()
         self._view = _LeasesView(self._nc, kv, msgspec.Struct, self.rejections, clock=clock)
+        self._record: tuple[list[int], int] = ([], 0)  # shards and models for the record, as last counted here
+        self._record_kept = False  # the renewer's thread announces the record (`_keep_record`)
         self._view_task: asyncio.Task[None] | None = None
         self._assignment = ShardAssignment(identity, shards, self._view)  # deciding: who should hold which shard
         # Acting: the terms held and their lease writes. `self` as its callbacks: `on_acquired`, `on_lost` and
         # `on_renewal` are read from here each time, so they may be set after construction.
         self._terms = ShardTerms(
-            kv, identity, settings, self._view, self._assignment, self, clock=clock, monotonic=monotonic
+            kv,
+            identity,
+            settings,
+            self._view,
+            self._assignment,
+            self,
+            clock=clock,
+            monotonic=monotonic,
+            renewer=renewer,
         )
         # (b) of the module doc: the leader lease, while we hold shard 0.
         self._compat = CompatLeader(
@@ -225,14 +244,39 @@ class ShardLeases:
         sent = self.monotonic()
         now = self.clock()  # one stamp for the record and the leases: the record never outlives them
         held = sorted(self._terms.held)
+        self._record = (held, self.count_models() if self.count_models is not None else 0)
+        announce = True
         if self._terms.keeping:  # `campaign`: each shard's keeper renews it on its own
             for s in held:
                 self._terms.keep(s)
             renewals = []
+            renewer = self._terms.renewer
+            if renewer is not None and renewer.running:
+                # The record too, beside the leases' keepers (after this first one here): a record left to a busy
+                # loop lapsed while its leases did not, and the others moved shards to and fro meanwhile.
+                announce = not self._record_kept
+                if announce:
+                    self._record_kept = True
+                    renewer.call(self._keep_record)
         else:
             renewals = [self._terms.renew(s, sent, now) for s in held]
-        await asyncio.gather(self._announce(now, held), *renewals, self._compat.lead(renewing=True))
+        record = [self._announce(now, held)] if announce else []
+        await asyncio.gather(*record, *renewals, self._compat.lead(renewing=True))
         return True
+
+    def _keep_record(self) -> None:
+        """On the renewer's loop: announce the replica record every renewal tick, with the shards and models the
+        daemon's loop last counted (`_record`) and a fresh stamp; stopped with the keepers."""
+        if not self._terms.halted and self._terms.keeping:
+            self._terms.side_keepers.append(asyncio.create_task(self._record_keeper(), name="replica-record"))
+
+    async def _record_keeper(self) -> None:
+        renewer = self._terms.renewer
+        while not self._terms.halted and renewer is not None and renewer.kv is not None:
+            sent = self.monotonic()
+            held, models = self._record
+            await self._announce(self.clock(), held, models=models, kv=renewer.kv, main=renewer.on_main)
+            await asyncio.sleep(max(0.0, self._terms._next_tick(sent) - self.monotonic()))
 
     async def _moves(self) -> bool:
         """Steps 2 and 3, then the leader lease when shard 0 was just taken, and the sweep of lapsed records."""
@@ -260,22 +304,33 @@ class ShardLeases:
                 await self.kv.delete(key, last=rev)
                 self._view.forget(key)
 
-    async def _announce(self, now: float, held: list[int]) -> None:
+    async def _announce(
+        self,
+        now: float,
+        held: list[int],
+        *,
+        models: int | None = None,
+        kv: KeyValue | None = None,
+        main: Callable[..., None] | None = None,
+    ) -> None:
+        """Write the replica record; `kv` and `main` when on the renewer's thread (the view is the daemon loop's)."""
+        if models is None:
+            models = self.count_models() if self.count_models is not None else 0
         rec = ReplicaRecord(
             identity=self.identity,
             renewed_at=now,
             lease_s=self.settings.lease_s,
             started_at=self._started_at,
             shards=held,
-            models=self.count_models() if self.count_models is not None else 0,
+            models=models,
         )
         key = protocol.replica_key(self.identity)
         try:
-            rev = await self.kv.put(key, protocol.encode(rec))
+            rev = await (kv or self.kv).put(key, protocol.encode(rec))
         except NATS_ERRORS as err:
             log.debug("%s: replica record not renewed: %s", self.identity, err)
             return
-        self._view.apply_local(key, rec, rev)
+        (main or (lambda fn, *args: fn(*args)))(self._view.apply_local, key, rec, rev)
 
     # --- running and stopping ----------------------------------------------------------------------------------
 
@@ -324,6 +379,7 @@ class ShardLeases:
             self._terms.keeping = False
             await cancel_and_wait([t for t in (renewing, moving) if t is not None])
             await self._terms.stop_keepers()
+            self._record_kept = False
             reap(renewing)
             reap(moving)
 
@@ -351,8 +407,14 @@ class ShardLeases:
             *(self._terms.delete(s, terms[s].revision if s in terms else None) for s in terms.keys() | ours)
         )
         await self._compat.resign()
+        key = protocol.replica_key(self.identity)
+        renewer = self._terms.renewer
         with contextlib.suppress(*NATS_ERRORS):
-            await self.kv.delete(protocol.replica_key(self.identity))
+            if renewer is not None and renewer.running and renewer.kv is not None:
+                # On the connection the record was last written on: after its last write, not before it.
+                await renewer.run(renewer.kv.delete(key))
+            else:
+                await self.kv.delete(key)
         await self.close()
 
     async def close(self) -> None:

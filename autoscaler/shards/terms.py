@@ -25,6 +25,7 @@ from nats.js.kv import KeyValue
 
 from autoscaler.shards.assign import ShardAssignment
 from autoscaler.shards.leader import LeaderElection, LeaseSettings, renew_lease, take_lease
+from autoscaler.shards.renewer import LeaseRenewer
 from warmpool import protocol
 from warmpool.errors import BadMessage
 from warmpool.protocol import LeaderLease
@@ -81,6 +82,7 @@ class Callbacks(Protocol):
     on_acquired: Callable[[int], None] | None
     on_lost: Callable[[int], None] | None
     on_renewal: Callable[[float], None] | None
+    on_slack: Callable[[float], None] | None
 
 
 def shard_ranges(shards: list[int]) -> str:
@@ -112,10 +114,13 @@ class ShardTerms:
         *,
         clock: Callable[[], float],
         monotonic: Callable[[], float],
+        renewer: LeaseRenewer | None = None,
     ) -> None:
         """`view` is the bucket's watch (leases written here are applied to it at once); `assignment` says which
-        leases are worth a compare-and-set on the revision seen (`ShardAssignment.free`)."""
+        leases are worth a compare-and-set on the revision seen (`ShardAssignment.free`); `renewer`, when given,
+        runs the keepers on its own thread, loop and connection (`autoscaler.shards.renewer`), else they run here."""
         self.kv = kv
+        self.renewer = renewer
         self.identity = identity
         self.settings = settings
         self.clock = clock
@@ -132,6 +137,9 @@ class ShardTerms:
         self.keeping = False  # True under `ShardLeases.campaign`: each held shard's renewals are its keeper task's
         self.epoch = 0.0  # monotonic start of `ShardLeases.campaign`: the keepers' ticks count from it (`_next_tick`)
         self.keepers: dict[int, tuple[_Term, asyncio.Task[None]]] = {}  # shard -> the term it keeps, and the task
+        # (on the keepers' loop: the renewer's when there is one, and only touched there)
+        self.keeper_error: BaseException | None = None  # a keeper's bug on the renewer's loop, raised by `keep`
+        self.side_keepers: list[asyncio.Task[None]] = []  # others on the keepers' loop (the replica record's)
         self._took: list[int] = []  # shards taken and lost since the last `report`: one line per round, not per
         self._lost: dict[str, list[int]] = {}  # shard (a reconnect retakes all 32 at once)
 
@@ -192,24 +200,29 @@ class ShardTerms:
         except BadMessage:
             return None
 
-    async def renew(self, shard: int, sent: float, now: float, term: _Term | None = None) -> None:
+    async def renew(
+        self, shard: int, sent: float, now: float, term: _Term | None = None, *, remote: bool = False
+    ) -> None:
         """Renew `term` of `shard` (by default the one held now) unless a renewal of it is in flight, or its fence
-        has passed (a renewal then would only keep the lease from the replica it now goes to)."""
+        has passed (a renewal then would only keep the lease from the replica it now goes to). `remote`: called on
+        the renewer's thread, which only reads the terms and hands every change of the daemon's state back to its
+        loop (the fence itself, `owns`, stays the daemon's)."""
         term = term or self.held.get(shard)
-        if term is None or term.renewing or self.held.get(shard) is not term or not self.owns(shard):
+        if term is None or term.renewing or self.held.get(shard) is not term:
+            return
+        if not (self.monotonic() < term.act_until if remote else self.owns(shard)):
             return
         term.renewing = True
         try:
-            await self._renew_once(shard, term, sent, now)
+            await self._renew_once(shard, term, sent, now, remote=remote)
         finally:
             term.renewing = False
 
-    async def _renew_once(self, shard: int, term: _Term, sent: float, now: float) -> None:
+    async def _renew_once(self, shard: int, term: _Term, sent: float, now: float, *, remote: bool) -> None:
         key, lease = protocol.shard_key(shard), self._lease(now)
+        kv = self.renewer.kv if remote and self.renewer is not None and self.renewer.kv is not None else self.kv
         try:
-            got = await renew_lease(
-                self.kv, key, protocol.encode(lease), term.revision, self.identity, self._quiet_decode
-            )
+            got = await renew_lease(kv, key, protocol.encode(lease), term.revision, self.identity, self._quiet_decode)
         except NATS_ERRORS as err:
             log.debug("%s: shard %d not renewed: %s", self.identity, shard, err)
             return  # the fence decides what a missed renewal costs
@@ -219,14 +232,28 @@ class ShardTerms:
         if self.held.get(shard) is not term:
             return  # this term ended while the renewal was out (lost, given up, or taken again as a new term)
         if got.revision is None:
-            self.lose(shard, "another replica holds its lease")
+            self._main(remote, self._lose_term, shard, term, "another replica holds its lease")
             return
-        if not self.owns(shard):
+        heard = self.monotonic()
+        if heard >= term.act_until or (not remote and not self.owns(shard)):
             return  # came back too late to extend a term that already ended; the next round takes it again
         term.revision = got.revision
         if got.extended:
+            if self._callbacks.on_slack is not None:
+                self._callbacks.on_slack(term.act_until - heard)  # what was left of the term: at 0 it is lost
             term.act_until = sent + self.settings.lease_s * self.settings.stop_fraction
-            self._view.apply_local(key, lease, got.revision)
+            self._main(remote, self._view.apply_local, key, lease, got.revision)
+
+    def _main(self, remote: bool, fn: Callable[..., Any], *args: Any) -> None:
+        """`fn(*args)` on the daemon's loop: now when already there, else handed over from the renewer's thread."""
+        if remote and self.renewer is not None:
+            self.renewer.on_main(fn, *args)
+        else:
+            fn(*args)
+
+    def _lose_term(self, shard: int, term: _Term, why: str) -> None:
+        if self.held.get(shard) is term:
+            self.lose(shard, why)
 
     async def take(self, shard: int) -> None:
         # The term is timed from the moment the lease is stamped, when its write is sent (`take_lease`): not the
@@ -288,19 +315,37 @@ class ShardTerms:
 
     def keep(self, shard: int) -> None:
         """Under `ShardLeases.campaign`, start the task that renews `shard` while this term of it lasts (idempotent
-        per term: a shard lost and taken back gets a keeper of its own term at once, the old one is cancelled)."""
+        per term: a shard lost and taken back gets a keeper of its own term at once, the old one is cancelled). With
+        a renewer the keeper runs on its thread (`autoscaler.shards.renewer`)."""
+        if self.keeper_error is not None:
+            raise self.keeper_error  # a keeper that died of a bug ends the campaign, as the rounds' bugs do
         term = self.held.get(shard)
         if not self.keeping or term is None:
+            return
+        if self.renewer is not None and self.renewer.running:
+            self.renewer.call(self._keep_here, shard, term, True)
+        else:
+            self._keep_here(shard, term, False)
+
+    def _keep_here(self, shard: int, term: _Term, remote: bool) -> None:
+        """`keep`, on the keepers' loop."""
+        if self.halted or not self.keeping or self.held.get(shard) is not term:
             return
         kept = self.keepers.get(shard)
         if kept is not None:
             if kept[0] is term and not kept[1].done():
                 return
-            reap(kept[1])  # a keeper that died of a bug ends the campaign, as the rounds' bugs do
+            try:
+                reap(kept[1])
+            except Exception as err:
+                if not remote:
+                    raise
+                self.keeper_error = err
             kept[1].cancel()
-        self.keepers[shard] = (term, asyncio.create_task(self._keeper(shard, term), name=f"shard-{shard}-keeper"))
+        task = asyncio.create_task(self._keeper(shard, term, remote), name=f"shard-{shard}-keeper")
+        self.keepers[shard] = (term, task)
 
-    async def _keeper(self, shard: int, term: _Term) -> None:
+    async def _keeper(self, shard: int, term: _Term, remote: bool = False) -> None:
         """Renew `shard` at once, then on each of the replica's ticks (`_next_tick`), or as soon as a slower
         renewal is answered. Each shard on its own: a renewal never waits for another's answer, a take, a
         hand-over or the replica record, so a term lasts as long as one round trip stays under
@@ -310,7 +355,7 @@ class ShardTerms:
         --models 3000 --replicas 3`)."""
         while not self.halted and self.held.get(shard) is term:
             sent = self.monotonic()
-            await self.renew(shard, sent, self.clock(), term)
+            await self.renew(shard, sent, self.clock(), term, remote=remote)
             await asyncio.sleep(max(0.0, self._next_tick(sent) - self.monotonic()))
 
     def _next_tick(self, after: float) -> float:
@@ -322,7 +367,16 @@ class ShardTerms:
         return self.epoch + (math.floor((after - self.epoch) / every) + 1) * every
 
     async def stop_keepers(self) -> None:
+        """Cancel every keeper and wait until each has ended (on the renewer's loop when there is one)."""
+        if self.renewer is not None and self.renewer.running:
+            await self.renewer.run(self._stop_keepers_here())
+        else:
+            await self._stop_keepers_here()
+
+    async def _stop_keepers_here(self) -> None:
         keepers, self.keepers = [task for _, task in self.keepers.values()], {}
+        keepers += self.side_keepers
+        self.side_keepers = []
         await cancel_and_wait(keepers)
         for task in keepers:
             reap(task)

@@ -11,7 +11,11 @@
    agent does), so the figure is the autoscaler's own and not an engine's.
    Next to it, the floor measured in the same run and conditions (the background samples flowing): bare nats-py
    doing the path's irreducible work, *sample published -> a subscriber on its own connection does one
-   kv.update(key, value, last=rev) -> a KV watcher sees it*, one pulse per pulsed model; and the ratio.
+   kv.update(key, value, last=rev) -> a KV watcher sees it*, one pulse after each of ours; and the ratio.
+   By default the pulses wait for the windows to settle (~10 s of steady traffic); with `--pulses-after S` the
+   background samples flow from the replicas' start and the pulses begin S seconds after every model first had a
+   live owner (the first seconds after the shards were taken). `--cpu-hog` keeps one core busy throughout
+   (`pulsescale.bench.hog`).
 3. Ownership, read from KV `pulse_leases`: a model's owner is the live holder of its shard's lease (``shard.<n>``,
    protocol revision 6) or, while no shard lease exists, of the one leader lease. Checked before, during and
    after the pulses and after a takeover; "every model has exactly one owner" means every check found each
@@ -23,7 +27,8 @@
    takeover time (kill -> first claim) next to the bar ``lease_s + 1 s`` (lease_s read from the leases).
    Throughout, the slot watch counts double claims (see `_SlotWatch`).
 5. Ingest throughput through NATS: samples published as fast as one publisher can, counted by each autoscaler's
-   `pulsescale_samples_total` metric. Then leases lost (``pulsescale_lease_lost_total`` where exported, else the
+   `pulsescale_samples_total` metric, then as many to a bare nats-py subscriber (`pulsescale.bench.ingest`: the
+   floor), each with its CPU per sample. Then leases lost (``pulsescale_lease_lost_total`` where exported, else the
    "no longer the leader" lines in stderr), CPU seconds per replica (/proc/<pid>/stat), and the run's length,
    which every phase bounds.
 Figures are printed, not asserted: these machines are shared and noisy.
@@ -34,18 +39,21 @@ as progress): the run's parameters and every figure of the text report, named wi
 ``decision`` and ``floor`` (answered, p50_ms, p99_ms, max_ms) with ``ratio_to_floor_p50``/``_p99``,
 ``own_decision_time``, ``ownership`` (each named check's models per replica, the samples, ``one_owner_per_model``),
 ``takeover`` (null without a kill), ``ingest_in_process_samples_per_s`` and ``ingest_through_nats``,
-``per_replica`` (cpu_s, leases_lost, loop stalls, warnings), ``leases_lost``, ``double_claims`` and ``run_s``.
+``per_replica`` (cpu_s, leases_lost, loop stalls, lease slack, warnings), ``each_pulse`` (with the floor's),
+``pulses_after_s``, ``cpu_hog``, ``leases_lost``, ``double_claims`` and ``run_s``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import time
 
 from autoscaler.decide.policyspec import PolicySpec
+from pulsescale.bench.hog import cpu_hog
 from pulsescale.bench.run import GATEWAY_PHASES, READY_TIMEOUT_S, WARM_UP_S, _Run
-from pulsescale.bench.traffic import _ingest_in_process, _spec, _stand_in_agent
+from pulsescale.bench.traffic import _Floor, _ingest_in_process, _spec, _stand_in_agent
 from pulsescale.bench.watch import _follow_leases
 from warmpool import connect, protocol
 from warmpool import output as out
@@ -86,28 +94,43 @@ async def _end_to_end(args: argparse.Namespace) -> None:
         rate = await _ingest_in_process(nc, store, args.models, args.samples)
         res.ingest_in_process_samples_per_s = out.finite(rate)
         run.say(f"ingest in process (decode + fold + debounced decide, one core): {rate:,.0f} samples/s")
+        n_pulses = min(args.pulses, args.models)
+        floor_models = [run.models[i * args.models // n_pulses] for i in range(n_pulses)]
+        run.floor = await _Floor(nc, server.url, floor_models, protocol.encode(store.records()[0])).start()
+        stop = asyncio.Event()
+        bg: asyncio.Task[None] | None = None
+        if args.pulses_after is not None:
+            # A fleet's gateways speak whether or not a replica is up: the samples flow from the start.
+            bg = asyncio.create_task(run.background(stop))
         t_started = time.perf_counter()
         run.start_replicas()
         await run.wait_ready()
         res.replicas_ready_s = ready_s = time.perf_counter() - t_started
         run.say(f"replicas: {args.replicas} autoscaler processes ready in {ready_s:.1f} s")
-        stop = asyncio.Event()
-        bg = asyncio.create_task(run.background(stop))
         owners = asyncio.create_task(run.watch_ownership(stop))
-        # Steady traffic until the models' windows settle (`PolicySpec.trend_settle_s`): a fleet's models are timed
-        # as they run, not in their first seconds, when housekeeping still re-decides every one of them.
-        await asyncio.sleep(WARM_UP_S + PolicySpec.of(_spec("m0")).trend_settle_s)
-        res.ownership_settled_s = settled = await run.settle(READY_TIMEOUT_S)
+        if args.pulses_after is None:
+            bg = asyncio.create_task(run.background(stop))
+            # Steady traffic until the models' windows settle (`PolicySpec.trend_settle_s`): a fleet's models are
+            # timed as they run, not in their first seconds, when housekeeping still re-decides every one of them.
+            await asyncio.sleep(WARM_UP_S + PolicySpec.of(_spec("m0")).trend_settle_s)
+            res.ownership_settled_s = settled = await run.settle(READY_TIMEOUT_S)
+            run.say(f"ownership settled {settled:.1f} s after the pulses' warm-up")
+        else:
+            # The first seconds after the shards were taken: as fast as the steady state is the bar.
+            owned_at = run.owned_at if run.owned_at is not None else time.perf_counter()
+            await asyncio.sleep(max(0.0, owned_at + args.pulses_after - time.perf_counter()))
         run.phase = "pulses"
-        run.say(f"ownership settled {settled:.1f} s after the pulses' warm-up")
         await run.check_owners("before the pulses")
         per = await run.timed_pulses()
         if args.kill and args.replicas >= 2:
             await run.takeover(per)
         run.phase = "time after the takeover"
         stop.set()
-        await bg
+        if bg is not None:
+            await bg
         await owners
+        await run.floor.stop()
+        run.floor = None
         await run.ingest()
         run.report(t_start)
         # The replicas go before our connection: the stand-in agent must outlive their last activations.
@@ -121,6 +144,9 @@ async def _end_to_end(args: argparse.Namespace) -> None:
             t.cancel()
         if run is not None:
             run.stop_replicas()
+            if run.floor is not None:
+                with contextlib.suppress(Exception):
+                    await run.floor.stop()
         server.stop()
     if run is not None and run.fmt is not None:  # the object, alone on stdout
         print(out.dump(run.result, run.fmt))
@@ -155,11 +181,28 @@ def decide(argv: list[str], prog: str) -> int:
     p.add_argument(
         "--pulse-budget-s", type=float, default=300.0, help="the timed pulses stop after this many seconds [300]"
     )
+    p.add_argument(
+        "--pulses-after",
+        type=float,
+        metavar="S",
+        help="time the pulses from S seconds after every model first had a live owner, the background samples "
+        "flowing from the replicas' start (the first seconds after taking the shards) [off: after ~10 s of "
+        "steady traffic, once the windows settled]",
+    )
+    p.add_argument(
+        "--cpu-hog",
+        action="store_true",
+        help="run a busy loop on one core for the whole run (a child process, always stopped), the competing "
+        "load of a shared machine [off]",
+    )
     out.add_output_argument(p)
     args = p.parse_args(argv)
     if args.models < 1 or args.replicas < 1 or args.pulses < 1:
         p.error("--models, --replicas and --pulses must be >= 1")
+    if args.pulses_after is not None and args.pulses_after < 0:
+        p.error("--pulses-after must be >= 0")
     if args.kill is None:
         args.kill = args.replicas >= 2
-    asyncio.run(_end_to_end(args))
+    with cpu_hog(args.cpu_hog):
+        asyncio.run(_end_to_end(args))
     return 0

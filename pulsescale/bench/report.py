@@ -22,14 +22,15 @@ __all__ = [
     "Ownership",
     "Over",
     "Percentiles",
+    "Pulse",
     "ReplicaFigures",
+    "Slack",
     "Takeover",
+    "Window",
     "over",
     "percentiles",
     "ratio",
 ]
-
-
 
 
 def ratio(num: float | None, den: float | None) -> float | None:
@@ -143,15 +144,53 @@ class Takeover(msgspec.Struct, kw_only=True):
 class IngestThroughNats(msgspec.Struct, kw_only=True):
     published: int
     publish_s: float
-    """Publishing the samples and flushing them (not printed in the text report)."""
+    """From the first publish until every sample was counted (the same as busiest_s)."""
     counted: dict[str, int | None]
     """Per live replica, samples its ``pulsescale_samples_total`` counted; None when it was not scraped before."""
     busiest: int
     """The most samples one replica counted."""
     busiest_s: float
-    """From the first publish until the counts stopped moving."""
+    """From the first publish until the replicas had counted every sample (or their counts stopped moving)."""
     samples_per_s: float | None
-    """busiest / busiest_s."""
+    """Samples counted by all the replicas together, per second of busiest_s."""
+    cpu_us_per_sample: float | None = None
+    """The replicas' CPU (/proc) over the same time, per sample counted."""
+    floor_samples_per_s: float | None = None
+    """The same samples to a bare nats-py subscriber (decode, count) in a process of its own, right after."""
+    floor_cpu_us_per_sample: float | None = None
+    ratio_to_floor: float | None = None
+    """samples_per_s / floor_samples_per_s (wall time: the publisher bounds both)."""
+    ratio_to_floor_per_cpu_s: float | None = None
+    """floor_cpu_us_per_sample / cpu_us_per_sample: samples per CPU second, ours over the floor's."""
+
+
+class Pulse(msgspec.Struct, kw_only=True):
+    """One timed pulse and the floor's pulse after it."""
+
+    model: str
+    at_s: float | None
+    """When it was published, from every model's first live owner."""
+    ms: float | None
+    """Sample published -> first claim written; None: no claim within the pulse timeout."""
+    floor_ms: float | None
+
+
+class Window(msgspec.Struct, kw_only=True):
+    """When the timed pulses ran, in seconds after every model first had a live owner (None: never seen)."""
+
+    began_s: float | None
+    ended_s: float | None
+
+
+class Slack(msgspec.Struct, kw_only=True):
+    """From one replica's slack histogram: renewals heard, how many with less than `under_s` of their term left,
+    and the lowest bucket bound holding any (the least slack seen is at most this)."""
+
+    renewals: int
+    under_s: float
+    under: int
+    least_within_s: float | None
+    """None when no renewal was heard, or the least is past the last finite bucket."""
 
 
 class ReplicaFigures(msgspec.Struct, kw_only=True):
@@ -166,6 +205,9 @@ class ReplicaFigures(msgspec.Struct, kw_only=True):
     """pulsescale_event_loop_lag_seconds over 0.5 s; None when not exported."""
     slow_lease_renewals: Over | None
     """pulsescale_lease_renewal_seconds over 1 s; None when not exported."""
+    slack: Slack | None = None
+    """pulsescale_lease_renewal_slack_seconds: how close the renewals ran to losing a lease; None when not
+    exported (older replicas)."""
     warnings: int
     """stderr lines at WARNING or worse."""
 
@@ -223,6 +265,15 @@ class DecideReport(msgspec.Struct, kw_only=True):
     ratio_to_floor_p50: float | None = None
     """decision.p50_ms / floor.p50_ms; None when either side answered nothing."""
     ratio_to_floor_p99: float | None = None
+    pulses_after_s: float | None = None
+    """--pulses-after: the pulses began this long after every model first had a live owner; None: after the
+    windows' settling (~10 s of steady traffic), the default."""
+    pulses_window_s: Window | None = None
+    """When the pulses (ours and the floor's, interleaved) ran, counted from every model's first live owner."""
+    cpu_hog: bool = False
+    """--cpu-hog: a busy loop on one core for the whole run (`pulsescale.bench.hog`)."""
+    each_pulse: list[Pulse] = msgspec.field(default_factory=list)
+    """Every timed pulse in order, with the floor's beside it: when in the run the slow ones were."""
     own_decision_time: OwnDecisionTime | None = None
     ownership: Ownership = msgspec.field(default_factory=Ownership)
     takeover: Takeover | None = None

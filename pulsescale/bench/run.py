@@ -28,17 +28,18 @@ import nats.js.errors
 import numpy as np
 
 from pulsescale.bench import report as rpt
-from pulsescale.bench.traffic import INGEST_IN_PROCESS_MAX_S, _floor, _sample, _spec
+from pulsescale.bench.ingest import ingest_through_nats
+from pulsescale.bench.traffic import INGEST_IN_PROCESS_MAX_S, _Floor, _sample, _spec
 from pulsescale.bench.watch import (
     LAG_METRIC,
     LOST_LINE,
     LOST_METRIC,
     RENEWAL_METRIC,
-    SAMPLES,
+    SLACK_METRIC,
+    SLACK_UNDER_S,
     SLOW_RENEWAL_S,
     STALL_S,
     _Leases,
-    _metric,
     _metric_or,
     _Replica,
     _scrape,
@@ -115,13 +116,17 @@ class _Run:
         self.orphans_by_phase: collections.Counter[str] = collections.Counter()
         self.most_orphans = 0
         self.leases_kv: Any = None  # KV pulse_leases, for the named checks' fresh reads
+        self.floor: _Floor | None = None  # the decide floor, set up before the replicas start
+        self.owned_at: float | None = None  # perf_counter() when every model first had a live owner
+        self.pulses_began: float | None = None
+        self.pulses_ended: float | None = None
         self.last_owned: dict[str, list[str]] = {}  # the last ownership sampled with an owner (picks the victim)
         self.fmt = out.machine(args)  # json/yaml: `result` printed at the end, the text report goes to stderr
         self.result = rpt.DecideReport(
             models=args.models, replicas=args.replicas, pulses=args.pulses, samples=args.samples,
             kill=bool(args.kill), gateways_in_step=bool(args.gateways_in_step),
             gateway_phases=1 if args.gateways_in_step else GATEWAY_PHASES, pulse_budget_s=args.pulse_budget_s,
-            log_level=args.log_level, logs=args.logs,
+            log_level=args.log_level, logs=args.logs, pulses_after_s=args.pulses_after, cpu_hog=args.cpu_hog,
             bounds=rpt.Bounds(
                 ingest_in_process_max_s=INGEST_IN_PROCESS_MAX_S, ready_timeout_s=READY_TIMEOUT_S,
                 pulse_budget_s=args.pulse_budget_s, pulse_timeout_s=PULSE_TIMEOUT_S,
@@ -241,6 +246,8 @@ class _Run:
         last, stable_since = None, time.perf_counter()
         while time.perf_counter() < deadline:
             per, orphans = self.leases.ownership(self.shard_of_model, self.live())
+            if orphans == 0 and self.owned_at is None and self.leases.sharded:
+                self.owned_at = time.perf_counter()  # what --pulses-after counts from
             spread = sorted((w, len(ms)) for w, ms in per.items())
             if spread != last:
                 last, stable_since = spread, time.perf_counter()
@@ -299,15 +306,16 @@ class _Run:
         await self.nc.publish(protocol.queue_subject(m), _sample(m, self.seq, depth))
 
     async def timed_pulses(self) -> dict[str, list[str]]:
-        """The pulsed models are spread over all models, so every replica's share is exercised."""
+        """The pulsed models are spread over all models, so every replica's share is exercised. Each of our pulses
+        is followed by one of the floor's (`_Floor`), so both meet the same moments of the machine."""
         args, models = self.args, self.models
         n_pulses = min(args.pulses, len(models))
         pulse_models = [models[i * len(models) // n_pulses] for i in range(n_pulses)]
-        records = self.store.records()
-        floor = await _floor(self.nc, self.server.url, pulse_models, protocol.encode(records[0]))
-        latencies = []
+        floor_models = self.floor.models if self.floor is not None else []
+        latencies, floor = [], []
         pulse_deadline = time.perf_counter() + args.pulse_budget_s
         self.result.pulses_timed = self.result.pulses_sent = n_pulses
+        self.pulses_began = time.perf_counter()
         for k, m in enumerate(pulse_models):
             if time.perf_counter() > pulse_deadline:
                 self.say(f"pulse budget of {args.pulse_budget_s:.0f} s spent after {k} pulses")
@@ -322,31 +330,55 @@ class _Run:
             await self.pulse(m, 4)
             while m not in self.slots.first_claim and time.perf_counter() - t0 < PULSE_TIMEOUT_S:
                 await asyncio.sleep(0.0005)
-            if m in self.slots.first_claim:
-                latencies.append(self.slots.first_claim[m] - t0)
+            ours = self.slots.first_claim[m] - t0 if m in self.slots.first_claim else None
+            if ours is not None:
+                latencies.append(ours)
             await asyncio.sleep(0.02)
+            took = None
+            if self.floor is not None and k < len(floor_models):
+                took = await self.floor.pulse(floor_models[k])
+                if took is not None:
+                    floor.append(took)
+                await asyncio.sleep(0.02)
+            self.result.each_pulse.append(
+                rpt.Pulse(model=m, at_s=self.since_owned(t0), ms=_ms(ours), floor_ms=_ms(took))
+            )
+        self.pulses_ended = time.perf_counter()
         for r in self.replicas:
             r.sample()
         self.print_own_decision_times()
         per = await self.check_owners("after the pulses")
         gateways = "in step" if args.gateways_in_step else f"at {GATEWAY_PHASES} phases"
+        when = (
+            f"from {args.pulses_after:g} s after every model had an owner"
+            if args.pulses_after is not None
+            else "after the windows settled"
+        )
         self.say(f"decision latency, sample published -> first claim written ({args.models} models active over "
-                 f"{args.replicas} replica(s), gateways {gateways}, "
-                 f"{len(latencies)}/{n_pulses} pulses answered):")  # fmt: skip
+                 f"{args.replicas} replica(s), gateways {gateways}, pulses {when}"
+                 f"{', beside --cpu-hog' if args.cpu_hog else ''}, {len(latencies)}/{n_pulses} pulses "
+                 "answered):")  # fmt: skip
         if latencies:
             self.say(f"  {_pct(latencies)}")
-        self.say(f"floor, bare nats-py in the same run: sample published -> one kv.update -> watcher sees it "
-                 f"({len(floor)}/{n_pulses} answered):")  # fmt: skip
+        self.say(f"floor, bare nats-py in the same run, its pulses between ours: sample published -> one kv.update "
+                 f"-> watcher sees it ({len(floor)}/{n_pulses} answered):")  # fmt: skip
         if floor:
             self.say(f"  {_pct(floor)}")
         res = self.result
         res.decision, res.floor = rpt.percentiles(latencies), rpt.percentiles(floor)
+        res.pulses_window_s = rpt.Window(
+            began_s=self.since_owned(self.pulses_began), ended_s=self.since_owned(self.pulses_ended)
+        )
         if latencies and floor:
             r50 = np.percentile(latencies, 50) / np.percentile(floor, 50)
             r99 = np.percentile(latencies, 99) / np.percentile(floor, 99)
             self.say(f"ratio to the floor: p50 {r50:.2f}x   p99 {r99:.2f}x")
             res.ratio_to_floor_p50, res.ratio_to_floor_p99 = out.finite(float(r50)), out.finite(float(r99))
         return per
+
+    def since_owned(self, t: float | None) -> float | None:
+        """Seconds from the moment every model first had a live owner (`wait_ready`) to `t`."""
+        return None if t is None or self.owned_at is None else out.finite(t - self.owned_at)
 
     async def takeover(self, per: dict[str, list[str]]) -> None:
         """SIGKILL the replica owning the most models; pulse a sample of its models with rising demand every
@@ -416,52 +448,12 @@ class _Run:
         await self.check_owners("after the takeover")
 
     async def ingest(self) -> None:
-        """Samples published as fast as one publisher can; counted by each live replica until the counts stop."""
+        """Samples published as fast as one publisher can, counted by each live replica, then as many to the floor's
+        bare subscriber (`pulsescale.bench.ingest`)."""
         alive = [r for r in self.replicas if not r.killed]
-
-        def scrape(r: _Replica, last: float | None) -> float | None:
-            # A busy replica may not answer its scrape in time: keep its last good reading rather than a 0.
-            with contextlib.suppress(OSError):
-                return _metric(r.port, SAMPLES) or 0.0
-            return last
-
-        before = [scrape(r, None) for r in alive]
-        n = self.args.samples
-        t0 = time.perf_counter()
-        for i in range(n):
-            m = self.models[i % len(self.models)]
-            await self.nc.publish(protocol.queue_subject(m), _sample(m, self.seq + i, 0, gateway="flood"))
-            if i % BACKGROUND_YIELD_EVERY == 0:
-                # The stand-in agent answers the takeover's last activations meanwhile: without this it missed
-                # their 2.5 s deadline and the replicas churned through releases and claims during the count.
-                await asyncio.sleep(0)
-        await self.nc.flush()
-        publish_s = time.perf_counter() - t0
-        deadline = time.perf_counter() + INGEST_SETTLE_MAX_S
-        readings = list(before)
-        counts = [0.0] * len(alive)
-        t_moved = time.perf_counter()
-        while time.perf_counter() < deadline:
-            readings = [scrape(r, last) for r, last in zip(alive, readings, strict=True)]
-            now_counts = [
-                (now - b) if now is not None and b is not None else 0.0 for now, b in zip(readings, before, strict=True)
-            ]
-            if now_counts != counts:
-                counts, t_moved = now_counts, time.perf_counter()
-            elif time.perf_counter() - t_moved > 0.5:
-                break  # every replica has taken what it will take
-            await asyncio.sleep(0.05)
-        secs = t_moved - t0
-        each = "  ".join(
-            f"{r.identity} {c:.0f}" if b is not None else f"{r.identity} (no scrape before)"
-            for r, c, b in zip(alive, counts, before, strict=True)
-        )
-        self.say(f"ingest through NATS into the autoscaler processes: {n} samples published, counted: {each};"
-                 f" {max(counts):.0f} in {secs:.2f} s = {max(counts) / secs:,.0f} samples/s (the busiest)")  # fmt: skip
-        counted = {r.identity: None if b is None else round(c) for r, c, b in zip(alive, counts, before, strict=True)}
-        self.result.ingest_through_nats = rpt.IngestThroughNats(
-            published=n, publish_s=publish_s, counted=counted, busiest=round(max(counts)), busiest_s=secs,
-            samples_per_s=rpt.ratio(max(counts), secs),
+        self.result.ingest_through_nats = await ingest_through_nats(
+            self.nc, self.server.url, [(r.identity, r.port, r.proc.pid) for r in alive], self.models,
+            self.args.samples, self.say,
         )  # fmt: skip
 
     def report(self, t_start: float) -> None:
@@ -483,6 +475,21 @@ class _Run:
                     for r in self.replicas
                 )
             )
+        self.say(
+            f"shard lease renewals heard with under {SLACK_UNDER_S:g} s of their term left per replica "
+            f"({SLACK_METRIC}): "
+            + "  ".join(
+                f"{r.identity} "
+                + (
+                    f"{r.slack[1]} of {r.slack[0]} (least <= {r.slack[2]:g} s)"
+                    if r.slack is not None and r.slack[2] is not None
+                    else f"{r.slack[1]} of {r.slack[0]}"
+                    if r.slack is not None
+                    else "not exported"
+                )
+                for r in self.replicas
+            )
+        )
         self.say(
             "CPU seconds per replica (/proc/<pid>/stat utime+stime): "
             + "  ".join(f"{r.identity} {r.cpu_s:.1f}{' (killed)' if r.killed else ''}" for r in self.replicas)
@@ -522,6 +529,9 @@ class _Run:
                 identity=r.identity, killed=r.killed, cpu_s=r.cpu_s, leases_lost=lost[r.identity],
                 leases_lost_from=LOST_METRIC if r.lost_metric is not None else "stderr",
                 loop_stalls=rpt.over(r.stalls, STALL_S), slow_lease_renewals=rpt.over(r.slow_renewals, SLOW_RENEWAL_S),
+                slack=None if r.slack is None else rpt.Slack(
+                    renewals=r.slack[0], under_s=SLACK_UNDER_S, under=r.slack[1], least_within_s=r.slack[2]
+                ),
                 warnings=warnings[r.identity],
             )
             for r in self.replicas

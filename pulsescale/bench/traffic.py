@@ -23,21 +23,22 @@ from warmpool.protocol import QueueSample, ScaledObjectSpec, ScalerRecord
 from warmpool.registry import KvSlotStore
 
 
-def _spec(model: str) -> ScaledObjectSpec:
-    return protocol.decode(
-        msgspec.json.encode(
-            {
-                "scaleTargetRef": {"name": model},
-                "minReplicaCount": 0,
-                "maxReplicaCount": 4,
-                "triggers": [{"type": "gateway-queue", "metadata": {"model": model, "targetQueueDepth": 4}}],
-            }
-        ),
-        ScaledObjectSpec,
-    )
+def _spec(model: str, *, stale_after_s: float | None = None) -> ScaledObjectSpec:
+    """The bench's ScaledObject; `stale_after_s` sets ``advanced.staleAfterSeconds`` (default: the contract's)."""
+    spec: dict[str, object] = {
+        "scaleTargetRef": {"name": model},
+        "minReplicaCount": 0,
+        "maxReplicaCount": 4,
+        "triggers": [{"type": "gateway-queue", "metadata": {"model": model, "targetQueueDepth": 4}}],
+    }
+    if stale_after_s is not None:
+        spec["advanced"] = {"staleAfterSeconds": stale_after_s}
+    return protocol.decode(msgspec.json.encode(spec), ScaledObjectSpec)
 
 
-def _sample(model: str, seq: int, depth: int, gateway: str = "bench") -> bytes:
+def _sample(model: str, seq: int, depth: int, gateway: str = "bench", *, served: int | None = None) -> bytes:
+    """A gateway's sample; its counters are `served` (by default `seq`: one request per sample period)."""
+    served = seq if served is None else served
     return protocol.encode(
         QueueSample(
             gateway=gateway,
@@ -46,8 +47,8 @@ def _sample(model: str, seq: int, depth: int, gateway: str = "bench") -> bytes:
             ts=time.time(),
             queue_depth=depth,
             inflight=0,
-            arrivals_total=seq,
-            completions_total=seq,
+            arrivals_total=served,
+            completions_total=served,
             timeouts_total=0,
         )
     )
@@ -126,49 +127,66 @@ FLOOR_BUCKET = "pulse_bench_decide_floor"
 FLOOR_PREFIX = "bench.decide.floor."
 
 
-async def _floor(nc, url: str, models: list[str], value: bytes) -> list[float]:  # type: ignore[no-untyped-def]
+class _Floor:
     """Bare nats-py, the decide path's irreducible work: a sample published -> a subscriber on its own connection
     (as the autoscaler has) decodes it and does one kv.update on the revision it last wrote -> our KV watcher sees
-    the update. One pulse per model, one at a time, as the timed pulses. Latencies (s)."""
-    js = nc.jetstream(timeout=5.0)
-    kv = await scratch_bucket(js, FLOOR_BUCKET)
-    keys = {m: f"{m}.floor.s0" for m in models}
-    revs = {m: await kv.put(keys[m], value) for m in models}
-    responder = await connect.connect(connect.NatsOptions(servers=(url,), name="bench-decide-floor"))
-    rkv = await responder.jetstream(timeout=5.0).key_value(FLOOR_BUCKET)
+    the update. `start` sets it up (a scratch bucket, a key per model), `pulse` times one, `stop` takes it down;
+    the run interleaves its pulses with the autoscalers' so both meet the same moments of the machine."""
 
-    async def on_sample(msg) -> None:  # type: ignore[no-untyped-def]
-        sample = protocol.decode(msg.data, QueueSample)
-        revs[sample.model] = await rkv.update(keys[sample.model], value, last=revs[sample.model])
+    def __init__(self, nc, url: str, models: list[str], value: bytes) -> None:  # type: ignore[no-untyped-def]
+        self.nc, self.url, self.models, self.value = nc, url, models, value
+        self.keys = {m: f"{m}.floor.s0" for m in models}
+        self.seen: dict[str, asyncio.Event] = {k: asyncio.Event() for k in self.keys.values()}
+        self.seq = 0
+        self._stack = contextlib.AsyncExitStack()
 
-    sub = await responder.subscribe(FLOOR_PREFIX + "*", cb=on_sample)
-    await responder.flush()
-    seen: dict[str, asyncio.Event] = {k: asyncio.Event() for k in keys.values()}
-    watcher = await kv.watchall()
+    async def start(self) -> _Floor:
+        js = self.nc.jetstream(timeout=5.0)
+        kv = await scratch_bucket(js, FLOOR_BUCKET)
 
-    async def follow() -> None:
-        async for entry in watcher:
-            if entry is not None and entry.key in seen:
-                seen[entry.key].set()
+        async def drop_bucket() -> None:
+            with contextlib.suppress(Exception):
+                await js.delete_key_value(FLOOR_BUCKET)
 
-    follower = asyncio.create_task(follow())
-    await asyncio.sleep(0.2)  # the watcher's initial listing goes by
-    latencies: list[float] = []
-    try:
-        for seq, m in enumerate(models, 1):
-            event = seen[keys[m]]
-            event.clear()
-            t0 = time.perf_counter()
-            await nc.publish(FLOOR_PREFIX + m, _sample(m, seq, 16))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), 2.0)
-                latencies.append(time.perf_counter() - t0)
-            await asyncio.sleep(0.02)
-    finally:
-        follower.cancel()
-        await watcher.stop()
-        await sub.unsubscribe()
-        await responder.close()
-        with contextlib.suppress(Exception):
-            await js.delete_key_value(FLOOR_BUCKET)
-    return latencies
+        self._stack.push_async_callback(drop_bucket)
+        revs = {m: await kv.put(self.keys[m], self.value) for m in self.models}
+        responder = await connect.connect(connect.NatsOptions(servers=(self.url,), name="bench-decide-floor"))
+        self._stack.push_async_callback(responder.close)
+        rkv = await responder.jetstream(timeout=5.0).key_value(FLOOR_BUCKET)
+        keys, value = self.keys, self.value
+
+        async def on_sample(msg) -> None:  # type: ignore[no-untyped-def]
+            sample = protocol.decode(msg.data, QueueSample)
+            revs[sample.model] = await rkv.update(keys[sample.model], value, last=revs[sample.model])
+
+        sub = await responder.subscribe(FLOOR_PREFIX + "*", cb=on_sample)
+        self._stack.push_async_callback(sub.unsubscribe)
+        await responder.flush()
+        watcher = await kv.watchall()
+        self._stack.push_async_callback(watcher.stop)
+
+        async def follow() -> None:
+            async for entry in watcher:
+                if entry is not None and entry.key in self.seen:
+                    self.seen[entry.key].set()
+
+        follower = asyncio.create_task(follow())
+        self._stack.callback(follower.cancel)
+        await asyncio.sleep(0.2)  # the watcher's initial listing goes by
+        return self
+
+    async def pulse(self, m: str) -> float | None:
+        """One pulse of `m`'s floor; its latency (s), or None when not seen within 2 s."""
+        event = self.seen[self.keys[m]]
+        event.clear()
+        self.seq += 1
+        t0 = time.perf_counter()
+        await self.nc.publish(FLOOR_PREFIX + m, _sample(m, self.seq, 16))
+        try:
+            await asyncio.wait_for(event.wait(), 2.0)
+        except TimeoutError:
+            return None
+        return time.perf_counter() - t0
+
+    async def stop(self) -> None:
+        await self._stack.aclose()

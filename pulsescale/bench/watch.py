@@ -94,6 +94,26 @@ RENEWAL_METRIC = "pulsescale_lease_renewal_seconds"
 SLOW_RENEWAL_S = 1.0
 """A shard renewal this slow is counted in the report: two in a row and the 1.6 s fence has passed."""
 SAMPLES = "pulsescale_samples_total"
+SLACK_METRIC = "pulsescale_lease_renewal_slack_seconds"
+SLACK_UNDER_S = 0.5
+"""Renewals heard with less than this of their term left are counted in the report (~1.1 s is normal)."""
+
+
+def _slack(lines: list[str]) -> tuple[int, int, float | None] | None:
+    """From the slack histogram in a scrape: renewals heard, how many with under `SLACK_UNDER_S` left, and the
+    lowest bucket bound holding any (None: none heard, or past the last finite bound); None when not exported."""
+    buckets: list[tuple[float, float]] = []
+    for line in lines:
+        if line.startswith(SLACK_METRIC + "_bucket{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets.append((float(le), float(line.rsplit(" ", 1)[1])))
+    if not buckets:
+        return None
+    buckets.sort()
+    total = int(buckets[-1][1])
+    under = int(next((n for le, n in buckets if le >= SLACK_UNDER_S), 0))
+    least = next((le for le, n in buckets if n > 0), None)
+    return total, under, (least if least is not None and least != float("inf") else None)
 
 
 @dataclass
@@ -106,6 +126,7 @@ class _Replica:
     lost_metric: float | None = None  # the last scrape of LOST_METRIC; None while it exports none
     stalls: tuple[int, str] | None = None  # the last scrape's loop stalls over STALL_S, and the longest's bucket
     slow_renewals: tuple[int, str] | None = None  # the same for shard renewals over SLOW_RENEWAL_S
+    slack: tuple[int, int, float | None] | None = None  # the last scrape's `_slack`
     killed: bool = False
 
     def sample(self) -> None:
@@ -119,6 +140,7 @@ class _Replica:
             self.lost_metric = _summed(lines, LOST_METRIC)
             self.stalls = _over(lines, LAG_METRIC, STALL_S) or self.stalls
             self.slow_renewals = _over(lines, RENEWAL_METRIC, SLOW_RENEWAL_S) or self.slow_renewals
+            self.slack = _slack(lines) or self.slack
 
     def warnings(self) -> int:
         self.stderr.flush()

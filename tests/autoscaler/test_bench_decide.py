@@ -122,10 +122,13 @@ def test_bench_decide_text_report_prints_its_main_lines() -> None:
     out = _run("--models", "3", "--pulses", "2", "--samples", "300", "--gateways-in-step").stdout
     assert out.startswith("setup: 3 models x 4 warm slots seeded in "), out
     decision = "decision latency, sample published -> first claim written (3 models active over 1 replica(s), "
-    assert decision + "gateways in step, 2/2 pulses answered):\n  p50 " in out, out
+    assert decision + "gateways in step, pulses after the windows settled, 2/2 pulses answered):\n  p50 " in out, out
     assert "floor, bare nats-py in the same run" in out and "(2/2 answered):\n  p50 " in out, out
     assert re.search(r"^ratio to the floor: p50 [\d.]+x   p99 [\d.]+x$", out, re.M), out
-    assert re.search(r"^ingest through NATS .* = [\d,]+ samples/s \(the busiest\)$", out, re.M), out
+    assert re.search(r"^ingest through NATS .* = [\d,]+ samples/s \([\d.]+ us CPU each\)$", out, re.M), out
+    assert re.search(r"^  the floor, a bare nats-py subscriber .* = [\d,]+ samples/s \(", out, re.M), out
+    slack = r"^shard lease renewals heard with under 0.5 s of their term left .*: bench-r0 0 of \d+"
+    assert re.search(slack, out, re.M), out
     assert re.search(r"^CPU seconds per replica .*: bench-r0 [\d.]+$", out, re.M), out
     assert re.search(r"^every model has exactly one owner: yes ", out, re.M), out
     assert out.splitlines()[-1].startswith("run length: "), out
