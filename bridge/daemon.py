@@ -36,7 +36,7 @@ from bridge.sources import Fetcher, Source, Sources
 from gateway.publisher import Publisher
 from gateway.queue import ModelQueue
 from gateway.routes import Routes
-from warmpool import connect
+from warmpool import daemonstart
 from warmpool.errors import PulsescaleError
 from warmpool.rejects import Rejections
 
@@ -234,23 +234,6 @@ async def run(
     on_started: Callable[[Bridge], None] | None = None,
 ) -> None:
     """Run the bridge until `stop` is set (signal handling is the caller's)."""
-    nc = await connect.connect(settings.nats)
-    try:
-        bridge = Bridge(settings, nc)
-        await bridge.start()
-        try:
-            if on_started is not None:
-                on_started(bridge)
-            if ready is not None:
-                ready.set()
-            while not stop.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), 1.0)
-                crashed = bridge.crashed()
-                if crashed is not None:
-                    raise crashed
-        finally:
-            await bridge.close()
-    finally:
-        with contextlib.suppress(Exception):
-            await nc.drain()
+    await daemonstart.serve_until_stopped(
+        settings.nats, lambda nc: Bridge(settings, nc), stop, ready=ready, on_started=on_started
+    )

@@ -63,7 +63,7 @@ from gateway.routes import Routes
 from gateway.scalers import Scalers
 from gateway.settings import GatewaySettings, default_gateway_id
 from gateway.table import Queue, QueueTable
-from warmpool import connect
+from warmpool import daemonstart
 from warmpool.errors import PulsescaleError
 from warmpool.rejects import Rejections
 
@@ -577,23 +577,6 @@ async def run(
     on_started: Callable[[Gateway], None] | None = None,
 ) -> None:
     """Run the gateway until `stop` is set (signal handling is the caller's)."""
-    nc = await connect.connect(settings.nats)
-    try:
-        gw = Gateway(settings, nc)
-        await gw.start()
-        try:
-            if on_started is not None:
-                on_started(gw)
-            if ready is not None:
-                ready.set()
-            while not stop.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), 1.0)
-                crashed = gw.crashed()
-                if crashed is not None:
-                    raise crashed
-        finally:
-            await gw.close()
-    finally:
-        with contextlib.suppress(Exception):
-            await nc.drain()
+    await daemonstart.serve_until_stopped(
+        settings.nats, lambda nc: Gateway(settings, nc), stop, ready=ready, on_started=on_started
+    )

@@ -21,17 +21,16 @@ itself, and may copy any claim id it reads in `pulse_slots`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Iterable
 from typing import Literal
 from urllib.parse import urlsplit
 
-import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
+from nats.js.kv import KeyValue
 
-from warmpool import protocol
+from warmpool import buckets, protocol
 from warmpool.errors import BadMessage
 from warmpool.protocol import NodeAssignment, SlotRecord
 from warmpool.registry import BucketView, Changed, Removed, Snapshot
@@ -84,10 +83,6 @@ AssignmentsState = Literal["listing", "listed", "absent", "unreadable"]
 """How far `pulse_assignments` has been read: ``listing`` (not yet), ``listed`` (followed), ``absent`` (no bucket:
 every node unbound), ``unreadable`` (no answer: a NATS user without KV reads of it is refused silently, or
 JetStream is down)."""
-
-_UNREADABLE_MAX_WAIT_S = 30.0
-"""The longest pause between two asks of an unreadable bucket: each ask of a refused user is a permission
-violation in the server's log."""
 
 
 class _ReadyAssignments(Assignments):
@@ -160,21 +155,18 @@ class NodeModels:
             self._on_change()
 
     async def run(self, stop: asyncio.Event) -> None:
-        wait_s = self._retry_s
-        while not stop.is_set():
-            try:
-                kv = await self._nc.jetstream(timeout=self._open_timeout_s).key_value(protocol.ASSIGNMENTS_BUCKET)
-            except nats.js.errors.BucketNotFoundError:
-                self._state("absent")
-                wait_s = self._retry_s
-            except (TimeoutError, nats.errors.Error, OSError) as err:
-                self._state("unreadable", "no answer" if isinstance(err, TimeoutError) else str(err) or repr(err))
-                wait_s = min(wait_s * 2, _UNREADABLE_MAX_WAIT_S)
-            else:
-                await self._follow(BucketView(self._nc, kv, NodeAssignment, self._rejected), stop)
-                return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), wait_s)
+        async def follow(kv: KeyValue) -> None:
+            await self._follow(BucketView(self._nc, kv, NodeAssignment, self._rejected), stop)
+
+        await buckets.follow_bucket(
+            self._nc,
+            protocol.ASSIGNMENTS_BUCKET,
+            stop,
+            on_state=self._state,
+            follow=follow,
+            retry_s=self._retry_s,
+            open_timeout_s=self._open_timeout_s,
+        )
 
     async def _follow(self, view: BucketView[NodeAssignment], stop: asyncio.Event) -> None:
         watch = asyncio.create_task(view.run(), name="gateway-assignments-view")

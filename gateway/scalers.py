@@ -10,16 +10,14 @@ NATS user may not read it (nats-server refuses such a request without a reply) o
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 
-import nats.errors
-import nats.js.errors
 from nats.aio.client import Client
+from nats.js.kv import KeyValue
 
 from gateway.catalog import Catalog, ScalersState
-from warmpool import protocol
+from warmpool import buckets, protocol
 from warmpool.bucketview import BucketView
 from warmpool.protocol import ScalerRecord
 from warmpool.rejects import Rejections
@@ -27,10 +25,6 @@ from warmpool.rejects import Rejections
 __all__ = ["Scalers"]
 
 log = logging.getLogger("pulsescale.gateway")
-
-_UNREADABLE_MAX_WAIT_S = 30.0
-"""The longest pause between two asks of an unreadable bucket: each ask of a refused user is a permission
-violation in the server's log."""
 
 
 class Scalers:
@@ -71,21 +65,18 @@ class Scalers:
         self._on_change()
 
     async def run(self, stop: asyncio.Event) -> None:
-        wait_s = self._retry_s
-        while not stop.is_set():
-            try:
-                kv = await self._nc.jetstream(timeout=self._open_timeout_s).key_value(protocol.SCALERS_BUCKET)
-            except nats.js.errors.BucketNotFoundError:
-                self._state("absent")
-                wait_s = self._retry_s
-            except (TimeoutError, nats.errors.Error, OSError) as err:
-                self._state("unreadable", "no answer" if isinstance(err, TimeoutError) else str(err) or repr(err))
-                wait_s = min(wait_s * 2, _UNREADABLE_MAX_WAIT_S)
-            else:
-                await self._follow(BucketView(self._nc, kv, ScalerRecord, self._rejected, keep_bad=True), stop)
-                return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), wait_s)
+        async def follow(kv: KeyValue) -> None:
+            await self._follow(BucketView(self._nc, kv, ScalerRecord, self._rejected, keep_bad=True), stop)
+
+        await buckets.follow_bucket(
+            self._nc,
+            protocol.SCALERS_BUCKET,
+            stop,
+            on_state=self._state,
+            follow=follow,
+            retry_s=self._retry_s,
+            open_timeout_s=self._open_timeout_s,
+        )
 
     async def _follow(self, view: BucketView[ScalerRecord], stop: asyncio.Event) -> None:
         self.view = view

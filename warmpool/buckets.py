@@ -3,6 +3,10 @@
 Only the autoscaler creates and hardens them (DESIGN.md, "Trust boundaries"); every role opens them here, and
 waits here for a JetStream that does not answer yet (a cluster deployed together with us). `warmpool.registry`
 re-exports what its callers use.
+
+`follow_bucket` is for a reader of a bucket that may not exist yet and may not be readable at all (the gateway's
+`pulse_scalers` and `pulse_assignments`): it asks again while the bucket is absent or does not answer, reporting
+each, and follows the bucket once it opens.
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 import nats.errors
 import nats.js.errors
@@ -34,9 +39,12 @@ __all__ = [
     "KV_REPLICAS_ENV",
     "MAX_KV_REPLICAS",
     "PLACEMENT_SETTLE_S",
+    "UNREADABLE_MAX_WAIT_S",
     "BucketSettings",
+    "OpenState",
     "KvReplicasError",
     "ensure_buckets",
+    "follow_bucket",
     "parse_replicas",
     "replicas_for",
 ]
@@ -168,6 +176,48 @@ liveness probes (first at 10 s, three failures 5 s apart) would restart the proc
 _JETSTREAM_UNAVAILABLE_FOR_NOW = 10008
 """JetStream's "JetStream system temporarily unavailable"; its other 503s (not enabled for the account, 10039; not
 enabled, 10076) do not clear by waiting."""
+
+
+OpenState = Literal["absent", "unreadable"]
+"""Why `follow_bucket` could not open its bucket: ``absent`` (it does not exist: asked again every `retry_s`),
+``unreadable`` (no answer: a NATS user without KV reads of it is refused silently, or JetStream is down; asked
+again with a growing pause)."""
+
+UNREADABLE_MAX_WAIT_S = 30.0
+"""The longest pause between two asks of an unreadable bucket: each ask of a refused user is a permission
+violation in the server's log."""
+
+
+async def follow_bucket(
+    nc: Client,
+    bucket: str,
+    stop: asyncio.Event,
+    *,
+    on_state: Callable[[OpenState, str], None],
+    follow: Callable[[KeyValue], Awaitable[None]],
+    retry_s: float,
+    open_timeout_s: float,
+    max_wait_s: float = UNREADABLE_MAX_WAIT_S,
+) -> None:
+    """Open `bucket` (never create it) and `await follow(kv)`, then return; until it opens, `on_state(state, why)`
+    after each failed ask (`OpenState`; `why` is "" for ``absent``, else what went wrong) and ask again after
+    `retry_s` (absent) or a pause that doubles from `retry_s` up to `max_wait_s` (unreadable), or return once
+    `stop` is set. Each ask waits `open_timeout_s` for JetStream."""
+    wait_s = retry_s
+    while not stop.is_set():
+        try:
+            kv = await nc.jetstream(timeout=open_timeout_s).key_value(bucket)
+        except nats.js.errors.BucketNotFoundError:
+            on_state("absent", "")
+            wait_s = retry_s
+        except (TimeoutError, nats.errors.Error, OSError) as err:
+            on_state("unreadable", "no answer" if isinstance(err, TimeoutError) else str(err) or repr(err))
+            wait_s = min(wait_s * 2, max_wait_s)
+        else:
+            await follow(kv)
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), wait_s)
 
 
 async def list_keys(js: JetStreamContext, bucket: str, prefix: str = "") -> list[str]:
