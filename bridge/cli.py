@@ -23,7 +23,11 @@ Engine pages: every --scrape-every, each --target (and, with --slots, each ready
 vLLM's /metrics: per model, vllm:num_requests_waiting is the queue depth, vllm:num_requests_running the requests in
 flight, and vllm:request_success_total gives the arrival and completion counters. Queries: every --query-every, each
 --query is an instant query to --prometheus (/api/v1/query, as KEDA's prometheus scaler asks); its one value is the
-model's demand (published as in flight).
+model's demand (published as in flight). ScaledObjects (--scaledobjects): a trigger whose metadata.source is
+vllm-metrics (its metricsURL pages, else the model's ready slots) or prometheus (its query to its serverAddress) is
+read the same way, followed in pulse_scalers: added, changed and dropped as the ScaledObjects are. The flags (and
+--config) win: a model that --query, a bound --target (MODEL=URL) or --slots reads, or that --models leaves out, is
+not read for its ScaledObject; the log says so, and /healthz shows it.
 
 A model whose sources fail, or read nothing good for --stale-after (--query-stale-after for a query), is not
 published until they read well again, so the autoscaler's own staleness rule holds its replicas; a stale or
@@ -37,10 +41,12 @@ examples:
   pulsescale bridge --target http://10.0.0.5:8000 --model-name Qwen/Qwen2.5-0.5B-Instruct=qwen
   pulsescale bridge --target qwen=http://10.0.0.5:8000/metrics --target qwen=http://10.0.0.6:8000/metrics
   pulsescale bridge --slots --models qwen
+  pulsescale bridge --scaledobjects          # what the ScaledObjects' triggers name (metadata.source)
   pulsescale bridge --prometheus http://prometheus:9090 \\
       --query 'qwen=sum(vllm:num_requests_waiting{model_name="qwen"})
         + sum(vllm:num_requests_running{model_name="qwen"})'
-  pulsescale bridge --config /etc/pulsescale/bridge.yaml   # targets, model_names, slots, models, prometheus, queries
+  pulsescale bridge --config /etc/pulsescale/bridge.yaml   # targets, model_names, slots, scaledobjects, models,
+                                                           # prometheus, queries
 """
 
 
@@ -112,6 +118,13 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         metavar="PATH",
         help=f"the page's path on a slot's endpoint [{d.slot_metrics_path}]",
     )
+    src.add_argument(
+        "--scaledobjects",
+        action="store_true",
+        default=None,
+        help="also read what the ScaledObjects' triggers name (pulse_scalers, metadata.source vllm-metrics or "
+        "prometheus), as they change; the flags win for a model they read",
+    )
     src.add_argument("--models", type=_models, metavar="M1,M2", help="publish only these models [all reported]")
     src.add_argument("--prometheus", metavar="URL", help="the Prometheus server --query asks")
     src.add_argument(
@@ -125,7 +138,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     src.add_argument(
         "--config",
         metavar="FILE",
-        help="YAML with targets, model_names, slots, models, prometheus, queries (flags add to it)",
+        help="YAML with targets, model_names, slots, scaledobjects, models, prometheus, queries (flags add to it)",
     )
     t = p.add_argument_group("timing (durations: 250ms, 1s, 1m or plain seconds)")
     t.add_argument(
@@ -193,6 +206,7 @@ def settings_from_args(args: argparse.Namespace, p: argparse.ArgumentParser) -> 
         targets=(*f.targets, *args.target),
         model_names=(*f.model_names, *args.model_name),
         slots=bool(args.slots if args.slots is not None else f.slots),
+        scaledobjects=bool(args.scaledobjects if args.scaledobjects is not None else f.scaledobjects),
         slot_metrics_path=args.slot_metrics_path,
         models=models,
         prometheus_url=args.prometheus or f.prometheus_url,

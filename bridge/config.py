@@ -7,6 +7,7 @@ a file (a ConfigMap) than in flags. YAML, every key optional::
     model_names:                   # an engine's model_name -> the pulsescale model
       Qwen/Qwen2.5-0.5B-Instruct: qwen
     slots: true                    # also scrape the ready slots of pulse_slots
+    scaledobjects: true            # also read what the ScaledObjects' triggers name (metadata.source)
     models: [qwen]                 # publish only these
     prometheus: http://prometheus:9090
     queries:                       # model -> PromQL whose one value is the demand
@@ -28,7 +29,7 @@ from warmpool.errors import BadInput
 
 __all__ = ["ConfigError", "ConfigFile", "load"]
 
-_KEYS: Final = ("targets", "model_names", "slots", "models", "prometheus", "queries")
+_KEYS: Final = ("targets", "model_names", "slots", "scaledobjects", "models", "prometheus", "queries")
 
 
 class ConfigError(BadInput):
@@ -40,6 +41,7 @@ class ConfigFile:
     targets: tuple[Target, ...] = ()
     model_names: tuple[tuple[str, str], ...] = ()
     slots: bool | None = None
+    scaledobjects: bool | None = None
     models: frozenset[str] | None = None
     prometheus_url: str | None = None
     queries: tuple[Query, ...] = ()
@@ -80,6 +82,9 @@ def parse(doc: Any) -> ConfigFile:
     slots = doc.get("slots")
     if slots is not None and not isinstance(slots, bool):
         raise ValueError("slots: true or false")
+    scaledobjects = doc.get("scaledobjects")
+    if scaledobjects is not None and not isinstance(scaledobjects, bool):
+        raise ValueError("scaledobjects: true or false")
     prometheus = doc.get("prometheus")
     if prometheus is not None and not isinstance(prometheus, str):
         raise ValueError("prometheus: a URL")
@@ -87,6 +92,7 @@ def parse(doc: Any) -> ConfigFile:
         targets=tuple(_target(t) for t in targets),
         model_names=tuple(_str_map(doc, "model_names").items()),
         slots=slots,
+        scaledobjects=scaledobjects,
         models=frozenset(models) if models is not None else None,
         prometheus_url=prometheus,
         queries=tuple(Query.parse(f"{m}={q}") for m, q in _str_map(doc, "queries").items()),

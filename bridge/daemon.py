@@ -5,13 +5,16 @@ It reads engines' Prometheus pages (vLLM's ``/metrics``: ``num_requests_waiting`
 Prometheus server (one per model, its value the demand), and publishes each model's `QueueSample` on
 ``pulse.queue.<model>`` under its own gateway id, as a gateway would, with the gateway's own publisher
 (`gateway.publisher`: every 100 ms and on change). The pages are the `--target`s and, with ``--slots``, each ready
-slot's endpoint, followed in `pulse_slots` by the gateway's own `gateway.routes`.
+slot's endpoint, followed in `pulse_slots` by the gateway's own `gateway.routes`. With ``--scaledobjects``, also
+what the ScaledObjects' triggers name (contract revision 14: ``source: vllm-metrics`` or ``prometheus``), followed
+in `pulse_scalers` by `bridge.scalers`; the flags win for a model they read.
 
 A model whose sources fail or go stale past their bound is no longer published (`bridge.board`): the autoscaler
 then sees a silent gateway and applies its staleness rule, instead of a figure nobody measured. Bad input is a
 named, counted error per source (`bridge.errors`); the daemon keeps reading every other source.
 
-It needs only the gateway NATS role (publish ``pulse.queue.>``; with ``--slots``, KV reads of `pulse_slots`).
+It needs only the gateway NATS role (publish ``pulse.queue.>``; with ``--slots``, KV reads of `pulse_slots`; with
+``--scaledobjects``, of `pulse_scalers` and `pulse_slots`).
 ``/healthz`` and ``/metrics`` are on `settings.host`:`settings.port` (loopback unless told otherwise).
 """
 
@@ -31,6 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from bridge.board import DemandBoard
 from bridge.metrics import BridgeMetrics
+from bridge.scalers import ScalerSources
 from bridge.settings import BridgeSettings
 from bridge.sources import Fetcher, Source, Sources
 from gateway.publisher import Publisher
@@ -75,11 +79,14 @@ class Bridge:
         )
         self.board.publisher = self.publisher
         self.rejected = Rejections(log, on_reject=lambda reason: self.metrics.rejected_records.labels(reason).inc())
+        # The ready slots: the flags' (--slots), or those of models whose ScaledObject names them (--scaledobjects).
         self.routes = (
             Routes(nc, settings.models, on_ready=self._slot_ready, on_gone=self._slot_gone, rejected=self.rejected)
-            if settings.slots
+            if settings.slots or settings.scaledobjects
             else None
         )
+        self.scalers: ScalerSources | None = None
+        """With --scaledobjects, what the ScaledObjects' triggers name (`bridge.scalers`); made by `start`."""
         self.sources: Sources | None = None
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
@@ -112,12 +119,20 @@ class Bridge:
         ]
         if self.routes is not None:
             self._tasks.append(asyncio.create_task(self.routes.run(self._stop), name="bridge-slots"))
+        if s.scaledobjects:
+            routes = self.routes
+            assert routes is not None
+            self.scalers = ScalerSources(
+                self.nc, s, self.sources, self.rejected, ready_slots=lambda model: routes.table.get(model, {})
+            )
+            self._tasks.append(asyncio.create_task(self.scalers.run(self._stop), name="bridge-scaledobjects"))
         log.info(
-            "bridge %s: %d target(s), %d quer(y/ies)%s; /metrics on http://%s:%d",
+            "bridge %s: %d target(s), %d quer(y/ies)%s%s; /metrics on http://%s:%d",
             s.gateway_id,
             len(s.targets),
             len(s.queries),
-            ", and the ready slots of pulse_slots" if s.slots else "",
+            ", the ready slots of pulse_slots" if s.slots else "",
+            ", what the ScaledObjects of pulse_scalers name (the flags win)" if s.scaledobjects else "",
             s.host,
             self.port,
         )
@@ -183,6 +198,10 @@ class Bridge:
 
     def _slot_ready(self, model: str, key: str, url: str) -> None:
         assert self.sources is not None
+        if not self.settings.slots:  # only --scaledobjects: the ScaledObjects say which models' slots are read
+            if self.scalers is not None:
+                self.scalers.slot_ready(model, key, url)
+            return
         page = url + self.settings.slot_metrics_path
         old = self.sources.by_id.get(key)
         if old is not None and old.url == page:
@@ -193,6 +212,10 @@ class Bridge:
 
     def _slot_gone(self, model: str, key: str) -> None:
         assert self.sources is not None
+        if not self.settings.slots:
+            if self.scalers is not None:
+                self.scalers.slot_gone(model, key)
+            return
         self.sources.remove(key)
 
     # --- pages ---------------------------------------------------------------------------------------------------
@@ -208,11 +231,13 @@ class Bridge:
                     "kind": s.kind,
                     "url": s.url,
                     "model": s.model,
+                    "scaledobject": s.scaler,  # None: a flag or --config names it
                     "error": str(self.board.last_error[s.id]) if s.id in self.board.last_error else None,
                 }
                 for s in sources
             },
             "models": self.board.health(),
+            "scaledobjects": self.scalers.health() if self.scalers is not None else None,
         }
 
     async def healthz(self, _: web.Request) -> web.Response:

@@ -82,7 +82,8 @@ class BridgeMetrics:
         )
         self.rejected_records = Counter(
             "pulsescale_bridge_rejected_records_total",
-            "pulse_slots records that broke the contract, by reason",
+            "pulse_slots and pulse_scalers records that broke the contract, by reason (bad_source: a ScaledObject "
+            "trigger's source block; its last good one stands)",
             ["reason"],
             registry=r,
         )

@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 from warmpool import connect, protocol
 
-__all__ = ["DEFAULT_PORT", "BridgeSettings", "Query", "Target", "default_bridge_id", "http_url"]
+__all__ = ["DEFAULT_PORT", "BridgeSettings", "Query", "Target", "default_bridge_id", "http_url", "metrics_page"]
 
 DEFAULT_PORT: Final = 9465
 """Beside the node agent's 9464 (both are Prometheus exporters on a node)."""
@@ -28,17 +28,17 @@ def default_bridge_id() -> str:
 
 def http_url(url: str, *, what: str) -> str:
     """`url` if it is ``http(s)://host[:port][/path]`` without credentials or a fragment; else a ValueError that
-    says which `what` and why."""
-    try:
-        parts = urlsplit(url)
-        _ = parts.port  # raises on a bad port
-    except ValueError as err:
-        raise ValueError(f"{what} {url!r}: {err}") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{what} {url!r}: give an http(s)://HOST[:PORT][/PATH] URL")
-    if parts.username is not None or parts.password is not None or parts.fragment:
-        raise ValueError(f"{what} {url!r}: no credentials or #fragment in the URL")
+    says which `what` and why. The contract's rule (`protocol.http_url_problem`), which a ScaledObject's
+    ``serverAddress`` and ``metricsURL`` keep too."""
+    problem = protocol.http_url_problem(url)
+    if problem is not None:
+        raise ValueError(f"{what} {url!r}: {problem}")
     return url
+
+
+def metrics_page(url: str) -> str:
+    """An engine's page: `url`, or ``<url>/metrics`` when it has no path (vLLM serves its metrics there)."""
+    return url.rstrip("/") + "/metrics" if urlsplit(url).path in ("", "/") else url
 
 
 @dataclass(frozen=True)
@@ -57,9 +57,7 @@ class Target:
         model, sep, url = text.partition("=")
         if not sep or "://" in model:
             model, url = "", text
-        url = http_url(url.strip(), what="target")
-        if urlsplit(url).path in ("", "/"):
-            url = url.rstrip("/") + "/metrics"
+        url = metrics_page(http_url(url.strip(), what="target"))
         if model and not protocol.is_name(model.strip()):
             raise ValueError(f"target {text!r}: model {model.strip()!r} does not match {protocol.NAME_PATTERN}")
         return Target(url, model.strip() or None)
@@ -100,7 +98,13 @@ class BridgeSettings:
     slot_metrics_path: str = "/metrics"
     """vLLM serves its metrics on the API's port, at ``/metrics``."""
     models: frozenset[str] | None = None
-    """Publish only these models (what the sources report of others is ignored); None: every model they report."""
+    """Publish only these models (what the sources report of others is ignored, and a ScaledObject of another is not
+    read); None: every model they report."""
+    scaledobjects: bool = False
+    """Also read what the ScaledObjects' triggers name (contract revision 14, `pulse_scalers`): the engines' pages
+    for ``source: vllm-metrics``, the query for ``source: prometheus``, added and dropped as the records change.
+    Off unless asked: a bridge run for its flags alone must not start reading what someone else's ScaledObject
+    names. The flags (and --config) win for a model they name (`flagged`)."""
     prometheus_url: str | None = None
     """The Prometheus server the `queries` go to (``http://prometheus:9090``)."""
     queries: tuple[Query, ...] = ()
@@ -131,9 +135,23 @@ class BridgeSettings:
     def names(self) -> dict[str, str]:
         return dict(self.model_names)
 
+    def flagged(self, model: str) -> str | None:
+        """The flag that reads `model` (None: none does). The flags win over a ScaledObject's source for that model:
+        both read, its demand would count twice. An unbound --target names no model before it is read: bind it
+        (MODEL=URL) for this rule to see it."""
+        if any(q.model == model for q in self.queries):
+            return f"--query {model}=..."
+        if any(t.model == model for t in self.targets):
+            return f"--target {model}=..."
+        if self.slots and (self.models is None or model in self.models):
+            return "--slots (every ready slot of the models it reads)"
+        return None
+
     def check(self) -> None:
-        if not (self.targets or self.slots or self.queries):
-            raise ValueError("nothing to read: give --target, --slots or --query (or a --config file naming them)")
+        if not (self.targets or self.slots or self.queries or self.scaledobjects):
+            raise ValueError(
+                "nothing to read: give --target, --slots, --query or --scaledobjects (or a --config file naming them)"
+            )
         if self.queries and not self.prometheus_url:
             raise ValueError("--query needs --prometheus URL (the Prometheus server to ask)")
         if self.prometheus_url:

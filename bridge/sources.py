@@ -1,7 +1,8 @@
 """The sources the bridge reads and the loops that read them: one task per source, a read every period (a fixed
 rate: a slow read does not pile up more), each answer handed to the board (`bridge.board`).
 
-A source is an engine page (a `--target`, or a ready slot's endpoint) or a PromQL query. Reading never raises:
+A source is an engine page (a `--target`, a ``metricsURL`` entry, or a ready slot's endpoint) or a PromQL query, named
+by the flags or by a ScaledObject's trigger (`Source.scaler`, `bridge.scalers`). Reading never raises:
 whatever goes wrong is a named `SourceError` in the outcome (`bridge.errors`), and a bug in a read is caught,
 counted ``internal`` and logged, so one source cannot stop the others or the daemon.
 """
@@ -45,6 +46,9 @@ class Source:
     every_s: float
     stale_after_s: float
     promql: str | None = None
+    scaler: str | None = None
+    """The ScaledObject (``<namespace>.<name>``) whose trigger names this source (contract revision 14); None: the
+    flags or --config do."""
 
 
 def _why(err: BaseException) -> str:
@@ -126,7 +130,8 @@ class Sources:
             self._board.expect(source.id, source.model, source.stale_after_s)
         self._tasks[source.id] = asyncio.create_task(self._loop(source), name=f"bridge-read-{source.id}")
         model = f", {source.model}" if source.model else ""
-        log.info("reading %s (%s%s) every %g s", source.id, source.kind, model, source.every_s)  # fmt: skip
+        by = f", for ScaledObject {source.scaler}" if source.scaler else ""
+        log.info("reading %s (%s%s%s) every %g s", source.id, source.kind, model, by, source.every_s)  # fmt: skip
         return True
 
     def remove(self, source_id: str) -> None:

@@ -17,7 +17,16 @@ from typing import Any, Final
 
 import msgspec
 
-from manifests.keda import _HPA, _flag, _keda_triggers, _map_hpa, _replicas, check_replica_bounds, check_scale_target
+from manifests.keda import (
+    _HPA,
+    _flag,
+    _keda_triggers,
+    _map_hpa,
+    _replicas,
+    check_replica_bounds,
+    check_scale_target,
+    check_sources,
+)
 from manifests.terms import (
     API_VERSION,
     DEFAULT_MAX_REPLICAS,
@@ -237,6 +246,7 @@ def from_manifest(
         spec = msgspec.convert(raw_spec, ScaledObjectSpec)
     except msgspec.ValidationError as err:
         raise _spec_error(err) from None
+    check_sources(spec)
     # idleReplicaCount needs no bound of its own: KEDA's rule above keeps it below a minimum that is within it.
     for field, value in (
         ("spec.maxReplicaCount", spec.max_replica_count),
@@ -317,7 +327,16 @@ def same_content(a: ScalerRecord, b: ScalerRecord) -> bool:
     """True when two records configure the same thing (generation and times aside): `apply` then writes nothing."""
 
     def content(r: ScalerRecord) -> tuple[Any, ...]:
-        return (r.namespace, r.name, r.spec, r.paused, r.paused_replicas, r.paused_scale_in, r.paused_scale_out,
-                r.notes, r.labels)  # fmt: skip  (labels: `get -l` reads them from the record)
+        return (
+            r.namespace,
+            r.name,
+            r.spec,
+            r.paused,
+            r.paused_replicas,
+            r.paused_scale_in,
+            r.paused_scale_out,
+            r.notes,
+            r.labels,
+        )  # fmt: skip  (labels: `get -l` reads them from the record)
 
     return content(a) == content(b)

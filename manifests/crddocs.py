@@ -17,6 +17,7 @@ from manifests import terms
 from manifests.crdnotes import _HPA, FIELD_NOTES, PATH_NOTES, _docs_by_struct
 from manifests.crdschema import _CRD_BOUNDS, _STRING_OR_NUMBER, CEL_RULES, MAX_TRIGGERS
 from manifests.crdtypes import ScaledObjectStatus
+from warmpool import protocol
 from warmpool.protocol import ScaledObjectSpec
 
 __all__ = ["NO_EFFECT", "REFUSED", "docs_markdown"]
@@ -26,7 +27,8 @@ REFUSED: Final[dict[str, str]] = {
     "apiVersion": f"`keda.sh/v1alpha1` with a `{terms.TRIGGER_TYPE}` trigger: change it to "
     f"`{terms.API_VERSION}`; every other field reads as KEDA's.",
     "spec.triggers[].type": f"any type but `{terms.TRIGGER_TYPE}` (`prometheus`, `kafka`, `cpu`...): "
-    "pulsescale has one trigger, the demand the gateways push for `metadata.model`; keep those on KEDA.",
+    "pulsescale has one trigger, the queue samples of `metadata.model`; keep those on KEDA. A `prometheus` "
+    'trigger\'s query is `metadata.source: prometheus` here (see "Where the demand comes from").',
     "spec.triggers[].metricType": "`Value` and `Utilization`: pulsescale's rule is `AverageValue` (desired replicas = "
     "demand / `targetQueueDepth` per replica).",
     "spec.triggers": f"more than {MAX_TRIGGERS} triggers (the CRD's `maxItems` too): all name the same model.",
@@ -35,8 +37,21 @@ REFUSED: Final[dict[str, str]] = {
     "spec.advanced.scalingModifiers": "every trigger of a ScaledObject feeds the same model's demand, so there is "
     "no second metric for a formula to combine. The CRD declares it (KEDA's shape), so the API server keeps it and "
     "the operator refuses it (`Ready=False InvalidSpec`) instead of it vanishing.",
-    "spec.triggers[].metadata": "a key other than `model`, `targetQueueDepth` and `activationQueueDepth` (another "
-    "scaler's key, a typo), naming it: the CRD keeps unknown keys there (as KEDA's), so the operator refuses it.",
+    "spec.triggers[].metadata": "a key other than `model`, `targetQueueDepth`, `activationQueueDepth`, `source`, "
+    "`metricsURL`, `serverAddress` and `query` (another scaler's key, a typo), naming it: the CRD keeps unknown keys "
+    "there (as KEDA's), so the operator refuses it.",
+    "spec.triggers[].metadata.threshold": "KEDA's prometheus `threshold` and `activationThreshold`, with the names "
+    "they have here: `targetQueueDepth` and `activationQueueDepth`.",
+    "spec.triggers[].metadata.source": f"a source other than {', '.join(f'`{x}`' for x in protocol.SOURCES)} "
+    "(naming them), by the CRD and the validator; triggers of one ScaledObject that read different sources or "
+    "parameters (their demands would add up), by the validator.",
+    "spec.triggers[].metadata.serverAddress": "with a source other than `prometheus` (so is `query`), by the CRD "
+    "and the validator; missing with `prometheus` (so is `query`, and a blank one), by both; not an "
+    "`http(s)://HOST[:PORT][/PATH]` URL, or with credentials, a `#fragment` or a `?query` (the bridge adds "
+    "`/api/v1/query`), by the validator.",
+    "spec.triggers[].metadata.metricsURL": "with a source other than `vllm-metrics`, by the CRD and the validator; "
+    "an entry that is not an `http(s)://HOST[:PORT][/PATH]` URL (credentials and `#fragment` refused), an empty or "
+    f"repeated entry, more than {protocol.MAX_METRICS_URLS} entries, by the validator.",
     "spec.scaleTargetRef.kind": "anything but an apps/v1 `Deployment` or `StatefulSet` (an Argo Rollout, a custom "
     "resource with a scale subresource), by the CRD, `pulsescale apply` and the operator: standby pods come from a "
     "Deployment's or StatefulSet's pod template, and the operator writes only their scale subresource.",
@@ -54,9 +69,12 @@ REFUSED: Final[dict[str, str]] = {
 }
 
 NO_EFFECT: Final[dict[str, str]] = {
-    "spec.pollingInterval": "the gateways push a sample every 100 ms; nothing is polled.",
-    "spec.triggers[].useCachedMetrics": "every pushed sample is used as it arrives; there is no metrics cache.",
-    "spec.triggers[].authenticationRef": "a pushed trigger reads no external system, so it needs no credentials.",
+    "spec.pollingInterval": "the gateways push a sample every 100 ms; nothing is polled (a `vllm-metrics` or "
+    "`prometheus` source is read at the bridge's own `--scrape-every` / `--query-every`).",
+    "spec.triggers[].useCachedMetrics": "every sample is used as it arrives; there is no metrics cache.",
+    "spec.triggers[].authenticationRef": "a pushed trigger reads no external system, so it needs no credentials; "
+    "the bridge reads a `vllm-metrics` or `prometheus` source without credentials (no TriggerAuthentication is "
+    "read).",
     "spec.advanced.horizontalPodAutoscalerConfig.name": "no HPA is created; the autoscaler itself scales.",
     "spec.scaleTargetRef.envSourceContainerName": "a pushed trigger reads no container environment; its "
     "parameters are in `metadata`.",
@@ -156,6 +174,37 @@ def docs_markdown() -> str:
         "refuses a non-number naming the field, and the operator reports that in `status.conditions` (`Ready`) and",
         "an Event. A number is what KEDA's scalers read (Go's `strconv.ParseFloat`, decimal): ASCII digits, a",
         'fraction, an exponent (`"1e3"`); `"1_000"`, `"nan"`, `"inf"` and other digits (`"٣"`) are refused.',
+        "",
+        "## Where the demand comes from: `metadata.source`",
+        "",
+        "Every trigger is the model's queue samples (`pulse.queue.<model>`, the autoscaler's one input);",
+        "`metadata.source` (wire contract revision 14) says who publishes them:",
+        "",
+        "- `gateway`, or no `source`: the gateways push them (docs/gateways.md).",
+        "- `vllm-metrics`: `pulsescale bridge --scaledobjects` scrapes the engines' vLLM `/metrics` pages, those in",
+        "  `metricsURL` (comma-separated; a URL without a path gets `/metrics`), else each ready slot of the model,",
+        "  every `--scrape-every` (250 ms), and publishes `vllm:num_requests_waiting` as the queue and",
+        "  `vllm:num_requests_running` as in flight.",
+        "- `prometheus`: the bridge asks `query` of `serverAddress` (KEDA's prometheus scaler's keys) every",
+        "  `--query-every` (1 s); the query's one value is the demand.",
+        "",
+        "Values are strings, as KEDA writes them. The bridge adds and drops these sources as the ScaledObjects",
+        "change; a model that its own flags read (`--query`, a bound `--target`, `--slots`) is read as the flags say.",
+        "With no bridge following the ScaledObjects nothing publishes a pulled source's samples, and the",
+        "autoscaler holds the model's replicas (missing metrics never scale down). KEDA's `threshold` and",
+        "`activationThreshold` are `targetQueueDepth` and `activationQueueDepth` here:",
+        "",
+        "```yaml",
+        "  triggers:",
+        "    - type: gateway-queue",
+        "      metadata:",
+        "        model: qwen",
+        '        targetQueueDepth: "4"',
+        "        source: prometheus",
+        "        serverAddress: http://prometheus.monitoring:9090",
+        '        query: sum(vllm:num_requests_waiting{model_name="qwen"}) + '
+        'sum(vllm:num_requests_running{model_name="qwen"})',
+        "```",
         "",
         "## Rules checked by the API server (CEL) and by the validator",
         "",

@@ -79,7 +79,8 @@ FIELD_NOTES: Final[dict[str, tuple[str, str]]] = {
         "spec.scaleTargetRef",
     ),
     "ScaledObjectSpec.triggers": (
-        "Where demand comes from: one `gateway-queue` trigger (more only to name them; all name the same model).",
+        "Where demand comes from: one `gateway-queue` trigger (more only to name them; all name the same model and "
+        "read the same `metadata.source`).",
         "spec.triggers",
     ),
     "ScaledObjectSpec.minReplicaCount": ("Replicas kept serving with no demand.", "spec.minReplicaCount"),
@@ -104,7 +105,8 @@ FIELD_NOTES: Final[dict[str, tuple[str, str]]] = {
     "ScaleTargetRef.kind": ("Kind of the target: `Deployment` or `StatefulSet`.", "spec.scaleTargetRef.kind"),
     "ScaleTargetRef.apiVersion": ("API version of the target.", "spec.scaleTargetRef.apiVersion"),
     "Trigger.type": (
-        "Always `gateway-queue`: demand pushed by the gateways (other KEDA scalers are refused).",
+        "Always `gateway-queue`: the model's queue samples, pushed by the gateways or published by `pulsescale "
+        "bridge` from `metadata.source` (other KEDA scalers are refused).",
         "spec.triggers[].type",
     ),
     "Trigger.metadata": (
@@ -119,6 +121,9 @@ FIELD_NOTES: Final[dict[str, tuple[str, str]]] = {
     "TriggerMetadata.model": ("The model name the gateways report demand for.", ""),
     "TriggerMetadata.targetQueueDepth": ("", "the scaler's target value (a string in KEDA; string or number here)"),
     "TriggerMetadata.activationQueueDepth": ("", "the scaler's activation value (string or number)"),
+    "TriggerMetadata.source": ("", "the scaler's type (`prometheus`; vLLM's metrics have no KEDA scaler)"),
+    "TriggerMetadata.serverAddress": ("", "prometheus: metadata.serverAddress"),
+    "TriggerMetadata.query": ("", "prometheus: metadata.query"),
     "AuthenticationRef.name": ("TriggerAuthentication name (not read).", "authenticationRef.name"),
     "AuthenticationRef.kind": (
         "TriggerAuthentication or ClusterTriggerAuthentication (not read).",

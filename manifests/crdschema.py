@@ -34,7 +34,12 @@ What the conversion decides, and why:
 - ``spec.schedules`` (revision 8): CEL repeats the floor <= ``maxReplicaCount`` and unique names; whether two
   windows overlap needs the zone database (DST), so the validator alone refuses it (the operator reports it).
 - `_CRD_BOUNDS` adds bounds the CRD needs beyond the wire's: ``scaleTargetRef`` is an apps/v1 Deployment or
-  StatefulSet (`terms.SCALE_TARGETS`; KEDA takes any ``/scale`` target, pulsescale refuses the others).
+  StatefulSet (`terms.SCALE_TARGETS`; KEDA takes any ``/scale`` target, pulsescale refuses the others), and a
+  trigger's ``metadata.source`` is one of `protocol.SOURCES` (revision 14; the wire keeps it a string, so that
+  readers that act on nothing of it read a record of a later source).
+- Revision 14's source parameters: CEL says which source each belongs to and that ``prometheus`` needs both of its
+  own; the URLs' form and one source per ScaledObject are the validator's alone (a URL pattern in the CRD would be
+  a second, subtly different parser of what `protocol.http_url_problem` decides).
 - What KEDA's CRD keeps, ours keeps, so the operator sees it and refuses it with the reason instead of the API
   server pruning it unseen (a non-strict client, or an older kubectl, sends unknown fields without complaint):
   unknown trigger ``metadata`` keys (``x-kubernetes-preserve-unknown-fields`` on the metadata object: KEDA's is a
@@ -58,7 +63,7 @@ import yaml
 from manifests import terms
 from manifests.crdnotes import PATH_NOTES, _description, _docs_by_struct
 from manifests.crdtypes import CONDITION_TYPES, CRD_NAME, GROUP, PLURAL, SHORT_NAMES, VERSION, ScaledObjectStatus
-from warmpool.protocol import NAME_PATTERN, ScaledObjectSpec
+from warmpool.protocol import NAME_PATTERN, SOURCES, ScaledObjectSpec
 
 __all__ = [
     "CEL_RULES",
@@ -130,6 +135,22 @@ CEL_RULES: Final[dict[str, list[dict[str, str]]]] = {
             "rule": "!has(self.schedules) || self.schedules.all(s, self.schedules.exists_one(u, u.name == s.name))",
             "message": "schedule names must be unique within the ScaledObject",
         },
+        {
+            # Revision 14: each source's own parameters (`protocol.SOURCE_PARAMETERS`), as the validator says.
+            "rule": "self.triggers.all(t, !has(t.metadata.source) || t.metadata.source != 'prometheus' || "
+            "(has(t.metadata.serverAddress) && has(t.metadata.query)))",
+            "message": "a trigger with `source: prometheus` needs `serverAddress` and `query`",
+        },
+        {
+            "rule": "self.triggers.all(t, (!has(t.metadata.serverAddress) && !has(t.metadata.query)) || "
+            "(has(t.metadata.source) && t.metadata.source == 'prometheus'))",
+            "message": "`serverAddress` and `query` belong to `source: prometheus`",
+        },
+        {
+            "rule": "self.triggers.all(t, !has(t.metadata.metricsURL) || "
+            "(has(t.metadata.source) && t.metadata.source == 'vllm-metrics'))",
+            "message": "`metricsURL` belongs to `source: vllm-metrics`",
+        },
     ],
 }
 
@@ -137,6 +158,8 @@ _CRD_BOUNDS: Final[dict[tuple[str, str], dict[str, Any]]] = {
     # The scale targets pulsescale takes (`terms.SCALE_TARGETS`): the API server refuses others, as the validator.
     ("ScaleTargetRef", "kind"): {"enum": sorted({kind for _, kind in terms.SCALE_TARGETS})},
     ("ScaleTargetRef", "apiVersion"): {"enum": sorted({api for api, _ in terms.SCALE_TARGETS})},
+    # Revision 14: the sources this revision reads (the validator names the allowed ones too).
+    ("TriggerMetadata", "source"): {"enum": list(SOURCES)},
 }
 
 _SCALING_MODIFIERS: Final[dict[str, Any]] = {
@@ -366,6 +389,7 @@ def spec_json_schema() -> dict[str, Any]:
     """JSON Schema (2020-12) of ``spec`` for editors: msgspec's, with KEDA's string numbers admitted."""
     schema = msgspec.json.schema(ScaledObjectSpec)
     meta = schema["$defs"]["TriggerMetadata"]["properties"]
+    meta["source"]["enum"] = list(SOURCES)  # as the CRD (`_CRD_BOUNDS`)
     for struct, name in _STRING_OR_NUMBER:
         node = schema["$defs"][struct]["properties"][name]
         default = node.pop("default", None)

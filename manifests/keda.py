@@ -1,7 +1,8 @@
 """KEDA's fields in a ScaledObject: what reads as KEDA's, what is refused with the reason, what is noted.
 
 Part of the ScaledObject reader (`manifests.scaledobject` is its face and says what is checked): the trigger list
-(`_keda_triggers`: one trigger type, ``AverageValue``, unique names, metadata numbers written as strings), HPA
+(`_keda_triggers`: one trigger type, ``AverageValue``, unique names, metadata numbers written as strings, KEDA's
+prometheus keys that have another name here; `check_sources`: revision 14's demand sources), HPA
 ``behavior`` mapped onto the policy's scale-down fields (`_map_hpa`), and the pause annotations of both families
 (`_flag`, `_replicas`). Each field that is accepted with no effect adds its line to the record's notes. Pure.
 """
@@ -27,7 +28,7 @@ from manifests.terms import (
 from warmpool import protocol
 from warmpool.protocol import Advanced, HPAScalingRules
 
-__all__ = ["NOTE_ENV_SOURCE", "check_replica_bounds", "check_scale_target"]
+__all__ = ["NOTE_ENV_SOURCE", "check_replica_bounds", "check_scale_target", "check_sources"]
 
 
 def _is_number_type(info: msgspec.inspect.Type) -> bool:
@@ -64,6 +65,25 @@ _NOTE_HPA_NAME: Final = (
     "spec.advanced.horizontalPodAutoscalerConfig.name has no effect: pulsescale makes no HPA; it scales the "
     "target itself (warm slots, else the scale subresource)"
 )
+# Revision 14: a trigger whose metadata.source is read by `pulsescale bridge` (not pushed) says so instead.
+_PULLED: Final = frozenset(protocol.SOURCES) - {"gateway"}
+_NOTE_POLLING_PULLED: Final = (
+    "spec.pollingInterval has no effect: pulsescale bridge reads the trigger's source at its own period "
+    "(--scrape-every, --query-every) and the autoscaler uses each sample as it arrives"
+)
+_NOTE_CACHED_PULLED: Final = (
+    "spec.triggers[].useCachedMetrics has no effect: pulsescale bridge reads the trigger's source at its own period; "
+    "every sample it publishes is used as it arrives"
+)
+_NOTE_AUTH_PULLED: Final = (
+    "spec.triggers[].authenticationRef has no effect: pulsescale bridge reads the trigger's source without "
+    "credentials (no TriggerAuthentication is read); give it a serverAddress or metricsURL it may read as it is"
+)
+_KEDA_RENAMED: Final = {
+    # KEDA's prometheus scaler keys that mean one of ours: refused with the name to use, not a generic "unknown".
+    "threshold": ("targetQueueDepth", "queued + in-flight requests one replica should carry"),
+    "activationThreshold": ("activationQueueDepth", "from zero replicas, scale up only when demand exceeds it"),
+}
 
 
 def _number(value: Any, field: str) -> Any:
@@ -92,6 +112,7 @@ def _keda_triggers(raw_spec: Mapping[str, Any], notes: list[str]) -> dict[str, A
         )
     names: dict[str, int] = {}
     converted: list[Any] = []
+    pulled = False  # a trigger before this one reads a source through the bridge (its notes say so)
     for i, trigger in enumerate(triggers):
         at = f"spec.triggers[{i}]"
         if not isinstance(trigger, Mapping):
@@ -99,11 +120,16 @@ def _keda_triggers(raw_spec: Mapping[str, Any], notes: list[str]) -> dict[str, A
             continue
         kind = trigger.get("type")
         if kind is not None and kind != TRIGGER_TYPE:
+            how = (
+                "to scale on a PromQL query write type: gateway-queue with metadata source: prometheus, "
+                "serverAddress and query (pulsescale bridge --scaledobjects asks it), or keep this trigger on KEDA"
+                if kind == "prometheus"
+                else f"keep {kind} triggers on KEDA for other workloads"
+            )
             raise ScaledObjectError(
                 f"{at}.type",
                 f"{kind!r} is not a pulsescale trigger: pulsescale has one trigger type, {TRIGGER_TYPE!r}, fed "
-                f"by the gateways' queue samples for metadata.model; keep {kind} triggers on KEDA for other "
-                "workloads",
+                f"by the queue samples for metadata.model; {how}",
             )
         metric_type = trigger.get("metricType")
         if metric_type is not None and metric_type != "AverageValue":
@@ -125,18 +151,27 @@ def _keda_triggers(raw_spec: Mapping[str, Any], notes: list[str]) -> dict[str, A
                     "within a ScaledObject",
                 )
             names[name] = i
-        if trigger.get("useCachedMetrics") is True and _NOTE_CACHED not in notes:
-            notes.append(_NOTE_CACHED)
-        if trigger.get("authenticationRef") is not None and _NOTE_AUTH not in notes:
-            notes.append(_NOTE_AUTH)
         meta = trigger.get("metadata")
+        source = meta.get("source") if isinstance(meta, Mapping) else None
+        pulled = pulled or (isinstance(source, str) and source in _PULLED)  # a list there is unhashable
+        cached, auth = (_NOTE_CACHED_PULLED, _NOTE_AUTH_PULLED) if pulled else (_NOTE_CACHED, _NOTE_AUTH)
+        if trigger.get("useCachedMetrics") is True and cached not in notes:
+            notes.append(cached)
+        if trigger.get("authenticationRef") is not None and auth not in notes:
+            notes.append(auth)
         if isinstance(meta, Mapping):
+            for key, (ours, means) in _KEDA_RENAMED.items():
+                if key in meta:
+                    raise ScaledObjectError(
+                        f"{at}.metadata.{key}",
+                        f"KEDA's prometheus key; pulsescale names it {ours} ({means}): rename it",
+                    )
             meta = {k: _number(v, f"{at}.metadata.{k}") if k in _METADATA_NUMBERS else v for k, v in meta.items()}
             trigger = {**trigger, "metadata": meta}
         converted.append(trigger)
     spec["triggers"] = converted
     if raw_spec.get("pollingInterval") is not None:
-        notes.append(_NOTE_POLLING)
+        notes.append(_NOTE_POLLING_PULLED if pulled else _NOTE_POLLING)
     target = raw_spec.get("scaleTargetRef")
     if isinstance(target, Mapping) and target.get("envSourceContainerName") is not None:
         notes.append(NOTE_ENV_SOURCE)
@@ -158,6 +193,18 @@ def _keda_triggers(raw_spec: Mapping[str, Any], notes: list[str]) -> dict[str, A
             "trigger",
         )
     return spec
+
+
+def check_sources(spec: protocol.ScaledObjectSpec) -> None:
+    """Revision 14: each trigger's demand source (``metadata.source`` and its parameters) keeps the contract's rules
+    (`protocol.TriggerMetadata.source_problem`: a known source, only its own parameters, ``prometheus`` with
+    ``serverAddress`` and ``query``, http(s) URLs), and every trigger reads the same one; else a
+    `ScaledObjectError` naming the key. The wire decoder does not refuse these (its readers ignore what they do not
+    use), so the reader refuses them before anything is published."""
+    problem = spec.source_problem()
+    if problem is not None:
+        path, detail = problem
+        raise ScaledObjectError(f"spec.{path}", detail)
 
 
 def _whole(value: Any) -> bool:

@@ -42,6 +42,8 @@ def test_help_reads_well() -> None:
         "[250ms]",
         "[1s]",
         "examples:",
+        "--scaledobjects",
+        "The flags (and --config) win",
     ):
         assert words in text, words
     assert "bridge" in pulsescale("--help").stdout
@@ -50,7 +52,7 @@ def test_help_reads_well() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ((), "nothing to read: give --target, --slots or --query"),
+        ((), "nothing to read: give --target, --slots, --query or --scaledobjects"),
         (("--target", "ftp://h/m"), "give an http(s)://HOST[:PORT][/PATH] URL"),
         (("--target", "Bad.Name=http://h:1"), "does not match"),
         (("--target", "http://h:1", "--scrape-every", "1d"), "argument --scrape-every: '1d' is not a duration"),
@@ -96,6 +98,27 @@ def test_the_config_file_names_the_sources_and_flags_add_to_it(tmp_path: Path) -
     assert s.models == {"qwen"} and s.prometheus_url == "http://p2:9090"  # flags win
 
 
+def test_scaledobjects_from_the_flag_or_the_file_is_enough_to_read(tmp_path: Path) -> None:
+    p = _parser("pulsescale bridge")
+    s = settings_from_args(parse("--scaledobjects"), p)
+    assert s.scaledobjects and not s.slots and s.targets == () and s.queries == ()
+    f = tmp_path / "bridge.yaml"
+    f.write_text("scaledobjects: true\nmodels: [qwen]\n")
+    s = settings_from_args(parse("--config", str(f)), p)
+    assert s.scaledobjects and s.models == {"qwen"}
+    assert not settings_from_args(parse("--config", str(f), "--target", "http://h:1"), p).slots
+    # Which flag reads a model (the flags win over a ScaledObject's source for it).
+    s = settings_from_args(
+        parse("--scaledobjects", "--target", "a=http://h:1", "--target", "http://h:2", "--prometheus", "http://p:1",
+              "--query", "b=up"),
+        p,
+    )  # fmt: skip
+    assert (s.flagged("a"), s.flagged("b"), s.flagged("c")) == ("--target a=...", "--query b=...", None)
+    s = settings_from_args(parse("--scaledobjects", "--slots", "--models", "a"), p)
+    by_slots = s.flagged("a")
+    assert by_slots is not None and by_slots.startswith("--slots") and s.flagged("c") is None  # --models leaves c out
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -103,6 +126,7 @@ def test_the_config_file_names_the_sources_and_flags_add_to_it(tmp_path: Path) -
         ("target: [http://h:1]\n", "unknown key(s) target"),
         ("targets: [{url: 'http://h:1', weight: 2}]\n", "give a URL, MODEL=URL or {url: URL, model: MODEL}"),
         ("slots: yes please\n", "slots: true or false"),
+        ("scaledobjects: 1\n", "scaledobjects: true or false"),
         ("queries: {Bad.Name: up}\n", "MODEL matching"),
         ("targets: [\n", "not YAML"),
     ],

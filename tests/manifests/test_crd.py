@@ -46,6 +46,7 @@ VALIDATOR_ONLY: list[tuple[str, str]] = [
     ("-replicas", "paused-replicas is an annotation (see above)"),
     ("].metadata.", "the CRD keeps unknown trigger metadata keys (KEDA's is a string map) for the operator to refuse"),
     ("scalingModifiers", "declared in the CRD (KEDA's shape) so it reaches the operator, which refuses it with why"),
+    ("another source", "one source per ScaledObject compares every trigger's parameters: the validator's (CEL cost)"),
     (
         "one ScaledObject per model",
         "two objects: the API server validates one at a time (the operator refuses the second as a duplicate target)",
@@ -270,6 +271,17 @@ def _minimal(**spec: Any) -> dict[str, Any]:
 
 
 TRIGGER = {"type": "gateway-queue", "metadata": {"model": "qwen"}}
+PROMETHEUS = {
+    "model": "qwen",
+    "source": "prometheus",
+    "serverAddress": "http://prometheus.monitoring:9090",
+    "query": 'sum(vllm:num_requests_waiting{model_name="qwen"})',
+}
+
+
+def _without(meta: dict[str, Any], key: str) -> dict[str, Any]:
+    return {k: v for k, v in meta.items() if k != key}
+
 
 REFUSED_BY_BOTH: dict[str, tuple[dict[str, Any], str]] = {
     "min over max": (_minimal(minReplicaCount=5, maxReplicaCount=2), "minReplicaCount"),
@@ -299,6 +311,28 @@ REFUSED_BY_BOTH: dict[str, tuple[dict[str, Any], str]] = {
     "unknown field": (_minimal(maxReplica=4), "maxReplica"),
     "other trigger type": (_minimal(triggers=[{"type": "prometheus", "metadata": {"model": "qwen"}}]), "type"),
     "metricType Value": (_minimal(triggers=[{**TRIGGER, "metricType": "Value"}]), "metricType"),
+    # Revision 14: the CRD's enum and CEL rules say what the validator says of a source block.
+    "unknown source": (_minimal(triggers=[{**TRIGGER, "metadata": {"model": "qwen", "source": "kafka"}}]), "source"),
+    "prometheus without query": (
+        _minimal(triggers=[{**TRIGGER, "metadata": _without(PROMETHEUS, "query")}]),
+        "metadata.query: required with source prometheus",
+    ),
+    "prometheus without serverAddress": (
+        _minimal(triggers=[{**TRIGGER, "metadata": _without(PROMETHEUS, "serverAddress")}]),
+        "metadata.serverAddress: required with source prometheus",
+    ),
+    "serverAddress without its source": (
+        _minimal(triggers=[{**TRIGGER, "metadata": _without(PROMETHEUS, "source")}]),
+        "metadata.serverAddress: belongs to source prometheus, not gateway",
+    ),
+    "query with vllm-metrics": (
+        _minimal(triggers=[{**TRIGGER, "metadata": {"model": "qwen", "source": "vllm-metrics", "query": "up"}}]),
+        "metadata.query: belongs to source prometheus, not vllm-metrics",
+    ),
+    "metricsURL with prometheus": (
+        _minimal(triggers=[{**TRIGGER, "metadata": {**PROMETHEUS, "metricsURL": "http://10.0.0.5:8000"}}]),
+        "metadata.metricsURL: belongs to source vllm-metrics, not prometheus",
+    ),
 }
 
 
@@ -321,6 +355,34 @@ def test_keda_string_numbers_and_null_are_admitted_by_both() -> None:
         doc = _minimal(triggers=[{**TRIGGER, "metadata": {"model": "qwen", **meta}}], idleReplicaCount=None)
         assert api_server_admits(copy.deepcopy(doc)) is None, meta
         assert validator_admits(copy.deepcopy(doc)) is None, meta
+
+
+def test_each_source_with_its_parameters_is_admitted_by_both() -> None:
+    for meta in (
+        {"model": "qwen", "source": "gateway"},
+        PROMETHEUS,
+        {"model": "qwen", "source": "vllm-metrics"},
+        {"model": "qwen", "source": "vllm-metrics", "metricsURL": "http://10.0.0.5:8000,http://10.0.0.6:8000/m"},
+    ):
+        doc = _minimal(triggers=[{**TRIGGER, "metadata": {**meta, "targetQueueDepth": "4"}}])
+        assert api_server_admits(copy.deepcopy(doc)) is None, meta
+        assert validator_admits(copy.deepcopy(doc)) is None, meta
+
+
+def test_a_url_the_validator_refuses_is_the_validators_alone() -> None:
+    """The URLs' form is `protocol.http_url_problem`'s (VALIDATOR_ONLY): the CRD stores such an object and the
+    operator reports it, naming the key."""
+    bad = [
+        ({**PROMETHEUS, "serverAddress": "prometheus:9090"}, "metadata.serverAddress: 'prometheus:9090': give an"),
+        ({**PROMETHEUS, "serverAddress": "http://p:9090/?x=1"}, "no ?query in it"),
+        ({**PROMETHEUS, "query": " "}, "metadata.query: is blank"),
+        ({"model": "qwen", "source": "vllm-metrics", "metricsURL": "http://a:1,"}, "has an empty entry"),
+    ]
+    for meta, words in bad:
+        doc = _minimal(triggers=[{**TRIGGER, "metadata": meta}])
+        assert api_server_admits(copy.deepcopy(doc)) is None, meta
+        message = validator_admits(copy.deepcopy(doc))
+        assert message is not None and words in message, message
 
 
 def test_idle_zero_with_min_zero_is_admitted_by_both_as_by_kedas_webhook() -> None:
@@ -472,6 +534,16 @@ REFUSAL_CASES: dict[str, dict[str, Any]] = {
         scaleTargetRef={"apiVersion": "argoproj.io/v1alpha1", "kind": "Rollout", "name": "qwen"}
     ),
     "spec.idleReplicaCount": _minimal(minReplicaCount=0, idleReplicaCount=3),
+    "spec.triggers[].metadata.threshold": _minimal(
+        triggers=[{**TRIGGER, "metadata": {**PROMETHEUS, "threshold": "4"}}]
+    ),
+    "spec.triggers[].metadata.source": _minimal(triggers=[{**TRIGGER, "metadata": {"model": "qwen", "source": "s3"}}]),
+    "spec.triggers[].metadata.serverAddress": _minimal(
+        triggers=[{**TRIGGER, "metadata": {**PROMETHEUS, "serverAddress": "http://u:p@prometheus:9090"}}]
+    ),
+    "spec.triggers[].metadata.metricsURL": _minimal(
+        triggers=[{**TRIGGER, "metadata": {"model": "qwen", "source": "vllm-metrics", "metricsURL": "ftp://a"}}]
+    ),
 }
 
 

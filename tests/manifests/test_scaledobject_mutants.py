@@ -176,9 +176,17 @@ def _policy(kind: str, value: int, period: int) -> dict[str, object]:
         pytest.param(
             _spec(triggers=[{**_T, "type": "prometheus"}]),
             "spec.triggers[0].type: 'prometheus' is not a pulsescale trigger: pulsescale has one trigger type, "
-            "'gateway-queue', fed by the gateways' queue samples for metadata.model; keep prometheus triggers on KEDA "
-            "for other workloads",
+            "'gateway-queue', fed by the queue samples for metadata.model; to scale on a PromQL query write type: "
+            "gateway-queue with metadata source: prometheus, serverAddress and query (pulsescale bridge "
+            "--scaledobjects asks it), or keep this trigger on KEDA",
             id="trigger type",
+        ),
+        pytest.param(
+            _spec(triggers=[{**_T, "type": "kafka"}]),
+            "spec.triggers[0].type: 'kafka' is not a pulsescale trigger: pulsescale has one trigger type, "
+            "'gateway-queue', fed by the queue samples for metadata.model; keep kafka triggers on KEDA for other "
+            "workloads",
+            id="trigger type kafka",
         ),
         pytest.param(
             _spec(triggers=[{**_T, "metricType": "Value"}]),

@@ -93,6 +93,7 @@ def test_every_reason_is_reachable_and_documented() -> None:
     covered = {r for r, _ in BAD} | {"expired", "duplicate_id", "bad_value", "subject_mismatch", "too_late"}
     covered |= {"clock_skew"}  # a lease's stamp against the reader's clock: tests/autoscaler/test_clock_skew.py
     covered |= {"unassigned_model"}  # a slot against its node's assignment: tests/warmpool/test_assignments.py
+    covered |= {"bad_source"}  # a ScaledObject's source block, by the bridge: tests/bridge/test_scaledobjects.py
     assert covered == set(protocol.REASONS)
 
 

@@ -102,6 +102,17 @@ Revisions of v1 (each only adds fields or tightens a request only our own autosc
   get so`` takes READY, ACTIVE, FALLBACK and PAUSED of an object from it, and lists the unpublished ones with their
   reason; an object without one (`pulsescale apply` with no operator, an operator or autoscaler before revision 13)
   is shown as before. Nothing else changes shape.
+- revision 14 (where demand comes from): `TriggerMetadata` adds four optional keys, each absent unless set, so a
+  record of a ``gateway`` trigger is what revision 13 wrote: `source` (`SOURCES`: ``gateway``, the same as absent;
+  ``vllm-metrics``; ``prometheus``), `metricsURL` (``vllm-metrics``: comma-separated engine pages; absent: the
+  model's ready slots), and KEDA's prometheus keys `serverAddress` and `query` (``prometheus``, both required). The
+  operator's user and ``pulsescale apply`` write them (the ScaledObject reader refuses a block that breaks
+  `TriggerMetadata.source_problem`, naming the key); ``pulsescale bridge --scaledobjects`` reads them with the
+  gateway role (KV reads of `pulse_scalers`, and of `pulse_slots` for a model's ready slots, which it already has:
+  no permission changes) and publishes the model's `QueueSample`s as a gateway. A record whose block breaks the
+  rules is still read (`decode` checks only the keys' types and lengths): the autoscaler acts on nothing of it,
+  older readers ignore the keys, and a later revision may add a source; the bridge counts it ``bad_source`` (a new
+  entry of `REASONS`) and keeps that ScaledObject's last good block. `http_url_problem` is the URL rule of both.
 
 Pure: no I/O, no NATS import; `now` is passed in where time matters.
 """
@@ -260,6 +271,10 @@ from warmpool.protocol.replies import (
 from warmpool.protocol.scaledobject import (
     LOCAL_TIME_PATTERN,
     MAX_HPA_POLICIES,
+    MAX_METRICS_URLS,
+    MAX_URL_LENGTH,
+    SOURCE_PARAMETERS,
+    SOURCES,
     ZONE_PATTERN,
     Advanced,
     AuthenticationRef,
@@ -277,6 +292,7 @@ from warmpool.protocol.scaledobject import (
     TriggerMetadata,
     WarmPool,
     check_schedules,
+    http_url_problem,
     schedule_conflict,
     zone,
 )
@@ -431,8 +447,13 @@ __all__ = [
     "Token",
     "LOCAL_TIME_PATTERN",
     "MAX_HPA_POLICIES",
+    "MAX_METRICS_URLS",
+    "MAX_URL_LENGTH",
+    "SOURCES",
+    "SOURCE_PARAMETERS",
     "ZONE_PATTERN",
     "Seconds",
+    "http_url_problem",
     "schedule_conflict",
     "zone",
     "AGENT_REQUEST_TYPES",
@@ -441,5 +462,5 @@ __all__ = [
     "TypedReply",
 ]
 
-CONTRACT_REVISION: Final = 13
+CONTRACT_REVISION: Final = 14
 """Revision of wire contract v1 this code speaks (see the module doc for what each revision changed)."""

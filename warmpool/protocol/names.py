@@ -232,6 +232,7 @@ REASONS: Final = (
     "duplicate_id",  # a request id already applied
     "clock_skew",  # revision 10: an agent's heartbeat stamped more than MAX_TRUSTED_SKEW_S from the reader's clock
     "unassigned_model",  # revision 11: a warm or ready slot of a model its node's assignment does not list
+    "bad_source",  # revision 14: a ScaledObject trigger's source block that breaks its rules (the bridge's reason)
 )
 
 # Error codes of failed replies (``{"ok": false, "error": {"code", "message"}}``); clients branch on these, so

@@ -2,7 +2,9 @@
 
 Field names mirror KEDA's where they mean the same (camelCase on the wire, snake_case in Python); the record that
 carries a spec is `warmpool.protocol.records.ScalerRecord`. Also the schedule checks (`zone`, `schedule_conflict`,
-`check_schedules`) shared with the on-call schedules (revision 8). Pure: no I/O.
+`check_schedules`) shared with the on-call schedules (revision 8), and the rules of a trigger's demand source
+(revision 14: `SOURCES`, `TriggerMetadata.source_problem`, `http_url_problem`), shared by the ScaledObject reader
+(manifests/) and the bridge (bridge/). Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -10,8 +12,9 @@ from __future__ import annotations
 import datetime as dt
 import re
 import zoneinfo
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Final, Literal
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -21,6 +24,10 @@ from warmpool.protocol.names import MAX_SCHEDULE_S, MAX_SCHEDULES
 __all__ = [
     "LOCAL_TIME_PATTERN",
     "MAX_HPA_POLICIES",
+    "MAX_METRICS_URLS",
+    "MAX_URL_LENGTH",
+    "SOURCES",
+    "SOURCE_PARAMETERS",
     "ZONE_PATTERN",
     "Advanced",
     "AuthenticationRef",
@@ -38,6 +45,7 @@ __all__ = [
     "TriggerMetadata",
     "WarmPool",
     "check_schedules",
+    "http_url_problem",
     "schedule_conflict",
     "zone",
 ]
@@ -63,12 +71,149 @@ class ScaleTargetRef(_Spec, kw_only=True):
     """Revision 5: KEDA's ``envSourceContainerName``, accepted; no effect (a pushed trigger reads no environment)."""
 
 
+# --- revision 14: where a trigger's demand comes from -----------------------------------------------------------
+
+SOURCES: Final = ("gateway", "vllm-metrics", "prometheus")
+"""Revision 14: the values of `TriggerMetadata.source` (unset: ``gateway``). ``gateway``: the gateways push the
+model's samples. ``vllm-metrics`` and ``prometheus``: ``pulsescale bridge --scaledobjects`` reads them and publishes
+the samples (the engines' vLLM pages; a PromQL query). Whoever publishes, the autoscaler reads the same samples."""
+SOURCE_PARAMETERS: Final[Mapping[str, tuple[str, ...]]] = {
+    "gateway": (),
+    "vllm-metrics": ("metricsURL",),
+    "prometheus": ("serverAddress", "query"),
+}
+"""The metadata keys (wire names) each source reads; a key of another source is refused, naming it."""
+MAX_URL_LENGTH: Final = 2048
+"""Longest `serverAddress` and metricsURL entry: what browsers and proxies take; a URL is rarely over 100."""
+MAX_METRICS_URLS: Final = 64
+"""Most pages one `metricsURL` lists: an engine per page, and a model is rarely served by more (past that, leave
+`metricsURL` out: the bridge then reads the model's ready slots, however many)."""
+_PROMETHEUS_NEEDS: Final = (
+    ("serverAddress", "the Prometheus server the bridge asks (http://prometheus.monitoring:9090)"),
+    ("query", "the PromQL query whose one value is the model's demand (queued + in flight)"),
+)
+
+
+def http_url_problem(url: str) -> str | None:
+    """Why `url` is not ``http(s)://HOST[:PORT][/PATH]`` without credentials or a ``#fragment``; None when it is.
+
+    The one rule of the URLs the bridge reads: its flags (`bridge.settings.http_url`) and a trigger's
+    `serverAddress` and `metricsURL` (`TriggerMetadata.source_problem`)."""
+    if any(c.isspace() or not c.isprintable() for c in url):
+        return "no spaces or control characters in the URL"
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # raises on a bad port
+    except ValueError as err:
+        return str(err)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "give an http(s)://HOST[:PORT][/PATH] URL"
+    if parts.username is not None or parts.password is not None or parts.fragment:
+        return "no credentials or #fragment in the URL"
+    return None
+
+
 class TriggerMetadata(_Spec, kw_only=True):
     model: Name
     target_queue_depth: Annotated[float, msgspec.Meta(ge=0.001, le=1e9)] = 4.0
     """Queue + in-flight requests one replica should carry; desired = demand / this."""
     activation_queue_depth: Annotated[float, msgspec.Meta(ge=0, le=1e9)] = 0.0
     """From zero replicas, scale up only when demand exceeds this (KEDA's activation threshold)."""
+    source: Annotated[str, msgspec.Meta(max_length=63)] | msgspec.UnsetType = msgspec.UNSET
+    """Revision 14: where the model's demand comes from. ``gateway`` (unset: the same): the gateways push it.
+    ``vllm-metrics``: ``pulsescale bridge --scaledobjects`` reads the engines' vLLM ``/metrics`` pages (`metricsURL`;
+    without it, each ready slot of the model). ``prometheus``: the bridge asks `query` of `serverAddress`, as KEDA's
+    prometheus scaler does. The bridge publishes what it reads as the gateways would."""
+    metrics_url: Annotated[str, msgspec.Meta(max_length=8192)] | msgspec.UnsetType = msgspec.field(
+        default=msgspec.UNSET, name="metricsURL"
+    )
+    """Revision 14: with source ``vllm-metrics`` only, the engines' pages, comma-separated
+    (``http://10.0.0.5:8000,http://10.0.0.6:8000/metrics``; no path: ``/metrics``), every series on them counted
+    for `model`. Unset: the model's ready slots, found in ``pulse_slots``."""
+    server_address: Annotated[str, msgspec.Meta(max_length=MAX_URL_LENGTH)] | msgspec.UnsetType = msgspec.UNSET
+    """Revision 14, as KEDA's prometheus scaler: the Prometheus server (``http://prometheus.monitoring:9090``) whose
+    ``/api/v1/query`` the bridge asks. With source ``prometheus`` only, and required there."""
+    query: Annotated[str, msgspec.Meta(max_length=4096)] | msgspec.UnsetType = msgspec.UNSET
+    """Revision 14, as KEDA's prometheus scaler: an instant PromQL query with one series or a scalar, whose value is
+    the model's demand (queued + in flight). With source ``prometheus`` only, and required there."""
+
+    @property
+    def source_kind(self) -> str:
+        """`source`, ``gateway`` where it is unset."""
+        return "gateway" if isinstance(self.source, msgspec.UnsetType) else self.source
+
+    def parameters(self) -> dict[str, str]:
+        """The source parameters that are set, by wire name."""
+        given = {"metricsURL": self.metrics_url, "serverAddress": self.server_address, "query": self.query}
+        return {key: value for key, value in given.items() if isinstance(value, str)}
+
+    def metrics_urls(self) -> tuple[str, ...]:
+        """`metricsURL`'s entries, each stripped; () when it is unset."""
+        if isinstance(self.metrics_url, msgspec.UnsetType):
+            return ()
+        return tuple(u.strip() for u in self.metrics_url.split(","))
+
+    def source_block(self) -> tuple[str, tuple[tuple[str, str], ...]]:
+        """The source and its parameters, comparable (an unset source and ``gateway`` are the same)."""
+        return self.source_kind, tuple(sorted(self.parameters().items()))
+
+    def source_problem(self) -> tuple[str, str] | None:
+        """(metadata key, why) of the first rule of revision 14 that the source block breaks; None when it keeps them:
+        a `source` of `SOURCES`; only that source's parameters (`SOURCE_PARAMETERS`); ``prometheus`` with both of its
+        own; URLs by `http_url_problem` (`serverAddress` without a ``?query``: the bridge adds its own); a `metricsURL`
+        of 1 to `MAX_METRICS_URLS` distinct entries; a `query` that is not blank.
+
+        Not checked by `decode` (a record that breaks them is read, its other fields in force): the autoscaler acts
+        on nothing of the block, and a later revision may add a source. The ScaledObject reader refuses such a
+        manifest, and the bridge refuses such a record's block (``bad_source``)."""
+        kind = self.source_kind
+        if kind not in SOURCES:
+            return "source", f"{kind!r} is not a source: one of {', '.join(SOURCES)}"
+        given = self.parameters()
+        for key in given:
+            if key not in SOURCE_PARAMETERS[kind]:
+                [owner] = [s for s, keys in SOURCE_PARAMETERS.items() if key in keys]
+                reads = ", ".join(SOURCE_PARAMETERS[kind]) or "no parameter"
+                unset = " (source unset)" if isinstance(self.source, msgspec.UnsetType) else ""
+                return key, (
+                    f"belongs to source {owner}, not {kind}{unset}, which reads {reads}; remove it, or set "
+                    f"source: {owner}"
+                )
+        if kind == "prometheus":
+            for key, what in _PROMETHEUS_NEEDS:
+                if key not in given:
+                    return key, f"required with source prometheus: {what}"
+            url = given["serverAddress"]
+            problem = http_url_problem(url)
+            if problem is None and urlsplit(url).query:
+                problem = "no ?query in it: the bridge asks <serverAddress>/api/v1/query?query=<query>"
+            if problem is not None:
+                return "serverAddress", f"{url!r}: {problem}"
+            if not given["query"].strip():
+                return "query", "is blank: give the PromQL query whose one value is the model's demand"
+        if "metricsURL" in given:
+            urls = self.metrics_urls()
+            if "" in urls:
+                return "metricsURL", (
+                    f"{given['metricsURL']!r} has an empty entry: give URLs separated by commas "
+                    "(http://10.0.0.5:8000,http://10.0.0.6:8000)"
+                )
+            if len(urls) > MAX_METRICS_URLS:
+                return "metricsURL", (
+                    f"{len(urls)} URLs, at most {MAX_METRICS_URLS}: leave metricsURL out to read the model's ready "
+                    "slots"
+                )
+            seen: set[str] = set()
+            for url in urls:
+                problem = http_url_problem(url)
+                if problem is None and len(url) > MAX_URL_LENGTH:
+                    problem = f"longer than {MAX_URL_LENGTH} characters"
+                if problem is not None:
+                    return "metricsURL", f"{url!r}: {problem}"
+                if url in seen:
+                    return "metricsURL", f"{url!r} is listed twice"
+                seen.add(url)
+        return None
 
 
 class AuthenticationRef(_Spec, kw_only=True):
@@ -308,3 +453,19 @@ class ScaledObjectSpec(_Spec, kw_only=True):
     @property
     def model(self) -> str:
         return self.triggers[0].metadata.model
+
+    def source_problem(self) -> tuple[str, str] | None:
+        """(path under ``spec``, why) of the first trigger whose source block breaks revision 14's rules
+        (`TriggerMetadata.source_problem`), or of one that reads another source than the first trigger: all of
+        them feed one model's demand, and two sources of it would add up. None: the triggers keep the rules."""
+        first = self.triggers[0].metadata.source_block()
+        for i, trigger in enumerate(self.triggers):
+            problem = trigger.metadata.source_problem()
+            if problem is not None:
+                return f"triggers[{i}].metadata.{problem[0]}", problem[1]
+            if trigger.metadata.source_block() != first:
+                return f"triggers[{i}].metadata.source", (
+                    "reads another source than triggers[0]: every trigger of a ScaledObject feeds one model's "
+                    "demand, and two sources of it would add up; give them all the same source and parameters"
+                )
+        return None
