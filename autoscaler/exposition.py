@@ -243,8 +243,23 @@ class Exposition:
             self.children_rendered += 1
 
     def _named(self, names: frozenset[str]) -> list[bytes]:
-        """A few families by name, untracked ones (a bench polling a counter): nothing kept is rendered again."""
-        return [chunk for collector in self._untracked(names) for chunk in _text(collector)]
+        """A few families by name (a bench polling a counter): untracked ones rendered as prometheus_client would,
+        tracked ones from what is kept (their changed children rendered first; other families' stay pending)."""
+        parts = [chunk for collector in self._untracked(names) for chunk in _text(collector)]
+        with self.registry._lock:
+            exposes = dict(getattr(self.registry, "_collector_to_names", {}))
+        wanted = {
+            name for name, family in self._families.items() if not names.isdisjoint(exposes.get(family.metric, ()))
+        }
+        if wanted:
+            pending = self.changed.take()
+            for name, labelvalues in pending:
+                if name in wanted:
+                    self._render_changed(name, labelvalues)
+            self.changed.keys.update(key for key in pending if key[0] not in wanted)
+            for name in wanted:
+                parts += self._families[name].parts()
+        return parts
 
     def render_now(self) -> bytes:
         """The whole text in one go (no yielding): for callers outside a loop, and tests."""
@@ -276,9 +291,16 @@ class Exposition:
                 for chunk in _text(collector):
                     parts.append(chunk)
                     await pace()
-            for name, labelvalues in self.changed.take():
-                self._render_changed(name, labelvalues)
-                await pace()
+            pending = list(self.changed.take())
+            try:
+                while pending:
+                    name, labelvalues = pending.pop()
+                    self._render_changed(name, labelvalues)
+                    await pace()
+            finally:
+                # A render cancelled half way (a scrape given up) puts back what it had not rendered yet: taken out
+                # of the set, those children would stay stale until written again.
+                self.changed.keys.update(pending)
             for family in self._families.values():
                 parts += family.parts()
                 await pace()

@@ -71,6 +71,43 @@ def test_only_what_was_written_is_rendered_again() -> None:
     assert m.exposition.children_rendered == before + 2
 
 
+async def test_a_render_cancelled_half_way_loses_no_change() -> None:
+    """A scrape given up mid-render (its task cancelled) puts back the children it had not rendered: the next
+    render shows every one of them (taken and dropped, 1,994 of 2,000 stayed stale until written again)."""
+    m = _fleet(20)
+    m.exposition.render_now()
+    rendered = m.exposition.children_rendered
+    m.exposition.slice_s = 0.0  # yield after every child, so the cancel lands among them
+    for i in range(20):
+        m.model(f"m{i}").desired.set(100 + i)
+    task = asyncio.create_task(m.exposition.render())
+    while m.exposition.changed.keys:  # the untracked collectors first; then the changed children are taken
+        await asyncio.sleep(0)
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert 0 < m.exposition.children_rendered - rendered < 20, "the cancel lands among the children"
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert task.cancelled()
+    text = m.exposition.render_now()
+    assert _samples(text) == _samples(generate_latest(m.registry))
+    for i in range(20):
+        assert f'pulsescale_desired_replicas{{model="m{i}"}} {100 + i}.0'.encode() in text
+
+
+async def test_a_tracked_family_asked_for_by_name_is_rendered() -> None:
+    """``/metrics?name[]=...`` of a per-model family gives that family, as prometheus_client's handler does (it
+    gave an empty body), and leaves the other families' changes for the next full render."""
+    m = _fleet(10)
+    m.exposition.render_now()
+    m.model("m1").desired.set(7)
+    m.model("m2").owned.set(1)
+    text = b"".join(await m.exposition.render(frozenset({"pulsescale_desired_replicas"})))
+    assert b'pulsescale_desired_replicas{model="m1"} 7.0' in text
+    assert _samples(text) == {s for s in _samples(generate_latest(m.registry)) if s[0] == "pulsescale_desired_replicas"}
+    assert b'pulsescale_model_owned{model="m2"} 1.0' in m.exposition.render_now()
+
+
 async def _scrape(session: aiohttp.ClientSession, port: int) -> bytes:
     async with session.get(f"http://127.0.0.1:{port}/metrics") as r:
         assert r.status == 200
