@@ -40,13 +40,14 @@ from aiohttp import web
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from nats.aio.client import Client
+from nats.js.kv import KeyValue
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kube import apicall, leader
 from kube.context import DEFAULT_HOME_NAMESPACE, DEFAULT_STATUS_EVERY_S, OperatorContext, open_buckets
 from kube.metrics import OperatorMetrics
 from manifests.crdtypes import GROUP, PLURAL, VERSION
-from warmpool import connect, daemonstart
+from warmpool import connect, daemonstart, protocol
 from warmpool.errors import PulsescaleError
 
 __all__ = ["CrdMissing", "KubeConfigMissing", "KubeUnreachable", "OperatorSettings", "run_operator", "serve"]
@@ -84,6 +85,22 @@ class OperatorSettings:
     health_host: str = "127.0.0.1"
     """Loopback by default, as the other daemons' HTTP ports: in a pod, pass its IP (downward API)."""
     health_port: int | None = None
+    assignments: bool = True
+    """Keep KV pulse_assignments from the standby pods' nodes (kube/assignments.py); False: ``--no-assignments``."""
+
+
+async def open_assignments(nc: Client) -> KeyValue | None:
+    """KV pulse_assignments, or None (said once) when it cannot be opened: the operator runs on without writing it."""
+    try:
+        return await nc.jetstream(timeout=5.0).key_value(protocol.ASSIGNMENTS_BUCKET)
+    except Exception as err:  # noqa: BLE001 - any failure to open it only turns the assignments off, said here
+        log.warning(
+            "cannot open KV bucket %s (%s): nodes are not assigned from the standby pods; an autoscaler of contract "
+            "revision 11 or later creates it, and the operator's NATS user needs its grants (`pulsescale nats "
+            "--print-authorization`); `--no-assignments` silences this", protocol.ASSIGNMENTS_BUCKET,
+            str(err) or type(err).__name__,
+        )  # fmt: skip
+        return None
 
 
 def load_api_client(kubeconfig: str | None, context: str | None = None) -> k8s.ApiClient:
@@ -193,10 +210,11 @@ async def serve(settings: OperatorSettings, *, stop: asyncio.Event, ready: async
         nc = await connect.connect(settings.nats)
         try:
             buckets = await open_buckets(nc)
+            assignments = await open_assignments(nc) if settings.assignments else None
             lease = settings.lease or leader.LeaseSettings(namespace=_own_namespace())
             elector = leader.LeaseElector(k8s.CoordinationV1Api(api), lease)
             ctx = OperatorContext(
-                nc=nc, scalers=buckets["pulse_scalers"], slots=buckets["pulse_slots"], api=api,
+                nc=nc, scalers=buckets["pulse_scalers"], slots=buckets["pulse_slots"], api=api, assignments=assignments,
                 namespaces=settings.namespaces, home_namespace=lease.namespace, identity=lease.identity,
                 status_every_s=settings.status_every_s,
             )  # fmt: skip
@@ -284,6 +302,10 @@ def run_operator(argv: list[str], prog: str) -> int:
     p.add_argument("--health-host", default=OperatorSettings.health_host, metavar="ADDRESS",
                    help="bind the health port to this address; in Kubernetes the pod IP from the downward API "
                    f"[{OperatorSettings.health_host}]")  # fmt: skip
+    p.add_argument("--no-assignments", action="store_true",
+                   help="do not write KV pulse_assignments from where the standby pods are scheduled (assign nodes "
+                   "with `pulsescale assign`, or run the autoscaler and gateways without --require-assignment) "
+                   "[written]")  # fmt: skip
     daemonstart.add_log_level_argument(p)
     args = p.parse_args(argv)
     try:
@@ -305,6 +327,7 @@ def run_operator(argv: list[str], prog: str) -> int:
         status_every_s=args.status_every,
         health_host=args.health_host,
         health_port=args.health_port,
+        assignments=not args.no_assignments,
     )
 
     def run(nats: connect.NatsOptions, stop: asyncio.Event, ready: asyncio.Event) -> Awaitable[None]:

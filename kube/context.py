@@ -56,6 +56,11 @@ class OperatorContext:
     scalers: KeyValue  # pulse_scalers: read and written (the operator is its writer on Kubernetes)
     slots: KeyValue  # pulse_slots: read only (the finalizer waits for releases; standby pods follow slots)
     api: k8s.ApiClient
+    assignments: KeyValue | None = None
+    """pulse_assignments, written from the standby pods' nodes (kube/assignments.py); None: not written
+    (``pulsescale operator --no-assignments``, or a bucket that could not be opened)."""
+    assignments_settle_s: float = 20.0
+    """How long after it starts leading the operator takes no model off a node (`kube.assignments.SETTLE_S`)."""
     namespaces: tuple[str, ...] = ()
     home_namespace: str = DEFAULT_HOME_NAMESPACE
     """The operator's own namespace (its Lease's): where the ConfigMap of model owners lives (kube/records.py),

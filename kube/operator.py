@@ -34,12 +34,18 @@ What it does with a ScaledObject (`ScaledObjects`):
   model). Checked before the one-per-model rule, which still holds within the owner's namespace. An unowned model
   is claimed for the object's namespace before its record is written; the claim stays when the object goes. An
   unreadable ConfigMap is ``Ready=False ModelOwnerUnknown``: nothing new published, a record in force kept.
-- delete (finalizer ``pulsescale.io/finalizer``): the record is removed from `pulse_scalers`; then, unless another
-  record names the same model, the operator waits (up to `OperatorContext.delete_wait_s`, ``Ready=False
-  Deleting`` and a Normal Event while it waits, a Warning if it gives up) until the model's slots in `pulse_slots`
-  are released (the autoscaler releases them when the record goes; only for an object that was published: an
-  invalid or refused one never held any); then, with ``advanced.restoreToOriginalReplicaCount``, the target's
-  scale subresource goes back to ``status.originalReplicaCount``; then the finalizer is removed.
+- a record under the object's key that ``pulsescale apply`` wrote (on-call; without the operator's mark
+  `protocol.ScalerRecord.managed_by`, which every record the operator publishes carries) and that says
+  something else than the CR: ``Ready=False ScalerWrittenByApply``, a Warning Event, the record left in force and
+  never withdrawn. Re-checked every status round, as is every published record (``apply --force`` may replace it):
+  a record that says what the CR says is taken over, a deleted one is replaced by the CR's.
+- delete (finalizer ``pulsescale.io/finalizer``): the record is removed from `pulse_scalers` (only one the operator
+  published; one of ``apply`` stays); then, unless another record names the same model, the operator waits (up
+  to `OperatorContext.delete_wait_s`, ``Ready=False Deleting`` and a Normal Event while it waits, a Warning if it
+  gives up) until the model's slots in `pulse_slots` are released (the autoscaler releases them when the record
+  goes; only for an object that was published: an invalid or refused one never held any); then, with
+  ``advanced.restoreToOriginalReplicaCount``, the target's scale subresource goes back to
+  ``status.originalReplicaCount``; then the finalizer is removed.
 - status: every `OperatorContext.status_every_s` one ``pulse.cmd.status`` request to the autoscaler; each object's
   row (`StatusRow.key`) is composed into the status (kube/status.py) and patched only when it changed. ``Active``
   is KEDA's (demand above the activation threshold within two rounds), not "has replicas". After `SILENT_ROUNDS`
@@ -72,11 +78,21 @@ import nats.errors
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
-from kube import aio
+from kube import aio, bodies
 from kube import status as status_mod
 from kube.context import FIELD_MANAGER, OperatorContext
 from kube.events import EventRecorder, ObjectRef
-from kube.records import HELD_SLOT_STATES, ModelOwners, ModelOwnersUnavailable, ObjectMirror, Records, record_key
+from kube.records import (
+    HELD_SLOT_STATES,
+    ModelOwners,
+    ModelOwnersUnavailable,
+    ObjectMirror,
+    Records,
+    applied_by_hand,
+    applied_message,
+    marked,
+    record_key,
+)
 from kube.status import model_of
 from kube.statuswriter import StatusWriter
 from manifests import scaledobject
@@ -104,12 +120,19 @@ EVENT_TYPES_POSTED: Final = {
     "pool.exhausted": ("Warning", "PoolExhausted"),
     "cold.start": ("Normal", "ColdStart"),
 }
-OPTIONAL_PARTS: Final = ("kube.standby", "kube.coldpath")  # each has register(registry, ctx), written apart
+OPTIONAL_PARTS: Final = ("kube.standby", "kube.assignments", "kube.coldpath")  # each has register(registry, ctx)
 BACKGROUND: Final = "background"
 """``ctx.extra[BACKGROUND]``: a list of ``async (stop: asyncio.Event) -> None`` that `register` of a part may append
 to; `run_operator` runs each on the caller's loop beside kopf until the stop flag is set (e.g. a NATS watch)."""
 RECHECKED_REASONS: Final = frozenset(
-    {"TargetConflict", "ModelConflict", "ScaleTargetNotFound", "ModelOwnedByOtherNamespace", "ModelOwnerUnknown"}
+    {
+        "TargetConflict",
+        "ModelConflict",
+        "ScaleTargetNotFound",
+        "ModelOwnedByOtherNamespace",
+        "ModelOwnerUnknown",
+        "ScalerWrittenByApply",
+    }
 )
 """Refusals that end when another object goes, the target comes or the platform team moves a model: re-checked
 every status round."""
@@ -121,25 +144,6 @@ READY_POLL_S: Final = 0.05  # how often run_operator looks whether kopf (in its 
 RESTORABLE_KINDS: Final = tuple(kind for _, kind in scaledobject.SCALE_TARGETS)  # what the restore can patch
 
 log = logging.getLogger("pulsescale.operator")
-
-
-def _parse_time(text: Any) -> float | None:
-    if not isinstance(text, str):
-        return None
-    try:
-        return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
-
-
-def _target(body: dict[str, Any]) -> tuple[str, str] | None:
-    """(kind, name) of the scale target as written (the validator checks it; this is for the conflict rule)."""
-    ref = (body.get("spec") or {}).get("scaleTargetRef") or {}
-    name = ref.get("name")
-    if not isinstance(name, str) or not name:
-        return None
-    kind = ref.get("kind") or "Deployment"
-    return (str(kind), name)
 
 
 @dataclass
@@ -229,7 +233,7 @@ class ScaledObjects:
         both published (written by an older operator) the older (creationTimestamp, then name) keeps it."""
         meta = body["metadata"]
         namespace, name = meta["namespace"], meta["name"]
-        target = _target(body)
+        target = bodies.scale_target(body)
         if target is None:
             return None
         kind, target_name = target
@@ -243,7 +247,7 @@ class ScaledObjects:
         mine = (meta.get("creationTimestamp") or "", name)
         for other in await self._list_scaledobjects(namespace):
             ometa = other.get("metadata") or {}
-            if ometa.get("name") == name or ometa.get("deletionTimestamp") or _target(other) != target:
+            if ometa.get("name") == name or ometa.get("deletionTimestamp") or bodies.scale_target(other) != target:
                 continue
             if await self.records.read(record_key(namespace, ometa.get("name", ""))) is None:
                 continue  # never published: it holds nothing
@@ -273,12 +277,15 @@ class ScaledObjects:
                 kwargs: dict[str, Any] = {"updated_at": self.ctx.clock()}
                 if self.ctx.max_replicas is not None:
                     kwargs["max_replicas"] = self.ctx.max_replicas
-                record = scaledobject.from_manifest(body, **kwargs)
+                record = marked(scaledobject.from_manifest(body, **kwargs))
             except scaledobject.ScaledObjectError as err:
+                if previous is not None and not previous.published_by_operator:
+                    previous = None  # `pulsescale apply`'s: not the operator's to keep in force or withdraw
                 # The record in force stays only while its model is still this namespace's.
                 moved = None if previous is None else await self._owner_refusal(previous.spec.model, namespace,
                                                                                  claim=False)  # fmt: skip
                 if previous is None:
+                    known.set_record(None)
                     verdict = status_mod.Verdict(False, "InvalidSpec", str(err))
                 elif moved is not None and moved[0] == "ModelOwnedByOtherNamespace" and moved[1] is not None:
                     verdict = status_mod.Verdict(False, moved[0], moved[1])
@@ -292,12 +299,16 @@ class ScaledObjects:
                         False, "InvalidSpec",
                         f"{err}; generation {previous.generation} (the last valid spec) stays in force",
                         paused_by_annotation=previous.paused, notes=tuple(previous.notes),
-                        one_way_pause=_one_way_pause(previous), in_force=True,
+                        one_way_pause=bodies.one_way_pause(previous), in_force=True,
                     )  # fmt: skip
                 await self.recorder.record(ref, "Warning", "InvalidSpec", str(err))
             else:
                 model = record.spec.model
-                reason, conflict = "TargetConflict", await self._conflict(body, previous is not None)
+                reason, conflict = "TargetConflict", None
+                if applied_by_hand(previous, record):  # on-call's record stays: said, never silently replaced
+                    reason, conflict = "ScalerWrittenByApply", applied_message(namespace, name)
+                if conflict is None:
+                    conflict = await self._conflict(body, previous is not None)
                 if conflict is None:
                     reason, conflict = await self._owner_refusal(model, namespace, claim=False)
                 if conflict is None and previous is None:
@@ -305,18 +316,18 @@ class ScaledObjects:
                 if conflict is None:  # about to publish: the model is this namespace's from now on
                     reason, conflict = await self._owner_refusal(model, namespace, claim=True)
                 paused_by_annotation = record.paused  # one-way pauses are not Paused (as KEDA): noted in its message
-                one_way = _one_way_pause(record)
+                one_way = bodies.one_way_pause(record)
                 if conflict is not None:
                     # Not knowing the owners refuses new writes but withdraws nothing: an API server hiccup must
                     # not drop running models to zero.
                     keep = reason == "ModelOwnerUnknown" and previous is not None
                     verdict = status_mod.Verdict(False, reason, conflict, in_force=keep)
                     if previous is not None and not keep:
-                        await self.records.withdraw(key)
+                        await self.records.withdraw(key)  # only the operator's own: `apply`'s stays
                         known.set_record(None)
                     await self.recorder.record(ref, "Warning", reason, conflict)
                 else:
-                    created = _parse_time(meta.get("creationTimestamp"))
+                    created = bodies.parse_time(meta.get("creationTimestamp"))
                     record = msgspec.structs.replace(record, created_at=created)
                     changed = previous is None or not scaledobject.same_content(previous, record)
                     if changed:
@@ -350,6 +361,14 @@ class ScaledObjects:
             await self.status.write(known)
             return verdict
 
+    async def _overridden(self, key: str, known: _Known) -> bool:
+        """Whether the record of a published object was replaced by ``pulsescale apply --force`` since: then it is
+        judged again (``Ready=False ScalerWrittenByApply``), and never published over."""
+        if known.model is None or known.verdict.reason == "Deleting":
+            return False
+        record = await self.records.read(key)
+        return record is not None and not record.published_by_operator
+
     async def _owner_refusal(self, model: str, namespace: str, *, claim: bool) -> tuple[str, str | None]:
         """(reason, message) when `model` is not this namespace's: owned by another (``ModelOwnedByOtherNamespace``)
         or the owners cannot be read (``ModelOwnerUnknown``); message None when it may go on. With `claim`, an
@@ -366,7 +385,7 @@ class ScaledObjects:
         """(reason, message) when the scale target does not exist (KEDA keeps such a ScaledObject not Ready). The
         record is published anyway: the warm pool serves the model without the workload, only standby pods, the
         cold path and the pause need it."""
-        target = _target(body)
+        target = bodies.scale_target(body)
         if target is None:
             return None
         kind, name = target
@@ -392,10 +411,10 @@ class ScaledObjects:
     async def on_change(self, body: kopf.Body, **_: Any) -> None:
         if body.get("metadata", {}).get("deletionTimestamp"):
             return  # the delete handler owns it now
-        await self.reconcile(_plain(body))
+        await self.reconcile(bodies.plain(body))
 
     async def on_delete(self, body: kopf.Body, runtime: datetime.timedelta, **_: Any) -> None:
-        plain = _plain(body)
+        plain = bodies.plain(body)
         meta = plain["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         key = record_key(namespace, name)
@@ -453,7 +472,7 @@ class ScaledObjects:
         if not (spec.get("advanced") or {}).get("restoreToOriginalReplicaCount"):
             return
         original = (body.get("status") or {}).get("originalReplicaCount")
-        target = _target(body)
+        target = bodies.scale_target(body)
         if not isinstance(original, int) or target is None:
             return  # never scaled by the cold path: nothing to restore
         kind, name = target
@@ -491,7 +510,7 @@ class ScaledObjects:
         for key, known in list(self.known.items()):
             namespace = known.body["metadata"]["namespace"]
             moved = known.model is not None and owners.get(known.model, namespace) != namespace
-            if known.verdict.reason in RECHECKED_REASONS or moved:
+            if known.verdict.reason in RECHECKED_REASONS or moved or await self._overridden(key, known):
                 meta = known.body["metadata"]
                 fresh = await self._get(meta["namespace"], meta["name"])
                 if fresh is not None and not fresh["metadata"].get("deletionTimestamp"):
@@ -565,13 +584,3 @@ class ScaledObjects:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _one_way_pause(record: protocol.ScalerRecord) -> str:
-    ways = (("scale-in", record.paused_scale_in), ("scale-out", record.paused_scale_out))
-    return ", ".join(way for way, on in ways if on)
-
-
-def _plain(body: Any) -> dict[str, Any]:
-    """A kopf Body (a read-only view) as a plain dict."""
-    return msgspec.json.decode(msgspec.json.encode(dict(body)))  # type: ignore[no-any-return]

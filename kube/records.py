@@ -36,6 +36,7 @@ from kubernetes.client.exceptions import ApiException
 from nats.js.kv import KeyValue
 
 from kube.context import OperatorContext
+from manifests import scaledobject
 from warmpool import protocol
 from warmpool.errors import BadMessage, PulsescaleError
 
@@ -48,7 +49,11 @@ __all__ = [
     "ModelOwnersUnavailable",
     "ObjectMirror",
     "Records",
+    "applied_by_hand",
+    "applied_message",
+    "marked",
     "record_key",
+    "unmarked",
 ]
 
 HELD_SLOT_STATES: Final = frozenset({"claimed", "activating", "ready", "releasing"})
@@ -77,6 +82,38 @@ def record_key(namespace: str, name: str) -> str:
     return f"{namespace}.{name}"
 
 
+def marked(record: protocol.ScalerRecord) -> protocol.ScalerRecord:
+    """`record` as the operator publishes it: `ScalerRecord.managed_by` the operator (who may replace it: ``pulsescale
+    apply`` refuses to)."""
+    return msgspec.structs.replace(record, managed_by=protocol.ScalerRecord.OPERATOR)
+
+
+def unmarked(record: protocol.ScalerRecord) -> protocol.ScalerRecord:
+    """`record` as ``pulsescale apply`` writes it (`ScalerRecord.unmanaged`)."""
+    return record.unmanaged()
+
+
+def applied_by_hand(previous: protocol.ScalerRecord | None, record: protocol.ScalerRecord) -> bool:
+    """Whether `previous`, the record under the CR's key, was written by ``pulsescale apply`` (not managed by the
+    operator) and says something else than the CR's `record`: then it is not the operator's to replace. One that
+    says the same (a hand-back, or a record of an operator from before revision 14) is taken over."""
+    if previous is None or previous.published_by_operator:
+        return False
+    return not scaledobject.same_content(unmarked(previous), unmarked(record))
+
+
+def applied_message(namespace: str, name: str) -> str:
+    """The ``Ready=False ScalerWrittenByApply`` message."""
+    key = record_key(namespace, name)
+    return (
+        f"{protocol.SCALERS_BUCKET}/{key} was written by `pulsescale apply` (not from this ScaledObject) and stays in "
+        "force; the operator publishes nothing over it. To hand it back: make this ScaledObject say what the record "
+        f"says (`pulsescale get so {name} -n {namespace} -o yaml` shows it), and the operator takes it over; or "
+        f"delete the record (`pulsescale delete so {name} -n {namespace}`; the autoscaler releases the model's "
+        "slots) and this ScaledObject is published within a status round"
+    )
+
+
 class Records:
     """The records of one `OperatorContext`'s buckets (``ctx.scalers``, ``ctx.slots``)."""
 
@@ -101,8 +138,10 @@ class Records:
         await self.ctx.scalers.put(key, protocol.encode(record))
 
     async def withdraw(self, key: str) -> bool:
-        """Deletes the record (a delete marker: the autoscaler's watch sees it). True if there was one."""
-        if await self.read(key) is None:
+        """Deletes the record (a delete marker: the autoscaler's watch sees it) if the operator published it
+        (`ScalerRecord.published_by_operator`: one ``pulsescale apply`` wrote is left alone). True if it did."""
+        record = await self.read(key)
+        if record is None or not record.published_by_operator:
             return False
         await self.ctx.scalers.delete(key)
         return True

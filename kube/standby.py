@@ -45,7 +45,7 @@ import json
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import kopf
 import msgspec
@@ -67,7 +67,9 @@ __all__ = [
     "STANDBY_LABEL",
     "TEMPLATE_HASH_LABEL",
     "Plan",
+    "PodListener",
     "StandbyKeeper",
+    "gone",
     "plan",
     "pool_size",
     "register",
@@ -147,7 +149,7 @@ def _serving(pod: Mapping[str, Any]) -> bool:
     return _labels(pod).get(SERVING_LABEL) == "true"
 
 
-def _gone(pod: Mapping[str, Any]) -> bool:
+def gone(pod: Mapping[str, Any]) -> bool:
     """Terminating, or done for good (failed or finished): not a standby pod any more."""
     return (
         bool((pod.get("metadata") or {}).get("deletionTimestamp"))
@@ -234,7 +236,7 @@ class Flip:
 def serving_changes(pods: Iterable[Mapping[str, Any]], ready_slots: Mapping[str, str]) -> tuple[list[Flip], list[str]]:
     """Flips that make the serving label follow `ready_slots` (slot key -> node, the model's ``ready`` slots), and
     the ready slots that have no standby pod on their node (said in the log, not fixed here)."""
-    pods = [p for p in pods if not _gone(p)]
+    pods = [p for p in pods if not gone(p)]
     flips: list[Flip] = []
     assigned: dict[str, str] = {}  # slot key -> pod
     for pod in pods:
@@ -272,6 +274,14 @@ def serving_changes(pods: Iterable[Mapping[str, Any]], ready_slots: Mapping[str,
 Key = tuple[str, str]  # (namespace, name)
 
 
+class PodListener(Protocol):
+    """Told every listing of a ScaledObject's standby pods (kube/assignments.py follows their nodes)."""
+
+    def observe(self, key: Key, pods: Iterable[Mapping[str, Any]]) -> None: ...
+
+    def forget(self, key: Key) -> None: ...
+
+
 @dataclass
 class StandbyKeeper:
     """Keeps the standby pods of every ScaledObject in scope; one loop (`run`) does all the writes."""
@@ -284,6 +294,8 @@ class StandbyKeeper:
     rejected: Rejections = field(default_factory=lambda: Rejections(log))
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     reconciles: int = 0
+    listeners: list[PodListener] = field(default_factory=list)
+    """Told each listing of an object's standby pods, and when the object is gone (kube/assignments.py)."""
 
     @property
     def leading(self) -> Callable[[], bool]:
@@ -297,6 +309,8 @@ class StandbyKeeper:
         key = (str(meta.get("namespace", "")), str(meta.get("name", "")))
         if type_ == "DELETED":
             self.bodies.pop(key, None)
+            for listener in self.listeners:
+                listener.forget(key)
             return
         self.bodies[key] = json.loads(json.dumps(dict(body), default=str))
         self.mark(key)
@@ -403,11 +417,13 @@ class StandbyKeeper:
         core = self.ctx.core
         selector = f"{SCALEDOBJECT_LABEL}={name},{STANDBY_LABEL}=true"
         pods = (await apicall.call(core.list_namespaced_pod, namespace, label_selector=selector)).get("items") or []
+        for listener in self.listeners:
+            listener.observe(key, pods)
         if (body.get("metadata") or {}).get("deletionTimestamp"):
             # Going: the garbage collector would remove them after the ScaledObject; the finalizer may take a
             # while (it waits for slot releases), and idle standby pods hold GPUs meanwhile.
             for pod in pods:
-                if not _serving(pod) and not _gone(pod):
+                if not _serving(pod) and not gone(pod):
                     await self._delete(namespace, _name(pod), "its ScaledObject is being deleted")
             return
         model = _model(body)

@@ -60,6 +60,7 @@ READY_REASONS: Final = (
     "ModelOwnedByOtherNamespace",  # the model belongs to another namespace (kube/records.py `ModelOwners`)
     "ModelOwnerUnknown",  # the ConfigMap of model owners cannot be read or written: nothing new is published
     "ScaleTargetNotFound",  # published, but the scaleTargetRef workload does not exist (KEDA: not Ready)
+    "ScalerWrittenByApply",  # `pulsescale apply` wrote the record under its key: in force, not replaced
     "Deleting",  # the finalizer runs: record removed, waiting for the model's slots
     "Pending",  # seen, not handled yet
 )

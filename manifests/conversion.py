@@ -337,6 +337,7 @@ def same_content(a: ScalerRecord, b: ScalerRecord) -> bool:
             r.paused_scale_out,
             r.notes,
             r.labels,
-        )  # fmt: skip  (labels: `get -l` reads them from the record)
+            r.managed_by,
+        )  # fmt: skip  (labels: `get -l` reads them from the record; managed_by: who may replace it)
 
     return content(a) == content(b)

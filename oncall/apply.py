@@ -5,6 +5,12 @@ Every document of every ``-f`` (files, directories, ``-`` for stdin) is checked 
 bumped, or left as it is when its content is unchanged. Writing the bucket needs the operator's NATS user.
 ``--dry-run`` checks the files, and whether another ScaledObject already scales their models when NATS answers
 within `DRY_RUN_CONNECT_S`. Exit codes: 0 done; 1 a file or a write refused (`client.EXIT_REFUSED`); 2 usage.
+
+On Kubernetes the operator publishes the ScaledObject CRs under the same keys: a record it published
+(`protocol.ScalerRecord.managed_by`, contract revision 14) is not replaced (`PublishedByOperator`, exit 1, naming
+the fix: edit the CR, or delete it to hand the object to `apply`) unless ``--force``, which on-call may need while
+the operator is away; the operator then leaves the record alone (its CR ``Ready=False ScalerWrittenByApply``) until
+the record says what the CR says or is deleted. `apply` never writes that mark itself.
 """
 
 from __future__ import annotations
@@ -29,10 +35,57 @@ from oncall.client import EXIT_REFUSED, positive_int_arg
 from warmpool import buckets, protocol
 from warmpool import connect as nats_connect
 from warmpool import output as out
-from warmpool.errors import BadMessage, NatsUnavailable, PermissionDenied
+from warmpool.errors import BadMessage, NatsUnavailable, PermissionDenied, PulsescaleError
 from warmpool.registry import ensure_buckets
 
-__all__ = ["APPLY_RETRY_S", "DRY_RUN_CONNECT_S", "Applied", "apply", "load_manifests"]
+__all__ = ["APPLY_RETRY_S", "DRY_RUN_CONNECT_S", "Applied", "PublishedByOperator", "apply", "load_manifests"]
+
+
+class PublishedByOperator(PulsescaleError):
+    """A record the Kubernetes operator published from a ScaledObject CR would be replaced: refused (exit 1)."""
+
+    code = "published_by_operator"
+
+
+def _unmarked(record: protocol.ScalerRecord) -> protocol.ScalerRecord:
+    """`record` as `apply` writes and compares it: not managed by the operator (`ScalerRecord.unmanaged`)."""
+    return record.unmanaged()
+
+
+def _operators(
+    manifests: Sequence[scaledobject.Manifest], previous: dict[str, protocol.ScalerRecord | None], *, force: bool
+) -> list[scaledobject.Manifest]:
+    """The manifests that would replace a record the operator published (one that says the same replaces
+    nothing); `PublishedByOperator` for the first of them unless `force`."""
+    hits = []
+    for m in manifests:
+        prev = previous.get(m.record.key)
+        replaced = prev is not None and not scaledobject.same_content(_unmarked(prev), _unmarked(m.record))
+        if prev is not None and prev.published_by_operator and replaced:
+            hits.append(m)
+    if hits and not force:
+        rec = hits[0].record
+        ns, name = rec.namespace, rec.name
+        raise PublishedByOperator(
+            f"{hits[0].where}: scaledobject {rec.key} was published by the Kubernetes operator from ScaledObject "
+            f"{ns}/{name} (PublishedByOperator); apply does not replace it: change the CR (`kubectl -n {ns} edit pso "
+            f"{name}`), or delete the CR (`kubectl -n {ns} delete pso {name}`) to hand the object to apply; on-call "
+            "may override it with --force (the operator then leaves the record alone, its CR Ready=False "
+            "ScalerWrittenByApply, until the record says what the CR says or is deleted)"
+        )
+    return hits
+
+
+def _warn_forced(hits: Sequence[scaledobject.Manifest]) -> None:
+    for m in hits:
+        rec = m.record
+        print(
+            f"warning: {rec.key}: replacing the record the Kubernetes operator published from ScaledObject "
+            f"{rec.namespace}/{rec.name} (--force); the operator leaves it alone and marks the CR Ready=False "
+            "ScalerWrittenByApply until the record says what the CR says, or is deleted "
+            f"(`pulsescale delete so {rec.name} -n {rec.namespace}`)",
+            file=sys.stderr,
+        )
 
 
 def _read_stdin(stdin: TextIO) -> str:
@@ -149,24 +202,32 @@ async def _answered(call: Callable[[], Awaitable[T]], *, deadline: float) -> T:
             await asyncio.sleep(_APPLY_RETRY_EVERY_S)
 
 
-async def _write(nc: Client, manifests: list[scaledobject.Manifest]) -> list[Applied]:
+async def _write(nc: Client, manifests: list[scaledobject.Manifest], *, force: bool = False) -> list[Applied]:
     kv = (await ensure_buckets(nc.jetstream(timeout=5.0), names=[protocol.SCALERS_BUCKET]))[protocol.SCALERS_BUCKET]
     deadline = time.monotonic() + APPLY_RETRY_S
     # Checked before any write: a model another ScaledObject already scales is refused, all or nothing.
     scaledobject.check_models(manifests, await _answered(lambda: _written(nc), deadline=deadline))
-    out: list[Applied] = []
+    previous_of: dict[str, protocol.ScalerRecord | None] = {}
     for m in manifests:
-        rec = m.record
         previous = None
         try:
-            entry = await _answered(functools.partial(kv.get, rec.key), deadline=deadline)
+            entry = await _answered(functools.partial(kv.get, m.record.key), deadline=deadline)
             if entry.value is not None:
                 previous = protocol.decode(entry.value, protocol.ScalerRecord)
         except nats.js.errors.KeyNotFoundError:
             pass
         except BadMessage:
             previous = None  # unreadable: overwrite it
-        if previous is not None and scaledobject.same_content(previous, rec):
+        previous_of[m.record.key] = previous
+    # Also before any write: a record the operator published is not replaced (unless --force).
+    _warn_forced(_operators(manifests, previous_of, force=force))
+    out: list[Applied] = []
+    for m in manifests:
+        rec = _unmarked(m.record)  # the operator's mark is its own: never written by apply
+        previous = previous_of[rec.key]
+        if previous is not None and previous.published_by_operator and force:
+            previous = _unmarked(previous)  # compared (and its created_at kept) as apply's own
+        if previous is not None and scaledobject.same_content(_unmarked(previous), rec):
             out.append(Applied(key=rec.key, action="unchanged", generation=previous.generation, model=rec.spec.model,
                                notes=rec.notes))  # fmt: skip
             continue
@@ -219,6 +280,12 @@ def apply(argv: list[str], prog: str, *, stdin: TextIO | None = None) -> int:
     p.add_argument("-R", "--recursive", action="store_true", help="with -f DIR: its subdirectories too")
     p.add_argument("--dry-run", action="store_true", help="check the files and print what would be written")
     p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace records the Kubernetes operator published from ScaledObject CRs (on-call, while the operator "
+        "cannot be used); the operator then leaves them alone until they say what their CRs say or are deleted",
+    )
+    p.add_argument(
         "--max-replicas",
         type=positive_int_arg,
         metavar="N",
@@ -251,7 +318,8 @@ def apply(argv: list[str], prog: str, *, stdin: TextIO | None = None) -> int:
             written = []
         try:
             scaledobject.check_models(manifests, written)
-        except scaledobject.ScaledObjectError as err:
+            _operators(manifests, {r.key: r for r in written}, force=args.force)
+        except (scaledobject.ScaledObjectError, PublishedByOperator) as err:
             print(f"{prog}: {err}", file=sys.stderr)
             return EXIT_REFUSED
         results = [
@@ -262,8 +330,8 @@ def apply(argv: list[str], prog: str, *, stdin: TextIO | None = None) -> int:
     else:
         opts = nats_connect.options_from_args(args, name="pulsescale-apply")
         try:
-            results = asyncio.run(nats_connect.run_client(opts, lambda nc: _write(nc, manifests)))
-        except scaledobject.ScaledObjectError as err:
+            results = asyncio.run(nats_connect.run_client(opts, lambda nc: _write(nc, manifests, force=args.force)))
+        except (scaledobject.ScaledObjectError, PublishedByOperator) as err:
             print(f"{prog}: {err}", file=sys.stderr)
             return EXIT_REFUSED
         except PermissionDenied as err:

@@ -202,6 +202,34 @@ async def _assign(nc: Client, record: protocol.NodeAssignment) -> None:
     await kv.put(record.node, protocol.encode(record))
 
 
+async def _hand_back(nc: Client, node: str) -> protocol.NodeAssignment:
+    """Rewrite `node`'s record as the operator's (`protocol.NodeAssignment.OPERATOR`), its models unchanged, by
+    compare-and-set: the operator then adds and removes the models of its standby pods there."""
+    js = nc.jetstream(timeout=5.0)
+    kv = (await ensure_buckets(js, names=(protocol.ASSIGNMENTS_BUCKET,)))[protocol.ASSIGNMENTS_BUCKET]
+    for _ in range(5):
+        try:
+            entry = await kv.get(node)
+        except nats.js.errors.KeyNotFoundError:
+            entry = None
+        if entry is None or not entry.value:
+            raise PulsescaleError(
+                f"node {node} has no assignment: nothing to hand back (the operator writes one once a standby pod "
+                "is scheduled there)"
+            )
+        try:
+            old = protocol.decode(entry.value, protocol.NodeAssignment)
+        except BadMessage:
+            old = protocol.NodeAssignment(node=node)
+        record = msgspec.structs.replace(old, by=protocol.NodeAssignment.OPERATOR, updated_at=time.time())
+        try:
+            await kv.update(node, protocol.encode(record), last=entry.revision)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            continue
+        return record
+    raise PulsescaleError(f"node {node}: its assignment changed under each of 5 tries; run it again")
+
+
 def _default_by() -> str:
     """Who is assigning: ``$PULSESCALE_USER``, else ``user@host`` (as the on-call commands' ``--by``)."""
     if os.environ.get("PULSESCALE_USER"):
@@ -220,11 +248,18 @@ def assign(argv: list[str], prog: str) -> int:
         "The autoscaler claims none of a node's slots of another model and counts them "
         '(pulsescale_registry_rejected_records_total{reason="unassigned_model"}); a node without an assignment '
         "offers any model unless the autoscaler and the gateway run with --require-assignment. "
-        "Without NODE: list the assignments.",
+        "On Kubernetes the operator keeps each node's assignment from its standby pods; one written here overrides "
+        "it until --hand-back. Without NODE: list the assignments.",
     )
     p.add_argument("node", nargs="?", help="the node (its agent's --node)")
     p.add_argument("models", nargs="*", metavar="MODEL", help="every model the node may offer (replaces the list)")
     p.add_argument("--none", action="store_true", help="the node may offer no model (take it out of service)")
+    p.add_argument(
+        "--hand-back",
+        action="store_true",
+        help="give NODE's assignment back to the Kubernetes operator (its models stay, then follow the node's "
+        "standby pods); a manual one overrides the operator's until then",
+    )
     p.add_argument("--by", help="who assigns, kept in the record [$PULSESCALE_USER, else user@host]")
     out.add_output_argument(p)
     nats_connect.add_nats_arguments(p)
@@ -232,7 +267,9 @@ def assign(argv: list[str], prog: str) -> int:
     bad = [n for n in ([args.node] if args.node else []) + args.models if not protocol.is_name(n)]
     if bad:
         p.error(f"{', '.join(map(repr, bad))}: names match {protocol.NAME_PATTERN}")
-    if args.node and not args.models and not args.none:
+    if args.hand_back and (args.models or args.none or args.by or not args.node):
+        p.error("--hand-back takes NODE alone")
+    if args.node and not args.models and not args.none and not args.hand_back:
         p.error(f"give the models {args.node} may offer, or --none for no model")
     if args.models and args.none:
         p.error("--none takes no MODEL")
@@ -247,6 +284,14 @@ def assign(argv: list[str], prog: str) -> int:
             return 0
         rows = [(a.node, ",".join(a.models) or "<no model>", a.by or "-") for a in found]
         print(out.table(("NODE", "MODELS", "BY"), rows))
+        return 0
+    if args.hand_back:
+        record = asyncio.run(nats_connect.run_client(opts, lambda nc: _hand_back(nc, args.node)))
+        if fmt is not None:
+            print(out.dump(record, fmt))
+            return 0
+        print(f"node {record.node} handed back to the operator (may offer {', '.join(record.models) or 'no model'} "
+              "until it updates it)")  # fmt: skip
         return 0
     record = protocol.NodeAssignment(
         node=args.node, models=sorted(set(args.models)), by=(args.by or _default_by())[:128], updated_at=time.time()

@@ -446,6 +446,17 @@ def test_a_daemon_gets_its_own_nats_password_and_only_the_ca(name: str, role: st
     assert find(build("base"), "Deployment", name)["spec"]["replicas"] == 2
 
 
+@pytest.mark.parametrize("target", ["base", "overlays/production", "overlays/namespaced", "overlays/no-rootfs"])
+def test_nodes_are_bound_to_their_models_by_default(target: str) -> None:
+    """The security review's M3 on a default install: the operator assigns each node the models of its standby
+    pods (it is not told --no-assignments) and the autoscaler claims nothing of a node without an assignment."""
+    docs = build(target)
+    (autoscaler,) = pod_spec(find(docs, "Deployment", "pulsescale-autoscaler"))["containers"]
+    (operator,) = pod_spec(find(docs, "Deployment", "pulsescale-operator"))["containers"]
+    assert "--require-assignment" in autoscaler["args"]
+    assert "--no-assignments" not in operator["args"]
+
+
 def test_the_autoscaler_probes_its_health_endpoints_on_its_metrics_port() -> None:
     (c,) = pod_spec(find(build("base"), "Deployment", "pulsescale-autoscaler"))["containers"]
     port = int(flag(c["args"], "--metrics-port"))

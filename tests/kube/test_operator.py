@@ -205,7 +205,9 @@ async def test_an_unchanged_spec_writes_nothing_and_a_changed_one_republishes(ru
     assert await revision(running, f"{NS}.qwen") == first
     # A label is in the record since revision 12 (`pulsescale get -l` reads it): written.
     running.api.patch(SO, NS, "qwen", {"metadata": {"labels": {"team": "inference"}}})
-    labelled = await running.wait_record(f"{NS}.qwen", lambda r: r is not None and r.labels == {"team": "inference"})
+    labelled = await running.wait_record(
+        f"{NS}.qwen", lambda r: r is not None and r.labels == {"team": "inference"} and r.published_by_operator
+    )
     assert labelled is not None
     first = await revision(running, f"{NS}.qwen")
     running.api.patch(SO, NS, "qwen", {"spec": {"maxReplicaCount": 6}})

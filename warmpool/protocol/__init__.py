@@ -113,6 +113,9 @@ Revisions of v1 (each only adds fields or tightens a request only our own autosc
   rules is still read (`decode` checks only the keys' types and lengths): the autoscaler acts on nothing of it,
   older readers ignore the keys, and a later revision may add a source; the bridge counts it ``bad_source`` (a new
   entry of `REASONS`) and keeps that ScaledObject's last good block. `http_url_problem` is the URL rule of both.
+  `ScalerRecord` adds `managed_by`: ``pulsescale-operator`` (`ScalerRecord.OPERATOR`) on every record the Kubernetes
+  operator publishes; ``pulsescale apply`` refuses to replace such a record (``--force`` overrides) and writes ""
+  itself; an older operator's record lacks it and is marked when the operator next publishes it.
 
 Pure: no I/O, no NATS import; `now` is passed in where time matters.
 """

@@ -19,7 +19,7 @@ Pure: no I/O.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 import msgspec
 
@@ -151,10 +151,15 @@ class NodeAssignment(Message, kw_only=True):
     another model on the node (``unassigned_model``). An empty `models` offers nothing; no record at all is the
     reader's choice (`warmpool.slotindex.Assignments`: unbound unless it requires an assignment)."""
 
+    OPERATOR: ClassVar[str] = "pulsescale-operator"
+    """`by` of a record the Kubernetes operator keeps (the models of its standby pods on the node); a record with
+    another `by` was written by a person (``pulsescale assign``) and the operator leaves it alone
+    (``pulsescale assign NODE --hand-back`` gives it back)."""
+
     node: Name
     models: Annotated[list[Name], msgspec.Meta(max_length=MAX_MODELS_PER_NODE)] = []
     by: Text = ""
-    """Who wrote it (``pulsescale assign --by``; default the user and host)."""
+    """Who wrote it (``pulsescale assign --by``; default the user and host; `OPERATOR`: the operator)."""
     updated_at: float = 0.0
 
     @property
@@ -187,6 +192,20 @@ class ScalerRecord(Message, kw_only=True):
     `initialCooldownPeriod` counts from it; None: from when the autoscaler first saw the record."""
     labels: dict[LabelKey, LabelValue] = {}
     """Revision 12: the ScaledObject's ``metadata.labels``, for ``pulsescale get -l``; nothing acts on them."""
+    managed_by: Text = ""
+    """Revision 14: who keeps the record: `OPERATOR` when the Kubernetes operator published it from a ScaledObject
+    CR (``pulsescale apply`` refuses to replace such a record, and writes "" itself), "" otherwise."""
+
+    OPERATOR: ClassVar[str] = "pulsescale-operator"
+
+    @property
+    def published_by_operator(self) -> bool:
+        """Whether the Kubernetes operator wrote this record from a ScaledObject CR (`managed_by`)."""
+        return self.managed_by == self.OPERATOR
+
+    def unmanaged(self) -> ScalerRecord:
+        """This record as ``pulsescale apply`` writes it: `managed_by` empty."""
+        return msgspec.structs.replace(self, managed_by="") if self.managed_by else self
 
     def _validate(self) -> None:
         if len(self.labels) > MAX_LABELS:
