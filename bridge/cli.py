@@ -33,6 +33,8 @@ A model whose sources fail, or read nothing good for --stale-after (--query-stal
 published until they read well again, so the autoscaler's own staleness rule holds its replicas; a stale or
 made-up figure is never sent. Bad input (unreachable, not Prometheus text, no series or several, NaN, a counter
 reset) is counted per source and reason in pulsescale_bridge_errors_total. Needs only the gateway NATS role.
+A ready slot is read only if its node's assignment (pulse_assignments) lists its model, or the node has none and
+--require-assignment is off: the gateway's rule.
 Serves /healthz and /metrics on --listen. Do not bridge a model that a gateway already publishes: the autoscaler
 adds gateways' demands up."""
 
@@ -45,8 +47,9 @@ examples:
   pulsescale bridge --prometheus http://prometheus:9090 \\
       --query 'qwen=sum(vllm:num_requests_waiting{model_name="qwen"})
         + sum(vllm:num_requests_running{model_name="qwen"})'
-  pulsescale bridge --config /etc/pulsescale/bridge.yaml   # targets, model_names, slots, scaledobjects, models,
-                                                           # prometheus, queries
+  pulsescale bridge --slots --require-assignment   # the secure deployment: as the gateway routes
+  pulsescale bridge --config /etc/pulsescale/bridge.yaml   # targets, model_names, slots, scaledobjects,
+                                                           # require_assignment, models, prometheus, queries
 """
 
 
@@ -125,6 +128,15 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         help="also read what the ScaledObjects' triggers name (pulse_scalers, metadata.source vllm-metrics or "
         "prometheus), as they change; the flags win for a model they read",
     )
+    src.add_argument(
+        "--require-assignment",
+        action="store_true",
+        default=None,
+        help="with --slots or --scaledobjects, read a node's ready slots only of the models `pulsescale assign` gave "
+        "that node (KV pulse_assignments); without it a node with no assignment is read for whatever its agent "
+        "advertises. The secure deployment sets it, as on the gateway and the autoscaler [off: a node with an "
+        "assignment is held to it either way]",
+    )
     src.add_argument("--models", type=_models, metavar="M1,M2", help="publish only these models [all reported]")
     src.add_argument("--prometheus", metavar="URL", help="the Prometheus server --query asks")
     src.add_argument(
@@ -138,7 +150,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     src.add_argument(
         "--config",
         metavar="FILE",
-        help="YAML with targets, model_names, slots, scaledobjects, models, prometheus, queries (flags add to it)",
+        help="YAML with targets, model_names, slots, scaledobjects, require_assignment, models, prometheus, queries "
+        "(flags add to it)",
     )
     t = p.add_argument_group("timing (durations: 250ms, 1s, 1m or plain seconds)")
     t.add_argument(
@@ -207,6 +220,9 @@ def settings_from_args(args: argparse.Namespace, p: argparse.ArgumentParser) -> 
         model_names=(*f.model_names, *args.model_name),
         slots=bool(args.slots if args.slots is not None else f.slots),
         scaledobjects=bool(args.scaledobjects if args.scaledobjects is not None else f.scaledobjects),
+        require_assignment=bool(
+            args.require_assignment if args.require_assignment is not None else f.require_assignment
+        ),
         slot_metrics_path=args.slot_metrics_path,
         models=models,
         prometheus_url=args.prometheus or f.prometheus_url,

@@ -8,6 +8,7 @@ a file (a ConfigMap) than in flags. YAML, every key optional::
       Qwen/Qwen2.5-0.5B-Instruct: qwen
     slots: true                    # also scrape the ready slots of pulse_slots
     scaledobjects: true            # also read what the ScaledObjects' triggers name (metadata.source)
+    require_assignment: true       # read a node's ready slots only of the models pulse_assignments lists for it
     models: [qwen]                 # publish only these
     prometheus: http://prometheus:9090
     queries:                       # model -> PromQL whose one value is the demand
@@ -29,7 +30,16 @@ from warmpool.errors import BadInput
 
 __all__ = ["ConfigError", "ConfigFile", "load"]
 
-_KEYS: Final = ("targets", "model_names", "slots", "scaledobjects", "models", "prometheus", "queries")
+_KEYS: Final = (
+    "targets",
+    "model_names",
+    "slots",
+    "scaledobjects",
+    "require_assignment",
+    "models",
+    "prometheus",
+    "queries",
+)
 
 
 class ConfigError(BadInput):
@@ -42,6 +52,7 @@ class ConfigFile:
     model_names: tuple[tuple[str, str], ...] = ()
     slots: bool | None = None
     scaledobjects: bool | None = None
+    require_assignment: bool | None = None
     models: frozenset[str] | None = None
     prometheus_url: str | None = None
     queries: tuple[Query, ...] = ()
@@ -85,6 +96,9 @@ def parse(doc: Any) -> ConfigFile:
     scaledobjects = doc.get("scaledobjects")
     if scaledobjects is not None and not isinstance(scaledobjects, bool):
         raise ValueError("scaledobjects: true or false")
+    require_assignment = doc.get("require_assignment")
+    if require_assignment is not None and not isinstance(require_assignment, bool):
+        raise ValueError("require_assignment: true or false")
     prometheus = doc.get("prometheus")
     if prometheus is not None and not isinstance(prometheus, str):
         raise ValueError("prometheus: a URL")
@@ -93,6 +107,7 @@ def parse(doc: Any) -> ConfigFile:
         model_names=tuple(_str_map(doc, "model_names").items()),
         slots=slots,
         scaledobjects=scaledobjects,
+        require_assignment=require_assignment,
         models=frozenset(models) if models is not None else None,
         prometheus_url=prometheus,
         queries=tuple(Query.parse(f"{m}={q}") for m, q in _str_map(doc, "queries").items()),

@@ -13,8 +13,13 @@ A model whose sources fail or go stale past their bound is no longer published (
 then sees a silent gateway and applies its staleness rule, instead of a figure nobody measured. Bad input is a
 named, counted error per source (`bridge.errors`); the daemon keeps reading every other source.
 
-It needs only the gateway NATS role (publish ``pulse.queue.>``; with ``--slots``, KV reads of `pulse_slots`; with
-``--scaledobjects``, of `pulse_scalers` and `pulse_slots`).
+A ready slot is read only as the gateway routes it (`gateway.routes`, contract revision 11): `pulse_assignments` is
+followed, a node whose assignment does not list the slot's model is never read, and a node without one is read unless
+``--require-assignment`` (the secure deployment's setting, as on the gateway: an agent may write a ``ready`` record of
+any model pointing at a page it serves). No slot is read before the assignments are read or known absent.
+
+It needs only the gateway NATS role (publish ``pulse.queue.>``; with ``--slots``, KV reads of `pulse_slots` and
+`pulse_assignments`; with ``--scaledobjects``, of `pulse_scalers`, `pulse_slots` and `pulse_assignments`).
 ``/healthz`` and ``/metrics`` are on `settings.host`:`settings.port` (loopback unless told otherwise).
 """
 
@@ -81,7 +86,14 @@ class Bridge:
         self.rejected = Rejections(log, on_reject=lambda reason: self.metrics.rejected_records.labels(reason).inc())
         # The ready slots: the flags' (--slots), or those of models whose ScaledObject names them (--scaledobjects).
         self.routes = (
-            Routes(nc, settings.models, on_ready=self._slot_ready, on_gone=self._slot_gone, rejected=self.rejected)
+            Routes(
+                nc,
+                settings.models,
+                on_ready=self._slot_ready,
+                on_gone=self._slot_gone,
+                rejected=self.rejected,
+                require_assignment=settings.require_assignment,
+            )
             if settings.slots or settings.scaledobjects
             else None
         )
@@ -131,7 +143,9 @@ class Bridge:
             s.gateway_id,
             len(s.targets),
             len(s.queries),
-            ", the ready slots of pulse_slots" if s.slots else "",
+            (", the ready slots of pulse_slots" + (" (assigned nodes only)" if s.require_assignment else ""))
+            if s.slots
+            else "",
             ", what the ScaledObjects of pulse_scalers name (the flags win)" if s.scaledobjects else "",
             s.host,
             self.port,
@@ -226,6 +240,7 @@ class Bridge:
             "gateway": self.settings.gateway_id,
             "nats_connected": self.nc.is_connected,
             "slots_listed": self.routes.listed.is_set() if self.routes is not None else None,
+            "assignments": self.routes.assigned.state if self.routes is not None else None,
             "sources": {
                 s.id: {
                     "kind": s.kind,

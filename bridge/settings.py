@@ -97,6 +97,12 @@ class BridgeSettings:
     asked: an engine that serves no Prometheus page (the built-in local engine) would keep its model stale."""
     slot_metrics_path: str = "/metrics"
     """vLLM serves its metrics on the API's port, at ``/metrics``."""
+    require_assignment: bool = False
+    """Read a node's ready slots (`slots`, `scaledobjects`) only of the models `pulse_assignments` lists for it
+    (``pulsescale assign``): a node without an assignment is not read. Off: such a node is read, as before; a node
+    with an assignment is held to it either way (the gateway's rule, `gateway.routes`). The secure deployment sets
+    it, as on the gateway and the autoscaler: else an agent on an unassigned node could write a ``ready`` record of
+    any model pointing at a page it serves, and the bridge would publish that page's figures as the model's demand."""
     models: frozenset[str] | None = None
     """Publish only these models (what the sources report of others is ignored, and a ScaledObject of another is not
     read); None: every model they report."""

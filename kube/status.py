@@ -332,7 +332,8 @@ def _count(value: Any) -> int | None:
 
 def _labels(value: Any) -> dict[str, str]:
     """The labels as the contract carries them; none where they do not fit (more than `protocol.MAX_LABELS`: the
-    validator refuses such an object, and a cut set would match other selectors than the CR's)."""
+    reader publishes such an object without them too, `manifests.conversion`, since a cut set would match other
+    selectors than the CR's)."""
     if not isinstance(value, dict) or len(value) > protocol.MAX_LABELS:
         return {}
     fits = all(

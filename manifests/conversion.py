@@ -41,7 +41,7 @@ from manifests.terms import (
 from warmpool import protocol
 from warmpool.protocol import ScaledObjectSpec, ScalerRecord
 
-__all__ = ["capped", "from_manifest", "same_content"]
+__all__ = ["NOTE_LABELS_DROPPED", "capped", "from_manifest", "same_content"]
 
 
 # --- msgspec errors and unknown fields ---------------------------------------------------------------------------
@@ -156,11 +156,22 @@ _LABEL_KEY: Final = re.compile(protocol.LABEL_KEY_PATTERN)
 _LABEL_VALUE: Final = re.compile(protocol.LABEL_VALUE_PATTERN)
 
 
-def _labels(value: Any) -> dict[str, str]:
-    """``metadata.labels`` as Kubernetes admits them (what ``pulsescale get -l`` selects on), or the label named."""
+NOTE_LABELS_DROPPED: Final = (
+    f"metadata.labels: more than {protocol.MAX_LABELS}, the most a record carries; published without its labels, so "
+    "`pulsescale get -l` cannot select this ScaledObject (kubectl get -l still can); nothing else reads them"
+)
+"""The note of an object with more labels than `ScalerRecord.labels` carries (`_labels`)."""
+
+
+def _labels(value: Any, notes: list[str]) -> dict[str, str]:
+    """``metadata.labels`` as Kubernetes admits them (what ``pulsescale get -l`` selects on), or the label named.
+
+    Kubernetes sets no limit on their number, the contract does (`protocol.MAX_LABELS`, revision 12): an object
+    with more is published all the same, without labels, and `NOTE_LABELS_DROPPED` says so (an object that
+    published before revision 12 must not be unpublished by an upgrade). None rather than the first 64: a cut set
+    matches selectors that the object's labels do not (``!team`` with ``team`` cut off), and the operator's mirror
+    of the CR (`kube.status`) drops them the same way, so `get -l` reads one answer from either."""
     labels = _mapping(value, "metadata.labels", required=False)
-    if len(labels) > protocol.MAX_LABELS:
-        raise ScaledObjectError("metadata.labels", f"{len(labels)} labels, more than {protocol.MAX_LABELS}")
     out: dict[str, str] = {}
     for key, val in labels.items():
         field = f"metadata.labels[{key!r}]"
@@ -170,6 +181,9 @@ def _labels(value: Any) -> dict[str, str]:
         if not isinstance(val, str) or len(val) > 63 or not _LABEL_VALUE.match(val):
             raise ScaledObjectError(field, f"{val!r} is not a label value (a string, at most 63 characters)")
         out[key] = val
+    if len(out) > protocol.MAX_LABELS:
+        notes.append(NOTE_LABELS_DROPPED)
+        return {}
     return out
 
 
@@ -260,7 +274,7 @@ def from_manifest(
     )
     spec = msgspec.structs.replace(spec, advanced=advanced)
 
-    labels = _labels(meta.get("labels"))
+    labels = _labels(meta.get("labels"), notes)
     annotations = _mapping(meta.get("annotations"), "metadata.annotations", required=False)
     paused_flag = _flag(annotations, "paused")
     paused = paused_flag is not None and paused_flag[0]

@@ -244,6 +244,16 @@ def docs_markdown() -> str:
     ]
     out += [
         "",
+        "## Labels",
+        "",
+        "- `metadata.labels` are copied to the record in `pulse_scalers` for `pulsescale get -l`; nothing acts",
+        f"  on them. A record carries at most {protocol.MAX_LABELS}; Kubernetes sets no limit. An object with more",
+        f"  is published all the same, without its labels (not the first {protocol.MAX_LABELS}: a cut set would",
+        "  match selectors that the object's labels do not), and its notes say so (`status.notes`, the `note:`",
+        "  lines of `pulsescale apply`). `pulsescale get -l` then cannot select it; `kubectl get pso -l` still can.",
+    ]
+    out += [
+        "",
         "## `status` (written by the operator)",
         "",
         "| Field | Type | Meaning |",

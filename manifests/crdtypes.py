@@ -138,7 +138,7 @@ class ScaledObjectStatus(_Camel, kw_only=True):
     last_decisions: Annotated[list[LastDecision], msgspec.Meta(max_length=MAX_LAST_DECISIONS)] | None = None
     notes: Annotated[list[Annotated[str, msgspec.Meta(max_length=1024)]], msgspec.Meta(max_length=64)] | None = None
     """One line per accepted field that has no effect here, and why (the ScalerRecord's notes: a fixed set, at most
-    two per trigger and three more)."""
+    two per trigger and four more)."""
     original_replica_count: Count | None = None
     """The target's replica count before the first scale, for ``advanced.restoreToOriginalReplicaCount``."""
     cold_path: ColdPathStatus | None = None

@@ -11,9 +11,11 @@ reason. What is checked, and why it is stricter than the wire decoder:
   fix; one with KEDA's own triggers is told pulsescale has one trigger type.
 - ``metadata.name`` and ``metadata.namespace`` become the KV key ``<namespace>.<name>``: they must be names
   (`protocol.NAME_PATTERN`: no dots, since the key's parts are split on them). ``namespace`` defaults to
-  ``default`` as with kubectl. Everything else in ``metadata`` (uid, resourceVersion, managedFields, labels,
-  finalizers, ownerReferences...) and a ``status`` block are ignored, so a CR body from the API server reads;
-  ``metadata.creationTimestamp`` (RFC 3339) becomes `ScalerRecord.created_at`.
+  ``default`` as with kubectl. ``metadata.creationTimestamp`` (RFC 3339) becomes `ScalerRecord.created_at`;
+  ``metadata.labels`` become `ScalerRecord.labels` (``pulsescale get -l``), none where they are more than
+  `protocol.MAX_LABELS`, which Kubernetes allows (the object is published, with `NOTE_LABELS_DROPPED`).
+  Everything else in ``metadata`` (uid, resourceVersion, managedFields, finalizers, ownerReferences...) and a
+  ``status`` block are ignored, so a CR body from the API server reads.
 - ``spec`` decodes into `protocol.ScaledObjectSpec` (camelCase keys). Unknown keys are an error here, not
   ignored: the CRD's structural schema and ``kubectl apply`` (strict field validation) refuse them too, and an
   on-call engineer's ``maxReplica: 4`` typo must not be silently dropped.
@@ -79,7 +81,7 @@ The reader's parts, each a module of this package: `manifests.terms` (the API's 
 
 from __future__ import annotations
 
-from manifests.conversion import capped, from_manifest, same_content
+from manifests.conversion import NOTE_LABELS_DROPPED, capped, from_manifest, same_content
 from manifests.keda import NOTE_ENV_SOURCE
 from manifests.loading import Manifest, check_models, load_documents, load_path, other_kind
 from manifests.terms import (
@@ -118,6 +120,7 @@ __all__ = [
     "MAX_TEXT_BYTES",
     "MAX_TRIGGERS",
     "NOTE_ENV_SOURCE",
+    "NOTE_LABELS_DROPPED",
     "NUMBER_PATTERN",
     "PAUSED_ANNOTATION",
     "PAUSED_REPLICAS_ANNOTATION",

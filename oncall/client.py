@@ -35,7 +35,7 @@ from nats.aio.client import Client
 from warmpool import connect as nats_connect
 from warmpool import durations, protocol
 from warmpool import output as out
-from warmpool.errors import BadMessage
+from warmpool.errors import BadMessage, PermissionDenied
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -235,11 +235,27 @@ def _fields(reply: protocol.CommandReply) -> dict[str, Any]:
     return {k: v for k, v in msgspec.to_builtins(reply).items() if k not in ("v", "ok", "error", "reason")}
 
 
-def run_reads(prog: str, args: argparse.Namespace, name: str, work: Callable[[Client], Any]) -> int:
+def run_reads(
+    prog: str,
+    args: argparse.Namespace,
+    name: str,
+    work: Callable[[Client], Any],
+    *,
+    refused: Callable[[PermissionDenied], bool] | None = None,
+) -> int:
     """Run `work` (reads that may send several commands: `get`, `describe`) on one NATS connection; a
-    `CommandFailed` is printed and its code returned. Ctrl-C ends it with 0: that is how ``get -w`` stops."""
+    `CommandFailed` is printed and its code returned. Ctrl-C ends it with 0: that is how ``get -w`` stops.
+
+    A permission the server refuses ends the work at once (`connect.run_client`). `refused(err)` may take such a
+    refusal of a read the work can do without: it says so (stderr) and changes what `work` reads, returns True, and
+    `work` runs once more on a fresh connection; any other refusal leaves as `PermissionDenied` (exit 1)."""
     opts = nats_connect.options_from_args(args, name=name)
     try:
+        try:
+            return int(asyncio.run(nats_connect.run_client(opts, work)))
+        except PermissionDenied as err:
+            if refused is None or not refused(err):
+                raise
         return int(asyncio.run(nats_connect.run_client(opts, work)))
     except CommandFailed as err:
         print(f"{prog}: {err}", file=sys.stderr)

@@ -27,6 +27,7 @@ from oncall.get import (
     drop_none,
     kind_arg,
     manifest,
+    objects_refused,
     pause_annotations,
     read_pool,
     read_scaledobjects,
@@ -251,7 +252,7 @@ async def _describe(nc: Client, args: argparse.Namespace) -> int:
     fmt = out.machine(args)
     if args.kind == "scaledobject":
         key = f"{args.namespace}.{args.name}"
-        views = [v for v in await read_scaledobjects(nc) if v.key == key]
+        views = [v for v in await read_scaledobjects(nc, args) if v.key == key]
         if not views:
             raise CommandFailed(
                 f'scaledobject "{args.name}" not found in namespace {args.namespace} (`pulsescale get so -A` lists '
@@ -288,4 +289,4 @@ def describe(argv: list[str], prog: str) -> int:
     p.add_argument("name", metavar="NAME", help="the ScaledObject's or model's name, or the slot's key")
     p.add_argument("-n", "--namespace", default=scaledobject.DEFAULT_NAMESPACE, help="the ScaledObject's [default]")
     args = p.parse_args(argv)
-    return run_reads(prog, args, "pulsescale-describe", lambda nc: _describe(nc, args))
+    return run_reads(prog, args, "pulsescale-describe", lambda nc: _describe(nc, args), refused=objects_refused(args))

@@ -8,6 +8,8 @@ Where each kind comes from:
   table has KEDA's ``kubectl get so`` columns. A mirrored object shows its CR's conditions (one never published:
   READY False, its reason in ``-o wide``); another (`apply` with no operator, or before revision 13) is Ready when
   the autoscaler runs it, READY, ACTIVE and FALLBACK ``Unknown`` when none answers (it is listed all the same).
+  A NATS user refused `pulse_objects` (an on-call authorization rendered before revision 13) reads it as missing:
+  the records alone, with one warning on stderr naming the fix (`objects_refused`).
 - **slots**: the ``pool`` command's reply (the autoscaler's view: agent freshness, drains).
 - **models**: the ``status`` command's rows.
 
@@ -25,7 +27,7 @@ import argparse
 import asyncio
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
@@ -38,7 +40,7 @@ from oncall import jsonpath, labels
 from oncall.client import EXIT_REFUSED, CommandFailed, parser, request, run_reads
 from warmpool import buckets, durations, protocol
 from warmpool import output as out
-from warmpool.errors import BadMessage
+from warmpool.errors import BadMessage, PermissionDenied
 from warmpool.protocol import (
     ObjectStatus,
     PoolCommand,
@@ -63,6 +65,7 @@ __all__ = [
     "kind_arg",
     "manifest",
     "model_rows",
+    "objects_refused",
     "pause_annotations",
     "read_pool",
     "read_records",
@@ -150,8 +153,9 @@ class ScaledObjectView:
 
     @property
     def labels(self) -> Mapping[str, str]:
-        """The CR's labels where it is mirrored (what kubectl selects on; the operator does not republish a record
-        for a label edit alone), else the record's."""
+        """The CR's labels where it is mirrored (what kubectl selects on, and all a CR never published has), else the
+        record's. Of a CR the operator published they are the record's too: it republishes the record for a
+        label-only edit as well (`manifests.conversion.same_content` compares labels)."""
         return self.cr.labels if self.cr is not None else self.record.labels if self.record is not None else {}
 
     @property
@@ -166,12 +170,42 @@ class ScaledObjectView:
         return self.record.spec.model if self.record is not None else self.cr.model if self.cr is not None else None
 
 
-async def read_scaledobjects(nc: Client) -> list[ScaledObjectView]:
-    """The union of `pulse_scalers` and `pulse_objects`, by namespace and name (as kubectl's -A sorts)."""
+async def read_scaledobjects(nc: Client, args: argparse.Namespace | None = None) -> list[ScaledObjectView]:
+    """The union of `pulse_scalers` and `pulse_objects`, by namespace and name (as kubectl's -A sorts); only
+    `pulse_scalers` once this user was refused `pulse_objects` (`objects_refused`, as when it does not exist)."""
     records = {r.key: r for r in await read_records(nc, protocol.SCALERS_BUCKET, ScalerRecord)}
-    crs = {o.key: o for o in await read_records(nc, protocol.OBJECTS_BUCKET, ObjectStatus)}
+    skip = args is not None and getattr(args, _OBJECTS_REFUSED, False)
+    crs = {} if skip else {o.key: o for o in await read_records(nc, protocol.OBJECTS_BUCKET, ObjectStatus)}
     views = [ScaledObjectView.of(records.get(k), crs.get(k)) for k in records.keys() | crs.keys()]
     return sorted(views, key=lambda v: (v.namespace, v.name))
+
+
+_OBJECTS_REFUSED: Final = "_objects_refused"
+"""Set on the command's arguments once this NATS user was refused `pulse_objects` (`objects_refused`)."""
+
+
+def objects_refused(args: argparse.Namespace) -> Callable[[PermissionDenied], bool]:
+    """For `run_reads`: a refusal of `pulse_objects` is taken as that bucket missing (what the operator's CRs say
+    is not shown; `pulse_scalers` is, as before revision 13), with one warning naming the fix. An on-call
+    authorization rendered before revision 13 lacks the bucket's reads."""
+
+    def take(err: PermissionDenied) -> bool:
+        # $JS.API.<...>.KV_pulse_objects[.<...>], $JS.FC.KV_pulse_objects.<...>, $KV.pulse_objects.<key>
+        tokens = err.subject.split(".")
+        about = f"KV_{protocol.OBJECTS_BUCKET}" in tokens or tokens[:2] == ["$KV", protocol.OBJECTS_BUCKET]
+        if not about or getattr(args, _OBJECTS_REFUSED, False):
+            return False
+        setattr(args, _OBJECTS_REFUSED, True)
+        print(
+            f"warning: this NATS user may not read {protocol.OBJECTS_BUCKET} (permission denied on {err.subject}), "
+            f"so what the ScaledObject CRs say is not shown, only what {protocol.SCALERS_BUCKET} holds: its "
+            "authorization is from before contract revision 13; render it again (`pulsescale nats "
+            '--print-authorization`, README "Security") and reload nats-server',
+            file=sys.stderr,
+        )
+        return True
+
+    return take
 
 
 async def read_status(nc: Client, args: argparse.Namespace, *, required: bool) -> list[StatusRow] | None:
@@ -451,7 +485,7 @@ class _View:
 async def _read_view(nc: Client, kind: str, args: argparse.Namespace, now: float) -> _View:
     wide = args.output == "wide"
     if kind == "scaledobject":
-        views = await read_scaledobjects(nc)
+        views = await read_scaledobjects(nc, args)
         if not args.all_namespaces:
             views = [v for v in views if v.namespace == args.namespace]
         if args.name:
@@ -594,4 +628,4 @@ def get(argv: list[str], prog: str) -> int:
             jsonpath.render(args.output.removeprefix("jsonpath="), {})
         except jsonpath.JsonPathError as err:
             p.error(f"-o {args.output}: {err}")
-    return run_reads(prog, args, "pulsescale-get", lambda nc: _get(nc, args.kind, args))
+    return run_reads(prog, args, "pulsescale-get", lambda nc: _get(nc, args.kind, args), refused=objects_refused(args))

@@ -119,10 +119,23 @@ def test_scaledobjects_from_the_flag_or_the_file_is_enough_to_read(tmp_path: Pat
     assert by_slots is not None and by_slots.startswith("--slots") and s.flagged("c") is None  # --models leaves c out
 
 
+def test_require_assignment_from_the_flag_or_the_file(tmp_path: Path) -> None:
+    """Review finding 3: the secure deployment's `--require-assignment` (the gateway's flag) reaches the bridge."""
+    p = _parser("pulsescale bridge")
+    assert not settings_from_args(parse("--slots"), p).require_assignment
+    assert settings_from_args(parse("--slots", "--require-assignment"), p).require_assignment
+    f = tmp_path / "bridge.yaml"
+    f.write_text("scaledobjects: true\nrequire_assignment: true\n")
+    s = settings_from_args(parse("--config", str(f)), p)
+    assert s.scaledobjects and s.require_assignment
+    assert "--require-assignment" in " ".join(pulsescale("bridge", "--help").stdout.split())
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
         ("targets: http://h:1\n", "targets: a list"),
+        ("require_assignment: 1\n", "require_assignment: true or false"),
         ("target: [http://h:1]\n", "unknown key(s) target"),
         ("targets: [{url: 'http://h:1', weight: 2}]\n", "give a URL, MODEL=URL or {url: URL, model: MODEL}"),
         ("slots: yes please\n", "slots: true or false"),

@@ -472,6 +472,45 @@ def test_same_content_sees_the_new_fields() -> None:
     assert not scaledobject.same_content(plain, labelled)  # a label-only edit is written: `get -l` reads them
 
 
+def _labelled(count: int, extra: str = "") -> str:
+    labels = ", ".join(f"k{i}: v" for i in range(count))
+    return GOOD.replace("  name: qwen\n", f"  name: qwen\n  labels: {{{labels}{extra}}}\n")
+
+
+def test_more_labels_than_a_record_carries_publish_the_object_without_them() -> None:
+    """Review finding 8: Kubernetes sets no limit on labels, `ScalerRecord.labels` carries 64 (revision 12). An object
+    with 65 (published before revision 12) is still published, without labels (none, as the operator's mirror of
+    the CR: a cut set would match other selectors), and its note says so; at 64 every label is kept."""
+    [rec] = load(_labelled(protocol.MAX_LABELS + 1))
+    assert rec.labels == {} and rec.spec.model == "qwen"
+    assert rec.notes == [scaledobject.NOTE_LABELS_DROPPED]
+    assert "pulsescale get -l" in rec.notes[0] and "64" in rec.notes[0]
+    assert protocol.decode(protocol.encode(rec), ScalerRecord) == rec  # what the autoscaler decodes
+    [kept] = load(_labelled(protocol.MAX_LABELS))
+    assert len(kept.labels) == protocol.MAX_LABELS and kept.notes == []
+    # A label Kubernetes itself refuses is still named, however many there are.
+    with pytest.raises(ScaledObjectError, match=r"metadata.labels\['-bad'\]: not a Kubernetes label key"):
+        load(_labelled(protocol.MAX_LABELS + 1, ", -bad: v"))
+
+
+async def test_apply_publishes_an_object_with_too_many_labels_and_prints_the_note(
+    nats_server: NatsServer, nc: Client, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Written to `pulse_scalers` (before the fix: refused, exit 1, nothing written); `get so` lists it, and `get so
+    -l` cannot select it by a label it was applied with."""
+    text = _labelled(protocol.MAX_LABELS + 1)
+    assert await asyncio.to_thread(apply, "-f", "-", stdin=text, nats_url=nats_server.url) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("scaledobject default.qwen created (model qwen")
+    assert f"note: default.qwen: {scaledobject.NOTE_LABELS_DROPPED}\n" in out.out
+    rec = await kv_record(nc, "default.qwen")
+    assert rec.labels == {} and rec.notes == [scaledobject.NOTE_LABELS_DROPPED]
+    assert await asyncio.to_thread(dispatcher.main, ["get", "so", "--no-headers", "--nats", nats_server.url]) == 0
+    assert capsys.readouterr().out.split()[0] == "qwen"
+    assert await asyncio.to_thread(dispatcher.main, ["get", "so", "-l", "k0=v", "--nats", nats_server.url]) == 0
+    assert capsys.readouterr().out == ""
+
+
 # --- CR bodies from the API server -----------------------------------------------------------------------------------
 
 

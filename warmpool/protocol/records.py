@@ -251,7 +251,8 @@ class ObjectStatus(Message, kw_only=True):
     min_replicas: Count | None = None
     max_replicas: Count | None = None
     labels: dict[LabelKey, LabelValue] = {}
-    """The CR's ``metadata.labels`` (empty where they are more than `MAX_LABELS`: such an object is refused)."""
+    """The CR's ``metadata.labels`` (empty where they are more than `MAX_LABELS`: such an object is published
+    without them, as its `ScalerRecord`)."""
     generation: Count | None = None
     """The CR's ``metadata.generation`` the conditions were written for (``observedGeneration``)."""
     created_at: float | None = None
