@@ -447,6 +447,9 @@ class ModelScaler:
             if r.key not in self.held
             and r.state in ("claimed", "activating", "ready")
             and self.store.index.unchanged_s(r.key) > 2 * deadline_s  # on our clock: the agent's may be off
+            # A slot of a model its node may not offer is never adopted (`Claimer.adopt`; the index counted it
+            # `unassigned_model`): asking again every tick only logged "adopting" forever.
+            and self.store.index.assignments.allows(r.model, r.node)
         ]
         if orphans:
             log.warning("%s: adopting %d slot(s) held by no one here: %s", self.model, len(orphans),

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 from collections.abc import AsyncIterator
 
+import pytest
 from nats.aio.client import Client
 
+from autoscaler.controller import ControllerSettings
 from tests.agent_double import AgentDouble
 from tests.autoscaler.test_autoscaler import (  # noqa: F401 - cancel_gateways: autouse, stops the samples
     Gateway,
@@ -120,3 +124,29 @@ async def test_with_require_assignment_an_unassigned_node_serves_once_it_is_assi
     finally:
         for agent in (a, b):
             await agent.stop()
+
+
+async def test_a_held_slot_of_an_unassigned_model_is_left_alone_not_adopted_every_tick(
+    nats_server: NatsServer, nc: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A `ready` record of ``m`` on node ``rogue``, which was assigned only ``other`` (an agent's forgery, or a model
+    unassigned before its slot was drained): the leader never adopts it, counts it once, and its sweep does not
+    take it for an orphan to adopt on every housekeeping tick (it logged "adopting" 17 times in 4 s)."""
+    await assign(nc, "rogue", "other")
+    kv = (await ensure_buckets(nc.jetstream()))[protocol.SLOTS_BUCKET]
+    rec = protocol.SlotRecord(model="m", node="rogue", slot="s0", state="ready", endpoint="http://127.0.0.1:9",
+                              token=1, claim_id="c" * 16, updated_at=time.time())  # fmt: skip
+    await kv.put(rec.key, protocol.encode(rec))
+    await put_scaler(nc, "m", minReplicaCount=0)
+    caplog.set_level(logging.WARNING, logger="pulsescale.scaler")
+    async with running_autoscaler(nats_server.url, controller=ControllerSettings(activation_deadline_s=0.2)) as scaler:
+        await wait_for(lambda: "m" in scaler.fleet.by_model, 10, "the model's controller")
+        await wait_for(
+            lambda: scaler.metrics.registry.get_sample_value(REJECTED, {"reason": "unassigned_model"}) == 1,
+            10, "the record to be counted",
+        )  # fmt: skip
+        await asyncio.sleep(2.0)  # past two activation deadlines: eight housekeeping ticks
+        assert scaler.fleet.by_model["m"].scaler.held == {}
+        adopting = [r.getMessage() for r in caplog.records if "adopting" in r.getMessage()]
+        assert adopting == [], adopting
+        assert scaler.metrics.registry.get_sample_value(REJECTED, {"reason": "unassigned_model"}) == 1
