@@ -9,6 +9,7 @@ field of `observe`'s reading and state on each of its branches.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import Literal
 
 import pytest
@@ -224,6 +225,40 @@ def test_a_bucket_exactly_one_span_old_leaves_the_running_aggregates() -> None:
     assert got == [(9.0, 9.0), (9.0, 5.0), (9.0, 4.0), (3.0, 2.0), (3.0, pytest.approx(5.5 / 3, rel=1e-12))]
 
 
+def test_a_mean_read_at_the_newest_bucket_is_the_exact_mean_rounded_once() -> None:
+    """The running sums are exact: 0.1, 0.2, 0.3 average to 0.2 exactly, over the ring's whole 0.3 s and over less.
+
+    Summing the floats first (0.1 + 0.2 is 0.30000000000000004) gives 0.20000000000000004 or 0.19999999999999998,
+    whatever the order; the reference is the exact rational mean of the three doubles, rounded once."""
+    w = _window([(0.0, 0.1), (0.1, 0.2), (0.2, 0.3)], span_s=0.3)
+    exact = float(sum(map(Fraction, [0.1, 0.2, 0.3])) / 3)
+    assert exact == 0.2
+    assert w.mean(T0 + 0.2, 0.3) == exact  # the span is the whole ring: 3 buckets of 3
+    assert w.mean(T0 + 0.2, 0.2) == float((Fraction(0.2) + Fraction(0.3)) / 2)  # 0.25
+
+
+def test_a_span_shorter_than_a_bucket_holds_nothing_at_the_newest_bucket() -> None:
+    """``(now - 0, now]`` holds no bucket: mean, peak and trend read None at the newest bucket and after it."""
+    w = _window([(0.0, 5.0), (0.1, 7.0)])
+    assert (w.mean(T0 + 0.1, 0.0), w.peak(T0 + 0.1, 0.0), w.trend(T0 + 0.1, 0.0)) == (None, None, None)
+    assert (w.mean(T0 + 0.3, 0.0), w.peak(T0 + 0.3, 0.0), w.trend(T0 + 0.3, 0.0)) == (None, None, None)
+    tiny = _window([(0.0, 5.0)])
+    assert (tiny.mean(T0, 1e-12), tiny.peak(T0, 1e-12)) == (None, None)  # under one bucket: none of it
+
+
+def test_a_carry_longer_than_the_ring_fills_only_the_buckets_the_ring_keeps() -> None:
+    """A 0.3 s ring carrying 1 s: 5 at 0.0, then 7 at 1.2. The 5 is carried to 1.0, but of the carried buckets only
+    1.0 is still inside the ring when 1.2 arrives (1.1 is past the carry); nothing older, such as 0.8, is left in it.
+
+    Read over 1 s (longer than the ring: what it holds), the window is 1.0 -> 5 and 1.2 -> 7."""
+    w = _window([(0.0, 5.0), (1.2, 7.0)], span_s=0.3, carry_s=1.0)
+    held = sorted(k - w.key(T0) for k in w.keys.tolist() if k >= w.key(T0))
+    assert held == [10, 12]
+    assert w.mean(T0 + 1.2, 1.0) == 6.0
+    assert w.peak(T0 + 1.2, 1.0) == 7.0
+    assert sorted(w.values.tolist()) == [0.0, 5.0, 7.0]  # the third slot was never written
+
+
 # --- versions ------------------------------------------------------------------------------------------------------
 
 
@@ -357,6 +392,16 @@ def test_after_the_clock_stepped_back_a_short_history_forecasts_the_demand_just_
     pulses, _ = _observe(DetectorConfig(), [(0.0, 5.0, 2), (0.1, 9.0, 2), (0.0, 20.0, 2)])
     assert pulses[-1].forecast_demand == 20.0 and pulses[-1].current == 20.0
     assert pulses[-1].panic_demand == 5.0  # only buckets up to now, and the filled one kept its value
+
+
+def test_a_panic_window_shorter_than_a_bucket_sees_no_demand_at_the_first_reading() -> None:
+    """A panic window under one bucket (the spec allows any positive length) covers ``(now, now]``: no bucket. The
+    first reading has a stable demand but no panic demand, no forecast and no panic, whatever the demand."""
+    for panic_window_s in (0.0, 1e-12):
+        cfg = DetectorConfig(panic_window_s=panic_window_s)
+        pulses, state = _observe(cfg, [(0.0, 100.0, 1)])
+        assert pulses[-1] == Pulse(True, 100.0, 100.0, None, None, 0.0, 4.0, False, False, False, False)
+        assert (state.panic, state.panic_since, state.panic_condition_at) == (False, None, None)
 
 
 def test_a_blind_reading_in_panic_keeps_the_state_and_flags_nothing() -> None:
