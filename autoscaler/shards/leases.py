@@ -275,7 +275,10 @@ class ShardLeases:
         while not self._terms.halted and renewer is not None and renewer.kv is not None:
             sent = self.monotonic()
             held, models = self._record
-            await self._announce(self.clock(), held, models=models, kv=renewer.kv, main=renewer.on_main)
+            # A daemon that cannot act is not announced as live: its record lapses with its shards' leases, so the
+            # other replicas' plans stop counting it (`ShardTerms._main_lost`, which says so).
+            if not self._terms._main_lost(renewer.main_stalled_s()):
+                await self._announce(self.clock(), held, models=models, kv=renewer.kv, main=renewer.on_main)
             await asyncio.sleep(max(0.0, self._terms._next_tick(sent) - self.monotonic()))
 
     async def _moves(self) -> bool:

@@ -10,6 +10,12 @@ daemon's that releases the GIL, as `time.sleep` does, costs it nothing).
 Only the renewal writes happen here. Whatever changes the daemon's state (a lost term's `on_lost`, the leases'
 view) is handed back to the daemon's loop with `on_main`. The daemon starts one (`start`) and closes it after the
 shards are resigned (`close`).
+
+Renewing from here must not outlive the daemon's ability to act: a loop wedged for good (a stuck handler, a
+deadlock) or a main connection that is down would keep its shards, their models decided by no one, until a
+liveness probe restarted the pod. So this thread asks the daemon's loop for a turn every `PING_S`
+(`main_stalled_s`: how long since one was had with `main_ok` true), and the keepers stop renewing once that is past
+`ShardSettings.main_lost_after_s`: the leases lapse and another replica takes the shards.
 """
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 from nats.aio.client import Client
 from nats.js.kv import KeyValue
@@ -33,15 +40,24 @@ log = logging.getLogger("pulsescale.shards")
 
 T = TypeVar("T")
 
+PING_S: Final = 0.25
+"""How often the renewals' thread asks the daemon's loop for a turn (`main_stalled_s`): a call_soon_threadsafe of
+a one-line callback, nothing the daemon's loop notices."""
+
 
 class LeaseRenewer:
     """The renewals' thread, loop, connection and `kv` (KV `pulse_leases` on that connection)."""
 
-    def __init__(self, options: connect.NatsOptions, *, kv_timeout_s: float) -> None:
+    def __init__(
+        self, options: connect.NatsOptions, *, kv_timeout_s: float, main_ok: Callable[[], bool] | None = None
+    ) -> None:
         """`options` are the daemon's (the connection is named ``<name>-leases``); `kv_timeout_s` bounds each lease
-        write, as the daemon's own lease rounds are bounded."""
+        write, as the daemon's own lease rounds are bounded. `main_ok`, called on the daemon's loop: whether the
+        daemon can act (its own NATS connection is up); None: always."""
         self.options = options
         self.kv_timeout_s = kv_timeout_s
+        self.main_ok = main_ok
+        self._main_heard = time.monotonic()  # when the daemon's loop last had a turn with `main_ok` true
         self.kv: KeyValue | None = None
         self._nc: Client | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -85,11 +101,30 @@ class LeaseRenewer:
         self._nc = await connect.connect(dataclasses.replace(opts, name=f"{opts.name}-leases"))
         try:
             self.kv = await self._nc.jetstream(timeout=self.kv_timeout_s).key_value(protocol.LEASES_BUCKET)
+            self._main_heard = time.monotonic()
             self._settle(started, None)
-            await self._stop.wait()
+            ping = asyncio.create_task(self._ping_main(), name="pulsescale-lease-ping")
+            try:
+                await self._stop.wait()
+            finally:
+                ping.cancel()
         finally:
             with contextlib.suppress(Exception):
                 await self._nc.close()
+
+    async def _ping_main(self) -> None:
+        while True:
+            self.on_main(self._heard)
+            await asyncio.sleep(PING_S)
+
+    def _heard(self) -> None:
+        """On the daemon's loop: a turn was had (and the daemon can act)."""
+        if self.main_ok is None or self.main_ok():
+            self._main_heard = time.monotonic()
+
+    def main_stalled_s(self) -> float:
+        """Seconds since the daemon's loop last had a turn with `main_ok` true (about `PING_S` when all is well)."""
+        return time.monotonic() - self._main_heard
 
     @property
     def running(self) -> bool:

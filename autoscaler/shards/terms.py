@@ -52,12 +52,24 @@ class ShardSettings:
     stop_fraction: float = 0.8
     """A replica stops acting for a shard this far into its lease without a heard renewal, before anyone else
     may take it (clocks may disagree by up to ``lease_s * (1 - stop_fraction)``: 0.4 s by default)."""
+    main_lost_after_s: float | None = None
+    """Renewals made on the renewer's thread (`autoscaler.shards.renewer`) stop once the daemon's loop has had no
+    turn, or its NATS connection has been down, this long: its shards then lapse to another replica within this
+    plus `lease_s`. None: `main_lost_s`, 2.5 leases and at least 5 s: well above the 1-2 s a loop starved of CPU
+    was seen to stall (issue 27: those must not cost a lease), well below a liveness probe's restart."""
+
+    @property
+    def main_lost_s(self) -> float:
+        """`main_lost_after_s`, or its default."""
+        return self.main_lost_after_s if self.main_lost_after_s is not None else max(5.0, 2.5 * self.lease_s)
 
     def __post_init__(self) -> None:
         if not 0 < self.renew_every_s < self.lease_s:
             raise ValueError(f"renew_every_s ({self.renew_every_s}) must be in (0, lease_s = {self.lease_s})")
         if not 0 < self.stop_fraction < 1:
             raise ValueError(f"stop_fraction ({self.stop_fraction}) must be in (0, 1): see autoscaler.shards.leader")
+        if self.main_lost_after_s is not None and not self.main_lost_after_s >= self.lease_s:
+            raise ValueError(f"main_lost_after_s ({self.main_lost_after_s}) must be >= lease_s ({self.lease_s})")
 
 
 def reap(task: asyncio.Task[Any] | None) -> None:
@@ -129,6 +141,7 @@ class ShardTerms:
         self._assignment = assignment
         self._callbacks = callbacks
         self.held: dict[int, _Term] = {}
+        self._said_main_lost = False  # `_main_lost` logged this episode
         self.last_loss = ""
         """Why the shard `on_lost` is being called for was lost: one of `autoscaler.shards.leases.INVOLUNTARY` (the term
         lapsed, another replica holds the lease), or "assigned to another replica", "an older replica leads",
@@ -212,6 +225,8 @@ class ShardTerms:
             return
         if not (self.monotonic() < term.act_until if remote else self.owns(shard)):
             return
+        if remote and self.renewer is not None and self._main_lost(self.renewer.main_stalled_s()):
+            return  # the daemon cannot act for its shards: let them lapse to a replica that can
         term.renewing = True
         try:
             await self._renew_once(shard, term, sent, now, remote=remote)
@@ -243,6 +258,18 @@ class ShardTerms:
                 self._callbacks.on_slack(term.act_until - heard)  # what was left of the term: at 0 it is lost
             term.act_until = sent + self.settings.lease_s * self.settings.stop_fraction
             self._main(remote, self._view.apply_local, key, lease, got.revision)
+
+    def _main_lost(self, stalled_s: float) -> bool:
+        """Whether the daemon's loop (or its connection) is lost for `stalled_s`: said once per episode."""
+        lost = stalled_s > self.settings.main_lost_s
+        if lost and not self._said_main_lost:
+            log.error(
+                "%s: the event loop has had no turn, or its NATS connection has been down, for %.1f s (over %.1f s): "
+                "shard leases are no longer renewed, so another replica takes the shards",
+                self.identity, stalled_s, self.settings.main_lost_s,
+            )  # fmt: skip
+        self._said_main_lost = lost
+        return lost
 
     def _main(self, remote: bool, fn: Callable[..., Any], *args: Any) -> None:
         """`fn(*args)` on the daemon's loop: now when already there, else handed over from the renewer's thread."""

@@ -13,6 +13,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 
+import pytest
 from nats.aio.client import Client
 from nats.js.kv import KeyValue
 
@@ -42,18 +43,18 @@ def _busy(seconds: float) -> None:
 
 @contextlib.asynccontextmanager
 async def _campaigning(
-    kv: KeyValue, renewer: LeaseRenewer | None
+    kv: KeyValue, renewer: LeaseRenewer | None, settings: ShardSettings = SETTINGS
 ) -> AsyncIterator[tuple[ShardLeases, list[int], list[float]]]:
     lost: list[int] = []
     slack: list[float] = []
     leases = ShardLeases(
-        kv, "busy", SETTINGS, shards=SHARDS, on_lost=lost.append, on_slack=slack.append, renewer=renewer
+        kv, "busy", settings, shards=SHARDS, on_lost=lost.append, on_slack=slack.append, renewer=renewer
     )
     stop = asyncio.Event()
     campaign = asyncio.create_task(leases.campaign(stop))
     try:
         await wait_for(lambda: leases.held() == frozenset(range(SHARDS)), 5, "every shard taken")
-        await asyncio.sleep(SETTINGS.renew_every_s * 2)  # a renewal or two heard
+        await asyncio.sleep(settings.renew_every_s * 2)  # a renewal or two heard
         yield leases, lost, slack
     finally:
         stop.set()
@@ -92,6 +93,67 @@ async def test_leases_are_renewed_while_the_loop_is_busy_for_longer_than_the_lea
     finally:
         await renewer.close()
     assert not renewer.running
+
+
+LOST_AFTER = ShardSettings(lease_s=1.0, renew_every_s=0.25, main_lost_after_s=1.5)
+WEDGED_S = 3.5
+"""Longer than `LOST_AFTER.main_lost_after_s` plus the lease: a loop this long without a turn is wedged."""
+
+
+async def test_a_loop_wedged_past_main_lost_after_stops_the_renewals_and_the_shards_lapse(
+    nats_server: NatsServer, nc: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The renewer keeps a busy loop's shards (above), but not a wedged one's: once the daemon's loop has had no turn
+    for `main_lost_after_s` the renewals stop, the leases and the replica record lapse, and another replica can take
+    the shards (before, they were renewed for as long as the thread lived: the models decided by no one)."""
+    kv = (await ensure_buckets(nc.jetstream()))[protocol.LEASES_BUCKET]
+    renewer = LeaseRenewer(connect.NatsOptions(servers=(nats_server.url,), name="test"), kv_timeout_s=0.5)
+    await renewer.start()
+    try:
+        async with _campaigning(kv, renewer, LOST_AFTER) as (_, lost, slack):
+            count = len(slack)
+            began = time.monotonic()
+            _busy(WEDGED_S)
+            ended = time.monotonic()
+            # `slack` grew on the renewer's thread while this one computed: how many renewals, and none late.
+            heard = len(slack) - count
+            # Its terms ended while it was wedged: on its first rounds back it finds it acts for none of them.
+            await wait_for(lambda: sorted(lost) == list(range(SHARDS)), 3, "every term found ended")
+            # Renewed for main_lost_after_s (four shards, four times a second), then not: far fewer than the
+            # whole wedge's worth of renewals.
+            per_s = SHARDS / LOST_AFTER.renew_every_s
+            assert heard <= per_s * (LOST_AFTER.main_lost_after_s + 0.5), (heard, ended - began)
+
+        assert any("no longer renewed" in r.getMessage() for r in caplog.records)
+    finally:
+        await renewer.close()
+
+
+async def test_a_main_connection_down_past_main_lost_after_stops_the_renewals(
+    nats_server: NatsServer, nc: Client
+) -> None:
+    """The loop turns but the daemon cannot act (`main_ok` false: its own NATS connection is down): the renewals'
+    connection must not keep its shards for it."""
+    kv = (await ensure_buckets(nc.jetstream()))[protocol.LEASES_BUCKET]
+    up = [True]
+    renewer = LeaseRenewer(
+        connect.NatsOptions(servers=(nats_server.url,), name="test"), kv_timeout_s=0.5, main_ok=lambda: up[0]
+    )
+    await renewer.start()
+    try:
+        async with _campaigning(kv, renewer, LOST_AFTER) as (_, lost, _):
+            await asyncio.sleep(LOST_AFTER.main_lost_after_s + 0.5)
+            assert lost == [], "a loop that turns with its connection up keeps every shard"
+            up[0] = False
+            await wait_for(lambda: sorted(lost) == list(range(SHARDS)), 10, "every term to end")
+            assert renewer.main_stalled_s() > LOST_AFTER.main_lost_after_s
+    finally:
+        await renewer.close()
+
+
+def test_main_lost_after_may_not_be_shorter_than_the_lease() -> None:
+    with pytest.raises(ValueError, match="main_lost_after_s"):
+        ShardSettings(lease_s=2.0, main_lost_after_s=1.0)
 
 
 async def test_on_the_loop_the_same_busy_handler_costs_every_lease(nc: Client) -> None:

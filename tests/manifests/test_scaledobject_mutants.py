@@ -69,6 +69,51 @@ def test_capped_keeps_the_idle_count_of_a_model_whose_minimum_is_zero() -> None:
     assert protocol.decode(protocol.encode(cut), ScalerRecord) == cut
 
 
+def test_the_idle_count_refusal_says_what_to_change_for_each_minimum() -> None:
+    """KEDA's idle rule names the fix that fits the minimum written: an unset ``minReplicaCount`` (read as 0) is to
+    be set above the idle count; a minimum above 0 is to be raised over it, or the idle count removed (mutants of
+    `check_replica_bounds`' two texts and of its ``.get`` default). A ``true`` idle count is a wrong type, left to
+    msgspec to name, never run through KEDA's arithmetic as 1 (mutant ``and`` for the first ``or``)."""
+    unset = _spec(idleReplicaCount=3)
+    spec = unset["spec"]
+    assert isinstance(spec, dict)
+    del spec["minReplicaCount"]
+    assert _refusal(unset) == (
+        "spec.idleReplicaCount: IdleReplicaCount=3 must be less than MinReplicaCount=0, as KEDA's admission webhook "
+        "says: minReplicaCount is unset, which KEDA's webhook reads as 0: set minReplicaCount above it"
+    )
+    assert _refusal(_spec(minReplicaCount=2, idleReplicaCount=3)) == (
+        "spec.idleReplicaCount: IdleReplicaCount=3 must be less than MinReplicaCount=2, as KEDA's admission webhook "
+        "says: set idleReplicaCount below minReplicaCount, or remove it"
+    )
+    assert _refusal(_spec(idleReplicaCount=True)) == "spec.idleReplicaCount: Expected `int | null`, got `bool`"
+
+
+# --- scale target ---------------------------------------------------------------------------------------------------
+
+_NOT_A_TARGET = (
+    "is not a target pulsescale scales: the operator makes standby pods from the pod template and writes the scale "
+    "subresource of an apps/v1 Deployment or apps/v1 StatefulSet only (KEDA takes anything with a /scale "
+    "subresource, such as an Argo Rollout: keep that workload on KEDA, or point scaleTargetRef at a Deployment or "
+    "StatefulSet)"
+)
+
+
+def test_a_scale_target_is_checked_with_keda_defaults_for_what_is_unset() -> None:
+    """``scaleTargetRef`` without ``kind`` is a Deployment, without ``apiVersion`` is ``apps/v1`` (the wire type's
+    defaults), so a lone ``apiVersion: argoproj.io/v1alpha1`` or a lone ``kind: Rollout`` is refused, never
+    published with a target nothing scales (mutants of the two ``.get`` defaults). The refusal names the field
+    that is wrong (``apiVersion`` when the kind is one we scale) and the targets that are taken (mutants of
+    ``field``, ``allowed`` and the text). A kind that is not a string is msgspec's to name: a list there is not
+    looked up in a set (mutant ``and`` for the first ``or``: TypeError, unhashable)."""
+    argo = _spec(scaleTargetRef={"name": "qwen", "apiVersion": "argoproj.io/v1alpha1"})
+    assert _refusal(argo) == f"spec.scaleTargetRef.apiVersion: argoproj.io/v1alpha1 Deployment {_NOT_A_TARGET}"
+    rollout = _spec(scaleTargetRef={"name": "qwen", "kind": "Rollout"})
+    assert _refusal(rollout) == f"spec.scaleTargetRef.kind: apps/v1 Rollout {_NOT_A_TARGET}"
+    listed = _spec(scaleTargetRef={"name": "qwen", "kind": ["Deployment"]})
+    assert _refusal(listed) == "spec.scaleTargetRef.kind: Expected `str`, got `array`"
+
+
 # --- triggers -------------------------------------------------------------------------------------------------------
 
 
@@ -92,6 +137,47 @@ def test_the_metadata_numbers_are_the_wire_number_fields_optional_or_not() -> No
     assert keda._is_number_type(info(float)) and keda._is_number_type(info(int))
     assert keda._is_number_type(info(float | None)) and keda._is_number_type(info(int | str))
     assert not keda._is_number_type(info(str | None)) and not keda._is_number_type(info(str))
+
+
+def test_a_trigger_read_by_the_bridge_gets_the_bridges_notes() -> None:
+    """A trigger whose ``metadata.source`` the bridge reads (``vllm-metrics``, ``prometheus``) is polled by the
+    bridge at its own period: its useCachedMetrics, authenticationRef and pollingInterval notes say so, where a
+    gateway trigger's say the samples are pushed (mutants of ``source``, ``pulled`` and the three choices)."""
+    extras = {"useCachedMetrics": True, "authenticationRef": {"name": "creds"}}
+    bridged = {"type": "gateway-queue", "metadata": {"model": "qwen", "source": "vllm-metrics"}, **extras}
+    rec = scaledobject.from_manifest(_spec(triggers=[bridged], pollingInterval=30))
+    assert rec.notes == [keda._NOTE_CACHED_PULLED, keda._NOTE_AUTH_PULLED, keda._NOTE_POLLING_PULLED]
+    assert all("pulsescale bridge reads the trigger's source" in note for note in rec.notes)
+    pushed = {"type": "gateway-queue", "metadata": {"model": "qwen"}, **extras}
+    rec = scaledobject.from_manifest(_spec(triggers=[pushed], pollingInterval=30))
+    assert rec.notes == [keda._NOTE_CACHED, keda._NOTE_AUTH, keda._NOTE_POLLING]
+
+
+# --- labels ---------------------------------------------------------------------------------------------------------
+
+
+def _labelled(labels: object) -> dict[str, object]:
+    doc: dict[str, object] = yaml.safe_load(GOOD)
+    doc["metadata"] = {"name": "qwen", "labels": labels}
+    return doc
+
+
+def test_labels_at_kubernetes_length_bounds_are_kept_and_one_over_is_refused() -> None:
+    """Kubernetes' label bounds, each at the edge: a key's name of 63 characters after a ``prefix/`` (the name is
+    what follows the last ``/``), a prefix of 253, a value of 63 are kept; a prefix of 254 is refused (mutants of
+    the ``rpartition`` separator and of each ``>``). A ``labels`` that is not a mapping and a value that is not a
+    string are refused naming the field and the rule (mutants of the field name and of the text)."""
+    prefix = ".".join(["a" * 63, "b" * 63, "c" * 63, "d" * 61])
+    assert len(prefix) == 253
+    kept = {f"example.com/{'n' * 63}": "a", f"{prefix}/team": "b", "team": "v" * 63}
+    assert scaledobject.from_manifest(_labelled(kept)).labels == kept
+    assert _refusal(_labelled({f"{prefix}d/team": "b"})) == (
+        f"metadata.labels['{prefix}d/team']: not a Kubernetes label key ([prefix/]name, name at most 63 characters)"
+    )
+    assert _refusal(_labelled(["team=a"])) == "metadata.labels: must be a mapping, got list"
+    assert _refusal(_labelled({"team": ["a"]})) == (
+        "metadata.labels['team']: ['a'] is not a label value (a string, at most 63 characters)"
+    )
 
 
 # --- YAML -----------------------------------------------------------------------------------------------------------
