@@ -525,7 +525,6 @@ async def run(
         # Lease rounds on their own, shorter timeout: a broker that vanished must not hold a round for the default
         # 5 s (the fence ends our terms on time anyway, but re-taking them would wait).
         leases_kv = await nc.jetstream(timeout=lease.renew_every_s * 2).key_value(protocol.LEASES_BUCKET)
-        # main_ok: renewing on the renewer's own connection must not keep shards this daemon cannot act for.
         renewer = LeaseRenewer(settings.nats, kv_timeout_s=lease.renew_every_s * 2, main_ok=lambda: nc.is_connected)
         if settings.renew_on_own_thread:  # closed after the shards are resigned (`Autoscaler.shutdown`)
             await renewer.start()

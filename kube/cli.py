@@ -181,7 +181,7 @@ async def _health(
 
     metrics = OperatorMetrics()
     metrics.bind(nats_connected=lambda: nc.is_connected, leading=elector.leading, failures=lambda: ctx.failures,
-                 died=lambda: ctx.died)  # fmt: skip
+                 died=lambda: ctx.died, mirror_swept=lambda: ctx.mirror_swept)  # fmt: skip
 
     async def prometheus(_: web.Request) -> web.Response:
         # On the loop: a few dozen series, read from the state the loop keeps (no other thread touches it).

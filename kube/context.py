@@ -31,6 +31,7 @@ from warmpool.errors import PulsescaleError
 __all__ = [
     "DEFAULT_DELETE_WAIT_S",
     "DEFAULT_HOME_NAMESPACE",
+    "DEFAULT_MIRROR_SWEEP_EVERY_S",
     "DEFAULT_STATUS_EVERY_S",
     "DEFAULT_STATUS_TIMEOUT_S",
     "FIELD_MANAGER",
@@ -43,6 +44,11 @@ DEFAULT_STATUS_EVERY_S: Final = 5.0  # how often the status subresource is refre
 DEFAULT_STATUS_TIMEOUT_S: Final = 3.0  # how long one `status` request may take before this round is skipped
 DEFAULT_DELETE_WAIT_S: Final = 60.0  # how long a deleted ScaledObject waits for its model's slots to be released
 DEFAULT_HOME_NAMESPACE: Final = "pulsescale-system"  # the operator's own namespace when nothing says which
+DEFAULT_MIRROR_SWEEP_EVERY_S: Final = 60.0
+"""How often the leader sweeps `pulse_objects` of records whose ScaledObject is gone (kube/records.py `MirrorSweep`;
+the first sweep is at once when it starts leading). Cheap: a headers-only scan of its namespaces' keys, and a LIST of
+the ScaledObjects only when a key there was not written by this replica; it bounds how long a record outlives its CR
+when the delete could not reach the bucket (NATS out of reach as the finalizer ran)."""
 FIELD_MANAGER: Final = "pulsescale-operator"  # the field manager and the Events' reporting component
 
 T = TypeVar("T")
@@ -69,12 +75,16 @@ class OperatorContext:
     status_every_s: float = DEFAULT_STATUS_EVERY_S
     status_timeout_s: float = DEFAULT_STATUS_TIMEOUT_S
     delete_wait_s: float = DEFAULT_DELETE_WAIT_S
+    mirror_sweep_every_s: float = DEFAULT_MIRROR_SWEEP_EVERY_S
     max_replicas: int | None = None  # None: the validator's default (or $PULSESCALE_MAX_REPLICAS)
     clock: Callable[[], float] = time.time
     extra: dict[str, Any] = field(default_factory=dict)  # per-part state (kube.standby, kube.coldpath) by name
     failures: dict[str, int] = field(default_factory=dict)
     """Unexpected errors survived, per place (e.g. ``standby``): a bug met on one object is logged and counted, and
     the loop goes on with the others (`count_failure`)."""
+    mirror_swept: int = 0
+    """Records deleted from `pulse_objects` by the sweep (their ScaledObject gone), for
+    ``pulsescale_operator_mirror_swept_total`` (kube/metrics.py)."""
     died: list[str] = field(default_factory=list)
     """Background work (`kube.operator.BACKGROUND`) that ended with an error before the stop flag: ``/healthz``
     answers 503 while this is not empty, so the kubelet restarts the replica instead of it idling as if fine."""

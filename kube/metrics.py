@@ -2,8 +2,9 @@
 
 As the other daemons' registries: the process, platform and GC collectors and ``pulsescale_build_info{version,
 component}``. The operator's own series are read at scrape time from what the replica already keeps (`bind`): whether
-it holds the Lease, its NATS connection, the unexpected errors it survived (`OperatorContext.failures`) and the
-background loops that died (`OperatorContext.died`). deploy/monitoring's alerts and dashboard read these names.
+it holds the Lease, its NATS connection, the unexpected errors it survived (`OperatorContext.failures`), the
+background loops that died (`OperatorContext.died`) and the records of gone ScaledObjects swept from `pulse_objects`
+(`OperatorContext.mirror_swept`). deploy/monitoring's alerts and dashboard read these names.
 """
 
 from __future__ import annotations
@@ -45,6 +46,25 @@ class _Failures(Collector):
         yield CounterMetricFamily(self.NAME, "", labels=["where"])
 
 
+class _Swept(Collector):
+    """``pulsescale_operator_mirror_swept_total``, from the context's count (kube/records.py `MirrorSweep`)."""
+
+    NAME = "pulsescale_operator_mirror_swept"
+    HELP = (
+        "Records deleted from the pulse_objects bucket because their ScaledObject no longer exists (deleted while no "
+        "operator led, or its delete did not reach the bucket)"
+    )
+
+    def __init__(self) -> None:
+        self.source: Callable[[], int] = lambda: 0
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self.NAME, self.HELP, value=self.source())
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self.NAME, self.HELP)
+
+
 class OperatorMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -63,6 +83,8 @@ class OperatorMetrics:
         )
         self.failures = _Failures()
         r.register(self.failures)
+        self.mirror_swept = _Swept()
+        r.register(self.mirror_swept)
 
     def bind(
         self,
@@ -71,9 +93,11 @@ class OperatorMetrics:
         leading: Callable[[], bool],
         failures: Callable[[], Mapping[str, int]],
         died: Callable[[], Sequence[str]],
+        mirror_swept: Callable[[], int] = lambda: 0,
     ) -> None:
         """Read the series from the live replica at each scrape."""
         self.nats_connected.set_function(lambda: 1.0 if nats_connected() else 0.0)
         self.leading.set_function(lambda: 1.0 if leading() else 0.0)
         self.background_died.set_function(lambda: float(len(died())))
         self.failures.source = failures
+        self.mirror_swept.source = mirror_swept

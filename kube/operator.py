@@ -56,9 +56,13 @@ What it does with a ScaledObject (`ScaledObjects`):
 - the mirror (contract revision 13): whatever the verdict, each status written (or found unchanged) is copied
   into KV `pulse_objects` as the object's `ObjectStatus` when it changed (kube/records.py `ObjectMirror`), and
   deleted when the finalizer is done, so ``pulsescale get so`` says what the CR says, unpublished objects included.
+  A record whose CR is gone without that delete (deleted while no operator led, or its delete did not reach the
+  bucket) is swept when the operator starts leading and every `OperatorContext.mirror_sweep_every_s`, only in the
+  namespaces it watches and only against a complete LIST of their ScaledObjects (kube/records.py `MirrorSweep`).
 
 `ScaledObjects` holds the handlers, the verdict and the loops; it composes `Records` (kube/records.py: the records
-in `pulse_scalers` and the held slots in `pulse_slots`), `ObjectMirror` (kube/records.py: `pulse_objects`) and
+in `pulse_scalers` and the held slots in `pulse_slots`), `ObjectMirror` and `MirrorSweep` (kube/records.py:
+`pulse_objects`) and
 `StatusWriter` (kube/statuswriter.py: the autoscaler's rows and the status subresource, which it mirrors).
 """
 
@@ -84,6 +88,7 @@ from kube.context import FIELD_MANAGER, OperatorContext
 from kube.events import EventRecorder, ObjectRef
 from kube.records import (
     HELD_SLOT_STATES,
+    MirrorSweep,
     ModelOwners,
     ModelOwnersUnavailable,
     ObjectMirror,
@@ -176,6 +181,8 @@ class ScaledObjects:
         """Which namespace owns which model (kube/records.py)."""
         self.mirror = ObjectMirror(ctx)
         """Each object's conditions in `pulse_objects`, for `pulsescale get so` (kube/records.py)."""
+        self.sweep = MirrorSweep(ctx, self.mirror)
+        """Deletes the records of `pulse_objects` whose ScaledObject is gone (kube/records.py)."""
         self.status = StatusWriter(ctx, self.recorder, self.mirror)
         """The autoscaler's rows and the status subresource, mirrored (kube/statuswriter.py)."""
         self.judging = asyncio.Lock()
@@ -543,7 +550,8 @@ class ScaledObjects:
                 await self.recorder.record(ObjectRef.of(known.body), event_type, reason, message)  # type: ignore[arg-type]
 
     async def run_loops(self, stop: asyncio.Event) -> None:
-        """The status loop, the Events flush and the pulse.events subscription, until `stop` is set."""
+        """The status loop, the Events flush, the sweep of `pulse_objects` (at once: this replica has just started
+        leading) and the pulse.events subscription, until `stop` is set."""
         sub = await self.ctx.nc.subscribe(f"{protocol.EVENTS_PREFIX}>")
 
         listeners: list[tuple[str, Callable[[protocol.Event], Awaitable[None]]]] = [
@@ -563,7 +571,7 @@ class ScaledObjects:
                     except Exception:  # noqa: BLE001 - logged with its traceback by count_failure; one bad event must not end the subscription
                         self.ctx.count_failure(what, f"event on {msg.subject}")
 
-        async def every(period: float, work: Callable[[], Awaitable[None]]) -> None:
+        async def every(period: float, work: Callable[[], Awaitable[object]]) -> None:
             while not stop.is_set():
                 try:
                     await work()
@@ -575,6 +583,7 @@ class ScaledObjects:
             asyncio.create_task(events()),
             asyncio.create_task(every(self.ctx.status_every_s, self.status_round)),
             asyncio.create_task(every(FLUSH_EVERY_S, self.recorder.flush)),
+            asyncio.create_task(every(self.ctx.mirror_sweep_every_s, self.sweep.round)),
         ]
         try:
             await stop.wait()

@@ -1,6 +1,7 @@
 """The operator's records: the ScaledObjects' records in `pulse_scalers`, the slots in `pulse_slots` a deleted one
 waits for, which namespace owns which model (`ModelOwners`, a ConfigMap in the operator's own namespace), and the
-copy of each CR's conditions in `pulse_objects` (`ObjectMirror`, contract revision 13).
+copy of each CR's conditions in `pulse_objects` (`ObjectMirror`, contract revision 13), swept of records whose CR is
+gone (`MirrorSweep`).
 
 `Records` is the only code of the operator that touches either bucket: it reads a record (an unreadable one is
 absent), publishes one, withdraws one (a delete marker the autoscaler's watch sees), finds another published record
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection, Iterable
 from typing import Any, Final
 
 import msgspec
@@ -37,6 +39,7 @@ from nats.js.kv import KeyValue
 
 from kube.context import OperatorContext
 from manifests import scaledobject
+from manifests.crdtypes import GROUP, PLURAL, VERSION
 from warmpool import protocol
 from warmpool.errors import BadMessage, PulsescaleError
 
@@ -45,7 +48,9 @@ __all__ = [
     "MODEL_OWNERS_CONFIGMAP",
     "ModelOwners",
     "MIRROR_RETRY_S",
+    "MIRROR_SCAN_TIMEOUT_S",
     "MIRROR_TIMEOUT_S",
+    "MirrorSweep",
     "ModelOwnersUnavailable",
     "ObjectMirror",
     "Records",
@@ -53,6 +58,7 @@ __all__ = [
     "applied_message",
     "marked",
     "record_key",
+    "unlisted",
     "unmarked",
 ]
 
@@ -64,6 +70,9 @@ CLAIM_TRIES: Final = 5  # compare-and-set rounds of one claim before giving up (
 MIRROR_TIMEOUT_S: Final = 2.0
 """How long one write to `pulse_objects` may take: the mirror is written inside the status round, which must not
 stall on it (a refused publish is never answered, it times out)."""
+MIRROR_SCAN_TIMEOUT_S: Final = 10.0
+"""How long the sweep's reads may take (the keys of `pulse_objects`, waited for between two of them; the LIST of the
+ScaledObjects): one that does not answer skips the sweep, which runs in its own loop and holds nothing up."""
 MIRROR_RETRY_S: Final = 30.0
 """After `pulse_objects` could not be opened or written (absent until an autoscaler of revision 13 creates it; an
 authorization rendered before revision 13), how long the operator leaves it before trying again."""
@@ -300,6 +309,7 @@ class ObjectMirror:
         self._retry_at = 0.0  # time.monotonic() before which the bucket is not tried again
         self._written: dict[str, bytes] = {}
         """Key -> the content last written (`updated_at` aside): an unchanged status writes nothing."""
+        self._writing: set[str] = set()  # keys whose put is on its way (`sweep` leaves them)
         self._said = False
         self.retry_s = MIRROR_RETRY_S
 
@@ -314,11 +324,14 @@ class ObjectMirror:
         kv = await self._bucket()
         if kv is None:
             return
+        self._writing.add(record.key)
         try:
             await kv.put(record.key, protocol.encode(record))
         except (nats.errors.Error, TimeoutError) as err:
             self._unavailable(f"cannot be written ({_said(err)})")
             return
+        finally:
+            self._writing.discard(record.key)
         if self._said:
             log.info("%s is written again", protocol.OBJECTS_BUCKET)
             self._said = False
@@ -335,6 +348,45 @@ class ObjectMirror:
             await kv.delete(key)
         except (nats.errors.Error, TimeoutError) as err:
             self._unavailable(f"cannot be written ({_said(err)}); {key} stays listed as it was")
+
+    async def keys(self, namespaces: Iterable[str] = ()) -> list[str] | None:
+        """The keys in `pulse_objects` of `namespaces` (none named: every key); None when they cannot be read now.
+        Headers only, one filtered scan per namespace: the records of other namespaces are not read."""
+        kv = await self._bucket()
+        if kv is None:
+            return None
+        found: list[str] = []
+        try:
+            for pattern in [f"{ns}.>" for ns in namespaces] or [">"]:
+                watcher = await kv.watch(pattern, ignore_deletes=True, meta_only=True)
+                try:
+                    while (entry := await watcher.updates(timeout=MIRROR_SCAN_TIMEOUT_S)) is not None:
+                        found.append(entry.key)
+                finally:
+                    await watcher.stop()
+        except (nats.errors.Error, TimeoutError) as err:
+            log.debug("the keys of %s cannot be read (%s)", protocol.OBJECTS_BUCKET, _said(err))
+            return None
+        return found
+
+    async def sweep(self, key: str) -> bool:
+        """Deletes `key` (a record whose ScaledObject is gone: `MirrorSweep`) unless this operator wrote it or is
+        writing it, and only if nobody has written it since it is read here: the delete is conditional on the
+        revision read, so a record put for a ScaledObject created meanwhile is never removed. True if deleted."""
+        kv = await self._bucket()
+        if kv is None:
+            return False
+        try:
+            entry = await kv.get(key)
+            if self.wrote(key) or key in self._writing:
+                return False  # its object's own writes and delete own it
+            await kv.delete(key, last=entry.revision)
+        except nats.js.errors.KeyNotFoundError:
+            return False  # already gone
+        except (nats.errors.Error, TimeoutError) as err:  # a newer revision (KeyWrongLastSequenceError), or no answer
+            log.debug("%s/%s not swept: %s", protocol.OBJECTS_BUCKET, key, _said(err))
+            return False
+        return True
 
     async def _bucket(self) -> KeyValue | None:
         if self._kv is not None:
@@ -361,6 +413,104 @@ class ObjectMirror:
             protocol.OBJECTS_BUCKET, why, self.retry_s,
         )  # fmt: skip
         self._said = True
+
+
+def unlisted(keys: Iterable[str], listed: Collection[str], namespaces: Collection[str]) -> list[str]:
+    """The keys of `pulse_objects` (``<namespace>.<name>``) in `namespaces` (empty: every namespace) that name no
+    ScaledObject of `listed` (their keys): what a sweep deletes once `listed` is a complete listing of those
+    namespaces. A key without a namespace part is no object's and is left alone."""
+    out = []
+    for key in keys:
+        namespace, dot, name = key.partition(".")
+        if dot and name and (not namespaces or namespace in namespaces) and key not in listed:
+            out.append(key)
+    return sorted(out)
+
+
+class MirrorSweep:
+    """Deletes the records of `pulse_objects` whose ScaledObject no longer exists, in this operator's namespaces.
+
+    The mirror deletes a record with its CR (the finalizer, or a DELETED event), but a CR deleted while no operator
+    led, one whose delete could not reach the bucket, or a namespace an operator no longer watches leaves its record
+    behind, and ``pulsescale get so`` lists an object that is gone. `round` runs when the operator starts leading and
+    then every `OperatorContext.mirror_sweep_every_s` (kube/operator.py `ScaledObjects.run_loops`):
+
+    - only the keys of the namespaces this operator watches (`OperatorContext.namespaces`; every key when it watches
+      all of them): in the namespaced mode several operators share the bucket, and another's records are its own;
+    - a key this replica wrote (`ObjectMirror.wrote`) is an object it follows: its own delete removes it. The others
+      are suspects; none, and the round ends there (the usual case once every object's status has been mirrored);
+    - suspects are judged against a LIST of the ScaledObjects, made after the keys were read and complete (every
+      watched namespace answered, or the cluster-wide list): a key it lacks names an object that did not exist when
+      the key was already there. A failed LIST sweeps nothing: an incomplete view would delete live records. kopf's
+      own listing is not used: it says nowhere when it is complete, and the handlers see objects one at a time;
+    - each delete is conditional on the revision read (`ObjectMirror.sweep`), so a record just written for an object
+      created after the LIST stays; and made only while this replica leads (``ctx.extra["leading"]``).
+
+    Each swept key is logged once at INFO with the reason and counted in `OperatorContext.mirror_swept`."""
+
+    def __init__(self, ctx: OperatorContext, mirror: ObjectMirror) -> None:
+        self.ctx = ctx
+        self.mirror = mirror
+        self._said = False  # a failed LIST said at WARNING once, until a sweep completes
+
+    def _leading(self) -> bool:
+        fn = self.ctx.extra.get("leading")
+        return bool(fn()) if callable(fn) else True
+
+    async def round(self) -> int:
+        """One sweep; the number of records deleted."""
+        if not self._leading():
+            return 0
+        keys = await self.mirror.keys(self.ctx.namespaces)
+        suspects = [k for k in keys or () if not self.mirror.wrote(k)]
+        if not suspects:
+            return 0
+        listed = await self._listed()
+        if listed is None:
+            return 0
+        swept = 0
+        for key in unlisted(suspects, listed, self.ctx.namespaces):
+            if not self._leading():
+                break
+            if await self.mirror.sweep(key):
+                swept += 1
+                self.ctx.mirror_swept += 1
+                namespace, _, name = key.partition(".")
+                log.info(
+                    "swept %s/%s: ScaledObject %s/%s does not exist (deleted while no operator led, or its delete "
+                    "did not reach the bucket); `pulsescale get so` no longer lists it",
+                    protocol.OBJECTS_BUCKET, key, namespace, name,
+                )  # fmt: skip
+        return swept
+
+    async def _listed(self) -> set[str] | None:
+        """The keys of every ScaledObject in this operator's namespaces, from one complete LIST; None if any part of
+        it failed."""
+        custom, timeout = self.ctx.custom, MIRROR_SCAN_TIMEOUT_S
+        pages: list[Any] = []
+        try:
+            if self.ctx.clusterwide:
+                pages.append(await self.ctx.call(custom.list_cluster_custom_object, GROUP, VERSION, PLURAL,
+                                                 _request_timeout=timeout))  # fmt: skip
+            for ns in self.ctx.namespaces:
+                pages.append(await self.ctx.call(custom.list_namespaced_custom_object, GROUP, VERSION, ns, PLURAL,
+                                                 _request_timeout=timeout))  # fmt: skip
+        except (ApiException, urllib3.exceptions.HTTPError, OSError) as err:
+            said = f"{err.status} {err.reason}" if isinstance(err, ApiException) else _said(err)
+            (log.debug if self._said else log.warning)(
+                "not sweeping %s: the ScaledObjects could not be listed (%s); a record whose object is gone stays "
+                "listed by `pulsescale get so` until a sweep can list them (every %.0f s)",
+                protocol.OBJECTS_BUCKET, said, self.ctx.mirror_sweep_every_s,
+            )  # fmt: skip
+            self._said = True
+            return None
+        self._said = False
+        listed: set[str] = set()
+        for page in pages:
+            for item in page.get("items") or []:
+                meta = item.get("metadata") or {}
+                listed.add(record_key(str(meta.get("namespace", "")), str(meta.get("name", ""))))
+        return listed
 
 
 def _said(err: BaseException) -> str:

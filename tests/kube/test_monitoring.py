@@ -500,7 +500,7 @@ async def test_the_operator_serves_its_metrics_on_the_health_port() -> None:
     leading = {"now": False}
     elector = SimpleNamespace(leading=lambda: leading["now"], holder="other", reached=True,
                               settings=SimpleNamespace(identity="op-a"))  # fmt: skip
-    ctx = SimpleNamespace(died=[], failures={"standby": 2})
+    ctx = SimpleNamespace(died=[], failures={"standby": 2}, mirror_swept=0)
     settings = SimpleNamespace(health_port=0, health_host="127.0.0.1")
     runner = await cli._health(settings, nc, elector, ctx)  # type: ignore[arg-type]
     assert runner is not None
@@ -521,6 +521,10 @@ async def test_the_operator_serves_its_metrics_on_the_health_port() -> None:
         text = await asyncio.to_thread(scrape)
         assert "pulsescale_operator_leading 1.0" in text and "pulsescale_nats_connected 0.0" in text
         assert "pulsescale_operator_background_died 1.0" in text
+        assert "pulsescale_operator_mirror_swept_total 0.0" in text
+        ctx.mirror_swept = 3  # kube/records.py MirrorSweep counts each record it deletes
+        text = await asyncio.to_thread(scrape)
+        assert "pulsescale_operator_mirror_swept_total 3.0" in text
     finally:
         await runner.cleanup()
 

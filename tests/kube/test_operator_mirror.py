@@ -20,6 +20,7 @@ import pytest
 import yaml
 from nats.aio.client import Client
 
+from kube import records
 from kube import status as status_mod
 from kube.records import ObjectMirror
 from pulsescale import cli as dispatcher
@@ -166,14 +167,18 @@ async def test_the_mirror_waits_for_its_bucket_and_fills_it_once_it_exists(
     k8s_api: K8sApiDouble,  # noqa: F811
     nc: Client,
     caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """An autoscaler before revision 13 does not create `pulse_objects`: the operator says so once and goes on (the
     CRs are written as before); once the bucket exists it mirrors every object."""
     await ensure_buckets(nc.jetstream(), names=[protocol.SCALERS_BUCKET, protocol.SLOTS_BUCKET])
     caplog.set_level(logging.WARNING, logger="pulsescale.operator")
+    # The mirror first looks for its bucket as the operator starts leading (its sweep, kube/records.py MirrorSweep):
+    # a short retry from the start.
+    monkeypatch.setattr(records, "MIRROR_RETRY_S", 0.3)
     async with operator(k8s_api, nc, create=False) as running:
         mirror_of: ObjectMirror = running.ctx.extra["scaledobjects"].mirror
-        mirror_of.retry_s = 0.3
+        assert mirror_of.retry_s == 0.3
         running.api.create(SO, NS, scaled_object())
         await running.wait_condition("qwen", "Ready", "True", "ScalerPublished")
         await asyncio.sleep(1.0)  # a few status rounds without the bucket
