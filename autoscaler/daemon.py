@@ -369,9 +369,8 @@ class Autoscaler:
             self.slot_events.slot_gauges(c)
             log.info("ScaledObject %s: autoscaling %s (%d slots held)", key, model, len(held))
             if self.fleet.owns_shard(shard):
-                # Its shard was taken before the ScaledObject was seen (a start can list them in either order):
-                # `Ownership.take_over` adopts and starts it after restoring its stored override, as for a shard
-                # just taken.
+                # Its shard was taken before the ScaledObject was seen (a start lists them in either order):
+                # `Ownership.take_over` adopts and starts it after restoring its override, as for a new shard.
                 self.ownership.arrived.add(model)
                 self.ownership.take_over_soon()
         else:
@@ -542,6 +541,7 @@ async def run(
             on_slack=metrics.lease_renewal_slack.observe,
             renewer=renewer,
         )
+        metrics.watches.follow(store.slots, store.agents, scaler.scalers, shards.view, store.index.assigned)
         if settings.metrics_port is not None:
             runner, scaler.metrics_port = await serve_http(scaler, settings.metrics_host, settings.metrics_port)
             opened.push_async_callback(runner.cleanup)

@@ -15,8 +15,9 @@ up once) and `sample(outcome)` instead. `forget(name)` drops a model's series wh
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from prometheus_client import (
     CollectorRegistry,
@@ -31,7 +32,15 @@ from autoscaler.exposition import Changed, Exposition, TrackedCounter, TrackedGa
 from warmpool import protocol
 from warmpool.build import register_process
 
-__all__ = ["ACTIVATION_STAGES", "AgentClockSkew", "AutoscalerMetrics", "ModelSeries", "SampleCounts", "Tally"]
+__all__ = [
+    "ACTIVATION_STAGES",
+    "AgentClockSkew",
+    "AutoscalerMetrics",
+    "ModelSeries",
+    "SampleCounts",
+    "Tally",
+    "WatchFigures",
+]
 
 # Decisions live in milliseconds-to-seconds territory; activation stages in tens of ms to seconds.
 _DECISION_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
@@ -101,6 +110,55 @@ class AgentClockSkew(Collector):
         for at in range(0, len(skews), _SKEW_CHUNK):
             chunk = skews[at : at + _SKEW_CHUNK]
             yield "".join(f'{self.NAME}{{node="{node}"}} {go_float(skew_s)}\n' for node, skew_s in chunk).encode()
+
+
+class WatchedView(Protocol):
+    """What `WatchFigures` reads of a bucket view (`warmpool.bucketview.BucketView`)."""
+
+    @property
+    def bucket(self) -> str: ...
+    @property
+    def relists(self) -> int: ...
+    @property
+    def spared(self) -> Mapping[str, int]: ...
+
+
+class WatchFigures(Collector):
+    """``pulsescale_watch_relists_total{bucket}`` and ``pulsescale_watch_probes_spared_total{bucket,why}``, read
+    at scrape time from `source` (the daemon binds it to its bucket views: `warmpool.bucketview.BucketView`'s
+    `relists` and `spared`). A re-list of `pulse_slots` at 3,000 models is 12,000 records the server sends again."""
+
+    RELISTS = "pulsescale_watch_relists"
+    RELISTS_HELP = "Watches of a KV bucket made anew (after a reconnect, or a probe that found the consumer lost)"
+    SPARED = "pulsescale_watch_probes_spared"
+    SPARED_HELP = (
+        "Consumer probes that a busy or starved process once took for a lost consumer, and no longer re-list: "
+        "late (answered within the probe's budget of this process's own time, not the clock's), in_flight (what the "
+        "consumer had sent reached the watch)"
+    )
+
+    def __init__(self) -> None:
+        self.source: Callable[[], Iterable[tuple[str, int, Mapping[str, int]]]] = list
+        """(bucket, relists, spared by why) per view."""
+
+    def follow(self, *views: WatchedView | None) -> None:
+        """Read `views` (None: a view this daemon does not keep) at every scrape."""
+        kept = [v for v in views if v is not None]
+        self.source = lambda: [(v.bucket, v.relists, dict(v.spared)) for v in kept]
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        relists = CounterMetricFamily(self.RELISTS, self.RELISTS_HELP, labels=["bucket"])
+        spared = CounterMetricFamily(self.SPARED, self.SPARED_HELP, labels=["bucket", "why"])
+        for bucket, count, by_why in sorted(self.source()):
+            relists.add_metric([bucket], count)
+            for why, n in sorted(by_why.items()):
+                spared.add_metric([bucket, why], n)
+        yield relists
+        yield spared
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self.RELISTS, "", labels=["bucket"])
+        yield CounterMetricFamily(self.SPARED, "", labels=["bucket", "why"])
 
 
 class Tally:
@@ -277,6 +335,9 @@ class AutoscalerMetrics:
         self.agent_clock_skew = AgentClockSkew()
         """Bind its `source` to the registry's `KvSlotStore.clock_skews` (the daemon does)."""
         r.register(self.agent_clock_skew)
+        self.watches = WatchFigures()
+        """Bind its `source` to the daemon's bucket views (the daemon does)."""
+        r.register(self.watches)
         self.exposition = Exposition(
             r,
             (self.desired, self.ready, self.activating, self.panic, self.demand, self.arrival_rate, self.slots,

@@ -6,6 +6,9 @@ follows `pulse_scalers` with one. `check_record` is the rule every record read f
 On a cluster a watch can also go silent with the connection up (its consumer lived on a server that died, or
 nats-py moved the watch to a new inbox and could not make the consumer for it): a view silent for `WATCH_PROBE_S`
 asks the server about its consumer, and re-lists unless it delivers to the view and holds nothing the view missed.
+Both the answer and what the consumer sent ahead of the view are waited for on the loop's own time
+(`loop_time_wait`): a process that was off the CPU is late, not lost, and a re-list costs it more CPU still.
+A re-list that is needed decodes and indexes again only what changed (same revision: the record held is kept).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import msgspec
 import nats.errors
@@ -38,6 +41,9 @@ __all__ = [
     "SlotEvent",
     "ViewEvent",
     "check_record",
+    "loop_time_wait",
+    "PROBE_TICK_S",
+    "PROBE_WALL_MAX_S",
     "SNAPSHOT_QUIET_S",
     "WATCH_PROBE_S",
     "WATCH_PROBE_TIMEOUT_S",
@@ -102,7 +108,40 @@ SNAPSHOT_QUIET_S = 1.0
 long without a delivery, whether that revision was removed meanwhile: then the listing is complete."""
 WATCH_PROBE_TIMEOUT_S = 1.0
 """A probe unanswered this long counts as a lost consumer (or a cluster mid-election, when a re-list is what a
-watch needs anyway): the watch is made anew, re-listing the bucket."""
+watch needs anyway): the watch is made anew, re-listing the bucket. The time is the loop's, not the wall's: the
+wait is counted in ticks of `PROBE_TICK_S`, and a tick the loop overslept counts as one tick (`loop_time_wait`)."""
+PROBE_TICK_S = 0.05
+"""The step in which a probe's wait is counted. A process short of CPU (the 3,000-model bench on 2 shared cores:
+its replicas' loops stalled 0.5-1.5 s, dozens of times a run) spends the wall clock's second before the answer is
+taken from its socket; each probe so timed out re-listed the bucket (12,000 slots), and the re-list's CPU starved
+the loop further. Counted in ticks, a stall costs one tick of the budget."""
+PROBE_WALL_MAX_S = 10.0
+"""However starved the loop, a probe is given up (its consumer called lost) after this long by the wall clock."""
+
+
+async def loop_time_wait(
+    done: Callable[[], bool],
+    budget_s: float,
+    *,
+    wake: asyncio.Future[Any] | None = None,
+    wall_max_s: float = PROBE_WALL_MAX_S,
+) -> bool:
+    """Wait until `done()` (True), or until `budget_s` of the loop's own time has passed without it (False), or
+    `wall_max_s` by the wall clock. The wait is counted in ticks of `PROBE_TICK_S`, a tick that overslept (the loop
+    was away: blocked, busy, or the process not scheduled) counting as one tick, so a loop stall does not spend the
+    budget an answer had. `wake`: a future whose completion ends a tick early (the answer awaited)."""
+    waited, started = 0.0, time.monotonic()
+    while not done():
+        t0 = time.monotonic()
+        if waited >= budget_s or t0 - started >= wall_max_s:
+            return False
+        tick = min(PROBE_TICK_S, budget_s - waited)
+        if wake is not None:
+            await asyncio.wait([wake], timeout=tick)
+        else:
+            await asyncio.sleep(tick)
+        waited += min(time.monotonic() - t0, PROBE_TICK_S)
+    return True
 
 
 class BucketView(Generic[V]):
@@ -134,7 +173,15 @@ class BucketView(Generic[V]):
         self._heard: dict[str, float] = {}  # key -> when its current revision first reached this view, by `clock`
         self.ready = asyncio.Event()
         """Set once the first snapshot is in."""
+        self.bucket = str(kv._name)
+        """The bucket's name."""
         self.relists = 0
+        """Watches made anew after the first (a reconnect, or a probe that found the consumer lost)."""
+        self.spared: dict[str, int] = {"late": 0, "in_flight": 0}
+        """Consumer probes that re-listed before `loop_time_wait`, and do not: ``late``, answered after
+        `WATCH_PROBE_TIMEOUT_S` by the clock but within it by the loop's own time (the loop was away, not the
+        consumer); ``in_flight``, a delivery reached the watch while the probe was out, or the consumer had sent what
+        the watch had not handed over yet, and it came."""
         self.listed_at: float | None = None
         """Reader's time of the latest complete snapshot, by `clock`; None until one is in, and again while
         re-listing. (The registry gives its views its monotonic clock: it measures time since the listing.)"""
@@ -273,25 +320,55 @@ class BucketView(Generic[V]):
                     await watcher.stop()
             self.relists += 1
 
-    async def _consumer_lost(self, watcher: KeyValue.KeyWatcher, delivered: int) -> bool:
-        """Ask the server for the watch's consumer: lost when it is gone or does not answer in time, when it
-        delivers to another inbox than the watch reads (see `WATCH_PROBE_S`), or when it sent or holds revisions
-        newer than `delivered`, the newest the watch handed over (CI: a store's view missed a lease for 15 s after a
-        follower's kill while the consumer probe found a consumer)."""
+    async def _consumer_lost(self, watcher: KeyValue.KeyWatcher, delivered: int) -> str | None:
+        """Ask the server for the watch's consumer; why the watch is lost, or None. Lost when the consumer is gone
+        or the server does not answer within `WATCH_PROBE_TIMEOUT_S` of this loop's time, when it delivers to
+        another inbox than the watch reads (see `WATCH_PROBE_S`), or when it sent or holds revisions newer than
+        `delivered`, the newest the watch handed over, and nothing reaches the watch within that time either (CI:
+        a store's view missed a lease for 15 s after a follower's kill while the consumer probe found a consumer).
+        Sent but not yet handed over is also what a busy loop looks like (the deliveries wait in its socket, or the
+        write came while the probe was out): that waits for them rather than re-list the bucket."""
         sub = watcher._sub  # nats-py keeps the watch's subscription (and the consumer's name) only here
         if sub is None:
-            return True
-        js = self._nc.jetstream(timeout=WATCH_PROBE_TIMEOUT_S)
+            return "the watch has no subscription"
+        # The request's own timeout is the wall clock's bound; the budget is the loop's time (`loop_time_wait`).
+        js = self._nc.jetstream(timeout=PROBE_WALL_MAX_S)
+        asked = asyncio.ensure_future(js.consumer_info(sub._stream, sub._consumer))
+        started = time.monotonic()
+        updates = watcher._updates
+        # A delivery while the probe is out answers it (the watch hears), and is not kept waiting behind it.
+        answered = await loop_time_wait(lambda: asked.done() or not updates.empty(), WATCH_PROBE_TIMEOUT_S, wake=asked)
+        if not asked.done() and not updates.empty():
+            asked.cancel()
+            await asyncio.gather(asked, return_exceptions=True)
+            self.spared["in_flight"] += 1
+            return None
+        if not answered:
+            asked.cancel()
+            await asyncio.gather(asked, return_exceptions=True)
+            return (
+                f"its consumer's server did not answer within {WATCH_PROBE_TIMEOUT_S:g} s of this process's time "
+                f"({time.monotonic() - started:.1f} s by the clock)"
+            )
+        if time.monotonic() - started > WATCH_PROBE_TIMEOUT_S:
+            self.spared["late"] += 1  # answered, where a timeout by the clock would have re-listed
         try:
-            info = await js.consumer_info(sub._stream, sub._consumer)
-        except (nats.errors.Error, TimeoutError, OSError):
-            return True  # NotFoundError: gone with its server; a timeout: gone, or the cluster mid-election
+            info = asked.result()
+        except (nats.errors.Error, TimeoutError, OSError) as err:  # NotFoundError: gone with its server
+            return f"its consumer is not found ({type(err).__name__}: {err})"
         inbox = getattr(getattr(sub, "_sub", None), "_subject", None)  # moved by nats-py's reset; sub's own is not
         if inbox is not None and info.config.deliver_subject != inbox:
-            log.debug("%s: the watch reads %s, its consumer delivers to %s", self._kv._name, inbox, info.config)
-            return True
-        sent = info.delivered.stream_seq if info.delivered is not None else 0
-        return bool(info.num_pending) or (sent or 0) > delivered
+            return f"the watch reads {inbox}, its consumer delivers to {info.config.deliver_subject}"
+        sent = (info.delivered.stream_seq if info.delivered is not None else 0) or 0
+        if not info.num_pending and sent <= delivered:
+            return None
+        if await loop_time_wait(lambda: not updates.empty(), WATCH_PROBE_TIMEOUT_S):
+            self.spared["in_flight"] += 1  # on its way: handed over next; a silence probes again
+            return None
+        return (
+            f"its consumer sent up to revision {sent} and holds {info.num_pending} more, the watch handed over "
+            f"{delivered} and nothing since"
+        )
 
     async def _newest(self) -> tuple[int, str]:
         """The bucket's newest revision before the watch starts (the snapshot holds at least up to it, see
@@ -363,11 +440,12 @@ class BucketView(Generic[V]):
                             continue
                     if time.monotonic() - heard >= WATCH_PROBE_S:
                         heard = time.monotonic()
-                        if await self._consumer_lost(watcher, delivered):
+                        if (why := await self._consumer_lost(watcher, delivered)) is not None:
                             log.warning(
                                 "the watch of %s lost its deliveries (its consumer's server is gone, or nats-py's"
-                                " reset of it failed): re-listing",
+                                " reset of it failed: %s): re-listing",
                                 self._kv._name,
+                                why,
                             )
                             return
                     continue
@@ -375,7 +453,11 @@ class BucketView(Generic[V]):
             if isinstance(entry, KeyValue.Entry):
                 rev = entry.revision or 0
                 delivered = max(delivered, rev)
-                if snapshot is None and (cur := self._items.get(entry.key)) is not None and cur[1] >= rev:
+                cur = self._items.get(entry.key)
+                if cur is not None and (cur[1] >= rev if snapshot is None else cur[1] == rev):
+                    if snapshot is not None:  # a re-list: what the view holds at this revision is not decoded again
+                        snapshot[entry.key] = cur
+                        kept_bad.discard(entry.key)
                     continue  # our own write, already applied and published by `apply_local`: not decoded again
                 value = None
                 if entry.operation not in ("DEL", "PURGE") and entry.value is not None:
@@ -421,10 +503,11 @@ class BucketView(Generic[V]):
             key: heard[key] if key in old and old[key][1] == rev and key in heard else now
             for key, (_, rev) in snapshot.items()
         }
-        if self._on_change is not None:
+        if self._on_change is not None:  # what a re-list found unchanged (same revision) is not indexed again
             for key in old.keys() | snapshot.keys():
                 before, after = old.get(key), snapshot.get(key)
-                self._on_change(key, before[0] if before else None, after[0] if after else None)
+                if before is None or after is None or before[1] != after[1]:
+                    self._on_change(key, before[0] if before else None, after[0] if after else None)
         self.listed_at = self._clock()
         self._listed_reconnects = reconnects
         self._publish(Snapshot({k: v for k, (v, _) in self._items.items()}))

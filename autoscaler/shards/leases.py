@@ -194,6 +194,11 @@ class ShardLeases:
         return self._assignment.replicas(self.clock())
 
     @property
+    def view(self) -> BucketView[Any]:
+        """The watch of the leases bucket (its figures: `BucketView.relists`, `BucketView.spared`)."""
+        return self._view
+
+    @property
     def last_loss(self) -> str:
         """Why the shard `on_lost` is being called for was lost (`ShardTerms.last_loss`: one of `INVOLUNTARY`, or
         a hand-over)."""

@@ -4,9 +4,10 @@
 2. End to end, against an embedded nats-server and `--replicas` real `pulsescale autoscaler` processes
    (identities ``bench-r<i>``, each its own metrics port, stderr captured): `--models` models have ScaledObjects
    and 4 warm slots each (seeded concurrently, `SEED_BATCH` models at a time) and get steady background samples
-   (10/s per model, the gateways spread over `GATEWAY_PHASES` phases of each 100 ms, or all in one burst with
-   `--gateways-in-step`); then `--pulses` models spread over all of them (so every replica's share is exercised) get a
-   pulse one at a time, and we time *sample published -> first claim written* by watching `pulse_slots`. A
+   (10/s per model, from a process of their own, `pulsescale.bench.gateways`, the gateways spread over
+   `GATEWAY_PHASES` phases of each 100 ms, or all in one burst with `--gateways-in-step`); then `--pulses` models
+   spread over all of them (so every replica's share is exercised) get a pulse one at a time, and we time *sample
+   published -> first claim written* by watching `pulse_slots`. A
    stand-in agent in this process answers `activate` at once (writing `activating` and `ready` as a holder's
    agent does), so the figure is the autoscaler's own and not an engine's.
    Next to it, the floor measured in the same run and conditions (the background samples flowing): bare nats-py
@@ -170,6 +171,12 @@ def decide(argv: list[str], prog: str) -> int:
         action="store_true",
         help="every model's background sample at the same instant of each 100 ms, in one burst (the worst case: "
         f"a pulse waits behind all of them) [off: spread over {GATEWAY_PHASES} phases, as independent gateways]",
+    )
+    p.add_argument(
+        "--replicas-from",
+        metavar="DIR",
+        help="run the autoscaler replicas from the checkout in DIR (PYTHONPATH), the bench from this one: the same "
+        "bench and load for a before and an after [off]",
     )
     p.add_argument("--logs", metavar="DIR", help="keep each replica's stderr in DIR/<identity>.log")
     p.add_argument(

@@ -210,6 +210,13 @@ class ReplicaFigures(msgspec.Struct, kw_only=True):
     exported (older replicas)."""
     warnings: int
     """stderr lines at WARNING or worse."""
+    relists: int = 0
+    """Watches of its KV buckets made anew: ``pulsescale_watch_relists_total`` where exported, else its stderr's
+    re-listing warnings."""
+    relists_from: str = "stderr"
+    probes_spared: int | None = None
+    """``pulsescale_watch_probes_spared_total``: consumer probes a busy loop once took for a lost consumer, and no
+    longer re-list; None when not exported."""
 
 
 class Bounds(msgspec.Struct, kw_only=True):
@@ -270,6 +277,8 @@ class DecideReport(msgspec.Struct, kw_only=True):
     windows' settling (~10 s of steady traffic), the default."""
     pulses_window_s: Window | None = None
     """When the pulses (ours and the floor's, interleaved) ran, counted from every model's first live owner."""
+    replicas_from: str | None = None
+    """--replicas-from: the checkout the replicas ran from (None: this one)."""
     cpu_hog: bool = False
     """--cpu-hog: a busy loop on one core for the whole run (`pulsescale.bench.hog`)."""
     each_pulse: list[Pulse] = msgspec.field(default_factory=list)
@@ -283,6 +292,9 @@ class DecideReport(msgspec.Struct, kw_only=True):
     """Summed over the replicas."""
     per_replica: list[ReplicaFigures] = msgspec.field(default_factory=list)
     slot_writes: int = 0
+    bench_relists: int = 0
+    """Re-lists of the bench's own slot watch, which times the claims (a claim first seen in a re-listing is timed
+    when the listing came)."""
     double_claims: int = 0
     """Slots claimed twice without a release between (a held record's claim_id replaced while it was held)."""
     run_s: float | None = None

@@ -28,6 +28,7 @@ import nats.js.errors
 import numpy as np
 
 from pulsescale.bench import report as rpt
+from pulsescale.bench.gateways import QUIET_SUBJECT, cycle
 from pulsescale.bench.ingest import ingest_through_nats
 from pulsescale.bench.traffic import INGEST_IN_PROCESS_MAX_S, _Floor, _sample, _spec
 from pulsescale.bench.watch import (
@@ -46,8 +47,8 @@ from pulsescale.bench.watch import (
     _SlotWatch,
     _summed,
 )
-from warmpool import connect, protocol
 from warmpool import output as out
+from warmpool import protocol
 from warmpool.embedded import NatsServer, free_port
 from warmpool.errors import PulsescaleError
 from warmpool.protocol import ScalerRecord
@@ -72,13 +73,9 @@ READY_TIMEOUT_S = 60.0
 """The replicas must own every model (and the ownership settle) within this long of starting."""
 TAKEOVER_GRACE_S = 10.0
 """After a SIGKILL, the killed replica's models are pulsed until claimed, at most lease_s + this long."""
-SAMPLE_EVERY_S = 0.1
-"""Each gateway's sample interval (the contract's pace)."""
 GATEWAY_PHASES = 10
-"""The background gateways speak at this many phases of each `SAMPLE_EVERY_S`, as independent gateways do at
-their own; `--gateways-in-step` puts them all at one (a pulse then waits behind every model's sample)."""
-BACKGROUND_YIELD_EVERY = 200
-"""The background samples yield to the event loop after this many publishes (a publish rarely yields itself)."""
+"""The background gateways speak at this many phases of each 100 ms (`pulsescale.bench.gateways`), as independent
+gateways do; `--gateways-in-step` puts them all at one (a pulse then waits behind every model's sample)."""
 WARM_UP_S = 3.5
 """Steady traffic before the pulses, past the windows' settling (`PolicySpec.trend_settle_s` of the bench's spec):
 a model is skipped from the turn after its first decision on settled windows, one or two turns of
@@ -107,7 +104,9 @@ class _Run:
         self.leases = _Leases()
         self.slots = _SlotWatch()
         self.quiet: set[str] = set()  # models the background leaves alone (pulsed ones: their last word stands)
-        self.seq = 1  # the gateway's sequence number, shared by the background and the pulses
+        self.t0 = time.time()  # the background gateways number their samples by the 100 ms period since this
+        self.seq = 1  # the pulses' sequence number: past the background's (`gateways.cycle`)
+        self.gateways_up = False  # the background gateways' process is running (`background`)
         self.checks: list[bool] = []
         self.in_takeover = False  # from the SIGKILL until the survivors hold every lease: orphans are expected
         self.ownership_samples = 0
@@ -127,6 +126,7 @@ class _Run:
             kill=bool(args.kill), gateways_in_step=bool(args.gateways_in_step),
             gateway_phases=1 if args.gateways_in_step else GATEWAY_PHASES, pulse_budget_s=args.pulse_budget_s,
             log_level=args.log_level, logs=args.logs, pulses_after_s=args.pulses_after, cpu_hog=args.cpu_hog,
+            replicas_from=getattr(args, "replicas_from", None),
             bounds=rpt.Bounds(
                 ingest_in_process_max_s=INGEST_IN_PROCESS_MAX_S, ready_timeout_s=READY_TIMEOUT_S,
                 pulse_budget_s=args.pulse_budget_s, pulse_timeout_s=PULSE_TIMEOUT_S,
@@ -223,6 +223,8 @@ class _Run:
 
     def start_replicas(self) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if self.args.replicas_from:  # another checkout's autoscaler under this bench: before/after in one bench
+            env["PYTHONPATH"] = os.path.abspath(self.args.replicas_from)
         for idx in range(self.args.replicas):
             identity = f"bench-r{idx}"
             err: IO[str]
@@ -235,7 +237,7 @@ class _Run:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "pulsescale", "autoscaler", "--nats", self.server.url,
                  "--metrics-port", str(port), "--identity", identity, "--log-level", self.args.log_level],
-                env=env, stderr=err,
+                env=env, stderr=err, cwd=self.args.replicas_from or None,  # `-m` puts the cwd first on the path
             )  # fmt: skip
             self.replicas.append(_Replica(identity=identity, port=port, proc=proc, stderr=err))
 
@@ -278,31 +280,47 @@ class _Run:
                 await asyncio.wait_for(stop.wait(), OWNERSHIP_EVERY_S)
 
     async def background(self, stop: asyncio.Event) -> None:
-        """Every model's gateway speaks every 100 ms (the contract's pace): 10 samples/s x models, on a connection
-        of their own: gateways are other processes, and a pulse published behind a burst of ours waited in this
-        process's write buffer for all of it (a delay of the load generator, not of the autoscaler)."""
-        gateways = await connect.connect(connect.NatsOptions(servers=(self.server.url,), name="bench-decide-gateways"))
+        """Every model's gateway speaks every 100 ms (the contract's pace): 10 samples/s x models, from a process of
+        their own (`pulsescale.bench.gateways`): gateways are other processes, and 30,000 samples a second published
+        from this one held up its loop, which times the claims and answers the activations."""
+        proc = self._spawn_gateways()
         try:
-            await self._background(gateways, stop)
+            assert proc.stdout is not None
+            line = await asyncio.to_thread(proc.stdout.readline)
+            if line.strip() != "ready":
+                raise PulsescaleError(f"the background gateways did not start (said {line!r})")
+            self.gateways_up = True
+            if self.quiet:
+                await self.hush(self.quiet)
+            await stop.wait()
         finally:
-            await gateways.close()
+            self.gateways_up = False
+            with contextlib.suppress(OSError):
+                assert proc.stdin is not None
+                proc.stdin.close()
+            try:
+                await asyncio.to_thread(proc.wait, 5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
-    async def _background(self, nc: Any, stop: asyncio.Event) -> None:
+    def _spawn_gateways(self) -> subprocess.Popen[str]:
         phases = 1 if self.args.gateways_in_step else GATEWAY_PHASES
-        while not stop.is_set():
-            t0 = time.perf_counter()
-            for phase in range(phases):
-                # Gateway i speaks at phase i % phases of the 100 ms (all at once with --gateways-in-step).
-                for i, m in enumerate(self.models[phase::phases], 1):
-                    if m not in self.quiet:
-                        await nc.publish(protocol.queue_subject(m), _sample(m, self.seq, 0))
-                    if i % BACKGROUND_YIELD_EVERY == 0:
-                        await asyncio.sleep(0)  # our own watches and the stand-in agent run in between
-                await asyncio.sleep(max(0.0, t0 + SAMPLE_EVERY_S * (phase + 1) / phases - time.perf_counter()))
-            self.seq += 1
+        return subprocess.Popen(
+            [sys.executable, "-m", "pulsescale.bench.gateways", self.server.url, str(len(self.models)), str(phases),
+             repr(self.t0)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    async def hush(self, models: set[str] | list[str]) -> None:
+        """The background leaves `models` alone from now on (their last word is ours): told, and answered, before
+        a pulse is sent."""
+        self.quiet.update(models)
+        if self.gateways_up:
+            await self.nc.request(QUIET_SUBJECT, " ".join(models).encode(), timeout=5)
 
     async def pulse(self, m: str, depth: int) -> None:
-        self.seq += 1
+        self.seq = max(self.seq + 1, cycle(self.t0) + 1)  # past the background's number for it now
         await self.nc.publish(protocol.queue_subject(m), _sample(m, self.seq, depth))
 
     async def timed_pulses(self) -> dict[str, list[str]]:
@@ -323,7 +341,7 @@ class _Run:
                 break
             if k == n_pulses // 2:
                 await self.check_owners("mid-pulses")
-            self.quiet.add(m)
+            await self.hush([m])
             t0 = time.perf_counter()
             # Demand 4 (= targetQueueDepth): one replica wanted, so the model's other slots stay free for the
             # takeover pulses.
@@ -344,9 +362,10 @@ class _Run:
                 rpt.Pulse(model=m, at_s=self.since_owned(t0), ms=_ms(ours), floor_ms=_ms(took))
             )
         self.pulses_ended = time.perf_counter()
-        for r in self.replicas:
-            r.sample()
-        self.print_own_decision_times()
+        # The scrapes in threads: read on this loop, 3,000 models' /metrics from busy replicas held it for seconds,
+        # and the lease reads of the check after timed out behind it (every model looked orphaned).
+        await asyncio.gather(*(asyncio.to_thread(r.sample) for r in self.replicas))
+        await asyncio.to_thread(self.print_own_decision_times)
         per = await self.check_owners("after the pulses")
         gateways = "in step" if args.gateways_in_step else f"at {GATEWAY_PHASES} phases"
         when = (
@@ -397,7 +416,7 @@ class _Run:
         lease_s = self.leases.lease_s() or 2.0
         bar = lease_s + 1.0
         victim.sample()
-        self.quiet.update(sample)
+        await self.hush(sample)
         self.in_takeover = True
         self.slots.since = t_kill = time.perf_counter()
         wall_kill = time.time()
@@ -494,6 +513,24 @@ class _Run:
             "CPU seconds per replica (/proc/<pid>/stat utime+stime): "
             + "  ".join(f"{r.identity} {r.cpu_s:.1f}{' (killed)' if r.killed else ''}" for r in self.replicas)
         )
+        relists = {r.identity: r.relists() for r in self.replicas}
+        self.say(
+            "watches re-listed per replica (pulsescale_watch_relists_total, else re-listing warnings in stderr; "
+            "probes spared: pulsescale_watch_probes_spared_total): "
+            + "  ".join(
+                f"{r.identity} {relists[r.identity]}"
+                + (
+                    f" (spared {int(r.spared)}: "
+                    + ", ".join(f"{why} {int(n)}" for why, n in sorted(r.spared_by.items()))
+                    + ")"
+                    if r.spared is not None
+                    else ""
+                )
+                + ("" if r.relists_metric is not None else " (stderr)")
+                for r in self.replicas
+            )
+            + f"; the bench's own slot watch {self.store.slots.relists}"
+        )
         warnings = {r.identity: r.warnings() for r in self.replicas}
         self.say(
             "stderr lines per replica (WARNING or worse): "
@@ -532,11 +569,14 @@ class _Run:
                 slack=None if r.slack is None else rpt.Slack(
                     renewals=r.slack[0], under_s=SLACK_UNDER_S, under=r.slack[1], least_within_s=r.slack[2]
                 ),
-                warnings=warnings[r.identity],
+                warnings=warnings[r.identity], relists=relists[r.identity],
+                relists_from="metric" if r.relists_metric is not None else "stderr",
+                probes_spared=None if r.spared is None else int(r.spared),
             )
             for r in self.replicas
         ]  # fmt: skip
         res.slot_writes, res.double_claims = self.slots.writes, self.slots.double_claims
+        res.bench_relists = self.store.slots.relists
         own = res.ownership
         own.named_checks_passed = sum(self.checks)
         own.sampled_every_ms = OWNERSHIP_EVERY_S * 1e3

@@ -13,7 +13,7 @@ import os
 import subprocess
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, Any
 
 from warmpool import protocol
@@ -34,6 +34,16 @@ def _summed(lines: list[str], name: str) -> float | None:
     total, seen = 0.0, False
     for line in lines:
         if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+            seen = True
+    return total if seen else None
+
+
+def _labelled(lines: list[str], name: str, label: str, value: str) -> float | None:
+    """Sum of a metric's series whose `label` is `value`; None when there is none."""
+    total, seen, want = 0.0, False, f'{label}="{value}"'
+    for line in lines:
+        if line.startswith(name + "{") and want in line.split("}", 1)[0]:
             total += float(line.rsplit(" ", 1)[1])
             seen = True
     return total if seen else None
@@ -94,6 +104,10 @@ RENEWAL_METRIC = "pulsescale_lease_renewal_seconds"
 SLOW_RENEWAL_S = 1.0
 """A shard renewal this slow is counted in the report: two in a row and the 1.6 s fence has passed."""
 SAMPLES = "pulsescale_samples_total"
+RELISTS_METRIC = "pulsescale_watch_relists_total"
+SPARED_METRIC = "pulsescale_watch_probes_spared_total"
+RELIST_LINE = "re-listing"
+"""What an autoscaler logs (WARNING) when a watch's consumer is lost; counted while it exports no re-list metric."""
 SLACK_METRIC = "pulsescale_lease_renewal_slack_seconds"
 SLACK_UNDER_S = 0.5
 """Renewals heard with less than this of their term left are counted in the report (~1.1 s is normal)."""
@@ -127,6 +141,9 @@ class _Replica:
     stalls: tuple[int, str] | None = None  # the last scrape's loop stalls over STALL_S, and the longest's bucket
     slow_renewals: tuple[int, str] | None = None  # the same for shard renewals over SLOW_RENEWAL_S
     slack: tuple[int, int, float | None] | None = None  # the last scrape's `_slack`
+    relists_metric: float | None = None  # the last scrape of RELISTS_METRIC; None while it exports none
+    spared: float | None = None  # the last scrape of SPARED_METRIC
+    spared_by: dict[str, float] = field(default_factory=dict)  # the same by its `why` label
     killed: bool = False
 
     def sample(self) -> None:
@@ -141,11 +158,22 @@ class _Replica:
             self.stalls = _over(lines, LAG_METRIC, STALL_S) or self.stalls
             self.slow_renewals = _over(lines, RENEWAL_METRIC, SLOW_RENEWAL_S) or self.slow_renewals
             self.slack = _slack(lines) or self.slack
+            self.relists_metric = _summed(lines, RELISTS_METRIC)
+            self.spared = _summed(lines, SPARED_METRIC)
+            by = {why: _labelled(lines, SPARED_METRIC, "why", why) for why in ("late", "in_flight")}
+            self.spared_by = {why: n for why, n in by.items() if n is not None}
 
     def warnings(self) -> int:
         self.stderr.flush()
         with open(self.stderr.name, errors="replace") as f:
             return sum(" WARNING " in line or " ERROR " in line or " CRITICAL " in line for line in f)
+
+    def relists(self) -> int:
+        if self.relists_metric is not None:
+            return int(self.relists_metric)
+        self.stderr.flush()
+        with open(self.stderr.name, errors="replace") as f:
+            return sum(" WARNING " in line and RELIST_LINE in line for line in f)
 
     def lost(self) -> int:
         if self.lost_metric is not None:
@@ -236,11 +264,13 @@ class _SlotWatch:
         self.since = float("inf")
         self.double_claims = 0
         self.writes = 0
+        self.listed = False  # the first listing is in: a later one is a re-list
 
     def on(self, event: Any) -> None:
         if isinstance(event, Snapshot):
             for key, rec in event.records.items():
                 self._seen(key, rec, snapshot=True)
+            self.listed = True
         elif isinstance(event, Changed):
             self._seen(event.key, event.record, snapshot=False)
 
@@ -254,7 +284,9 @@ class _SlotWatch:
                 self.held.pop((rec.node, rec.slot, prev), None)
             self.holder[key] = rec.claim_id
             self.held[(rec.node, rec.slot, rec.claim_id)] = key
-            if rec.state == "claimed" and prev != rec.claim_id and not snapshot:
+            # A claim first seen in a re-listing (this process's watch made anew) is timed when the listing came:
+            # late, but seen; the first listing holds none of the run's claims.
+            if rec.state == "claimed" and prev != rec.claim_id and (not snapshot or self.listed):
                 now = time.perf_counter()
                 self.first_claim.setdefault(rec.model, now)
                 if now >= self.since and rec.model not in self.claims_after:
