@@ -31,12 +31,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from nats.aio.client import Client
-from nats.js.kv import KeyValue
 
 from bridge.settings import BridgeSettings, metrics_page
 from bridge.sources import Source, Sources
 from warmpool import buckets, protocol
-from warmpool.bucketview import BucketView, Changed, Removed, Snapshot
+from warmpool.bucketview import BucketView, Changed, Removed, Snapshot, ViewEvent
 from warmpool.errors import BadMessage
 from warmpool.protocol import ScalerRecord
 from warmpool.rejects import Rejections
@@ -152,34 +151,20 @@ class ScalerSources:
         self.state = state
 
     async def run(self, stop: asyncio.Event) -> None:
-        async def follow(kv: KeyValue) -> None:
-            await self._follow(BucketView(self._nc, kv, ScalerRecord, self._rejected, keep_bad=True), stop)
+        def on_view(view: BucketView[ScalerRecord]) -> None:
+            self.view = view
 
-        await buckets.follow_bucket(
-            self._nc,
-            protocol.SCALERS_BUCKET,
-            stop,
-            on_state=self._state,
-            follow=follow,
-            retry_s=self._retry_s,
-            open_timeout_s=self._open_timeout_s,
-        )
+        def on_event(_: BucketView[ScalerRecord], event: ViewEvent[ScalerRecord]) -> None:
+            try:
+                self.apply(event)
+            except Exception:  # a bug here must not stop the bridge: the sources read now stand
+                log.exception("%s: a change could not be applied", protocol.SCALERS_BUCKET)
 
-    async def _follow(self, view: BucketView[ScalerRecord], stop: asyncio.Event) -> None:
-        self.view = view
-        watch = asyncio.create_task(view.run(), name="bridge-scaledobjects-view")
-        try:
-            async for event in view.changes():
-                try:
-                    self.apply(event)
-                except Exception:  # a bug here must not stop the bridge: the sources read now stand
-                    log.exception("%s: a change could not be applied", protocol.SCALERS_BUCKET)
-                if stop.is_set():
-                    break
-        finally:
-            view.closed = True
-            watch.cancel()
-            await asyncio.gather(watch, return_exceptions=True)
+        await buckets.follow_view(
+            self._nc, protocol.SCALERS_BUCKET, ScalerRecord, self._rejected, stop,
+            on_state=self._state, on_view=on_view, on_event=on_event, keep_bad=True, name="bridge-scaledobjects-view",
+            retry_s=self._retry_s, open_timeout_s=self._open_timeout_s,
+        )  # fmt: skip
 
     def apply(self, event: Snapshot[ScalerRecord] | Changed[ScalerRecord] | Removed) -> None:
         """One event of the view: a `Snapshot` is every record (replace, don't merge)."""

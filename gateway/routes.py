@@ -28,7 +28,6 @@ from urllib.parse import urlsplit
 
 import nats.js.errors
 from nats.aio.client import Client
-from nats.js.kv import KeyValue
 
 from warmpool import buckets, protocol
 from warmpool.errors import BadMessage
@@ -155,36 +154,20 @@ class NodeModels:
             self._on_change()
 
     async def run(self, stop: asyncio.Event) -> None:
-        async def follow(kv: KeyValue) -> None:
-            await self._follow(BucketView(self._nc, kv, NodeAssignment, self._rejected), stop)
+        def on_event(view: BucketView[NodeAssignment], _: object) -> None:
+            # From the first listing on its records decide (until then, a bucket that just appeared keeps the
+            # rule of an absent one).
+            self.rule.view = view
+            if self.state == "listed":
+                self._on_change()
+            else:
+                self._state("listed")
 
-        await buckets.follow_bucket(
-            self._nc,
-            protocol.ASSIGNMENTS_BUCKET,
-            stop,
-            on_state=self._state,
-            follow=follow,
-            retry_s=self._retry_s,
-            open_timeout_s=self._open_timeout_s,
-        )
-
-    async def _follow(self, view: BucketView[NodeAssignment], stop: asyncio.Event) -> None:
-        watch = asyncio.create_task(view.run(), name="gateway-assignments-view")
-        try:
-            async for _ in view.changes():
-                # From the first listing on its records decide (until then, a bucket that just appeared keeps the
-                # rule of an absent one).
-                self.rule.view = view
-                if self.state == "listed":
-                    self._on_change()
-                else:
-                    self._state("listed")
-                if stop.is_set():
-                    break
-        finally:
-            view.closed = True
-            watch.cancel()
-            await asyncio.gather(watch, return_exceptions=True)
+        await buckets.follow_view(
+            self._nc, protocol.ASSIGNMENTS_BUCKET, NodeAssignment, self._rejected, stop,
+            on_state=self._state, on_event=on_event, name="gateway-assignments-view",
+            retry_s=self._retry_s, open_timeout_s=self._open_timeout_s,
+        )  # fmt: skip
 
 
 class Routes:

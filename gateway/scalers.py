@@ -14,7 +14,6 @@ import logging
 from collections.abc import Callable
 
 from nats.aio.client import Client
-from nats.js.kv import KeyValue
 
 from gateway.catalog import Catalog, ScalersState
 from warmpool import buckets, protocol
@@ -65,29 +64,15 @@ class Scalers:
         self._on_change()
 
     async def run(self, stop: asyncio.Event) -> None:
-        async def follow(kv: KeyValue) -> None:
-            await self._follow(BucketView(self._nc, kv, ScalerRecord, self._rejected, keep_bad=True), stop)
+        def on_view(view: BucketView[ScalerRecord]) -> None:
+            self.view = view
 
-        await buckets.follow_bucket(
-            self._nc,
-            protocol.SCALERS_BUCKET,
-            stop,
-            on_state=self._state,
-            follow=follow,
-            retry_s=self._retry_s,
-            open_timeout_s=self._open_timeout_s,
-        )
+        def on_event(view: BucketView[ScalerRecord], _: object) -> None:
+            self.catalog.set_scaled(r.spec.model for r in view.values())
+            self._on_change()
 
-    async def _follow(self, view: BucketView[ScalerRecord], stop: asyncio.Event) -> None:
-        self.view = view
-        watch = asyncio.create_task(view.run(), name="gateway-scalers-view")
-        try:
-            async for _ in view.changes():
-                self.catalog.set_scaled(r.spec.model for r in view.values())
-                self._on_change()
-                if stop.is_set():
-                    break
-        finally:
-            view.closed = True
-            watch.cancel()
-            await asyncio.gather(watch, return_exceptions=True)
+        await buckets.follow_view(
+            self._nc, protocol.SCALERS_BUCKET, ScalerRecord, self._rejected, stop,
+            on_state=self._state, on_view=on_view, on_event=on_event, keep_bad=True, name="gateway-scalers-view",
+            retry_s=self._retry_s, open_timeout_s=self._open_timeout_s,
+        )  # fmt: skip

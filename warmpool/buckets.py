@@ -19,8 +19,9 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
+import msgspec
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
@@ -29,7 +30,9 @@ from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 from nats.js.kv import KeyValue
 
 from warmpool import protocol
+from warmpool.bucketview import BucketView, ViewEvent
 from warmpool.errors import NatsUnavailable, PulsescaleError
+from warmpool.rejects import Rejections
 
 __all__ = [
     "list_keys",
@@ -45,6 +48,7 @@ __all__ = [
     "KvReplicasError",
     "ensure_buckets",
     "follow_bucket",
+    "follow_view",
     "parse_replicas",
     "replicas_for",
 ]
@@ -218,6 +222,48 @@ async def follow_bucket(
             return
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), wait_s)
+
+
+V = TypeVar("V", bound=msgspec.Struct)
+
+
+async def follow_view(
+    nc: Client,
+    bucket: str,
+    type_: type[V],
+    rejected: Rejections,
+    stop: asyncio.Event,
+    *,
+    on_state: Callable[[OpenState, str], None],
+    on_event: Callable[[BucketView[V], ViewEvent[V]], None],
+    retry_s: float,
+    open_timeout_s: float,
+    name: str,
+    keep_bad: bool = False,
+    on_view: Callable[[BucketView[V]], None] | None = None,
+) -> None:
+    """`follow_bucket`, following the bucket with a `BucketView` of `type_` records (its watch the task `name`):
+    `on_view(view)` once it is made, then `on_event(view, event)` for each of its events (a `Snapshot` first) until
+    `stop` is set; the view is closed and its watch stopped on the way out."""
+
+    async def follow(kv: KeyValue) -> None:
+        view = BucketView(nc, kv, type_, rejected, keep_bad=keep_bad)
+        if on_view is not None:
+            on_view(view)
+        watch = asyncio.create_task(view.run(), name=name)
+        try:
+            async for event in view.changes():
+                on_event(view, event)
+                if stop.is_set():
+                    break
+        finally:
+            view.closed = True
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+
+    await follow_bucket(
+        nc, bucket, stop, on_state=on_state, follow=follow, retry_s=retry_s, open_timeout_s=open_timeout_s
+    )
 
 
 async def list_keys(js: JetStreamContext, bucket: str, prefix: str = "") -> list[str]:
