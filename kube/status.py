@@ -26,6 +26,7 @@ from typing import Any, Final
 
 import msgspec
 
+from kube import bodies
 from manifests.crdtypes import (
     ACTIVE_WINDOW_S,
     MAX_LAST_DECISIONS,
@@ -317,15 +318,6 @@ def model_of(body: Any) -> str | None:
     return model if isinstance(model, str) else None
 
 
-def _time(text: Any) -> float | None:
-    if not isinstance(text, str):
-        return None
-    try:
-        return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
-
-
 def _count(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
@@ -348,7 +340,7 @@ def _mirrored(c: Condition) -> protocol.ObjectCondition:
     message = c.message if len(c.message) <= _MESSAGE_CHARS else c.message[: _MESSAGE_CHARS - 1] + "\u2026"
     reason = c.reason if len(c.reason) <= protocol.MAX_CONDITION_REASON and _REASON.fullmatch(c.reason) else ""
     return protocol.ObjectCondition(
-        type=c.type, status=c.status, reason=reason, message=message, since=_time(c.last_transition_time)
+        type=c.type, status=c.status, reason=reason, message=message, since=bodies.parse_time(c.last_transition_time)
     )
 
 
@@ -375,7 +367,7 @@ def mirror_of(
         max_replicas=_count(spec.get("maxReplicaCount")),
         labels=_labels(meta.get("labels")),
         generation=composed.observed_generation,
-        created_at=_time(meta.get("creationTimestamp")),
+        created_at=bodies.parse_time(meta.get("creationTimestamp")),
         updated_at=now,
     )
     # Built from a body the validator may have refused: checked as a reader will check it, before it is written.
