@@ -1,16 +1,21 @@
-"""`warmpool.buckets.follow_bucket`: a bucket that does not exist yet, or does not answer, is asked for again and
-followed once it opens (the gateway's `pulse_scalers` and `pulse_assignments`), against a real nats-server."""
+"""`warmpool.buckets.follow_bucket` (and `follow_view` on it): a bucket that does not exist yet, or does not
+answer, is asked for again and followed once it opens (the gateway's `pulse_scalers` and `pulse_assignments`),
+against a real nats-server."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from nats.aio.client import Client
 from nats.js.kv import KeyValue
 
 from tests.helpers import wait_for
-from warmpool import buckets
+from warmpool import buckets, protocol
+from warmpool.bucketview import BucketView, Changed, Snapshot
 from warmpool.embedded import NatsServer
+from warmpool.protocol import NodeAssignment
+from warmpool.rejects import Rejections
 
 BUCKET = "pytest_follow"
 
@@ -92,3 +97,31 @@ async def test_stop_ends_the_pause(nc: Client) -> None:
     stop.set()
     await asyncio.wait_for(task, 5)
     assert states == [("absent", "")]
+
+
+async def test_follow_view_hands_each_event_of_the_records_view_and_closes_it(nc: Client) -> None:
+    """`follow_view`: the view is handed over once made, then its snapshot and each change; at `stop` the view is
+    closed and its watch ended."""
+    kv = await nc.jetstream().create_key_value(bucket=BUCKET)
+    await kv.put("n1", protocol.encode(NodeAssignment(node="n1", models=["m"])))
+    stop = asyncio.Event()
+    views: list[BucketView[NodeAssignment]] = []
+    events: list[object] = []
+    task = asyncio.create_task(
+        buckets.follow_view(
+            nc, BUCKET, NodeAssignment, Rejections(logging.getLogger("test")), stop,
+            on_state=lambda state, why: None, on_view=views.append,
+            on_event=lambda view, event: events.append(event), name="test-view", retry_s=0.05, open_timeout_s=2.0,
+        )
+    )  # fmt: skip
+    await wait_for(lambda: events, what="the first event")
+    assert len(views) == 1 and isinstance(events[0], Snapshot)
+    assert [a.models for a in events[0].records.values()] == [["m"]]
+    await kv.put("n2", protocol.encode(NodeAssignment(node="n2", models=["q"])))
+    await wait_for(lambda: any(isinstance(e, Changed) for e in events), what="the change")
+    changed = next(e for e in events if isinstance(e, Changed))
+    assert changed.key == "n2" and changed.record.models == ["q"]
+    stop.set()
+    await kv.put("n3", protocol.encode(NodeAssignment(node="n3")))  # an event, so the loop sees `stop`
+    await asyncio.wait_for(task, 5)
+    assert views[0].closed
