@@ -58,6 +58,7 @@ async def _hears(nc: Client, subject: str) -> bool:
 
 async def test_a_flush_past_its_wait_leaves_the_connection_reading(nats_server: NatsServer, nc: Client) -> None:
     background: set[asyncio.Task[None]] = set()
+    await nc.flush()  # no PING of ours still unanswered: its PONG would answer the one below
     with _paused(nats_server):
         assert not await flush_without_cancel(nc, WAIT_S, background)
     await wait_for(lambda: not background, 15, "the flush left running to finish")
@@ -67,6 +68,7 @@ async def test_a_flush_past_its_wait_leaves_the_connection_reading(nats_server: 
 
 async def test_nats_pys_own_flush_timeout_ends_the_read_loop(nats_server: NatsServer, nc: Client) -> None:
     """Why: the call `flush_without_cancel` replaces. Should nats-py fix it, this fails and says so."""
+    await nc.flush()
     with _paused(nats_server), contextlib.suppress(nats.errors.TimeoutError):
         await nc.flush(timeout=WAIT_S)  # type: ignore[arg-type]
     await asyncio.sleep(0.5)  # the PONG comes and meets the cancelled future
