@@ -119,11 +119,11 @@ class AutoscalerSettings:
     """Distinct (gateway, model) keys of samples waiting to be folded in (`samples.SampleBuffer`); past it the
     oldest key's sample is dropped (counted). 100k keys is ~100 gateways x 1,000 models, a few tens of MB."""
     slice_s: float = 0.002
-    """The longest the sample callback, the drain and housekeeping run without yielding to the loop: the lease
-    renewal and claims in flight wait at most about this long behind them."""
+    """The longest the sample taker, the drain and housekeeping run without yielding to the loop: the lease renewal
+    and claims in flight wait at most about this long behind them."""
     catch_up_s: float = 0.02
-    """The longest the sample callback runs without yielding while samples queue up for it in nats-py, which parses
-    a whole read per turn of the loop (~8 ms here): a `slice_s` per turn never caught up (`intake.Queued`)."""
+    """The longest the sample taker runs without yielding while samples queue up for it (`intake.BEHIND_MSGS`):
+    nats-py parses a whole read per turn of the loop (~8 ms here), and a `slice_s` per turn never caught up."""
     stand_aside_s: float = 0.05
     """The longest the sample drain and housekeeping wait, between two slices, for this process's claims started
     this recently (`scaler_book.ClaimsInFlight`) and for samples being taken (`intake.SampleIntake`): a claim's
@@ -546,8 +546,7 @@ async def run(
             runner, scaler.metrics_port = await serve_http(scaler, settings.metrics_host, settings.metrics_port)
             opened.push_async_callback(runner.cleanup)
             log.info("metrics on http://%s:%d/metrics", settings.metrics_host, scaler.metrics_port)
-        # Samples on their own connection: claims, activation replies and lease renewals on `nc` never queue behind
-        # a flood of them, in the server's outbound buffer or in our socket's.
+        # Samples on their own connection: what goes on `nc` (claims, replies, renewals) never queues behind them.
         samples_nc = await connect.connect(dataclasses.replace(settings.nats, name=f"{settings.nats.name}-samples"))
         opened.push_async_callback(_quietly, samples_nc.close)
         service = scaler.fleet.commands = commands.CommandService(
@@ -572,6 +571,7 @@ async def run(
             asyncio.create_task(scaler.slot_events.follow_slots(stop), name="slots"),
             asyncio.create_task(scaler.housekeeping(stop), name="housekeeping"),
             asyncio.create_task(scaler.intake.drain(), name="samples"),
+            asyncio.create_task(scaler.intake.consume(scaler.subscriptions.queue), name="sample-taker"),
             asyncio.create_task(scaler.subscriptions.follow_subjects(samples_nc, stop), name="sample-subjects"),
             asyncio.create_task(looplag.probe(metrics.loop_lag.observe, stop, settings.loop_lag), name="loop-lag"),
             campaign,

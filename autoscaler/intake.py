@@ -1,10 +1,11 @@
-"""The samples' way in: the subscription's callback, the buffer's drain, and the standing aside between slices.
+"""The samples' way in: the taker, the buffer's drain, and the standing aside between slices.
 
-The callback (`SampleIntake.on_queue_msg`, on the samples' own connection) does the cheap part: decode, check,
-buffer (`samples.SampleBuffer`, newest per gateway and model). A sample its model would decide on at once (a
-pulse's first) skips the buffer and is folded as it is taken, its claim started in the same step. The drain folds
-the rest in slices of `slice_s`; between two slices it, and the daemon's housekeeping, stand aside for this
-process's young claims and for samples being taken, at most `stand_aside_s` each. The daemon composes it.
+The taker (`SampleIntake.consume`: one task for every sample subscription, on the samples' own connection) does
+the cheap part: decode, check, buffer (`samples.SampleBuffer`, newest per gateway and model). A sample its model
+would decide on at once (a pulse's first) skips the buffer and is folded as it is taken, its claim started in the
+same step. The drain folds the rest in slices of `slice_s`; between two slices it, and the daemon's housekeeping,
+stand aside for this process's young claims and for samples being taken, at most `stand_aside_s` each. The daemon
+composes it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from dataclasses import dataclass
 from typing import Final
 
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 
 from autoscaler.act.scaler import ClaimsInFlight
 from autoscaler.metrics import AutoscalerMetrics
@@ -28,27 +28,14 @@ from warmpool.errors import BadMessage
 from warmpool.protocol import QueueSample
 from warmpool.rejects import Rejections
 
-__all__ = ["BEHIND_MSGS", "INGEST_QUIET_S", "Queued", "SampleIntake", "StandAside"]
+__all__ = ["BEHIND_MSGS", "INGEST_QUIET_S", "SampleIntake", "StandAside"]
 
 BEHIND_MSGS: Final = 256
-"""Samples waiting in nats-py for one subscription past which its callback catches up (`Queued.behind`): a
-quarter of what one read of the socket brings at most, and a few milliseconds of work."""
+"""Samples waiting in the samples' queue past which their taker catches up (`SampleIntake.consume`): a quarter of
+what one read of the socket brings at most, and a few milliseconds of work."""
 INGEST_QUIET_S: Final = 0.001
-"""The sample callback silent this long: the burst it was taking is over (`SampleIntake._ingest_first`). Within a
+"""The sample taker silent this long: the burst it was taking is over (`SampleIntake._ingest_first`). Within a
 burst nats-py hands samples over microseconds apart; parsing its next read takes about a millisecond."""
-
-
-class Queued:
-    """One sample subscription's queue in nats-py, as its callback sees it (`SampleSubscriptions` binds `sub` once
-    subscribed): `behind` while more than `BEHIND_MSGS` samples wait there."""
-
-    __slots__ = ("sub",)
-
-    def __init__(self) -> None:
-        self.sub: Subscription | None = None
-
-    def behind(self) -> bool:
-        return self.sub is not None and self.sub.pending_msgs > BEHIND_MSGS
 
 
 @dataclass
@@ -88,47 +75,62 @@ class SampleIntake:
         self.slice_s = slice_s
         self.stand_aside_s = stand_aside_s
         self.catch_up_s = slice_s if catch_up_s is None else catch_up_s
-        """The longest the callback runs without yielding while its subscription is behind (`Queued.behind`)."""
+        """The longest the taker runs without yielding while samples queue up behind it (`BEHIND_MSGS`)."""
         self.samples = SampleBuffer(buffer_keys)
-        """Samples decoded by `on_queue_msg`, waiting for `drain` (newest per gateway and model)."""
+        """Samples decoded by `consume`, waiting for `drain` (newest per gateway and model)."""
         self._waiting = asyncio.Event()
-        self._taken_at = -math.inf  # perf_counter() of the callback's last call (`_ingest_first`)
-        self._callback_until = 0.0  # perf_counter() past which the callback yields once
+        self._taken_at = -math.inf  # perf_counter() of the taker's last sample (`_ingest_first`)
+        self._callback_until = 0.0  # perf_counter() past which the taker yields once
         self._step_until = 0.0  # perf_counter() past which it yields even while behind (`catch_up_s`)
 
-    async def on_queue_msg(self, msg: Msg, queued: Queued | None = None) -> None:
-        """The sample subscription's callback: decode, check, buffer. The controllers see the sample in `drain`,
-        one loop iteration later when the buffer was empty. `queued`: the subscription's own queue in nats-py
-        (`SampleSubscriptions` binds it), read for how far behind the callback is."""
+    async def consume(self, queue: asyncio.Queue[Msg]) -> None:
+        """Take the samples of every sample subscription, which nats-py puts in this one `queue`
+        (`SampleSubscriptions`): decode, check, buffer. The controllers see a sample in `drain`, one loop iteration
+        later when the buffer was empty. One task for all of them: with nats-py's own callback per subscription
+        (one per model owned), every sample woke a task of its own, which cost a replica of 1,000 models a quarter
+        of its CPU in the steady state and left less of the core for a pulse's claim. Runs until cancelled; a sample
+        that raises is logged and counted (`internal_error`), and the next is taken."""
+        get_nowait = queue.get_nowait
+        while True:
+            try:
+                msg = get_nowait()
+            except asyncio.QueueEmpty:
+                msg = await queue.get()
+            queue.task_done()  # nothing joins it; kept true for anyone who does
+            try:
+                yield_now = self.take(msg, queue.qsize() > BEHIND_MSGS)
+            except Exception:  # noqa: BLE001 - logged with its traceback and counted there; the next sample goes on
+                self.internal_error(f"a sample on {msg.subject}")
+                yield_now = True
+            if yield_now:
+                await asyncio.sleep(0)
+                self.yielded()
+
+    def take(self, msg: Msg, behind: bool) -> bool:
+        """One sample from the queue (`consume`); True when the taker should yield to the loop now. `behind`: more
+        than `BEHIND_MSGS` samples wait behind this one."""
         self._taken_at = taken = time.perf_counter()  # one reading per sample: the slice's bound is a sample late
         if not self.take_sample(msg.subject, msg.data):
             if taken < self._callback_until:
-                return
-            if queued is not None and taken < self._step_until and queued.behind():
+                return False
+            if behind and taken < self._step_until and not self.claims.recent(self.stand_aside_s):
                 # Behind: nats-py parses a whole read (up to ~1,000 samples) per turn of the loop, and taking a
                 # slice's worth per turn a backlog once built only grew: a pulse's sample waited seconds behind it
-                # in a takeover's first seconds. Catch up, `catch_up_s` at most per turn of the loop.
+                # in a takeover's first seconds. Catch up, `catch_up_s` at most per turn of the loop; not while a
+                # claim is young, whose few hops through the loop would each wait that long behind us.
                 self._callback_until = taken + self.slice_s
-                return
+                return False
         # Let the claims in flight and the drain run every slice, and a claim this sample started go out before
         # the next sample. (Not after every sample while any claim is young, as before: one sample per turn of
         # the loop, against a read's worth parsed per turn, built the same backlog; `bench decide
         # --pulses-after 1.5` answered 78 of 100 pulses within 2 s.)
-        await asyncio.sleep(0)
+        return True
+
+    def yielded(self) -> None:
+        """The taker is back from yielding (`take` said to): the next slice, and the next catch-up, start now."""
         now = time.perf_counter()
         self._callback_until = now + self.slice_s
         self._step_until = now + self.catch_up_s
-
-    async def take_backlog(self, msgs: list[Msg]) -> None:
-        """Samples nats-py had queued for a subscription `SampleSubscriptions` dropped (its shards moved), taken as the
-        callback takes them, yielding every `slice_s`."""
-        until = time.perf_counter() + self.slice_s
-        for msg in msgs:
-            self._taken_at = time.perf_counter()
-            self.take_sample(msg.subject, msg.data)
-            if time.perf_counter() >= until:
-                await asyncio.sleep(0)
-                until = time.perf_counter() + self.slice_s
 
     def take_sample(self, subject: str, data: bytes) -> bool:
         """The cheap part of a sample: decode and check it (rejections counted), then buffer it. A sample of a model
@@ -201,8 +203,8 @@ class SampleIntake:
 
     async def _ingest_first(self) -> bool:
         """Stand aside while samples are being taken, at most `stand_aside_s`: a pulse's sample behind them is only
-        seen (and skips the buffer, `take_sample`) once they are taken, and the drain's slices between the callback's
-        doubled that wait in a burst. "Being taken": the callback ran within `INGEST_QUIET_S` (O(1); scanning
+        seen (and skips the buffer, `take_sample`) once they are taken, and the drain's slices between the taker's
+        doubled that wait in a burst. "Being taken": the taker took one within `INGEST_QUIET_S` (O(1); scanning
         nats-py's queue of each per-model subscription cost a replica of 1,000 models its CPU). What is taken
         meanwhile coalesces in the buffer."""
         until = None

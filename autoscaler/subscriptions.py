@@ -1,16 +1,16 @@
 """The sample subscriptions: which ``pulse.queue`` subjects this replica listens on, as its shards come and go.
 
 While it holds every shard, one wildcard; else one subscription per model it owns, so a replica of three receives
-a third of the fleet's samples. `SampleSubscriptions.follow_subjects` re-subscribes each time the daemon says the
-models it owns changed, new subscriptions first, and hands what nats-py had queued for a dropped one to the
-intake (`autoscaler.intake`), so a move loses no sample. The daemon composes it.
+a third of the fleet's samples. Every subscription's messages go to one queue, taken by one task
+(`SampleIntake.consume`), not to a callback task per subscription. `SampleSubscriptions.follow_subjects`
+re-subscribes each time the daemon says the models it owns changed, new subscriptions first; what the server sent
+a dropped one before it was dropped is in the queue already, so a move loses no sample. The daemon composes it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 
 import nats.errors
@@ -18,14 +18,17 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from autoscaler.intake import Queued, SampleIntake
+from autoscaler.intake import SampleIntake
 from autoscaler.models import Models
 from warmpool import protocol
 
-__all__ = ["FLUSH_WAIT_S", "SampleSubscriptions", "flush_without_cancel"]
+__all__ = ["FLUSH_WAIT_S", "QUEUED_MAX", "SampleSubscriptions", "flush_without_cancel"]
 
 log = logging.getLogger("pulsescale.autoscaler")
 
+QUEUED_MAX = 1_000_000
+"""Samples nats-py may queue for the taker, over every subscription: generous, since one it drops (its slow-consumer
+error) is counted nowhere of ours, and the taker is cheap and coalesces into the intake's buffer."""
 FLUSH_WAIT_S = 2.0
 """How long a re-subscription waits for the server's PONG before going on (the flush goes on meanwhile)."""
 FLUSH_KEEP_S = 300
@@ -66,6 +69,9 @@ class SampleSubscriptions:
         self.sample_subjects: frozenset[str] = frozenset()
         """The sample subjects subscribed to now (`follow_subjects`): the wildcard while this replica holds every
         shard."""
+        self.queue: asyncio.Queue[Msg] = asyncio.Queue(maxsize=QUEUED_MAX)
+        """Every sample subscription's messages, in the order nats-py read them (`SampleIntake.consume` takes
+        them)."""
 
     async def follow_subjects(self, nc: Client, stop: asyncio.Event) -> None:
         """Subscribe to the samples this replica needs on `nc` (the samples' connection): while it holds every
@@ -87,30 +93,20 @@ class SampleSubscriptions:
                 failed = False
                 for subject in sorted(want - set(subs)):
                     try:
-                        # nats-py's own queue in front of the callback: generous, since a message it drops is
-                        # counted nowhere of ours (the callback is cheap and coalesces into `samples`).
-                        queued = Queued()  # the callback reads its own queue's length (catching up)
-                        subs[subject] = queued.sub = await nc.subscribe(
-                            subject,
-                            cb=functools.partial(self.intake.on_queue_msg, queued=queued),
-                            pending_msgs_limit=1_000_000,
-                        )
+                        subs[subject] = await self._subscribe(nc, subject)
                     except nats.errors.Error as err:  # disconnected: try again shortly
                         log.warning("cannot subscribe to %s: %s", subject, err)
                         failed = True
                         break
-                # The server has the new subscriptions once the round trip is back, and nats-py has queued every
-                # message the server sent an old one before it.
+                # The server has the new subscriptions once the round trip is back, and every message it sent an
+                # old one before it is in the queue: what was queued for a dropped one is taken all the same (and
+                # counted `not_owned` where its model moved on).
                 await flush_without_cancel(nc, FLUSH_WAIT_S, self._flushing)
-                left: list[Msg] = []
                 if not failed:
                     for subject in sorted(set(subs) - want):
-                        sub = subs.pop(subject)
-                        left += _queued(sub)  # an unsubscribe drops them uncounted; no await until it has
                         with contextlib.suppress(nats.errors.Error):
-                            await sub.unsubscribe()
+                            await subs.pop(subject).unsubscribe()
                 self.sample_subjects = frozenset(subs)
-                await self.intake.take_backlog(left)  # folded, or counted `not_owned`
                 if failed:
                     changed.set()
                     await asyncio.sleep(0.25)
@@ -119,13 +115,12 @@ class SampleSubscriptions:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
 
-
-def _queued(sub: Subscription) -> list[Msg]:
-    """The messages nats-py has read for `sub` and not yet handed to its callback, taken out of its queue."""
-    queue = sub._pending_queue  # nats-py keeps them only here (its `drain` waits on the queue, with no bound)
-    out: list[Msg] = []
-    while True:
-        try:
-            out.append(queue.get_nowait())
-        except asyncio.QueueEmpty:
-            return out
+    async def _subscribe(self, nc: Client, subject: str) -> Subscription:
+        """Subscribe to `subject` with no callback (nats-py starts no task for it) and point its queue at ours.
+        nats-py keeps a subscription's messages only in ``_pending_queue``; its byte count per subscription is
+        turned off (0), since nothing of nats-py takes them out to count them down: `QUEUED_MAX` bounds them."""
+        sub = await nc.subscribe(subject, pending_msgs_limit=QUEUED_MAX, pending_bytes_limit=0)
+        own, sub._pending_queue = sub._pending_queue, self.queue
+        while not own.empty():  # none can have come yet (no read since the SUB), but none is lost if one did
+            self.queue.put_nowait(own.get_nowait())
+        return sub

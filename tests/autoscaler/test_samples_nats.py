@@ -195,8 +195,8 @@ async def test_claims_in_flight_wait_idle_returns_at_idle_or_after_its_bound() -
 
 @contextlib.asynccontextmanager
 async def _burst(scaler: Autoscaler, nc: Client, *, gateways: int) -> AsyncIterator[None]:
-    """The sample callback fed a sample every loop iteration while the block runs, as nats-py does through a
-    burst (`gateways` distinct senders, so their keys coalesce past that many)."""
+    """The samples' queue fed a sample every loop iteration while the block runs, as nats-py does through a burst
+    (`gateways` distinct senders, so their keys coalesce past that many)."""
     running = True
 
     async def deliver() -> None:
@@ -204,7 +204,7 @@ async def _burst(scaler: Autoscaler, nc: Client, *, gateways: int) -> AsyncItera
         while running:
             seq += 1
             data = _steady("burst", seq, gateway=f"b{seq % gateways}")
-            await scaler.intake.on_queue_msg(Msg(_client=nc, subject=protocol.queue_subject("burst"), data=data))
+            scaler.subscriptions.queue.put_nowait(Msg(_client=nc, subject=protocol.queue_subject("burst"), data=data))
             await asyncio.sleep(0)
 
     feeder = asyncio.ensure_future(deliver())
