@@ -57,70 +57,84 @@ def _fixed(value: float) -> int:
 class _Track:
     """Running aggregates of the buckets with data in ``(anchor - m, anchor]``, anchor being the ring's newest key.
 
-    `present` holds those buckets' keys in order (its length is the count, its head the oldest key), `peaks` is a
-    monotonic deque of ``(key, value)`` with decreasing values (its head is the peak), and the sums serve the mean
-    and the least-squares line: exact integers (`_fixed`), keys relative to `origin`. Every write is O(1)
-    amortised; a write into the past or a lowered newest bucket marks it `dirty`, and the next read rebuilds it
-    from the ring (rare: late records, several decisions in one bucket with falling demand).
+    `runs` holds those buckets as ``(first key, last key, fixed value)`` runs of consecutive keys with one value, in
+    order (`count` buckets in all), `peaks` is a monotonic deque of ``(key, value)`` with decreasing values (its
+    head is the peak), and the sums serve the mean and the least-squares line: exact integers (`_fixed`), keys
+    relative to `origin`. A run enters and leaves in closed form, so a carried gap costs one step, not one per
+    bucket; every write is O(1) amortised. A write into the past or a lowered newest bucket marks the track
+    `dirty`, and the next read rebuilds it from the ring (rare: late records, several decisions in one bucket with
+    falling demand).
     """
 
-    __slots__ = ("dirty", "m", "origin", "peaks", "present", "su", "suu", "suy", "sy")
+    __slots__ = ("count", "dirty", "m", "origin", "peaks", "runs", "su", "suu", "suy", "sy")
 
     def __init__(self, m: int) -> None:
         self.m = m
         self.dirty = True
-        self.present: deque[int] = deque()
+        self.runs: deque[tuple[int, int, int]] = deque()
         self.peaks: deque[tuple[int, float]] = deque()
-        self.origin = 0
+        self.origin = self.count = 0
         self.su = self.suu = self.sy = self.suy = 0
 
     def rebuild(self, ring: _Ring) -> None:
-        self.present.clear()
+        self.runs.clear()
         self.peaks.clear()
         self.origin = ring.last
-        self.su = self.suu = self.sy = self.suy = 0
+        self.count = self.su = self.suu = self.sy = self.suy = 0
         self.dirty = False
         if ring.last == _EMPTY_KEY:
             return
         n = ring.n
         for key in range(ring.last - self.m + 1, ring.last + 1):
             if ring.keys[key % n] == key:
-                self._append(key, ring.values[key % n])
+                value = ring.values[key % n]
+                self.advance(key, key, _fixed(value), value)
 
-    def _append(self, key: int, value: float) -> None:
-        self.present.append(key)
-        u = key - self.origin
-        self.su += u
-        self.suu += u * u
-        y = _fixed(value)
-        self.sy += y
-        self.suy += u * y
-        peaks = self.peaks
-        while peaks and peaks[-1][1] <= value:
-            peaks.pop()
-        peaks.append((key, value))
-
-    def advance(self, key: int, value: float, ring: _Ring) -> None:
-        """`key` is newer than every key held: the window slides to end at it, and it enters."""
-        floor = key - self.m
-        present, n = self.present, ring.n
-        while present and present[0] <= floor:
-            old = present.popleft()
-            v = _fixed(ring.values[old % n])
-            u = old - self.origin
-            self.su -= u
-            self.suu -= u * u
-            self.sy -= v
-            self.suy -= u * v
+    def advance(self, first: int, last: int, y: int, value: float) -> None:
+        """Keys `first..last` are newer than every key held and all hold `value` (`y` its `_fixed`): the window
+        slides to end at `last`, and those of them inside it enter."""
+        floor = last - (self.m or 1)  # width 0 still takes the newest key, as per-key advances always did
+        runs, origin = self.runs, self.origin
+        count, su, suu, sy, suy = self.count, self.su, self.suu, self.sy, self.suy
+        while runs and runs[0][0] <= floor:
+            a, b, ry = runs[0]
+            if b > floor:  # the run straddles the floor: its older part leaves
+                runs[0] = (floor + 1, b, ry)
+                b = floor
+            else:
+                runs.popleft()
+            c, s1, s2 = _key_sums(a - origin, b - origin)
+            count, su, suu, sy, suy = count - c, su - s1, suu - s2, sy - c * ry, suy - s1 * ry
+        if first <= floor:
+            first = floor + 1
+        if runs and runs[-1][1] == first - 1 and runs[-1][2] == y:
+            runs[-1] = (runs[-1][0], last, y)  # fewer runs, fewer steps when they leave
+        else:
+            runs.append((first, last, y))
+        c, s1, s2 = _key_sums(first - origin, last - origin)
+        self.count, self.su, self.suu, self.sy, self.suy = count + c, su + s1, suu + s2, sy + c * y, suy + s1 * y
         peaks = self.peaks
         while peaks and peaks[0][0] <= floor:
             peaks.popleft()
-        self._append(key, value)
+        while peaks and peaks[-1][1] <= value:
+            peaks.pop()
+        peaks.append((last, value))  # the run's older keys are hidden by its newest, as per-key appends leave it
 
     def replace_newest(self, key: int, old: float, value: float) -> None:
         """The newest bucket's value changes from `old` to `value`."""
+        y = _fixed(value)
+        runs = self.runs
+        if runs and runs[-1][1] == key:
+            a, _, y_old = runs[-1]
+            if a == key:
+                runs[-1] = (key, key, y)
+            else:  # split the newest key off its run
+                runs[-1] = (a, key - 1, y_old)
+                runs.append((key, key, y))
+        else:
+            y_old = _fixed(old)  # a width-0 track that holds nothing: its sums move all the same, as they always have
         u = key - self.origin
-        dy = _fixed(value) - _fixed(old)
+        dy = y - y_old
         self.sy += dy
         self.suy += u * dy
         peaks = self.peaks
@@ -130,6 +144,20 @@ class _Track:
             peaks.append((key, value))
         else:
             self.dirty = True  # values it had hidden may be the peak again
+
+
+def _identical(a: float, b: float) -> bool:
+    """The same float, bit for bit (0.0 is not -0.0, and an int is not a float)."""
+    return type(a) is float and type(b) is float and a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
+
+
+def _key_sums(u0: int, u1: int) -> tuple[int, int, int]:
+    """Count, sum and sum of squares of the integers ``u0..u1`` (exact, closed form)."""
+    if u0 == u1:
+        return 1, u0, u0 * u0
+    c = u1 - u0 + 1
+    a = u0 - 1  # the sum of squares up to x is x(x + 1)(2x + 1) / 6, for negative x too
+    return c, (u0 + u1) * c // 2, (u1 * (u1 + 1) * (2 * u1 + 1) - a * (a + 1) * (2 * a + 1)) // 6
 
 
 class _Ring:
@@ -143,19 +171,35 @@ class _Ring:
         self.tracks: dict[int, _Track] = {}
         self.exact = all(math.isfinite(v) for v in values)
 
-    def put(self, key: int, value: float, undo: list[tuple[int, int, float]]) -> None:
-        pos = key % self.n
+    def fill(self, first: int, last: int, value: float, undo: list[tuple[int, int, float]]) -> None:
+        """Write `value` into buckets `first..last`, all newer than the newest key: the tracks slide once."""
         if not math.isfinite(value):
             self.exact = False  # no exact sum of an infinity or NaN: this ring reads by the general path
             self.tracks.clear()
+        keys, values, n = self.keys, self.values, self.n
+        start = first
+        while start <= last:  # one slice, or two where the run wraps round the ring
+            p0 = start % n
+            end = last if last - start < n - p0 else start + n - p0 - 1
+            p1 = p0 + end - start + 1
+            undo.extend(zip(range(p0, p1), keys[p0:p1], values[p0:p1], strict=True))
+            keys[p0:p1] = range(start, end + 1)
+            values[p0:p1] = [value] * (p1 - p0)
+            start = end + 1
+        self._slide(first, last, value)
+
+    def put(self, key: int, value: float, undo: list[tuple[int, int, float]]) -> None:
+        pos = key % self.n
+        if not math.isfinite(value):
+            self.exact = False  # as in `fill`
+            self.tracks.clear()
         old_key, old_value = self.keys[pos], self.values[pos]
         undo.append((pos, old_key, old_value))
+        self.keys[pos] = key
+        self.values[pos] = value
         last = self.last
         if last == _EMPTY_KEY or key > last:
-            for t in self.tracks.values():
-                if not t.dirty:
-                    t.advance(key, value, self)
-            self.last = key
+            self._slide(key, key, value)
         elif key == last and old_key == key:
             for t in self.tracks.values():
                 if not t.dirty:
@@ -163,8 +207,15 @@ class _Ring:
         else:
             for t in self.tracks.values():
                 t.dirty = True
-        self.keys[pos] = key
-        self.values[pos] = value
+
+    def _slide(self, first: int, last: int, value: float) -> None:
+        """Buckets `first..last`, newer than the newest key, now hold `value`: the clean tracks take them in."""
+        if self.tracks:
+            y = _fixed(value)
+            for t in self.tracks.values():
+                if not t.dirty:
+                    t.advance(first, last, y, value)
+        self.last = last
 
     def track(self, m: int) -> _Track:
         t = self.tracks.get(m)
@@ -292,16 +343,19 @@ class TimeWindow:
         if last != _EMPTY_KEY and k <= last - n:
             return self  # older than the whole ring: nothing it could still change
         undo: list[tuple[int, int, float]] = []
+        joined = False  # the new bucket was written as the end of a carried run
         if last != _EMPTY_KEY and k > last + 1 and self.carry_s > 0:
             carried = ring.values[last % n]
             fill_to = min(k - 1, last + math.floor(self.carry_s / self.bucket_s + _KEY_SLACK))
             fill_from = max(last + 1, k - n + 1)  # buckets that stay inside the ring
-            for f in range(fill_from, fill_to + 1):
-                ring.put(f, carried, undo)
+            if fill_to == k - 1 and _identical(carried, value):
+                fill_to, joined = k, True  # the level held: the new bucket ends the carried run (one slide)
+            if fill_from <= fill_to:
+                ring.fill(fill_from, fill_to, carried, undo)
         pos = k % n
-        if ring.keys[pos] == k and self.combine == "max":
+        if not joined and ring.keys[pos] == k and self.combine == "max":
             ring.put(k, max(ring.values[pos], value), undo)
-        elif ring.keys[pos] != k or k >= last:  # a late value never overwrites a newer one in its bucket
+        elif not joined and (ring.keys[pos] != k or k >= last):  # a late value never overwrites a newer one
             ring.put(k, value, undo)
         cell = _Cell()
         cell.ring, ring.owner = ring, cell
@@ -340,7 +394,7 @@ class TimeWindow:
     def mean(self, now: float, span_s: float) -> float | None:
         t = self._track(now, span_s)
         if t is not None:
-            return t.sy / (len(t.present) << _FIXED_BITS) if t.present else None
+            return t.sy / (t.count << _FIXED_BITS) if t.count else None
         _, values = self.select(now, span_s)
         return float(values.sum()) / values.size if values.size else None
 
@@ -388,11 +442,11 @@ def _line(keys: _Keys, values: _Values, k_now: int, bucket_s: float) -> tuple[fl
 def _track_line(t: _Track, ring: _Ring, k_now: int, bucket_s: float) -> tuple[float, float] | None:
     """`_line` from a track's running sums: the same fit, O(1). The track's keys are relative to its `origin`:
     moved to `k_now` exactly (the slope's numerator and denominator do not change under the move)."""
-    c = len(t.present)
+    c = t.count
     if c == 0:
         return None
     if c == 1:
-        return ring.values[t.present[0] % ring.n], 0.0
+        return ring.values[t.runs[0][0] % ring.n], 0.0
     d = t.origin - k_now
     return _fit(c, t.su + c * d, t.suu + 2 * d * t.su + c * d * d, t.sy, t.suy + d * t.sy, bucket_s)
 
@@ -502,8 +556,8 @@ def observe(
     if track is not None:  # read at the newest bucket: the running aggregates, O(1)
         ring = window._cell.own()
         panic_demand = track.peaks[0][1] if track.peaks else None
-        oldest = track.present[0] if track.present else None
-        newest = ring.values[k_now % ring.n] if track.present else 0.0  # the newest key held is k_now
+        oldest = track.runs[0][0] if track.runs else None
+        newest = ring.values[k_now % ring.n] if track.runs else 0.0  # the newest key held is k_now
     else:
         keys, values = window.select(now, config.panic_window_s)  # one selection serves the peak and the trend
         panic_demand = float(values.max()) if values.size else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import pytest
 
@@ -288,3 +289,97 @@ def test_lengthening_the_stable_window_live_reads_over_the_new_length() -> None:
         value = 4.0 if i < 400 else 12.0
         pulse, state = detector.observe(long, state, now=T0 + 30.0 + i * 0.1, demand=value, ready=50, lead_time_s=2.5)
     assert pulse is not None and pulse.stable_demand == pytest.approx((400 * 4.0 + 200 * 12.0) / 600)
+
+
+# --- a carry written as one run reads as the same buckets recorded one by one ----------------------------------------
+
+
+def _replayed(w: TimeWindow) -> TimeWindow:
+    """`w`'s buckets recorded afresh, oldest first, into a window never read: its aggregates start from the buckets."""
+    fresh = TimeWindow.empty(w.span_s, combine=w.combine)
+    for key, value in sorted(zip(w.keys.tolist(), w.values.tolist(), strict=True)):
+        if key >= 0:  # a bucket never written
+            fresh = fresh.record(key * w.bucket_s, value)
+    return fresh
+
+
+def _carried_and_explicit(
+    records: Sequence[tuple[float, float]], *, span_s: float, carry_s: float, spans: Sequence[float], combine: str
+) -> tuple[list[TimeWindow], list[TimeWindow], list[tuple[list[object], list[object], list[object]]]]:
+    """Both windows after each record: one carrying gaps (the carry is written as a run), one without carry that is
+    given every carried bucket the ring keeps as a record of its own (`_Track` takes those key by key); and both
+    readings over `spans` right after each record, while each is the newest version (the running aggregates), with
+    those of a window given the same buckets afresh (its aggregates built from them at the read)."""
+    kind: Literal["last", "max"] = "max" if combine == "max" else "last"
+    carried, explicit = TimeWindow.empty(span_s, carry_s=carry_s, combine=kind), TimeWindow.empty(span_s, combine=kind)
+    reach, n = round(carry_s / carried.bucket_s), carried.n_buckets
+    cs, es, readings = [], [], []
+    for at_s, value in records:
+        ts = 1000.0 + at_s
+        last, k = carried.last_key, carried.key(ts)
+        if carried.has_data and k > last + 1:
+            level = carried.values[last % n]
+            for key in range(max(last + 1, k - n + 1), min(k - 1, last + reach) + 1):
+                explicit = explicit.record(key * carried.bucket_s, float(level))
+        carried, explicit = carried.record(ts, value), explicit.record(ts, value)
+        fresh = _readings(_replayed(carried), ts, spans)
+        readings.append((_readings(carried, ts, spans), _readings(explicit, ts, spans), fresh))
+        cs.append(carried)
+        es.append(explicit)
+    return cs, es, readings
+
+
+def _readings(w: TimeWindow, now: float, spans: Sequence[float]) -> list[object]:
+    return [(w.mean(now, s), w.peak(now, s), w.trend(now, s)) for s in spans]
+
+
+CARRY_TRACES = [
+    # (name, records as (seconds, value), span_s, carry_s, combine)
+    # The last record raises the newest bucket of a run carried at one level (the run splits in the aggregates).
+    ("steady level, 1 s apart", [(i * 1.0, 3.0) for i in range(20)] + [(19.02, 6.0)], 6.0, 1.0, "last"),
+    ("level changes every record", [(i * 1.0, float(i % 4)) for i in range(20)], 6.0, 1.0, "last"),
+    (
+        "gaps past the carry",
+        [(0.0, 1.0), (0.35, 2.5), (2.0, 4.0), (5.3, 0.5), (5.4, 9.0), (9.9, 1.0)],
+        6.0,
+        1.0,
+        "last",
+    ),
+    (
+        "dense records after a carry",
+        [(0.0, 4.0), (1.0, 2.0)] + [(1.0 + i * 0.1, float(i)) for i in range(1, 9)],
+        6.0,
+        1.0,
+        "last",
+    ),
+    ("carry longer than the ring", [(0.0, 5.0), (2.5, 7.0), (2.6, 1.0), (6.0, 2.0), (6.05, 8.0)], 1.0, 3.0, "last"),
+    ("max combine", [(0.0, 5.0), (0.02, 1.0), (1.0, 7.0), (1.05, 9.0), (2.1, 2.0), (3.0, 2.0)], 2.0, 1.0, "max"),
+    # A lowered newest bucket and a late record mark the tracks dirty just before a carry passes over them.
+    (
+        "dirty before a carry",
+        [(0.0, 6.0), (0.5, 9.0), (0.52, 2.0), (1.5, 3.0), (1.2, 8.0), (2.5, 4.0)],
+        6.0,
+        1.0,
+        "last",
+    ),
+    ("a long stable window", [(i * 1.0, float((7 * i) % 5)) for i in range(90)], 60.0, 1.0, "last"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "records", "span_s", "carry_s", "combine"), CARRY_TRACES, ids=[t[0] for t in CARRY_TRACES]
+)
+def test_a_carried_gap_reads_exactly_as_each_bucket_recorded(
+    name: str, records: list[tuple[float, float]], span_s: float, carry_s: float, combine: str
+) -> None:
+    kept = [0.1, 0.3, span_s / 3, span_s]  # read after every record: their aggregates slide through the gaps
+    fresh = [0.2, 0.7, span_s / 2, span_s * 2]  # first read at the end: built from the buckets
+    cs, es, readings = _carried_and_explicit(records, span_s=span_s, carry_s=carry_s, spans=kept, combine=combine)
+    for c, e, (got, explicitly, afresh) in zip(cs, es, readings, strict=True):
+        assert (c.keys.tolist(), c.values.tolist()) == (e.keys.tolist(), e.values.tolist())  # the same buckets
+        assert got == explicitly == afresh  # bit for bit: the sums are exact
+    for (at_s, _), c in zip(records, cs, strict=True):  # older versions, rebuilt from the newer ones' undo
+        now = 1000.0 + at_s
+        assert _readings(c, now, kept + fresh) == _readings(_replayed(c), now, kept + fresh)
+    last = 1000.0 + records[-1][0]
+    assert _readings(cs[-1], last, fresh) == _readings(_replayed(cs[-1]), last, fresh)
