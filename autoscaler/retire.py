@@ -66,23 +66,27 @@ class Retirement:
         of two activation deadlines since the record's last write leaves alone a claim whose ScaledObject is
         arriving."""
         grace_s = 2 * self.settings.activation_deadline_s
-        agents = AgentClient(self.nc, clock=self.clock, skew=self.store.index.clock_skew)
-        for rec in self.store.records():
-            if (
-                rec.model in self.models.by_model
-                or not self.models.owns(rec.model)  # the owner of its shard sweeps it
-                or rec.key in self._sweeping
-                or rec.state not in ("claimed", "activating", "ready")
-                or self.store.index.unchanged_s(rec.key) < grace_s  # on our clock: an agent's may be off
-            ):
+        agents: AgentClient | None = None
+        # By model first: once per second over a fleet's slots (12,000 for 3,000 models) was 3 % of a replica's CPU,
+        # and nearly every model has its ScaledObject.
+        for model in self.store.index.models():
+            if model in self.models.by_model or not self.models.owns(model):  # the owner of its shard sweeps it
                 continue
-            claim = self.store.adopt(rec.key)
-            if claim is None:
-                continue
-            log.warning("slot %s is held for %s, which no ScaledObject scales: releasing it", rec.key, rec.model)
-            self._sweeping.add(rec.key)
-            task = asyncio.ensure_future(self._release_unowned(agents, claim))
-            task.add_done_callback(functools.partial(self._swept, rec.key))
+            for rec in self.store.records(model):
+                if (
+                    rec.key in self._sweeping
+                    or rec.state not in ("claimed", "activating", "ready")
+                    or self.store.index.unchanged_s(rec.key) < grace_s  # on our clock: an agent's may be off
+                ):
+                    continue
+                claim = self.store.adopt(rec.key)
+                if claim is None:
+                    continue
+                log.warning("slot %s is held for %s, which no ScaledObject scales: releasing it", rec.key, model)
+                self._sweeping.add(rec.key)
+                agents = agents or AgentClient(self.nc, clock=self.clock, skew=self.store.index.clock_skew)
+                task = asyncio.ensure_future(self._release_unowned(agents, claim))
+                task.add_done_callback(functools.partial(self._swept, rec.key))
 
     def _swept(self, key: str, task: asyncio.Future[None]) -> None:
         self._sweeping.discard(key)

@@ -267,6 +267,10 @@ class SlotIndex:
             return self.slots.values()
         return [rec for k in self._by_model.get(model, ()) if (rec := self.slots.value(k)) is not None]
 
+    def models(self) -> list[str]:
+        """The models with slots in the view (and any whose last slot left it: their entries stay, empty)."""
+        return list(self._by_model)
+
     def lease(self, node: str) -> AgentLease | None:
         return self.agents.value(node)
 

@@ -486,3 +486,23 @@ async def test_a_start_that_fails_half_way_closes_its_nats_connection(nats_serve
             return [c.get("name", "") for c in msgspec.json.decode(r.read())["connections"]]
 
     await wait_for(lambda: "test-autoscaler-half-started" not in clients(), 5, "the broker to see the client go")
+
+
+async def test_a_slot_held_for_a_model_no_scaled_object_scales_is_released_and_a_scaled_ones_kept(
+    nats_server: NatsServer, nc: Client, store: KvSlotStore
+) -> None:
+    """`Retirement.sweep_unowned`: a slot left held for a model whose ScaledObject went while no autoscaler ran (the
+    operator's finalizer waits for it) is released once its grace has passed; a slot its scaled model holds stays."""
+    gone = await AgentDouble(nc, store, "node-0", "gone", slots=1).start()
+    kept = await AgentDouble(nc, store, "node-1", "m", slots=1).start()
+    await put_scaler(nc, "m", minReplicaCount=1)
+    try:
+        async with running_autoscaler(nats_server.url, controller=ControllerSettings(activation_deadline_s=0.2)):
+            await wait_for(lambda: store.record("m.node-1.s0").state == "ready", 5, "m's floor of one served")
+            claim = await store.claim_slot("gone.node-0.s0")
+            await store.advance(claim, "activating")
+            await wait_for(lambda: store.record("gone.node-0.s0").state == "warm", 6, "the unscaled model's slot back")
+            assert store.record("m.node-1.s0").state == "ready", "the scaled model's slot is its own"
+    finally:
+        await gone.stop()
+        await kept.stop()
