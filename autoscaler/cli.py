@@ -17,7 +17,7 @@ from autoscaler.shards.leader import LeaseSettings
 from manifests import scaledobject
 from warmpool import connect, daemonstart, durations, protocol, registry
 
-GC_FREEZE_EVERY_S = 1.0
+GC_FREEZE_EVERY_S = 0.25
 """The daemon's `AutoscalerSettings.gc_freeze_every_s` (see there)."""
 
 
