@@ -21,8 +21,9 @@ from nats.aio.subscription import Subscription
 from autoscaler.intake import SampleIntake
 from autoscaler.models import Models
 from warmpool import protocol
+from warmpool.connect import flush_without_cancel
 
-__all__ = ["FLUSH_WAIT_S", "QUEUED_MAX", "SampleSubscriptions", "flush_without_cancel"]
+__all__ = ["FLUSH_WAIT_S", "QUEUED_MAX", "SampleSubscriptions"]
 
 log = logging.getLogger("pulsescale.autoscaler")
 
@@ -31,30 +32,6 @@ QUEUED_MAX = 1_000_000
 error) is counted nowhere of ours, and the taker is cheap and coalesces into the intake's buffer."""
 FLUSH_WAIT_S = 2.0
 """How long a re-subscription waits for the server's PONG before going on (the flush goes on meanwhile)."""
-FLUSH_KEEP_S = 300
-"""The flush's own timeout: past the connection's ping interval, so the PONG comes or the connection is made anew
-(nats-py then drops its queued PONG futures) before it."""
-
-
-async def flush_without_cancel(nc: Client, wait_s: float, background: set[asyncio.Task[None]]) -> bool:
-    """`nc.flush()`, waited for at most `wait_s`; True when the PONG came in that time. A flush that has not is left
-    to finish in `background` (held there, so it is not collected) instead of timing out: nats-py's
-    ``flush(timeout)`` cancels its PONG's future on a timeout but leaves it queued, and the PONG that comes later
-    raises in the connection's read loop (``InvalidStateError``), which ends it. The connection then hears nothing
-    more while it looks connected: in `bench decide --models 3000 --replicas 3` on a loaded machine, replicas whose
-    2 s flush after a takeover's re-subscription timed out took no sample again (6 of 16 runs logged the error;
-    in 3, no model of the killed replica was claimed again and the ingest counted 0 samples)."""
-
-    async def flush() -> None:
-        with contextlib.suppress(nats.errors.Error, TimeoutError):
-            await nc.flush(timeout=FLUSH_KEEP_S)
-
-    task = asyncio.ensure_future(flush())
-    done, _ = await asyncio.wait([task], timeout=wait_s)
-    if not done:
-        background.add(task)
-        task.add_done_callback(background.discard)
-    return bool(done)
 
 
 class SampleSubscriptions:

@@ -85,7 +85,7 @@ from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 from autoscaler.commands.base import CommandSettings, ControlPlane, Outcome, Refused, Router
 from autoscaler.commands.status import StatusRows
 from autoscaler.commands.verbs import Verbs
-from warmpool import protocol, registry
+from warmpool import connect, protocol, registry
 from warmpool.errors import BadMessage, DuplicateRequest
 from warmpool.ledger import RequestLedger, admit
 from warmpool.protocol import (
@@ -114,6 +114,8 @@ log = logging.getLogger("pulsescale.commands")
 
 STATUS_IN_FLIGHT: Final = 8
 """`status` requests one replica answers at once beside the other commands (each may wait on a hung peer)."""
+FLUSH_WAIT_S: Final = 2.0
+"""How long taking the command subjects waits for the server's PONG before going on (the flush goes on meanwhile)."""
 
 
 async def ensure_audit_stream(nc: Client, settings: CommandSettings = CommandSettings()) -> None:
@@ -181,6 +183,7 @@ class CommandService:
         self._lock = asyncio.Lock()
         self._started = False
         self._pending: set[asyncio.Task[None]] = set()
+        self._flushing: set[asyncio.Task[None]] = set()  # flushes past `FLUSH_WAIT_S`, left to finish (not awaited)
         self._statuses = 0  # `status` requests running beside the others
         self._follower: asyncio.Task[None] | None = None
 
@@ -249,8 +252,9 @@ class CommandService:
                 )
                 if self.router is not None:
                     # The server has the subscriptions once this returns: a peer asked for status right after
-                    # this replica announced itself must not get "no responders".
-                    await self.nc.flush()
+                    # this replica announced itself must not get "no responders". Not `nc.flush(timeout)`: one that
+                    # timed out ended the connection's reading (`connect.flush_without_cancel`).
+                    await connect.flush_without_cancel(self.nc, FLUSH_WAIT_S, self._flushing)
                 log.info("answering on-call commands on %s", protocol.CMD_WILDCARD)
             elif not want:
                 subs = [s for s in (self._sub, self._own_sub) if s is not None]

@@ -18,8 +18,8 @@ from collections.abc import Iterator
 import nats.errors
 from nats.aio.client import Client
 
-from autoscaler.subscriptions import flush_without_cancel
 from tests.helpers import wait_for
+from warmpool.connect import flush_without_cancel
 from warmpool.embedded import NatsServer
 
 WAIT_S = 0.2
