@@ -265,13 +265,11 @@ async def test_a_claim_stuck_retrying_or_a_stream_without_pause_does_not_starve_
 async def test_a_subscription_swapped_mid_flood_loses_no_sample_nats_py_had_taken_in(
     nats_server: NatsServer, nc: Client
 ) -> None:
-    """Shards move while a flood waits in nats-py under the wildcard subscription: the replica swaps it for
-    per-model subscriptions. What the old one still held goes through the callback (folded, or counted
-    `not_owned`), not dropped uncounted with it."""
+    """Shards move while a flood waits in the samples' queue under the wildcard subscription: the replica swaps it
+    for per-model subscriptions. What the old one had queued is still taken (folded, or counted `not_owned`), not
+    dropped uncounted with it."""
     await put_scaler(nc, "m")
     flood = _flood()
-    # Without catching up (`catch_up_s` no longer than a slice): taking a backlog at full speed, the callback had
-    # the flood in before the swap, and there was nothing left to test.
     async with running_autoscaler(
         nats_server.url, lease=LeaseSettings(), gc_freeze_every_s=GC_FREEZE_EVERY_S, catch_up_s=0.002
     ) as scaler:
@@ -279,6 +277,15 @@ async def test_a_subscription_swapped_mid_flood_loses_no_sample_nats_py_had_take
         def counted() -> float:
             return sum(s.value for s in scaler.metrics.samples.collect()[0].samples if s.name.endswith("_total"))
 
+        # The taker slowed to about a sample a millisecond until the swap is done: at full speed it had the flood in
+        # before the swap, and there was nothing left to test.
+        take_sample = scaler.intake.take_sample
+
+        def slowly(subject: str, data: bytes) -> bool:
+            time.sleep(0.001)
+            return take_sample(subject, data)
+
+        scaler.intake.take_sample = slowly  # type: ignore[method-assign]
         for data in flood:
             await nc.publish(protocol.queue_subject("m"), data)
         await nc.flush()
@@ -287,5 +294,6 @@ async def test_a_subscription_swapped_mid_flood_loses_no_sample_nats_py_had_take
         await wait_for(
             lambda: protocol.QUEUE_WILDCARD not in scaler.subscriptions.sample_subjects, 5, "the subscriptions swapped"
         )
+        scaler.intake.take_sample = take_sample  # type: ignore[method-assign]
         assert counted() < len(flood), "the flood was taken in before the swap: nothing tested"
         await wait_for(lambda: counted() == len(flood), 30, f"{len(flood)} samples accounted for")
