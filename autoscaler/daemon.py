@@ -94,8 +94,7 @@ class AutoscalerSettings:
     and node. In Kubernetes pass the pod IP (``--metrics-host $(POD_IP)`` from the downward API), so Prometheus
     and the kubelet's probes reach it and nothing else on the node's other interfaces does."""
     metrics_port: int | None = None
-    """Port of ``/metrics``, ``/healthz`` and ``/readyz``; None serves none (tests read the registry directly),
-    0 picks a free one."""
+    """Port of ``/metrics``, ``/healthz`` and ``/readyz``; None serves none (tests read the registry), 0 a free one."""
     lease: LeaseSettings = field(default_factory=LeaseSettings)
     controller: ControllerSettings = field(default_factory=ControllerSettings)
     max_replicas: int = protocol.DEFAULT_MAX_REPLICAS
@@ -252,8 +251,7 @@ class Autoscaler:
     # --- health ---------------------------------------------------------------------------------------------
 
     def ready(self) -> bool:
-        """Connected to NATS, the views listed and the ScaledObjects followed: this replica can decide
-        (``/readyz``; `not_ready_reason` says why not)."""
+        """Connected, views listed, ScaledObjects followed: it can decide (``/readyz``, `not_ready_reason`)."""
         return self.not_ready_reason() is None
 
     def not_ready_reason(self) -> str | None:
@@ -428,8 +426,12 @@ class Autoscaler:
         finally:
             stopped.cancel()
 
-    async def housekeeping_once(self) -> None:
+    async def tend_gc(self) -> None:
+        """`GcTending.tend` with the settings in force, after young claims and a burst being taken (`stand_aside`)."""
+        await self.intake.stand_aside(StandAside())
         self.gc.tend(self.settings.gc_freeze_every_s, self.settings.gc_full_every_s, followed=self.scalers_followed)
+
+    async def housekeeping_once(self) -> None:
         now = self.clock()
         turns = max(1, round(self.settings.redecide_every_s / self.settings.housekeeping_every_s))
         self._tick += 1
@@ -444,8 +446,7 @@ class Autoscaler:
                 continue  # its ScaledObject went (or was re-pointed) while we yielded, or another replica owns it
             with self._contained(f"housekeeping of {c.model}"):
                 await c.housekeeping(now, decide=its_turn, forget_after_s=self.settings.forget_gateway_after_s)
-            if time.perf_counter() >= until:
-                # A tick over 1,000 models is tens of ms: let the lease renewal, claims and samples in between.
+            if time.perf_counter() >= until:  # a tick over 1,000 models is tens of ms: claims, samples go between
                 await asyncio.sleep(0)
                 await self.intake.stand_aside(aside)
                 until = time.perf_counter() + self.settings.slice_s
@@ -558,18 +559,17 @@ async def run(
             rejections=scaler.rejections,  # counted in pulsescale_rejected_messages_total{reason}
             settings=commands.CommandSettings(max_replicas=settings.max_replicas),
         )
-        campaign = asyncio.create_task(
-            warm_then_campaign(
-                scaler.ready, shards.campaign, stop, gc=scaler.gc, freeze_every_s=settings.gc_freeze_every_s,
-                exposition=metrics.exposition, max_s=settings.warm_up_max_s,
-            ),
-            name="shards",
-        )  # fmt: skip
+        campaign = asyncio.create_task(warm_then_campaign(
+            scaler.ready, shards.campaign, stop, gc=scaler.gc, freeze_every_s=settings.gc_freeze_every_s,
+            exposition=metrics.exposition, max_s=settings.warm_up_max_s), name="shards")  # fmt: skip
         tasks = [
             asyncio.create_task(scaler.scalers.run(), name="scalers-view"),
             asyncio.create_task(scaler.follow_scalers(stop), name="scalers"),
             asyncio.create_task(scaler.slot_events.follow_slots(stop), name="slots"),
             asyncio.create_task(scaler.housekeeping(stop), name="housekeeping"),
+            asyncio.create_task(
+                scaler.gc.keep(stop, lambda: scaler.settings.gc_freeze_every_s, scaler.tend_gc), name="gc"
+            ),
             asyncio.create_task(scaler.intake.drain(), name="samples"),
             asyncio.create_task(scaler.intake.consume(scaler.subscriptions.queue), name="sample-taker"),
             asyncio.create_task(scaler.subscriptions.follow_subjects(samples_nc, stop), name="sample-subjects"),
