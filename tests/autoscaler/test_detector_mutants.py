@@ -456,3 +456,99 @@ def test_changing_only_the_carry_restarts_the_window_with_the_new_carry() -> Non
     assert state.window.carry_s == 1.0
     assert pulses[0].stable_demand == 4.0  # the 100 went with the old window
     assert pulses[1].stable_demand == pytest.approx((5 * 4.0 + 8.0) / 6, rel=1e-12)  # 4 carried over 0.6 .. 0.9
+
+
+# --- carried runs and rewrites (the run-keeping track) --------------------------------------------------------------
+
+
+def _kept_and_fresh(
+    records: list[tuple[float, float]], span_s: float, *, carry_s: float = 0.0
+) -> tuple[list[tuple[object, ...]], list[tuple[object, ...]]]:
+    """(mean, peak, trend) over `span_s` after each record (at `ts`, value), read as the window records (its running
+    track) and read from a copy recorded the same way but never read before (rebuilt from the buckets)."""
+    kept, fresh = [], []
+    w = TimeWindow.empty(6.0, carry_s=carry_s)
+    for i, (ts, value) in enumerate(records):
+        w = w.record(ts, value)
+        kept.append((w.mean(ts, span_s), w.peak(ts, span_s), w.trend(ts, span_s)))
+        f = TimeWindow.empty(6.0, carry_s=carry_s)
+        for earlier in records[: i + 1]:
+            f = f.record(*earlier)
+        fresh.append((f.mean(ts, span_s), f.peak(ts, span_s), f.trend(ts, span_s)))
+    return kept, fresh
+
+
+def test_a_carried_run_longer_than_the_span_enters_only_as_far_as_the_span_reaches() -> None:
+    """A 0.1 s span read as it records: 5 carried from bucket 0 over 1 and 2 (the level held, one run) leaves only
+    bucket 2 in the span, so rewriting bucket 2 to 9 reads 9 alone, flat (not the carried 5 of bucket 1 as well)."""
+    w = _window([(0.0, 5.0)], carry_s=0.1, read_span_s=0.1)
+    w = w.record(T0 + 0.2, 5.0)
+    assert w.mean(T0 + 0.2, 0.1) == 5.0
+    w = w.record(T0 + 0.25, 9.0)  # the same bucket
+    assert (w.mean(T0 + 0.25, 0.1), w.peak(T0 + 0.25, 0.1), w.trend(T0 + 0.25, 0.1)) == (9.0, 9.0, (9.0, 0.0))
+
+
+def test_equal_values_either_side_of_an_empty_bucket_stay_two_runs() -> None:
+    """Buckets 0 and 2 hold the same value, bucket 1 nothing: sliding a 0.3 s span past them reads as a rebuilt
+    window does. The value is the least positive float, whose exact fixed-point sum is 1 (a key's size, not a
+    value's: a run must be joined by adjacent keys and equal values, never by a value that happens to equal a key)."""
+    tiny = math.ulp(0.0)
+    kept, fresh = _kept_and_fresh([(0.0, tiny), (0.2, tiny), (0.3, 1.0), (0.4, 1.0), (0.5, 1.0)], 0.3)
+    assert kept == fresh
+    assert kept[3][0] == pytest.approx(2 / 3, rel=1e-12)  # tiny, 1, 1 at 0.2 .. 0.4
+
+
+def test_rewriting_the_end_of_a_carried_run_and_sliding_past_it_reads_as_a_rebuilt_window() -> None:
+    """5 carried over 0.1 and 0.2 (one run 0 .. 0.2), the newest bucket rewritten up to 9 (split off the run; a rewrite
+    down would rebuild the track), then new buckets push the run out of a 0.4 s span: every reading equals that of a
+    window never read before."""
+    records = [(0.0, 5.0), (0.2, 5.0), (0.25, 9.0), *[(0.1 * i, float(i)) for i in range(3, 8)]]
+    kept, fresh = _kept_and_fresh(records, 0.4, carry_s=0.2)
+    assert kept == fresh
+    assert kept[-1][0] == 5.5  # 4, 5, 6, 7
+
+
+def test_rewriting_the_newest_bucket_under_a_zero_span_still_reads_nothing() -> None:
+    """A zero span read at the newest bucket holds no bucket, and its mean and trend still none after that bucket is
+    rewritten (the peak is left out: a width-0 track's peak after a rewrite is a known gap, not pinned here)."""
+    w = _window([(0.0, 5.0)])
+    assert w.mean(T0, 0.0) is None
+    w = w.record(T0 + 0.05, 7.0)  # the same bucket
+    assert (w.mean(T0 + 0.05, 0.0), w.trend(T0 + 0.05, 0.0)) == (None, None)
+
+
+def test_a_level_equal_but_not_identical_to_the_carried_one_is_stored_as_recorded() -> None:
+    """Carrying ends where a new value lands: -0.0 after a carried 0.0, or 5.0 after a carried int 5 (and the other
+    way round), is kept as recorded (its sign, its type), not replaced by the carried value it compares equal to."""
+    w = _window([(0.0, 0.0), (0.2, -0.0)], carry_s=0.1)
+    assert math.copysign(1.0, w.values[w.key(T0 + 0.2) % w.n_buckets]) == -1.0
+    for carried, value in ((5, 5.0), (5.0, 5)):
+        w = _window([(0.0, carried), (0.2, value)], carry_s=0.1)
+        assert type(w.peak(T0 + 0.2, 0.1)) is type(value)
+
+
+def test_a_carried_finite_level_keeps_the_exact_mean() -> None:
+    """Carrying 0.1 over a gap keeps the exact running sums: 0.1, 0.2, 0.3 still average to exactly 0.2 (a float sum,
+    0.30000000000000004 + 0.3, would give 0.20000000000000004)."""
+    w = _window([(0.0, 0.1), (0.2, 0.1), (0.3, 0.2), (0.4, 0.3)], carry_s=0.1, read_span_s=0.3)
+    assert w.mean(T0 + 0.4, 0.3) == float(sum(map(Fraction, [0.1, 0.2, 0.3])) / 3) == 0.2
+
+
+def test_a_carried_infinity_is_read_without_the_exact_sums() -> None:
+    """An infinite level carried over a gap is read (mean and peak infinite), not summed exactly."""
+    w = _window([(0.0, math.inf), (0.2, 1.0)], carry_s=0.1)
+    assert (w.mean(T0 + 0.2, 0.3), w.peak(T0 + 0.2, 0.3)) == (math.inf, math.inf)
+
+
+def test_a_late_sample_equal_to_the_newest_level_fills_its_empty_bucket() -> None:
+    """With carrying on, a late sample into an empty bucket is recorded even when it equals the newest level."""
+    w = _window([(0.0, 5.0), (0.3, 7.0)], carry_s=0.1)  # 5 carried into 0.1; 0.2 stays empty
+    w = w.record(T0 + 0.2, 7.0)
+    assert w.mean(T0 + 0.3, 0.4) == 6.0  # 5, 5, 7, 7
+
+
+def test_a_gap_longer_than_the_carry_stays_empty_even_when_the_level_returns() -> None:
+    """5, then 5 again 0.3 s later with a 0.1 s carry: 0.1 holds the carried 5, 0.2 stays empty."""
+    w = _window([(0.0, 5.0), (0.3, 5.0)], carry_s=0.1)
+    keys, _ = w.select(T0 + 0.3, 0.4)
+    assert (keys - w.key(T0)).tolist() == [0, 1, 3]
