@@ -137,11 +137,18 @@ async def operator(api: K8sApiDouble, nc: Client, *, create: bool = True, **sett
     for target in settings.pop("targets", TARGETS):  # a missing scale target makes Ready=False ScaleTargetNotFound
         if api.try_get("deployments", NS, target) is None:
             api.create("deployments", NS, {"metadata": {"name": target, "namespace": NS}, "spec": {"replicas": 1}})
-    client = api_client(api)
     ctx = OperatorContext(
-        nc=nc, scalers=buckets[protocol.SCALERS_BUCKET], slots=buckets[protocol.SLOTS_BUCKET], api=client,
+        nc=nc, scalers=buckets[protocol.SCALERS_BUCKET], slots=buckets[protocol.SLOTS_BUCKET], api=api_client(api),
         namespaces=settings.pop("namespaces", (NS,)), status_every_s=settings.pop("status_every_s", 0.3), **settings,
     )  # fmt: skip
+    async with running_operator(ctx):
+        yield Running(api, ctx, buckets[protocol.SCALERS_BUCKET], nc)
+
+
+@contextlib.asynccontextmanager
+async def running_operator(ctx: OperatorContext) -> AsyncIterator[None]:
+    """`run_operator(ctx)` as a task, ready (within 10 s, or what ended it is raised) for the block; then stopped
+    (within 15 s, else every thread's and task's stack is printed) and its API client closed."""
     stop, ready = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(run_operator(ctx, stop_flag=stop, ready_flag=ready))
     try:
@@ -151,7 +158,7 @@ async def operator(api: K8sApiDouble, nc: Client, *, create: bool = True, **sett
         if task.done():
             task.result()  # raises what ended it
         assert ready.is_set(), "the operator did not become ready within 10 s"
-        yield Running(api, ctx, buckets[protocol.SCALERS_BUCKET], nc)
+        yield
     finally:
         stop.set()
         try:
@@ -164,7 +171,7 @@ async def operator(api: K8sApiDouble, nc: Client, *, create: bool = True, **sett
                 t.print_stack(file=sys.stderr)
             raise
         finally:
-            client.close()
+            ctx.api.close()
 
 
 @pytest.fixture

@@ -22,11 +22,11 @@ from nats.js.kv import KeyValue
 
 from kube import assignments, standby
 from kube.context import OperatorContext
-from kube.kopfrun import run_operator
 from tests import k8s_api_double
 from tests.helpers import wait_for
 from tests.k8s_api_double import K8sApiDouble
-from tests.kube.test_operator_parts import NS, SO, Running, api_client, deployment, scaled_object, schedule
+from tests.kube.test_operator import api_client, running_operator
+from tests.kube.test_operator_parts import NS, SO, Running, deployment, scaled_object, schedule
 from warmpool import protocol
 from warmpool.cli import _hand_back
 from warmpool.errors import NoSlotAvailable
@@ -43,31 +43,16 @@ async def operator(api: K8sApiDouble, nc: Client, *, write: bool = True) -> Asyn
     api.prune_with_crds()
     names = [protocol.SCALERS_BUCKET, protocol.SLOTS_BUCKET, protocol.ASSIGNMENTS_BUCKET, protocol.OBJECTS_BUCKET]
     buckets = await ensure_buckets(nc.jetstream(), names=names)
-    client = api_client(api)
     ctx = OperatorContext(
-        nc=nc, scalers=buckets[protocol.SCALERS_BUCKET], slots=buckets[protocol.SLOTS_BUCKET], api=client,
+        nc=nc, scalers=buckets[protocol.SCALERS_BUCKET], slots=buckets[protocol.SLOTS_BUCKET], api=api_client(api),
         namespaces=(NS,), status_every_s=0.3, home_namespace="pulsescale",
         assignments=buckets[protocol.ASSIGNMENTS_BUCKET] if write else None, assignments_settle_s=0.5,
     )  # fmt: skip
-    stop, ready = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(run_operator(ctx, stop_flag=stop, ready_flag=ready))
-    try:
-        waiter = asyncio.create_task(ready.wait())
-        await asyncio.wait([waiter, task], timeout=10, return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
-        if task.done():
-            task.result()
-        assert ready.is_set(), "the operator did not become ready within 10 s"
+    async with running_operator(ctx):
         keeper = ctx.extra.get("assignments")
         if keeper is not None:
             keeper.every_s = 0.2  # a pass per 200 ms: slot releases wake nothing of it
         yield Running(api, ctx)
-    finally:
-        stop.set()
-        try:
-            await asyncio.wait_for(task, 15)
-        finally:
-            client.close()
 
 
 async def kv(nc: Client, bucket: str) -> KeyValue:

@@ -21,7 +21,6 @@ from typing import Any
 import aiohttp
 import nats.js.errors
 import pytest
-from kubernetes import client as k8s
 from nats.aio.client import Client
 
 from autoscaler import daemon
@@ -33,6 +32,7 @@ from kube.kopfrun import run_operator
 from kube.operator import BACKGROUND, FINALIZER
 from tests import k8s_api_double
 from tests.k8s_api_double import K8sApiDouble
+from tests.kube.test_operator import api_client, running_operator
 from warmpool import connect, protocol
 from warmpool.embedded import NatsServer
 from warmpool.protocol import AgentLease, SlotRecord
@@ -93,38 +93,16 @@ class Running:
         return result
 
 
-def api_client(api: K8sApiDouble) -> k8s.ApiClient:
-    cfg = k8s.Configuration()
-    cfg.host = api.url
-    cfg.api_key = {"authorization": "Bearer operator-token"}
-    return k8s.ApiClient(cfg)
-
-
 @contextlib.asynccontextmanager
 async def operator(api: K8sApiDouble, nc: Client) -> AsyncIterator[Running]:
     api.prune_with_crds()  # what the parts write (status.coldPath) must survive the CRD's schema, as on a cluster
     buckets = await ensure_buckets(nc.jetstream(), names=[protocol.SCALERS_BUCKET, protocol.SLOTS_BUCKET])
-    client = api_client(api)
     ctx = OperatorContext(
-        nc=nc, scalers=buckets[protocol.SCALERS_BUCKET], slots=buckets[protocol.SLOTS_BUCKET], api=client,
+        nc=nc, scalers=buckets[protocol.SCALERS_BUCKET], slots=buckets[protocol.SLOTS_BUCKET], api=api_client(api),
         namespaces=(NS,), status_every_s=0.3,
     )  # fmt: skip
-    stop, ready = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(run_operator(ctx, stop_flag=stop, ready_flag=ready))
-    try:
-        waiter = asyncio.create_task(ready.wait())
-        await asyncio.wait([waiter, task], timeout=10, return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
-        if task.done():
-            task.result()
-        assert ready.is_set(), "the operator did not become ready within 10 s"
+    async with running_operator(ctx):
         yield Running(api, ctx)
-    finally:
-        stop.set()
-        try:
-            await asyncio.wait_for(task, 15)
-        finally:
-            client.close()
 
 
 @pytest.fixture
