@@ -37,7 +37,7 @@ __all__ = [
     "go_float",
 ]
 
-RENDER_SLICE_S: Final = 0.002
+RENDER_SLICE_S: Final = 0.0005
 """The longest a scrape's render runs without yielding to the loop: the daemon's `slice_s`, for the same reason
 (a lease renewal or a claim waits at most about this long behind it)."""
 
