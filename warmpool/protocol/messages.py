@@ -10,12 +10,13 @@ Their replies are in `warmpool.protocol.replies`, the KV values in `warmpool.pro
 
 from __future__ import annotations
 
+import math
 from typing import Any, Final
 
 import msgspec
 
 from warmpool.protocol.base import Count, Id, Message, Name, Request, Text, Token, _finite, _not_negative
-from warmpool.protocol.names import MAX_REQUEST_TTL_S, EventType
+from warmpool.protocol.names import MAX_REQUEST_TTL_S, VERSION, EventType
 from warmpool.protocol.scaledobject import Schedule
 
 __all__ = [
@@ -58,6 +59,13 @@ class QueueSample(Message, kw_only=True):
     arrivals_total: Count
     completions_total: Count
     timeouts_total: Count
+
+    def __post_init__(self) -> None:
+        # Every sample (10,000 a second at 1,000 models): the checks below in one call, not four; a sample that
+        # fails them goes the general way, which names the reason.
+        if self.v == VERSION and 0.0 <= self.ts < math.inf:
+            return
+        super().__post_init__()
 
     def _validate(self) -> None:
         _finite(self, "ts")
