@@ -136,12 +136,12 @@ class SampleIntake:
         """The cheap part of a sample: decode and check it (rejections counted), then buffer it. A sample of a model
         another replica owns (a subscription's last messages after its shard moved) is dropped undecoded.
 
-        A sample its model would decide on at once (`ModelController.urgent`: demand above any the last decision
-        saw, a pulse's first sample) is folded in as it is taken, not behind the buffer: in a burst of steady
-        samples it waited for every key ahead of it. Its own key's older sample, when one waits, is dropped for it
-        (coalesced, as the drain would have): with every model's gateway speaking every 100 ms a pulse's key was
-        nearly always waiting, and a pulse waited for the drain to reach it, seconds in a takeover's first
-        seconds. Returns whether the sample started a claim."""
+        A sample its model would decide on at once (`ModelController.urgent`: demand above any decided on since the
+        target last fell, a pulse's first sample) is folded in as it is taken, not behind the buffer: in a burst of
+        steady samples it waited for every key ahead of it. Its own key's older sample, when one waits, is dropped for
+        it (coalesced, as the drain would have): with every model's gateway speaking every 100 ms a pulse's key was
+        nearly always waiting, and a pulse waited for the drain to reach it, seconds in a takeover's first seconds.
+        Returns whether the sample started a claim."""
         model = subject[len(protocol.QUEUE_PREFIX) :]
         c = self.models.by_model.get(model)
         # Its controller's own fence (its shard looked up once), not the model's shard hashed again per sample.

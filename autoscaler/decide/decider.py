@@ -10,14 +10,14 @@ Its seams: `decide` runs the pure policy (`policy.decide`) and returns an `Evalu
 `add_lead_time`; the controller (`autoscaler.controller`) joins the two and owns the one timer that fires a
 deferred decision at `due_at`.
 
-Debounce. An accepted sample that changes the model's demand (its gateway's queue + in-flight differs from what
-that gateway last said, or the gateway was new or stale) asks for a decision, at most one per `debounce_s`: a burst
-of samples is one decision, never a polling period. A sample above the largest single-gateway demand seen at the last
-decision may be a pulse, and is decided at once. A sample that changes nothing asks for nothing: what time alone
-changes (the windows, stale gateways, cooldowns, an override's expiry) is decided by the controller's housekeeping,
-on its own period, for the models where it can change anything: `settled` says when a decision now would repeat the
-last one exactly and leave the policy's windows as deciding would (`PolicySpec.settle_s`,
-`settling.time_events`, a gateway turning stale), and housekeeping skips those.
+Debounce. An accepted sample that changes the model's demand (its gateway's queue + in-flight differs from what that
+gateway last said, or the gateway was new or stale) asks for a decision, at most one per `debounce_s`: a burst of
+samples is one decision, never a polling period. A sample above the largest single-gateway demand decided on since the
+target last fell may be a pulse, and is decided at once. A sample that changes nothing asks for nothing: what time alone
+changes (the windows, stale gateways, cooldowns, an override's expiry) is decided by the controller's housekeeping, on
+its own period, for the models where it can change anything: `settled` says when a decision now would repeat the last
+one exactly and leave the policy's windows as deciding would (`PolicySpec.settle_s`, `settling.time_events`, a gateway
+turning stale), and housekeeping skips those.
 
 Schedules (protocol revision 8). The ScaledObject's ``schedules`` and the on-call ones (`oncall_schedules`, set
 by ``pulsescale schedule``) are resolved to windows (`autoscaler.decide.schedules`); the floor in force is handed to the
@@ -105,7 +105,7 @@ class ModelDecider:
         self.last_scale_at: float | None = None
         """When a decision last changed the target count (the status's ``lastScaleTime``)."""
         self._decided_at = -math.inf
-        self._decided_demand = 0.0  # the largest single-gateway demand seen at the last decision
+        self._decided_demand = 0.0  # the largest single-gateway demand decided on since the target last fell
         self._sample_at: float | None = None  # receive time of the first sample since the last decision
         self._changed_at = now  # when the demand (or the spec) last changed: `settled` counts from it
         self._decided_with: tuple[object, ...] | None = None  # (ready, lead time, record, rates)
@@ -186,8 +186,9 @@ class ModelDecider:
         return outcome
 
     def urgent(self, sample: QueueSample) -> bool:
-        """`sample` would be decided on at once (`on_sample`): its gateway's demand above the largest one the last
-        decision saw, a possible pulse."""
+        """`sample` would be decided on at once (`on_sample`): its gateway's demand above the largest one the
+        decisions saw since the target last fell, a possible pulse. Below it, the target held was sized for as much,
+        and the sample waits for the debounce."""
         return sample.queue_depth + sample.inflight > self._decided_demand
 
     def request(self, now: float, *, urgent: bool = False) -> float:
@@ -290,7 +291,7 @@ class ModelDecider:
         self.due_at = None
         sample_at, self._sample_at = self._sample_at, None
         seen = self.demand.observe(now)
-        self._decided_demand = max((g.queue_depth + g.inflight for g in self.demand.gateways.values()), default=0)
+        top = max((g.queue_depth + g.inflight for g in self.demand.gateways.values()), default=0)
         record = self.record
         obs = policy.Observation(
             demand=seen.demand,
@@ -314,6 +315,12 @@ class ModelDecider:
         self._decided_with = (ready, obs.lead_time_s, record, self._rates_seen) if obs.override is None else None
         if decision.desired != before:
             self.last_scale_at = now
+        # `urgent`'s bar: the largest single-gateway demand decided on since the target last fell, which the target
+        # was sized for (a fall sizes it for less: the bar starts over). The last decision's alone made every other
+        # sample of a gateway whose queue wanders urgent: `bench ingest` with demands of 0-8 took 14.8 us of CPU a
+        # sample, 9.8 us with this bar.
+        fell = self.decision is not None and decision.desired < self.decision.desired
+        self._decided_demand = top if fell else max(self._decided_demand, top)
         previous, self.decision = self.decision, decision
         changed = previous is None or previous.desired != decision.desired or previous.mode != decision.mode
         if changed:

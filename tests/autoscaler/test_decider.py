@@ -452,6 +452,31 @@ def test_the_demand_a_sample_carries_is_queue_plus_in_flight() -> None:
     assert d.due_at == T0 + 0.2, "rising: decided at once, inside the debounce"
 
 
+def test_a_sample_below_the_peak_the_held_target_was_sized_for_waits_and_the_bar_falls_with_the_target() -> None:
+    """`urgent`'s bar is the largest demand decided on since the target last fell, not the last decision's: a queue
+    that wanders below a peak the held target still serves waits for the debounce (each such sample was a decision
+    of its own before, `bench ingest` with demands of 0-8); once the target falls, so does the bar."""
+    d = ModelDecider(record(), DeciderSettings(debounce_s=0.05), now=T0)
+    d.on_sample(_sample(1, T0, queue=8), T0)
+    peak = d.decide(T0, ready=0).decision.desired
+    d.on_sample(_sample(2, T0 + 0.1, queue=2), T0 + 0.1)
+    d.decide(T0 + 0.1, ready=peak)
+    assert d.decision is not None and d.decision.desired == peak, "held: scale-down waits for its window"
+    assert not d.urgent(_sample(3, T0 + 0.12, queue=6)), "6 is below the 8 the held target was sized for"
+    assert not d.urgent(_sample(3, T0 + 0.12, queue=8))
+    assert d.urgent(_sample(3, T0 + 0.12, queue=9)), "above the peak: a possible pulse"
+    d.on_sample(_sample(3, T0 + 0.12, queue=6), T0 + 0.12)
+    assert d.due_at == T0 + 0.15, "below the peak: after the debounce, not at once"
+    t, seq = T0 + 0.12, 3
+    while d.decision.desired >= peak and t < T0 + 3600:
+        t, seq = t + 1.0, seq + 1
+        d.on_sample(_sample(seq, t, queue=2), t)
+        d.decide(t, ready=d.decision.desired)
+    assert d.decision.desired < peak, "the scale-down came"
+    assert d.urgent(_sample(seq + 1, t + 0.1, queue=6)), "the target fell: the bar is the demand it fell for"
+    assert not d.urgent(_sample(seq + 1, t + 0.1, queue=2))
+
+
 def test_a_sample_at_the_last_instant_its_gateway_is_fresh_is_no_change() -> None:
     """A gateway is stale once silent for more than staleAfterSeconds (1 s here): the same figure exactly 1 s
     later is the same demand, not one back from stale."""
