@@ -126,15 +126,20 @@ class LeaderElection:
             self.on_elected()
         return True
 
-    async def _renew(self) -> bool:
-        if self._halted or self._revision is None:
+    async def _renew(self, kv: KeyValue | None = None, depose: Callable[[str], None] | None = None) -> bool:
+        """Renew the lease over `kv` (by default our own); False when the term has ended. From another thread (a
+        `LeaseRenewer`'s loop and `kv`) only the term's extension is written there: `depose` hands its end back
+        to the owning loop, and a lapsed fence is left to `is_leader` there."""
+        if self._halted or self._revision is None or not self._leading:
             return False
         sent = self.monotonic()
-        got = await renew_lease(self.kv, self.settings.key, self._encode(), self._revision, self.identity, self._decode)
+        got = await renew_lease(
+            kv or self.kv, self.settings.key, self._encode(), self._revision, self.identity, self._decode
+        )
         if got.revision is None:
-            self._depose("another replica holds the lease")
+            (depose or self._depose)("another replica holds the lease")
             return False
-        if not self.is_leader:
+        if not self._leading or self.monotonic() >= self._act_until:
             return False  # the renewal came back too late to extend a term that already ended
         self._revision = got.revision
         if got.extended:

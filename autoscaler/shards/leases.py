@@ -18,8 +18,9 @@ shards that must move. Every round (`step`, every `renew_every_s`) a replica
    run beside the renewals, in a task of their own: a renewal waits for nothing but its own round trip, and the
    moves wait for no renewal. A lease may then be stamped up to a renewal interval after the record, so a dead
    replica's record can lapse before its leases: the others look again when each lapses (`next_lapse`). With a
-   started `LeaseRenewer` (the daemon's) the keepers, and after its first write the record's, run on the renewer's
-   thread, loop and connection (`autoscaler.shards.renewer`), so a busy loop here delays neither;
+   started `LeaseRenewer` (the daemon's) the keepers, the record's after its first write and the leader lease's of
+   (b) after its take (`CompatLeader`), run on the renewer's thread, loop and connection
+   (`autoscaler.shards.renewer`), so a busy loop here delays none of them;
 2. gives up each held shard now assigned to another live replica: `on_lost(shard)` first (the daemon stops
    acting for its models), then deletes the lease on its revision, so the new owner takes it on its next round;
 3. takes each shard assigned to it that is free, expired or unreadable (create, or compare-and-set on the revision

@@ -2,10 +2,11 @@
 
 On the daemon's loop a renewal's answer waited behind whatever ran there: a sample burst, a takeover's adoption, a
 scrape, a stuck handler. Past the fence (`ShardSettings.stop_fraction` of the lease) the shard was lost although
-the broker had answered in time. Here the keepers (`ShardTerms._keeper`) run on a loop nothing else uses, over a
-connection nothing else uses, so a renewal waits for its own round trip and, at worst, for the interpreter to hand
-this thread the GIL (every switch interval, 5 ms, while the daemon's thread computes; a blocking call of the
-daemon's that releases the GIL, as `time.sleep` does, costs it nothing).
+the broker had answered in time. Here the keepers (`ShardTerms._keeper`, and `CompatLeader._keeper` for the leader
+lease of the holder of shard 0) run on a loop nothing else uses, over a connection nothing else uses, so a renewal
+waits for its own round trip and, at worst, for the interpreter to hand this thread the GIL (every switch interval,
+5 ms, while the daemon's thread computes; a blocking call of the daemon's that releases the GIL, as `time.sleep`
+does, costs it nothing).
 
 Only the renewal writes happen here. Whatever changes the daemon's state (a lost term's `on_lost`, the leases'
 view) is handed back to the daemon's loop with `on_main`. The daemon starts one (`start`) and closes it after the

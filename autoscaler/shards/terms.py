@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -152,7 +153,7 @@ class ShardTerms:
         self.keepers: dict[int, tuple[_Term, asyncio.Task[None]]] = {}  # shard -> the term it keeps, and the task
         # (on the keepers' loop: the renewer's when there is one, and only touched there)
         self.keeper_error: BaseException | None = None  # a keeper's bug on the renewer's loop, raised by `keep`
-        self.side_keepers: list[asyncio.Task[None]] = []  # others on the keepers' loop (the replica record's)
+        self.side_keepers: list[asyncio.Task[None]] = []  # others there (the replica record's, the leader lease's)
         self._took: list[int] = []  # shards taken and lost since the last `report`: one line per round, not per
         self._lost: dict[str, list[int]] = {}  # shard (a reconnect retakes all 32 at once)
 
@@ -411,7 +412,9 @@ class ShardTerms:
 
 class CompatLeader:
     """(b) of the rolling upgrade (`autoscaler.shards.leases`): the leader lease older replicas campaign for, held by
-    the holder of shard 0 (`leader`, a `LeaderElection`, while it does) and resigned when it gives shard 0 up."""
+    the holder of shard 0 (`leader`, a `LeaderElection`, while it does) and resigned when it gives shard 0 up. Under
+    `ShardLeases.campaign` with a running renewer, each term's renewals are a keeper's on the renewer's thread
+    (`_keeper`), as the shards' are: on the daemon's loop a busy loop cost the lease up to 45 times a run."""
 
     def __init__(
         self,
@@ -433,12 +436,17 @@ class CompatLeader:
         self._terms = terms
         self.leader: LeaderElection | None = None  # (b): while we hold shard 0
         self._leading = asyncio.Lock()  # one `lead` at a time
+        self._gen = 0  # bumped (on the daemon's loop) at each take and resign: a keeper keeps one generation's
+        self._kept_gen = -1  # term, the one last handed to it
+        self._keeper_task: asyncio.Task[None] | None = None  # the keeper and its renewal in flight: on the
+        self._renewal: asyncio.Task[bool] | None = None  # renewer's loop, and only touched there
 
     async def lead(self, *, renewing: bool = False) -> None:
         """(b) of `autoscaler.shards.leases`' module doc: the holder of shard 0 also holds the leader lease older
-        replicas campaign for. The renewals only renew it (`renewing`): taking or resigning it is the moves' (`due`), so
-        the renewals never wait behind a take's two round trips. One at a time."""
-        if renewing and (self._leading.locked() or self.due() or self.leader is None):
+        replicas campaign for. The renewals only renew it (`renewing`), unless a keeper does (`kept`): taking or
+        resigning it is the moves' (`due`), so the renewals never wait behind a take's two round trips. One at a
+        time."""
+        if renewing and (self._leading.locked() or self.due() or self.leader is None or self.kept()):
             return
         async with self._leading:
             await self._lead_once()
@@ -448,6 +456,11 @@ class CompatLeader:
         without shard 0): more than a renewal."""
         leading = self.leader is not None and self.leader.is_leader
         return (self._terms.owns(0) and not leading) or (not self._terms.owns(0) and self.leader is not None)
+
+    def kept(self) -> bool:
+        """Whether this term's renewals are a keeper's on the renewer's thread, not this loop's."""
+        renewer = self._terms.renewer
+        return self._kept_gen == self._gen and self._terms.keeping and renewer is not None and renewer.running
 
     async def _lead_once(self) -> None:
         if self._terms.owns(0) and not self._terms.halted:
@@ -465,13 +478,90 @@ class CompatLeader:
                     monotonic=self.monotonic,
                     rejections=self.rejections,
                 )
-            await self.leader.step()
+            leader = self.leader
+            if leader.is_leader and self.kept():
+                return  # its keeper renews it (the moves' second `lead`, after a take)
+            if not leader.is_leader:
+                self._gen += 1  # a take: a term of its own, for a keeper of its own
+            await leader.step()
+            if leader.is_leader and not self.kept():
+                self._keep(leader)  # a term just taken (or held from before the campaign)
         elif self.leader is not None:
             leader, self.leader = self.leader, None
-            await leader.resign()
+            await self._resign(leader)
 
     async def resign(self) -> None:
         """Resign the leader lease if we hold it, under way or not (`ShardLeases.resign`)."""
         if self.leader is not None:
             leader, self.leader = self.leader, None
-            await leader.resign()
+            await self._resign(leader)
+
+    async def _resign(self, leader: LeaderElection) -> None:
+        leader.halt()  # no renewal starts now, here or on the renewer's thread
+        self._gen += 1
+        renewer = self._terms.renewer
+        if renewer is not None and renewer.running:
+            # A renewal still out must not land after `resign`'s read-back: it would keep the lease from the next.
+            await renewer.run(self._stop_keeper_here())
+        await leader.resign()
+
+    # --- the keeper, on the renewer's loop -------------------------------------------------------------------
+
+    def _keep(self, leader: LeaderElection) -> None:
+        """Hand this term's renewals to a keeper of its own on the renewer's thread, if it runs."""
+        renewer = self._terms.renewer
+        if self._terms.keeping and renewer is not None and renewer.running and renewer.kv is not None:
+            self._kept_gen = self._gen
+            renewer.call(self._keep_here, leader, self._gen, renewer, renewer.kv)
+
+    def _keep_here(self, leader: LeaderElection, gen: int, renewer: LeaseRenewer, kv: KeyValue) -> None:
+        if self._gen != gen or self._terms.halted or not self._terms.keeping:
+            return
+        if self._keeper_task is not None:
+            self._keeper_task.cancel()  # an earlier term's, if not ended yet
+        self._keeper_task = asyncio.create_task(self._keeper(leader, gen, renewer, kv), name="leader-keeper")
+        # Stopped with the shard keepers; those that ended cleanly are dropped (one per take of shard 0).
+        side = self._terms.side_keepers
+        side[:] = [t for t in side if not t.done() or (not t.cancelled() and t.exception() is not None)]
+        side.append(self._keeper_task)
+
+    async def _keeper(self, leader: LeaderElection, gen: int, renewer: LeaseRenewer, kv: KeyValue) -> None:
+        """Renew the leader lease over `kv` at once, then on the shard keepers' ticks (`ShardTerms._next_tick`),
+        while shard 0's term lasts; ends with the term (deposed, resigned, or a newer take's keeper). Its end
+        (`_depose`) and the fence (`is_leader`) stay the daemon's loop's."""
+        while self._gen == gen and not self._terms.halted:
+            sent = self.monotonic()
+            shard0 = self._terms.held.get(0)
+            # Only with shard 0 live, and a daemon that can act (`ShardTerms._main_lost`): else let it lapse.
+            if shard0 is not None and sent < shard0.act_until and not self._terms._main_lost(renewer.main_stalled_s()):
+                depose = functools.partial(renewer.on_main, self._deposed, leader, gen)
+                # A task of its own, shielded: a stopped keeper leaves it to be answered (`_stop_keeper_here`).
+                self._renewal = renewal = asyncio.ensure_future(leader._renew(kv, depose))
+                renewal.add_done_callback(_retrieved)
+                try:
+                    if not await asyncio.shield(renewal):
+                        return
+                except NATS_ERRORS as err:
+                    log.debug("%s: leader lease not renewed: %s", self.identity, err)  # the fence decides
+            await asyncio.sleep(max(0.0, self._terms._next_tick(sent) - self.monotonic()))
+
+    def _deposed(self, leader: LeaderElection, gen: int, why: str) -> None:
+        """On the daemon's loop: a keeper found another replica holding the lease (not a later term of ours)."""
+        if self._gen == gen:
+            leader._depose(why)
+
+    async def _stop_keeper_here(self) -> None:
+        """Cancel the keeper and wait for its renewal in flight to be answered (or time out: the renewer's
+        `kv_timeout_s`). One cut short could still land after `resign`'s read-back: a cancel does not unsend it."""
+        task, self._keeper_task = self._keeper_task, None
+        renewal, self._renewal = self._renewal, None
+        if task is not None:
+            await cancel_and_wait([task])
+        if renewal is not None:
+            await asyncio.wait([renewal])
+
+
+def _retrieved(task: asyncio.Task[Any]) -> None:
+    """A keeper's renewal may outlive its keeper: its error is the keeper's to raise, or nobody's."""
+    if not task.cancelled():
+        task.exception()
