@@ -14,8 +14,10 @@ A slice is timed from its first publish until the consumer has counted every sam
 request); its CPU seconds are the consumer's own (/proc). Figures: samples/s and CPU us per sample of each slice,
 their medians, and ours over the floor's on both: samples/s (wall time; the publisher bounds it while the floor
 keeps up with it) and samples per CPU second (what each could take with a core of its own). The bar: >= 0.5x on
-both. ``--cpu-hog`` runs a busy loop on one core throughout (`pulsescale.bench.hog`). ``--json`` prints one
-object (`IngestReport`), the text going to stderr.
+both. ``--cpu-hog`` runs a busy loop on one core throughout (`pulsescale.bench.hog`). ``--demand wandering`` gives
+each sample a queue depth drawn from 0-`WANDER_MAX` (one seeded generator for ours and the floor) instead of 0: a live
+fleet's queues, whose changes ask the autoscaler for decisions (the figure then includes them; the floor only
+decodes). ``--json`` prints one object (`IngestReport`), the text going to stderr.
 Figures are printed, not asserted: these machines are shared and noisy.
 """
 
@@ -25,6 +27,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -89,6 +92,8 @@ class IngestReport(msgspec.Struct, kw_only=True):
     samples: int
     rounds: int
     cpu_hog: bool
+    demand: str = "steady"
+    """The samples' queue depths: ``steady`` (0) or ``wandering`` (0-`WANDER_MAX`, `--demand`)."""
     slices: list[SliceFigures] = msgspec.field(default_factory=list)
     ours_samples_per_s: float | None = None
     """Median over our slices."""
@@ -264,20 +269,28 @@ def _median(xs: list[float | None]) -> float | None:
     return finite(float(np.median(got))) if got else None
 
 
+WANDER_MAX = 8
+"""With ``--demand wandering``, each sample's queue depth is drawn from 0-this (twice the bench's target per
+replica, so the model's target moves between 0 and 2 replicas)."""
+_DEMANDS = {"steady": "0", "wandering": f"0-{WANDER_MAX}"}
+
+
 class _Gateways:
     """The samples' one gateway (``steady``) per model, its ``seq`` shared by the trickle and the slices so each
     model's samples arrive in order: the slices' samples are more of a steady fleet's traffic, not a new gateway."""
 
-    def __init__(self, models: list[str]) -> None:
+    def __init__(self, models: list[str], *, wandering: bool = False) -> None:
         self.models = models
         self.seq = dict.fromkeys(models, 0)
         self.paused = asyncio.Event()
+        self._depth = random.Random(27) if wandering else None
 
     def sample(self, model: str) -> bytes:
         """The next sample of `model`'s gateway: its seq moves on, its counters stay (no traffic: the rates are 0
-        however often it speaks, so nothing but the samples' own work is asked of the autoscaler)."""
+        however often it speaks), its queue 0, or drawn afresh with ``--demand wandering``."""
         self.seq[model] += 1
-        return _sample(model, self.seq[model], 0, gateway="steady", served=0)
+        depth = self._depth.randint(0, WANDER_MAX) if self._depth is not None else 0
+        return _sample(model, self.seq[model], depth, gateway="steady", served=0)
 
     def slice(self, prefix: str, n: int) -> list[tuple[str, bytes]]:
         models = self.models
@@ -299,7 +312,9 @@ class _Gateways:
 
 
 async def _run(args: argparse.Namespace, say: Callable[[str], None]) -> IngestReport:
-    report = IngestReport(models=args.models, samples=args.samples, rounds=args.rounds, cpu_hog=args.cpu_hog)
+    report = IngestReport(
+        models=args.models, samples=args.samples, rounds=args.rounds, cpu_hog=args.cpu_hog, demand=args.demand
+    )
     models = [f"m{i}" for i in range(args.models)]
     with NatsServer() as server:
         nc = await connect.connect(connect.NatsOptions(servers=(server.url,), name="bench-ingest"))
@@ -314,7 +329,7 @@ async def _run(args: argparse.Namespace, say: Callable[[str], None]) -> IngestRe
         log = tempfile.NamedTemporaryFile("w+", prefix="bench-ingest-", suffix=".log")  # noqa: SIM115
         replica = _replica(server.url, port, log)
         floor = Floor(server.url, nc)
-        gateways = _Gateways(models)
+        gateways = _Gateways(models, wandering=args.demand == "wandering")
         gateways.paused.set()
         stop = asyncio.Event()
         trickle: asyncio.Task[None] | None = None
@@ -371,7 +386,8 @@ async def _run(args: argparse.Namespace, say: Callable[[str], None]) -> IngestRe
     report.met = all(r is not None and r >= BAR for r in (report.ratio_to_floor, report.ratio_to_floor_per_cpu_s))
     say(
         f"ingest, median of {args.rounds} slices each ({args.models} models, {args.samples} samples a slice, each "
-        f"gateway also speaking every {TRICKLE_EVERY_S:g} s{', beside --cpu-hog' if args.cpu_hog else ''}):"
+        f"gateway also speaking every {TRICKLE_EVERY_S:g} s, queue depths {_DEMANDS[args.demand]}"
+        f"{', beside --cpu-hog' if args.cpu_hog else ''}):"
     )
     say(
         f"  ours {report.ours_samples_per_s or 0:,.0f} samples/s, {report.ours_cpu_us_per_sample or 0:.1f} us CPU "
@@ -446,6 +462,13 @@ def ingest(argv: list[str], prog: str) -> int:
     p.add_argument("--samples", type=int, default=50_000, help="samples published per slice [50000]")
     p.add_argument("--rounds", type=int, default=3, help="slices of each, alternating floor and ours [3]")
     p.add_argument("--cpu-hog", action="store_true", help="a busy loop on one core for the whole run [off]")
+    p.add_argument(
+        "--demand",
+        choices=["steady", "wandering"],
+        default="steady",
+        help=f"each sample's queue depth: 0, or drawn from 0-{WANDER_MAX} (a live fleet's, which asks for "
+        "decisions) [steady]",
+    )
     out.add_output_argument(p)
     args = p.parse_args(argv)
     if args.models < 1 or args.samples < 1 or args.rounds < 1:

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from pulsescale.bench.hog import CpuHog
+from pulsescale.bench.ingest import WANDER_MAX, _Gateways
+from warmpool import protocol
 
 
 def _bench(*args: str) -> dict[str, Any]:
@@ -118,3 +120,22 @@ def test_bench_ingest_prints_ours_and_the_floor_from_the_same_run() -> None:
     per_cpu = floor_cpu / ours_cpu if ours_cpu and floor_cpu else None
     assert doc["ratio_to_floor_per_cpu_s"] == per_cpu, doc
     assert doc["met"] == (doc["ratio_to_floor"] >= 0.5 and per_cpu is not None and per_cpu >= 0.5), doc
+    assert doc["demand"] == "steady", doc
+
+
+def test_bench_ingest_with_wandering_demand_counts_every_sample_and_says_so() -> None:
+    """`--demand wandering`: queue depths of 0-8, which ask the autoscaler for decisions; every sample still
+    counted, and the report says which demand it ran."""
+    doc = _bench("ingest", "--models", "20", "--samples", "400", "--rounds", "1", "--demand", "wandering")
+    assert doc["demand"] == "wandering", doc
+    assert [s["who"] for s in doc["slices"]] == ["floor", "ours"], doc
+    assert all(s["published"] == 400 and s["counted"] >= 400 for s in doc["slices"]), doc
+
+
+def test_wandering_gateways_draw_queue_depths_from_the_whole_range_and_steady_ones_stay_at_zero() -> None:
+    def depths(g: _Gateways) -> list[int]:
+        return [protocol.decode(g.sample("m"), protocol.QueueSample).queue_depth for _ in range(500)]
+
+    wandering = depths(_Gateways(["m"], wandering=True))
+    assert set(wandering) == set(range(WANDER_MAX + 1)), sorted(set(wandering))
+    assert set(depths(_Gateways(["m"]))) == {0}
