@@ -272,7 +272,6 @@ def _median(xs: list[float | None]) -> float | None:
 WANDER_MAX = 8
 """With ``--demand wandering``, each sample's queue depth is drawn from 0-this (twice the bench's target per
 replica, so the model's target moves between 0 and 2 replicas)."""
-_DEMANDS = {"steady": "0", "wandering": f"0-{WANDER_MAX}"}
 
 
 class _Gateways:
@@ -384,9 +383,10 @@ async def _run(args: argparse.Namespace, say: Callable[[str], None]) -> IngestRe
     if report.ours_cpu_us_per_sample and report.floor_cpu_us_per_sample:
         report.ratio_to_floor_per_cpu_s = finite(report.floor_cpu_us_per_sample / report.ours_cpu_us_per_sample)
     report.met = all(r is not None and r >= BAR for r in (report.ratio_to_floor, report.ratio_to_floor_per_cpu_s))
+    depths = f"0-{WANDER_MAX}" if args.demand == "wandering" else "0"
     say(
         f"ingest, median of {args.rounds} slices each ({args.models} models, {args.samples} samples a slice, each "
-        f"gateway also speaking every {TRICKLE_EVERY_S:g} s, queue depths {_DEMANDS[args.demand]}"
+        f"gateway also speaking every {TRICKLE_EVERY_S:g} s, queue depths {depths}"
         f"{', beside --cpu-hog' if args.cpu_hog else ''}):"
     )
     say(
